@@ -1,0 +1,150 @@
+"""Build of the flash_attention CUDA extension.
+
+Selected kernel configs are generated as one .cu file each (flash_attention.codegen), compiled
+in parallel by torch's ninja build (MAX_JOBS jobs) with no torch headers in them, and linked with
+the single torch binding. nvcc runs through flash_attention/nvcc_wrapper.py, which keeps each
+object's ptxas resource lines; they are gathered into ptxas.log next to the extension (and in
+build/ptxas.log) with build_info.json saying what was built.
+
+Environment:
+  FLASH_ATTENTION_KERNELS  config sets and/or short forms, comma-separated (default: "default";
+                           sets: ci, default, tune, prog, all)
+  FLASH_ATTENTION_ARCHS    SM architectures, comma-separated (default: "80,90"; "90a" allowed)
+  MAX_JOBS                 parallel compile jobs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+# torch guesses CUDA_HOME from the nvcc on PATH, which may be a symlink outside the toolkit.
+if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "src" / "csrc"
+GENERATED = CSRC / "generated"
+
+sys.path.insert(0, str(ROOT / "src"))
+from flash_attention.codegen import generate  # noqa: E402
+from flash_attention.config_sets import resolve  # noqa: E402
+
+sys.path.pop(0)
+
+KERNELS = os.environ.get("FLASH_ATTENTION_KERNELS", "default")
+ARCHS_SPEC = os.environ.get("FLASH_ATTENTION_ARCHS", "80,90")
+
+
+def parse_archs(spec: str) -> list[str]:
+    archs = []
+    for item in re.split(r"[,;\s]+", spec.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d)\.?(\d)(a?)", item)
+        if m is None:
+            raise SystemExit(f"FLASH_ATTENTION_ARCHS: cannot read {item!r}; use e.g. 80,90 or 90a")
+        arch = f"{m[1]}{m[2]}{m[3]}"
+        if int(arch[:2]) < 80:
+            raise SystemExit(f"FLASH_ATTENTION_ARCHS: sm_{arch} is below sm_80 (mma.sync bf16, "
+                             "cp.async and ldmatrix need Ampere or newer)")
+        archs.append(arch)
+    if not archs:
+        raise SystemExit("FLASH_ATTENTION_ARCHS is empty")
+    return list(dict.fromkeys(archs))
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    top = archs[-1]  # PTX of the last arch too, so newer GPUs can JIT it
+    flags.append(f"-gencode=arch=compute_{top},code=compute_{top}")
+    return flags
+
+
+ARCHS = parse_archs(ARCHS_SPEC)
+CONFIGS = resolve(KERNELS)
+SOURCES = [str(p.relative_to(ROOT)) for p in generate(CONFIGS, GENERATED)]
+if CUDA_HOME:
+    os.environ["CUDA_HOME"] = CUDA_HOME  # the nvcc wrapper runs the same toolkit as torch found
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[0]}.{a[1:]}" for a in ARCHS))
+# Route nvcc through the wrapper that keeps the ptxas report of every object.
+os.environ["PYTORCH_NVCC"] = shlex.join(
+    [sys.executable, str(ROOT / "src" / "flash_attention" / "nvcc_wrapper.py")]
+)
+
+NVCC_FLAGS = [
+    "-O3",
+    "-lineinfo",  # SASS <-> source mapping for the toolchain; no effect on the code
+    "-Xptxas=-v",
+    "--expt-relaxed-constexpr",
+    *gencode_flags(ARCHS),
+]
+
+
+class BuildWithReport(BuildExtension):
+    """torch's BuildExtension, then the ptxas report and build info beside the extension."""
+
+    def run(self) -> None:
+        print(f"flash_attention: building {len(CONFIGS)} kernels ({KERNELS}) for "
+              f"{', '.join('sm_' + a for a in ARCHS)}", flush=True)
+        super().run()
+        for ext in self.extensions:
+            self._write_report(Path(self.get_ext_fullpath(ext.name)).parent)
+
+    def _write_report(self, ext_dir: Path) -> None:
+        logs = []
+        for cfg_file in [*(f"fwd_{c.short}" for c in CONFIGS), "registry"]:
+            found = sorted(Path(self.build_temp).rglob(f"{cfg_file}.o.ptxas.log"))
+            if found:
+                logs.append(f"### {cfg_file}.cu\n{found[-1].read_text()}")
+        report = "".join(logs)
+        info = {
+            "kernels": KERNELS,
+            "configs": [c.short for c in CONFIGS],
+            "archs": ARCHS,
+            "nvcc": _nvcc_version(),
+            "torch": _torch_version(),
+        }
+        for directory in (ext_dir, ROOT / "build"):
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "ptxas.log").write_text(report)
+            (directory / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"flash_attention: ptxas report in {ext_dir / 'ptxas.log'}", flush=True)
+
+
+def _nvcc_version() -> str:
+    try:
+        out = subprocess.run([os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"),
+                              "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    m = re.search(r"release ([\d.]+)", out)
+    return m[1] if m else "unknown"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+setup(
+    ext_modules=[
+        CUDAExtension(
+            name="flash_attention._C",
+            sources=["src/csrc/binding.cpp", *SOURCES],
+            include_dirs=[str(CSRC)],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},
+        )
+    ],
+    cmdclass={"build_ext": BuildWithReport},
+)

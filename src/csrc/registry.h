@@ -1,0 +1,30 @@
+// What the binding knows about a built kernel: the name (its config short form), the shape facts
+// it needs to validate a call, and the launcher. Plain C++; the table of entries is generated
+// (registry.cu) from the build's config set, so this list is never kept by hand.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernel/params.h"
+
+namespace flash {
+
+using LaunchFn = cudaError_t (*)(const FwdParams&, cudaStream_t);
+
+enum class DType : int { kFp16 = 0, kBf16 = 1 };
+
+struct KernelEntry {
+    const char* name;  // config short form, e.g. bf16_d128_r128_c64_w4_fseqkvbor
+    DType dtype;
+    int d_head;
+    int block_m;  // B_r
+    int block_n;  // B_c
+    int threads;
+    int smem_bytes;
+    LaunchFn launch;
+};
+
+// Defined in the generated registry.cu: every kernel of this build, in config-set order.
+const KernelEntry* const* kernel_registry(int* count);
+
+}  // namespace flash

@@ -1,0 +1,162 @@
+"""Benchmark harness: attention() against PyTorch SDPA's FLASH_ATTENTION (FA2) and
+CUDNN_ATTENTION backends, in the same process on the same inputs, timed with CUDA events
+(median of interleaved rounds). Prints a markdown table; --json keeps every number."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# (batch, seqlen) of the standard table: 16 heads, batch shrinking as sequences grow.
+STANDARD_SHAPES = [(16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)]
+PEERS = {"sdpa_fa2": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        batch, seqlen = item.lower().split("x")
+        out.append((int(batch), int(seqlen)))
+    return out
+
+
+def environment() -> dict:
+    import torch
+
+    info = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,clocks.mem",
+             "--format=csv,noheader"], capture_output=True, text=True, check=True).stdout
+        info["driver_clocks"] = smi.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        info["driver_clocks"] = None
+    return info
+
+
+def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
+        config: str | None = None, reps: int = 10, rounds: int = 3) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attention as fa
+    from flash_attention.timing import attention_flops, time_cuda_ms
+
+    rows = []
+    for dtype in dtypes:
+        tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+        for d_head in d_heads:
+            for batch, seqlen in shapes:
+                q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
+                           for _ in range(3))
+                out = torch.empty_like(q)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (B, H, S, D) view
+                fns = {"ours": lambda: fa.attention(q, k, v, out=out, config=config)}
+                for name, backend in PEERS.items():
+                    def peer(backend=getattr(SDPBackend, backend)):
+                        with sdpa_kernel([backend]):
+                            return F.scaled_dot_product_attention(qt, kt, vt)
+                    try:
+                        peer()
+                        fns[name] = peer
+                    except RuntimeError as exc:
+                        log.warning("%s unavailable for %s d%d %dx%d: %s", name, dtype, d_head,
+                                    batch, seqlen, str(exc).splitlines()[0])
+                samples: dict[str, list[float]] = {name: [] for name in fns}
+                for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
+                    for name, fn in fns.items():
+                        samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
+                flops = attention_flops(batch, heads, seqlen, seqlen, d_head)
+                row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen,
+                       "heads": heads,
+                       "config": (config or fa.dispatch.select(
+                           dtype, d_head, seqlen, fa.available_configs()).short)}
+                for name in ("ours", *PEERS):
+                    ms = statistics.median(samples[name]) if name in samples else None
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
+                for name in PEERS:
+                    row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
+                                            if row[f"{name}_ms"] else None)
+                log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head,
+                         batch, seqlen, row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]),
+                         _fmt(row["sdpa_cudnn_tflops"]))
+                rows.append(row)
+                del q, k, v, out
+    return rows
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"GPU: {env.get('gpu')} ({env.get('driver_clocks')}), torch {env.get('torch')}, "
+        f"commit {env.get('commit')}, {env.get('date')}. Ratio = peer time / our time "
+        "(> 1: we are faster).",
+        "",
+        "| dtype | d | batch x seq | heads | ours TFLOP/s | SDPA FA2 TFLOP/s | ours/FA2 | "
+        "SDPA cuDNN TFLOP/s | ours/cuDNN | config |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['d_head']} | {r['batch']}x{r['seqlen']} | {r['heads']} | "
+            f"{_fmt(r['ours_tflops'])} | {_fmt(r['sdpa_fa2_tflops'])} | "
+            f"{_fmt(r['ratio_sdpa_fa2'], '.3f')} | {_fmt(r['sdpa_cudnn_tflops'])} | "
+            f"{_fmt(r['ratio_sdpa_cudnn'], '.3f')} | `{r['config']}` |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def command(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fa-tools bench: skipped, no CUDA GPU on this machine", file=sys.stderr)
+        return 3
+    env = environment()
+    rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
+               parse_shapes(args.shapes), args.heads, args.config, args.reps, args.rounds)
+    table = markdown(rows, env)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    if args.md:
+        args.md.write_text(table)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time attention() against SDPA FA2 and cuDNN",
+                       description=__doc__)
+    p.add_argument("--dtypes", default="bf16,fp16")
+    p.add_argument("--d-heads", default="128")
+    p.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in STANDARD_SHAPES),
+                   help="batch x seqlen list, e.g. 16x4096,8x8192")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--config", default=None, help="a config short form (default: dispatch)")
+    p.add_argument("--reps", type=int, default=10, help="timed calls per round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--json", type=Path, help="write all numbers here")
+    p.add_argument("--md", type=Path, help="write the markdown table here")
+    p.set_defaults(func=command)

@@ -1,0 +1,237 @@
+"""Kernel configs: the single source of truth for what a kernel is.
+
+A :class:`KernelConfig` names one instantiation of the C++ template ``flash::FwdConfig``
+(src/csrc/kernel/config.cuh). Code generation, dispatch, tests and the tools all start from
+it. Its short form (``bf16_d128_r128_c64_w4_fseqkvbor``) parses back to the same config and
+doubles as the kernel's name in the build, the registry and every report.
+
+The validity rules here mirror the static_asserts in config.cuh; an invalid config is rejected
+with the reason before any code is generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+DTYPES = ("fp16", "bf16")
+D_HEADS = (64, 128)
+BLOCK_R = (64, 128)
+BLOCK_C = (32, 64, 128)
+WARPS = (4, 8)
+
+# Register budget of one thread for accumulators plus whole-block fragments (32-bit words);
+# above it ptxas spills. Mirrors FwdConfig::kFragRegBudget.
+FRAG_REG_BUDGET = 224
+
+# Shared-memory limits per architecture: the most one CTA may opt in to, and what one SM has.
+SMEM_PER_BLOCK_OPTIN = {80: 163 * 1024, 90: 227 * 1024}
+SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
+THREADS_PER_SM = {80: 2048, 90: 2048}
+MAX_CTAS_PER_SM = {80: 32, 90: 32}
+REGS_PER_SM = 65536
+
+# Boolean fields, their one-letter code in the short form, and what each changes in the kernel.
+FLAGS: dict[str, tuple[str, str]] = {
+    "swizzle": ("s", "XOR-swizzle 16-byte smem chunks by row (conflict-free ldmatrix)"),
+    "eager_kv": ("e", "prefetch V_j under Q K_j^T and K_{j+1} under softmax and P V_j"),
+    "slice_q": ("q", "load Q fragments per d-slice from smem (else resident in registers)"),
+    "slice_k": ("k", "load K fragments per d-slice, interleaved with the MMAs (else whole block)"),
+    "slice_v": ("v", "load V fragments per key-slice, interleaved with the MMAs (else whole block)"),
+    "double_buffer": ("b", "load slice s+1 into a second register buffer before the MMAs of s"),
+    "opt_softmax": ("o", "peeled first KV block (no rescale) and the scale folded into the exp2 FMA"),
+    "reverse_kv": ("r", "iterate KV blocks from last to first"),
+}
+
+_SHORT_RE = re.compile(
+    r"^(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_r(?P<block_r>\d+)_c(?P<block_c>\d+)"
+    r"_w(?P<warps>\d+)_f(?P<flags>[a-z]*)$"
+)
+
+
+class ConfigError(ValueError):
+    """A kernel config that cannot be built, or a short form that does not parse."""
+
+
+@dataclass(frozen=True, order=True)
+class KernelConfig:
+    """One FA2 forward kernel. Field names follow the paper: B_r query rows per CTA, B_c key
+    rows per iteration."""
+
+    dtype: str
+    d_head: int
+    block_r: int
+    block_c: int
+    warps: int
+    swizzle: bool = True
+    eager_kv: bool = True
+    slice_q: bool = True
+    slice_k: bool = True
+    slice_v: bool = True
+    double_buffer: bool = True
+    opt_softmax: bool = True
+    reverse_kv: bool = True
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid kernel config {self._raw_name()}: " + "; ".join(problems))
+
+    # ---- names -------------------------------------------------------------------------------
+
+    def _raw_name(self) -> str:
+        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
+        return (
+            f"{self.dtype}_d{self.d_head}_r{self.block_r}_c{self.block_c}_w{self.warps}_f{flags}"
+        )
+
+    @property
+    def short(self) -> str:
+        """Short form, e.g. ``bf16_d128_r128_c64_w4_fseqkvbor``; a valid C identifier."""
+        return self._raw_name()
+
+    def __str__(self) -> str:
+        return self.short
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """Parse a short form; the inverse of :attr:`short`."""
+        m = _SHORT_RE.match(text.strip())
+        if m is None:
+            raise ConfigError(
+                f"cannot parse kernel config {text!r}: expected "
+                "<fp16|bf16>_d<d_head>_r<B_r>_c<B_c>_w<warps>_f<flags>, flags a subset of "
+                f"{''.join(code for code, _ in FLAGS.values())!r} in that order, "
+                "e.g. bf16_d128_r128_c64_w4_fseqkvbor"
+            )
+        letters = m["flags"]
+        order = "".join(code for code, _ in FLAGS.values())
+        it = iter(order)
+        if not all(ch in it for ch in letters):  # subsequence check: known letters, in order
+            raise ConfigError(
+                f"cannot parse kernel config {text!r}: flags {letters!r} must be a subset of "
+                f"{order!r} in that order"
+            )
+        flags = {name: code in letters for name, (code, _) in FLAGS.items()}
+        return cls(
+            dtype=m["dtype"],
+            d_head=int(m["d_head"]),
+            block_r=int(m["block_r"]),
+            block_c=int(m["block_c"]),
+            warps=int(m["warps"]),
+            **flags,
+        )
+
+    def replace(self, **changes: object) -> KernelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived shapes (mirror FwdConfig in config.cuh) ---------------------------------------
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def rows_per_warp(self) -> int:
+        return self.block_r // self.warps
+
+    @property
+    def m_tiles(self) -> int:
+        """m16 MMA tiles per warp."""
+        return self.rows_per_warp // 16
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: one Q tile, one K tile, one V tile."""
+        return (self.block_r + 2 * self.block_c) * self.d_head * self.elem_bytes
+
+    @property
+    def accum_regs(self) -> int:
+        """fp32 accumulator registers per thread: O (m_tiles x d/8 tiles) and S (x B_c/8)."""
+        return self.m_tiles * (self.d_head // 8 + self.block_c // 8) * 4
+
+    @property
+    def whole_frag_regs(self) -> int:
+        """Registers of operands held as a whole block rather than slices."""
+        q = 0 if self.slice_q else self.m_tiles * (self.d_head // 16) * 4
+        k = 0 if self.slice_k else (self.block_c // 8) * (self.d_head // 16) * 2
+        v = 0 if self.slice_v else (self.d_head // 8) * (self.block_c // 16) * 2
+        return q + k + v
+
+    # ---- validity ------------------------------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        """Every reason this config cannot be built (empty when valid)."""
+        out: list[str] = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.d_head not in D_HEADS:
+            out.append(f"d_head must be one of {D_HEADS}, got {self.d_head}")
+        if self.block_r not in BLOCK_R:
+            out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
+        if self.block_c not in BLOCK_C:
+            out.append(f"B_c must be one of {BLOCK_C}, got {self.block_c}")
+        if self.warps not in WARPS:
+            out.append(f"warps must be one of {WARPS}, got {self.warps}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be a bool")
+        if out:
+            return out
+        if self.block_r % (16 * self.warps) != 0:
+            out.append(
+                f"B_r={self.block_r} over {self.warps} warps gives {self.rows_per_warp} rows per "
+                "warp; each warp needs a multiple of 16 (one m16 MMA tile)"
+            )
+            return out
+        if self.double_buffer and not (self.slice_q or self.slice_k or self.slice_v):
+            out.append("double_buffer needs at least one sliced operand (slice_q/k/v); "
+                       "with whole-block fragments it would change nothing")
+        regs = self.accum_regs + self.whole_frag_regs
+        if regs > FRAG_REG_BUDGET:
+            out.append(
+                f"accumulators ({self.accum_regs}) plus whole-block fragments "
+                f"({self.whole_frag_regs}) need {regs} registers per thread, over the budget of "
+                f"{FRAG_REG_BUDGET}: slice an operand or use a smaller tile"
+            )
+        if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_80 limit")
+        return out
+
+    # ---- occupancy -----------------------------------------------------------------------------
+
+    def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
+        """Expected resident CTAs per SM on sm_<arch>, limited by shared memory, threads and
+        registers. Without a measured register count the estimate assumes the worst case of
+        this config's fragments (at least 128, at most 255 per thread)."""
+        if arch not in SMEM_PER_SM:
+            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
+        if regs_per_thread is None:
+            regs_per_thread = min(255, max(128, self.accum_regs + self.whole_frag_regs + 64))
+        # Registers are allocated per warp in units of 256 (8 per thread, rounded up).
+        regs_alloc = ((regs_per_thread + 7) // 8) * 8
+        by_regs = REGS_PER_SM // (regs_alloc * self.threads)
+        by_smem = SMEM_PER_SM[arch] // (self.smem_bytes + 1024)  # 1 KB reserved per CTA
+        by_threads = THREADS_PER_SM[arch] // self.threads
+        return max(0, min(by_regs, by_smem, by_threads, MAX_CTAS_PER_SM[arch]))
+
+    def describe(self) -> str:
+        on = [name for name in FLAGS if getattr(self, name)]
+        return (
+            f"{self.short}: {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
+            f"B_c={self.block_c}, {self.warps} warps, smem={self.smem_bytes} B, "
+            f"flags={','.join(on) or 'none'}"
+        )
+
+
+def is_valid(**fields: object) -> bool:
+    try:
+        KernelConfig(**fields)  # type: ignore[arg-type]
+    except ConfigError:
+        return False
+    return True

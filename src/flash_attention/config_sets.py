@@ -1,0 +1,121 @@
+"""Named sets of kernel configs.
+
+- ``ci``: what CI builds (at most 6 kernels); together they switch every flag off at least once
+  and cover both dtypes, both d_heads, every B_c and both warp counts.
+- ``default``: what dispatch uses (see :mod:`flash_attention.dispatch`).
+- ``tune``: the autotune space: every valid tile shape per dtype and d_head with all
+  optimisations on, plus the resident-Q variant where it fits the register budget.
+- ``prog``: one config per step of the original 16-step progression (steps that were code-level
+  changes with no flag here share the config of the step before; see PROG_STEPS).
+- ``all``: the union of the above.
+
+A build selects sets by name or explicit short forms, comma-separated (FLASH_ATTENTION_KERNELS).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .config import BLOCK_C, BLOCK_R, D_HEADS, DTYPES, WARPS, ConfigError, KernelConfig
+from .dispatch import DEFAULT_TABLE
+
+P = KernelConfig.parse
+
+CI: tuple[KernelConfig, ...] = (
+    P("bf16_d128_r128_c64_w4_fseqkvbor"),  # default long-sequence kernel, bf16
+    P("fp16_d128_r128_c64_w4_fseqkvbor"),  # ... and fp16
+    P("fp16_d64_r64_c32_w4_fqkv"),  # plain: no swizzle, eager, double buffer, opt softmax, reverse
+    P("bf16_d128_r64_c128_w4_fsekvo"),  # resident Q, forward iteration, no double buffer
+    P("bf16_d64_r128_c64_w8_fseqbr"),  # whole-block K and V, 8 warps, plain softmax
+    P("fp16_d128_r128_c128_w8_fsqkvbo"),  # no eager prefetch, 8 warps, B_c = 128
+)
+
+
+def _unique(configs: list[KernelConfig] | tuple[KernelConfig, ...]) -> tuple[KernelConfig, ...]:
+    return tuple(dict.fromkeys(configs))
+
+
+DEFAULT: tuple[KernelConfig, ...] = _unique(
+    [P(short) for rows in DEFAULT_TABLE.values() for _, short in rows]
+)
+
+
+def _tune_space() -> tuple[KernelConfig, ...]:
+    out: list[KernelConfig] = []
+    for dtype, d, br, bc, w in itertools.product(DTYPES, D_HEADS, BLOCK_R, BLOCK_C, WARPS):
+        for slice_q in (True, False):
+            try:
+                out.append(KernelConfig(dtype, d, br, bc, w, slice_q=slice_q))
+            except ConfigError:
+                pass
+    return tuple(out)
+
+
+TUNE: tuple[KernelConfig, ...] = _tune_space()
+
+
+@dataclass(frozen=True)
+class ProgStep:
+    step: int
+    title: str
+    config: KernelConfig
+    note: str = ""
+
+
+_BUILT_IN = "code-level change that this kernel always has; same config as the step before"
+
+PROG_STEPS: tuple[ProgStep, ...] = (
+    ProgStep(1, "base kernel (resident Q, K/V fragments per slice)", P("bf16_d128_r64_c64_w4_fkv")),
+    ProgStep(2, "swizzled shared memory", P("bf16_d128_r64_c64_w4_fskv")),
+    ProgStep(3, "eager K/V loading", P("bf16_d128_r64_c64_w4_fsekv")),
+    ProgStep(4, "Q fragments interleaved with the MMAs", P("bf16_d128_r64_c64_w4_fseqkv")),
+    ProgStep(5, "double-buffered smem->register loads", P("bf16_d128_r64_c64_w4_fseqkvb")),
+    ProgStep(6, "fp32 throughput: optimised softmax", P("bf16_d128_r64_c64_w4_fseqkvbo")),
+    ProgStep(7, "autotuned tile: B_r=128, B_c=64", P("bf16_d128_r128_c64_w4_fseqkvbo")),
+    ProgStep(8, "fewer address instructions", P("bf16_d128_r128_c64_w4_fseqkvbo"), _BUILT_IN),
+    ProgStep(9, "fewer register moves", P("bf16_d128_r128_c64_w4_fseqkvbo"), _BUILT_IN),
+    ProgStep(10, "peeled first softmax iteration", P("bf16_d128_r128_c64_w4_fseqkvbo"),
+             "part of opt_softmax here"),
+    ProgStep(11, "precomputed swizzle offsets", P("bf16_d128_r128_c64_w4_fseqkvbo"), _BUILT_IN),
+    ProgStep(12, "streamed output stores", P("bf16_d128_r128_c64_w4_fseqkvbo"), _BUILT_IN),
+    ProgStep(13, "iterating KV blocks backwards", P("bf16_d128_r128_c64_w4_fseqkvbor")),
+    ProgStep(14, "cache configuration", P("bf16_d128_r128_c64_w4_fseqkvbor"), _BUILT_IN),
+    ProgStep(15, "64-wide d_head smem tiling", P("bf16_d128_r128_c64_w4_fseqkvbor"), _BUILT_IN),
+    ProgStep(16, "runtime strides for any layout", P("bf16_d128_r128_c64_w4_fseqkvbor"), _BUILT_IN),
+)
+
+
+PROG: tuple[KernelConfig, ...] = _unique([s.config for s in PROG_STEPS])
+
+SETS: dict[str, tuple[KernelConfig, ...]] = {
+    "ci": CI,
+    "default": DEFAULT,
+    "tune": TUNE,
+    "prog": PROG,
+}
+SETS["all"] = _unique(list(itertools.chain.from_iterable(SETS.values())))
+
+
+def prog_steps_of(config: KernelConfig) -> list[int]:
+    """Step numbers of the progression that this config stands for."""
+    return [s.step for s in PROG_STEPS if s.config == config]
+
+
+def resolve(spec: str) -> tuple[KernelConfig, ...]:
+    """Configs named by a comma-separated list of set names and/or short forms, in order,
+    without duplicates. Raises ConfigError naming the bad item."""
+    items = [item.strip() for item in spec.split(",") if item.strip()]
+    if not items:
+        raise ConfigError("empty kernel selection: name a set "
+                          f"({', '.join(SETS)}) or config short forms")
+    out: list[KernelConfig] = []
+    for item in items:
+        if item in SETS:
+            out.extend(SETS[item])
+        else:
+            try:
+                out.append(KernelConfig.parse(item))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or name a set: {', '.join(SETS)}") from None
+    return _unique(out)

@@ -1,0 +1,92 @@
+"""Choosing a kernel for a call: a tuning file if one exists and names a built kernel, else the
+default table by dtype, d_head and sequence length, else any built kernel of that dtype and
+d_head.
+
+The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
+``{"version": 1, "device": "...", "entries": {"bf16/d128/q4096": "<short form>", ...}}`` where
+the ``q`` bucket is seqlen_q rounded up to a power of two (64 .. 16384). Its path is
+$FLASH_ATTENTION_TUNING_FILE, else ~/.cache/flash_attention/tuning.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from .config import ConfigError, KernelConfig
+
+log = logging.getLogger(__name__)
+
+# (dtype, d_head) -> [(largest seqlen_q it serves or None for the rest, config short form)]
+DEFAULT_TABLE: dict[tuple[str, int], list[tuple[int | None, str]]] = {
+    (dtype, d): [
+        (64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor"),
+        (None, f"{dtype}_d{d}_r128_c64_w4_fseqkvbor"),
+    ]
+    for dtype in ("fp16", "bf16")
+    for d in (64, 128)
+}
+
+MIN_BUCKET, MAX_BUCKET = 64, 16384
+
+
+def seq_bucket(seqlen_q: int) -> int:
+    bucket = MIN_BUCKET
+    while bucket < seqlen_q and bucket < MAX_BUCKET:
+        bucket *= 2
+    return bucket
+
+
+def tuning_key(dtype: str, d_head: int, seqlen_q: int) -> str:
+    return f"{dtype}/d{d_head}/q{seq_bucket(seqlen_q)}"
+
+
+def tuning_file_path() -> Path:
+    env = os.environ.get("FLASH_ATTENTION_TUNING_FILE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "flash_attention" / "tuning.json"
+
+
+@lru_cache(maxsize=8)
+def _load_tuning(path: str, mtime: float) -> dict[str, str]:
+    try:
+        data = json.loads(Path(path).read_text())
+        entries = data["entries"]
+        if data.get("version") != 1 or not isinstance(entries, dict):
+            raise ValueError("unknown format")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring tuning file %s: %s", path, exc)
+        return {}
+    return {str(k): str(v) for k, v in entries.items()}
+
+
+def tuning_entries() -> dict[str, str]:
+    path = tuning_file_path()
+    if not path.exists():
+        return {}
+    return _load_tuning(str(path), path.stat().st_mtime)
+
+
+def select(dtype: str, d_head: int, seqlen_q: int, built: list[KernelConfig]) -> KernelConfig:
+    """The config to run for this problem among the built ones."""
+    by_name = {c.short: c for c in built}
+    tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q))
+    if tuned is not None:
+        if tuned in by_name:
+            return by_name[tuned]
+        log.debug("tuned config %s is not in this build; using the default table", tuned)
+    for max_seq, short in DEFAULT_TABLE.get((dtype, d_head), []):
+        if (max_seq is None or seqlen_q <= max_seq) and short in by_name:
+            return by_name[short]
+    for cfg in built:
+        if cfg.dtype == dtype and cfg.d_head == d_head:
+            return cfg
+    raise ConfigError(
+        f"this build has no kernel for {dtype} with d_head={d_head}; rebuild with "
+        "FLASH_ATTENTION_KERNELS=default (or name a config) and "
+        "`pip install --no-build-isolation -e .`"
+    )

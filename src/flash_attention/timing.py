@@ -1,0 +1,33 @@
+"""GPU timing with CUDA events on the current stream: warm-up, then one event pair around each
+call, median of the repeats. Shared by autotune and the benchmark harness."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def time_cuda_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn (after `warmup` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+    stream = torch.cuda.current_stream()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record(stream)
+        fn()
+        end.record(stream)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def median_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> float:
+    return statistics.median(time_cuda_ms(fn, reps, warmup))
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, d_head: int) -> float:
+    """Forward FLOPs of non-causal attention: two matmuls of 2*Sq*Sk*D each per (batch, head)."""
+    return 4.0 * batch * heads * seqlen_q * seqlen_k * d_head

@@ -1,0 +1,127 @@
+"""Input checks of the Python API. Every problem is reported with what is wrong and what is
+allowed, before anything runs on the GPU. Structural checks (types, ranks, shapes, dtypes,
+strides) come first, then devices, then the GPU's capability, so that each can be exercised on
+a machine without a GPU."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import D_HEADS
+
+TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+MAX_GRID_YZ = 65535  # batch and heads map to grid dimensions z and y
+MAX_SEQLEN = 2**31 - 1 - 128
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape facts of a validated call."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    d_head: int
+    dtype: str  # "fp16" | "bf16"
+    device: torch.device
+
+
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D (batch, seqlen, heads, d_head), got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def check_inputs(q: object, k: object, v: object) -> Problem:
+    q = _check_tensor(q, "q")
+    k = _check_tensor(k, "k")
+    v = _check_tensor(v, "v")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in TORCH_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, seqlen_q, heads, d_head = q.shape
+    if d_head not in D_HEADS:
+        raise ValueError(
+            f"d_head={d_head} is not supported; supported: {', '.join(map(str, D_HEADS))}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"batch of k/v ({k.shape[0]}) differs from batch of q ({batch})")
+    if k.shape[3] != d_head:
+        raise ValueError(f"d_head of k/v ({k.shape[3]}) differs from d_head of q ({d_head})")
+    kv_heads, seqlen_k = k.shape[2], k.shape[1]
+    if kv_heads == 0 and heads != 0 or kv_heads and heads % kv_heads != 0:
+        raise ValueError(
+            f"heads of q ({heads}) must be a multiple of heads of k/v ({kv_heads}) "
+            "(equal for MHA, a divisor for GQA/MQA)"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension (stride 1), got strides "
+                f"{tuple(t.stride())}; other dimensions may have any stride"
+            )
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(f"batch ({batch}) and heads ({heads}) must each be at most {MAX_GRID_YZ}")
+    if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN:
+        raise ValueError(f"sequence lengths must be at most {MAX_SEQLEN}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}"
+        )
+    if q.device.type != "cuda":
+        raise ValueError(
+            f"q, k and v are on {q.device}; flash_attention runs on CUDA tensors (use .cuda())"
+        )
+    return Problem(batch, seqlen_q, seqlen_k, heads, kv_heads, d_head, TORCH_DTYPES[q.dtype],
+                   q.device)
+
+
+def check_capability(device: torch.device) -> None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise RuntimeError(
+            f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
+            "these kernels need 8.0 or newer (Ampere, Ada, Hopper)"
+        )
+
+
+def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have the shape of q {tuple(q.shape)}, got {tuple(out.shape)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must have dtype {q.dtype}, got {out.dtype}")
+    if out.device != q.device:
+        raise ValueError(f"out must be on {q.device}, got {out.device}")
+    if out.shape[3] > 1 and out.stride(3) != 1:
+        raise ValueError(f"out must have a contiguous last dimension, got strides "
+                         f"{tuple(out.stride())}")
+    return out
+
+
+def check_scale(softmax_scale: object, d_head: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d_head)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
+    return scale

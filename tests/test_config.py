@@ -1,0 +1,135 @@
+"""Kernel configs: short-form round trips, validity rules, derived sizes, named sets."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from flash_attention.config import FLAGS, ConfigError, KernelConfig
+from flash_attention.config_sets import CI, DEFAULT, PROG, PROG_STEPS, SETS, TUNE, resolve
+from flash_attention.dispatch import DEFAULT_TABLE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("cfg", SETS["all"], ids=str)
+def test_short_form_round_trip(cfg):
+    assert KernelConfig.parse(cfg.short) == cfg
+    assert KernelConfig.parse(cfg.short).short == cfg.short
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.short), "short form must be a C identifier"
+
+
+def test_short_form_example():
+    cfg = KernelConfig("bf16", 128, 128, 64, 4)
+    assert cfg.short == "bf16_d128_r128_c64_w4_fseqkvbor"
+    small = KernelConfig("fp16", 64, 64, 32, 4)
+    plain = small.replace(**{name: name == "slice_q" for name in FLAGS})
+    assert plain.short == "fp16_d64_r64_c32_w4_fq"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("bf16_d128_r128_c64_w4", "cannot parse"),
+        ("fp32_d128_r128_c64_w4_f", "cannot parse"),
+        ("bf16_d128_r128_c64_w4_fx", "cannot parse"),
+        ("bf16_d128_r128_c64_w4_frs", "in that order"),
+        ("bf16_d96_r128_c64_w4_fqkv", "d_head must be one of"),
+        ("bf16_d128_r32_c64_w4_fqkv", "B_r must be one of"),
+        ("bf16_d128_r128_c48_w4_fqkv", "B_c must be one of"),
+        ("bf16_d128_r128_c64_w2_fqkv", "warps must be one of"),
+    ],
+)
+def test_parse_errors(text, message):
+    with pytest.raises(ConfigError, match=message):
+        KernelConfig.parse(text)
+
+
+def test_rows_per_warp_rule():
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        KernelConfig("fp16", 64, 64, 64, 8)
+
+
+def test_double_buffer_needs_a_sliced_operand():
+    with pytest.raises(ConfigError, match="double_buffer needs"):
+        KernelConfig("fp16", 64, 64, 32, 4, slice_q=False, slice_k=False, slice_v=False)
+    # The same without double buffering is fine.
+    KernelConfig("fp16", 64, 64, 32, 4, slice_q=False, slice_k=False, slice_v=False,
+                 double_buffer=False)
+
+
+def test_register_budget_rule():
+    # B_r=128 over 4 warps with B_c=128 and d=128: 256 accumulator registers per thread.
+    with pytest.raises(ConfigError, match="over the budget"):
+        KernelConfig("bf16", 128, 128, 128, 4)
+    # Whole-block K at B_c=64, d=128 needs 128 more registers than the sliced form: it fits
+    # beside one m-tile of accumulators (96 + 128 = 224) but not beside two (192 + 128).
+    KernelConfig("bf16", 128, 64, 64, 4, slice_k=False)
+    with pytest.raises(ConfigError, match="over the budget"):
+        KernelConfig("bf16", 128, 128, 64, 4, slice_k=False)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        KernelConfig("fp8", 96, 64, 64, 4)
+    assert "dtype" in str(info.value) and "d_head" in str(info.value)
+
+
+def test_derived_sizes():
+    cfg = KernelConfig.parse("bf16_d128_r128_c64_w4_fseqkvbor")
+    assert cfg.threads == 128 and cfg.rows_per_warp == 32 and cfg.m_tiles == 2
+    assert cfg.smem_bytes == (128 + 2 * 64) * 128 * 2
+    assert cfg.accum_regs == 2 * (16 + 8) * 4
+    # Occupancy: limited by registers (255 -> 256 per thread x 128 threads = 2 CTAs).
+    assert cfg.ctas_per_sm(90, regs_per_thread=255) == 2
+    # 96 registers: 5 CTAs by registers, but smem (65 KB each) allows 3 on sm_90, 2 on sm_80.
+    assert cfg.ctas_per_sm(90, regs_per_thread=96) == 3
+    assert cfg.ctas_per_sm(80, regs_per_thread=96) == 2
+    with pytest.raises(ConfigError, match="unknown architecture"):
+        cfg.ctas_per_sm(75)
+
+
+def test_sets_sizes_and_content():
+    assert 1 <= len(CI) <= 6
+    for name in FLAGS:  # every flag is switched off by at least one CI config
+        assert any(not getattr(c, name) for c in CI), name
+        assert any(getattr(c, name) for c in CI), name
+    assert {c.dtype for c in CI} == {"fp16", "bf16"}
+    assert {c.d_head for c in CI} == {64, 128}
+    assert {c.block_c for c in CI} == {32, 64, 128}
+    assert {c.warps for c in CI} == {4, 8}
+    table = {short for rows in DEFAULT_TABLE.values() for _, short in rows}
+    assert {c.short for c in DEFAULT} == table
+    assert len(TUNE) == len(set(TUNE)) and len(TUNE) > len(DEFAULT)
+    assert set(DEFAULT) <= set(TUNE)
+
+
+def test_prog_steps():
+    assert [s.step for s in PROG_STEPS] == list(range(1, 17))
+    assert set(PROG) == {s.config for s in PROG_STEPS}
+    for before, after in zip(PROG_STEPS, PROG_STEPS[1:]):
+        if after.config == before.config:
+            assert after.note, f"step {after.step} repeats a config without saying why"
+
+
+def test_resolve():
+    assert resolve("ci") == CI
+    mixed = resolve("ci, bf16_d64_r64_c64_w4_fseqkvbor ,ci")
+    assert mixed[: len(CI)] == CI and mixed[-1].short == "bf16_d64_r64_c64_w4_fseqkvbor"
+    assert len(mixed) == len(set(mixed))
+    with pytest.raises(ConfigError, match="or name a set"):
+        resolve("nonsense")
+    with pytest.raises(ConfigError, match="empty"):
+        resolve(" , ")
+
+
+def test_flag_order_matches_cpp_template():
+    """The generated template arguments follow FLAGS; config.cuh must list its bool parameters
+    in the same order."""
+    text = (ROOT / "src/csrc/kernel/config.cuh").read_text()
+    params = re.search(r"template <(typename Elem_.*?)>\s*struct FwdConfig", text, re.S)[1]
+    bools = re.findall(r"bool k(\w+)_", params)
+    expected = ["".join(p.title() for p in name.split("_")) for name in FLAGS]
+    assert [b.lower() for b in bools] == [e.lower() for e in expected]

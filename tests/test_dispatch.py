@@ -1,0 +1,61 @@
+"""Dispatch: tuning file first, then the default table, then any built kernel of the type."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flash_attention import dispatch
+from flash_attention.config import KernelConfig
+from flash_attention.config_sets import DEFAULT, TUNE
+
+
+@pytest.fixture
+def no_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    return tmp_path
+
+
+def test_buckets():
+    assert dispatch.seq_bucket(1) == 64
+    assert dispatch.seq_bucket(64) == 64
+    assert dispatch.seq_bucket(65) == 128
+    assert dispatch.seq_bucket(4096) == 4096
+    assert dispatch.seq_bucket(10**6) == 16384
+    assert dispatch.tuning_key("bf16", 128, 3000) == "bf16/d128/q4096"
+
+
+def test_default_table(no_tuning):
+    built = list(DEFAULT)
+    short = dispatch.select("bf16", 128, 32, built)
+    long = dispatch.select("bf16", 128, 4096, built)
+    assert short.short == "bf16_d128_r64_c64_w4_fseqkvbor"
+    assert long.short == "bf16_d128_r128_c64_w4_fseqkvbor"
+    assert dispatch.select("fp16", 64, 4096, built).dtype == "fp16"
+
+
+def test_fallback_to_any_built(no_tuning):
+    only = [KernelConfig.parse("fp16_d64_r64_c32_w4_fqkv")]
+    assert dispatch.select("fp16", 64, 4096, only) == only[0]
+
+
+def test_tuning_file_wins_when_built(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    tuned = KernelConfig.parse("bf16_d128_r64_c128_w4_fseqkvbor")
+    assert tuned in TUNE and tuned not in DEFAULT
+    path.write_text(json.dumps({"version": 1, "device": "x",
+                                "entries": {"bf16/d128/q4096": tuned.short,
+                                            "bf16/d128/q2048": "bf16_d128_r64_c32_w4_fseqkvbor"}}))
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
+    built = [*DEFAULT, tuned]
+    assert dispatch.select("bf16", 128, 4000, built) == tuned
+    # A tuned config that is not built falls back to the table.
+    assert dispatch.select("bf16", 128, 2048, built).short == "bf16_d128_r128_c64_w4_fseqkvbor"
+
+
+def test_broken_tuning_file_is_ignored(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
+    assert dispatch.select("bf16", 128, 4096, list(DEFAULT)) in DEFAULT

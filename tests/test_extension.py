@@ -1,0 +1,51 @@
+"""The built extension (CPU): it imports, and its registry is exactly the configs the build
+selected, with the same derived facts as the Python configs."""
+
+from __future__ import annotations
+
+import pytest
+
+import flash_attention as fa
+from flash_attention._extension import extension, ptxas_log_path
+
+
+@pytest.fixture
+def ext(require_extension):
+    return extension()
+
+
+def test_registry_matches_build_info(ext):
+    info = fa.build_info()
+    assert info is not None, "build_info.json missing beside the extension"
+    assert [c.short for c in fa.available_configs()] == info["configs"]
+    assert fa.available_configs() == list(fa.resolve(info["kernels"]))
+
+
+def test_registry_facts_match_python_configs(ext):
+    for entry in ext.kernels():
+        cfg = fa.KernelConfig.parse(entry["name"])
+        assert entry["dtype"] == cfg.dtype
+        assert entry["d_head"] == cfg.d_head
+        assert entry["block_r"] == cfg.block_r and entry["block_c"] == cfg.block_c
+        assert entry["threads"] == cfg.threads
+        assert entry["smem_bytes"] == cfg.smem_bytes
+
+
+def test_ptxas_report_kept(ext):
+    text = ptxas_log_path().read_text()
+    info = fa.build_info()
+    for short in info["configs"]:
+        assert f"### fwd_{short}.cu" in text
+    for arch in info["archs"]:
+        assert text.count(f"for 'sm_{arch}'") >= len(info["configs"])
+
+
+def test_direct_extension_call_rejects_bad_input(ext):
+    import torch
+
+    name = fa.available_configs()[0].short
+    q = torch.zeros(1, 4, 1, 64)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        ext.forward(name, q, q, q, q, None, 0.1)
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ext.forward("bf16_d64_r64_c64_w4_f", q, q, q, q, None, 0.1)

@@ -1,0 +1,136 @@
+"""Every built kernel of the ci and default sets against the fp32 reference (GPU)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention.config_sets import SETS
+
+from .gpu_support import check_against_reference, poisoned_like, rand_inputs
+
+pytestmark = pytest.mark.gpu
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (batch, seqlen_q, seqlen_k, heads, kv_heads): odd tails, Sq != Sk, heads != 16, GQA/MQA.
+SHAPES = [
+    (2, 128, 128, 4, 4),
+    (1, 113, 203, 3, 3),
+    (2, 128, 217, 5, 5),
+    (1, 1023, 1024, 2, 2),
+    (3, 1, 300, 4, 4),
+    (1, 300, 1, 2, 2),
+    (2, 257, 129, 6, 2),
+    (1, 64, 512, 8, 1),
+    (4, 200, 333, 16, 16),
+]
+
+
+def configs_under_test():
+    """The built configs of the ci and default sets (all built ones with
+    FLASH_ATTENTION_TEST_CONFIGS=built)."""
+    if not fa.is_built():
+        return []
+    built = fa.available_configs()
+    if os.environ.get("FLASH_ATTENTION_TEST_CONFIGS") == "built":
+        return built
+    wanted = set(SETS["ci"]) | set(SETS["default"])
+    return [c for c in built if c in wanted]
+
+
+CONFIGS = configs_under_test()
+
+
+def test_extension_is_built_with_the_tested_sets(require_extension):
+    built = set(fa.available_configs())
+    missing = [c.short for c in SETS["ci"] + SETS["default"] if c not in built]
+    if missing and os.environ.get("FLASH_ATTENTION_REQUIRE_EXT") == "1":
+        pytest.fail(f"configs of the ci/default sets not built: {missing}")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_reference(cfg, shape):
+    torch.manual_seed(hash((cfg.short, shape)) % 2**31)
+    batch, sq, sk, heads, kv_heads = shape
+    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
+    out = poisoned_like(q)
+    out2, lse = fa.attention(q, k, v, out=out, return_lse=True, config=cfg)
+    assert out2 is out
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} {shape}")
+    # Same inputs again: a kernel without races is bitwise deterministic.
+    again = fa.forward(cfg, q, k, v, out=poisoned_like(q))
+    assert torch.equal(again, out), f"{cfg} {shape}: a second run differs (race?)"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+def test_kernel_strided_inputs(cfg, layout):
+    torch.manual_seed(7)
+    q, k, v = rand_inputs(2, 177, 177, 3, 3, cfg.d_head, TORCH_DTYPE[cfg.dtype], layout)
+    assert not q.is_contiguous()
+    # out as a strided view too: (B, H, S, D) storage seen as (B, S, H, D).
+    out = torch.full((2, 3, 177, cfg.d_head), float("nan"), device="cuda",
+                     dtype=q.dtype).transpose(1, 2)
+    fa.attention(q, k, v, out=out, config=cfg, softmax_scale=0.3)
+    check_against_reference(out, q, k, v, softmax_scale=0.3, what=f"{cfg} {layout}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("seqlen", [1, 64, 500, 2048])
+def test_dispatched_attention(require_extension, dtype, d_head, seqlen):
+    torch.manual_seed(seqlen)
+    q, k, v = rand_inputs(2, seqlen, seqlen + 3, 4, 2, d_head, TORCH_DTYPE[dtype])
+    out, lse = fa.attention(q, k, v, return_lse=True)
+    check_against_reference(out, q, k, v, lse=lse, what=f"dispatch {dtype} d{d_head} {seqlen}")
+
+
+def test_empty_inputs(require_extension):
+    q = torch.randn(2, 0, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 4, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = fa.attention(q, k, k, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 0)
+    q = torch.randn(0, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    assert fa.attention(q, q, q).shape == q.shape
+
+
+def test_empty_keys(require_extension):
+    q = torch.randn(2, 7, 4, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 0, 4, 64, device="cuda", dtype=torch.float16)
+    out, lse = fa.attention(q, k, k, out=poisoned_like(q), return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_64bit_offsets(require_extension):
+    """Inputs whose elements lie beyond 2^31 from the base pointer: batch 1 starts past it."""
+    d, s, h = 128, 100, 2
+    batch_stride = 2**31 // (d * h) * (d * h) + d * h * 64  # > 2^31 elements
+    storage = torch.empty(batch_stride + 4 * s * h * d, device="cuda", dtype=torch.bfloat16)
+    storage.normal_()
+
+    def view(offset):
+        return storage.as_strided((2, s, h, d), (batch_stride, h * d, d, 1), offset)
+
+    q, k, v = view(0), view(s * h * d), view(2 * s * h * d)  # disjoint in batch 0 and 1
+    assert q[1].storage_offset() + q.stride(0) > 2**31
+    out = view(3 * s * h * d)
+    out.fill_(float("nan"))
+    fa.attention(q, k, v, out=out)
+    check_against_reference(out, q.contiguous(), k.contiguous(), v.contiguous(), what="2^31+")
+    del storage
+
+
+def test_runs_on_current_stream_and_other_device_guard(require_extension):
+    q, k, v = rand_inputs(1, 256, 256, 2, 2, 128, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = fa.attention(q, k, v)
+    stream.synchronize()
+    check_against_reference(out, q, k, v, what="side stream")
