@@ -60,7 +60,7 @@ if step bench; then
 fi
 if step sanitize; then
     for tool in memcheck racecheck synccheck; do
-        run "sanitize-$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -c '
+        run "sanitize-$tool" timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -c '
 import torch, flash_attention as fa
 from flash_attention.config_sets import SETS
 for cfg in fa.available_configs():
