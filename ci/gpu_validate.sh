@@ -2,7 +2,8 @@
 # One pass on a GPU machine: build, GPU tests, a config sweep, the benchmark table against SDPA,
 # and compute-sanitizer on small runs. Logs go to $LOG_DIR (default ./gpu-logs); a short summary
 # is printed last.
-#   KERNELS=ci,default,tune  ARCHS=90  STEPS="build test sweep bench sanitize"  ci/gpu_validate.sh
+#   KERNELS=ci,default,tune ARCHS=90 STEPS="build test sweep bench bench64 prog sanitize" \
+#       ci/gpu_validate.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${LOG_DIR:-gpu-logs}
@@ -57,6 +58,14 @@ json.dump(res, open(sys.argv[1], "w"), indent=1)
 fi
 if step bench; then
     run bench python3 -m fa_tools bench --json "$LOG_DIR/bench.json" --md "$LOG_DIR/bench.md"
+fi
+if step bench64; then
+    run bench64 python3 -m fa_tools bench --d-heads 64 --json "$LOG_DIR/bench64.json" \
+        --md "$LOG_DIR/bench64.md"
+fi
+if step prog; then
+    run prog python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 --configs prog \
+        --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
 if step sanitize; then
     for tool in memcheck racecheck synccheck; do

@@ -11,9 +11,17 @@ from flash_attention.config import KernelConfig
 from flash_attention.config_sets import DEFAULT, TUNE
 
 
+@pytest.fixture(autouse=True)
+def fresh_tuning_cache():
+    dispatch.reload_tuning()
+    yield
+    dispatch._tuning = None
+
+
 @pytest.fixture
 def no_tuning(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    dispatch.reload_tuning()
     return tmp_path
 
 
@@ -32,7 +40,7 @@ def test_default_table(no_tuning):
     long = dispatch.select("bf16", 128, 4096, built)
     assert short.short == "bf16_d128_r64_c64_w4_fseqkvbor"
     assert long.short == "bf16_d128_r128_c64_w4_fseqkvbor"
-    assert dispatch.select("fp16", 64, 4096, built).dtype == "fp16"
+    assert dispatch.select("fp16", 64, 4096, built).short == "fp16_d64_r128_c128_w4_fseqkvbor"
 
 
 def test_fallback_to_any_built(no_tuning):
@@ -48,6 +56,7 @@ def test_tuning_file_wins_when_built(tmp_path, monkeypatch):
                                 "entries": {"bf16/d128/q4096": tuned.short,
                                             "bf16/d128/q2048": "bf16_d128_r64_c32_w4_fseqkvbor"}}))
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
+    dispatch.reload_tuning()
     built = [*DEFAULT, tuned]
     assert dispatch.select("bf16", 128, 4000, built) == tuned
     # A tuned config that is not built falls back to the table.
@@ -58,4 +67,5 @@ def test_broken_tuning_file_is_ignored(tmp_path, monkeypatch):
     path = tmp_path / "tuning.json"
     path.write_text("{not json")
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
+    dispatch.reload_tuning()
     assert dispatch.select("bf16", 128, 4096, list(DEFAULT)) in DEFAULT

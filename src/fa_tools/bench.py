@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import logging
 import statistics
@@ -52,7 +53,10 @@ def environment() -> dict:
 
 
 def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
-        config: str | None = None, reps: int = 10, rounds: int = 3) -> list[dict]:
+        configs: str | None = None, reps: int = 10, rounds: int = 3) -> list[dict]:
+    """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
+    FA2 and cuDNN backends timed in the same interleaved rounds. `configs` names configs or
+    sets (comma-separated); configs of another dtype/d_head are left out. None: dispatch."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -60,11 +64,14 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
     import flash_attention as fa
     from flash_attention.timing import attention_flops, time_cuda_ms
 
+    wanted = fa.resolve(configs) if configs else None
     rows = []
     for dtype in dtypes:
         tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         for d_head in d_heads:
-            for batch, seqlen in shapes:
+            chosen = ([c for c in wanted if c.dtype == dtype and c.d_head == d_head]
+                      if wanted else [None])
+            for (batch, seqlen), config in itertools.product(shapes, chosen):
                 q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
                            for _ in range(3))
                 out = torch.empty_like(q)
@@ -88,10 +95,12 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
                 row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen,
                        "heads": heads,
                        "config": (config or fa.dispatch.select(
-                           dtype, d_head, seqlen, fa.available_configs()).short)}
+                           dtype, d_head, seqlen, fa.available_configs())).short}
                 for name in ("ours", *PEERS):
                     ms = statistics.median(samples[name]) if name in samples else None
                     row[f"{name}_ms"] = ms
+                    row[f"{name}_ms_min"] = min(samples[name]) if name in samples else None
+                    row[f"{name}_ms_max"] = max(samples[name]) if name in samples else None
                     row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
                 for name in PEERS:
                     row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
@@ -136,7 +145,7 @@ def command(args: argparse.Namespace) -> int:
         return 3
     env = environment()
     rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
-               parse_shapes(args.shapes), args.heads, args.config, args.reps, args.rounds)
+               parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds)
     table = markdown(rows, env)
     print(table)
     if args.json:
@@ -154,7 +163,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in STANDARD_SHAPES),
                    help="batch x seqlen list, e.g. 16x4096,8x8192")
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--config", default=None, help="a config short form (default: dispatch)")
+    p.add_argument("--configs", default=None,
+                   help="config short forms and/or set names, comma-separated (default: "
+                        "the config dispatch picks)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--json", type=Path, help="write all numbers here")

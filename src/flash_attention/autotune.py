@@ -58,6 +58,7 @@ def tune(dtypes: list[str], d_heads: list[int], seqlens: list[int], path: Path) 
     data = {"version": 1, "device": torch.cuda.get_device_name(), "entries": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+    dispatch.reload_tuning()
     return data
 
 

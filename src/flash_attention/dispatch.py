@@ -2,10 +2,15 @@
 default table by dtype, d_head and sequence length, else any built kernel of that dtype and
 d_head.
 
+The default table comes from a sweep of the tune set on an H200 (docs/results.md): B_r=128
+with 4 warps wins at every measured length; B_c=64 for d_head 128, 128 for d_head 64. Very
+short query sequences (<= 64 rows) use B_r=64 to waste fewer rows.
+
 The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
 ``{"version": 1, "device": "...", "entries": {"bf16/d128/q4096": "<short form>", ...}}`` where
 the ``q`` bucket is seqlen_q rounded up to a power of two (64 .. 16384). Its path is
-$FLASH_ATTENTION_TUNING_FILE, else ~/.cache/flash_attention/tuning.json.
+$FLASH_ATTENTION_TUNING_FILE, else ~/.cache/flash_attention/tuning.json. It is read once per
+process (``reload_tuning()`` reads it again), so dispatch costs no file access per call.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from functools import lru_cache
 from pathlib import Path
 
 from .config import ConfigError, KernelConfig
@@ -24,7 +28,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TABLE: dict[tuple[str, int], list[tuple[int | None, str]]] = {
     (dtype, d): [
         (64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor"),
-        (None, f"{dtype}_d{d}_r128_c64_w4_fseqkvbor"),
+        (None, f"{dtype}_d{d}_r128_c{64 if d == 128 else 128}_w4_fseqkvbor"),
     ]
     for dtype in ("fp16", "bf16")
     for d in (64, 128)
@@ -51,10 +55,11 @@ def tuning_file_path() -> Path:
     return Path.home() / ".cache" / "flash_attention" / "tuning.json"
 
 
-@lru_cache(maxsize=8)
-def _load_tuning(path: str, mtime: float) -> dict[str, str]:
+def _load_tuning(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(path.read_text())
         entries = data["entries"]
         if data.get("version") != 1 or not isinstance(entries, dict):
             raise ValueError("unknown format")
@@ -64,11 +69,21 @@ def _load_tuning(path: str, mtime: float) -> dict[str, str]:
     return {str(k): str(v) for k, v in entries.items()}
 
 
+_tuning: dict[str, str] | None = None
+
+
 def tuning_entries() -> dict[str, str]:
-    path = tuning_file_path()
-    if not path.exists():
-        return {}
-    return _load_tuning(str(path), path.stat().st_mtime)
+    global _tuning
+    if _tuning is None:
+        _tuning = _load_tuning(tuning_file_path())
+    return _tuning
+
+
+def reload_tuning() -> dict[str, str]:
+    """Forget the cached tuning file (after writing a new one or changing the path)."""
+    global _tuning
+    _tuning = None
+    return tuning_entries()
 
 
 def select(dtype: str, d_head: int, seqlen_q: int, built: list[KernelConfig]) -> KernelConfig:

@@ -1,5 +1,9 @@
 """GPU timing with CUDA events on the current stream: warm-up, then one event pair around each
-call, median of the repeats. Shared by autotune and the benchmark harness."""
+call, median of the repeats. Shared by autotune and the benchmark harness.
+
+Before the timed calls the stream is held busy (a device-side sleep) while the host enqueues
+them all, so the events measure back-to-back GPU time and not the host's per-call overhead
+(Python validation, dispatch), which would otherwise open gaps between short kernels."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ def time_cuda_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> l
     for _ in range(warmup):
         fn()
     stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000 + 100_000 * reps)  # cycles: ~1 ms + 50 us per call
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):

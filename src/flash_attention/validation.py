@@ -92,13 +92,20 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
                    q.device)
 
 
+_capable_devices: set[int] = set()
+
+
 def check_capability(device: torch.device) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _capable_devices:
+        return
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         raise RuntimeError(
             f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
             "these kernels need 8.0 or newer (Ampere, Ada, Hopper)"
         )
+    _capable_devices.add(index)
 
 
 def check_out(out: object, q: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""The benchmark harness's pure parts (CPU)."""
+
+from __future__ import annotations
+
+from fa_tools import bench
+
+
+def test_parse_shapes():
+    assert bench.parse_shapes("16x512,4X16384") == [(16, 512), (4, 16384)]
+
+
+def test_markdown_table_has_ratio_and_missing_peer():
+    row = {"dtype": "bf16", "d_head": 128, "batch": 16, "seqlen": 4096, "heads": 16,
+           "config": "bf16_d128_r128_c64_w4_fseqkvbor", "ours_tflops": 360.0,
+           "sdpa_fa2_tflops": 350.0, "ratio_sdpa_fa2": 1.0286, "sdpa_cudnn_tflops": None,
+           "ratio_sdpa_cudnn": None}
+    text = bench.markdown([row], {"gpu": "NVIDIA H200", "torch": "2.11", "commit": "abc"})
+    assert "| bf16 | 128 | 16x4096 | 16 | 360.0 | 350.0 | 1.029 | n/a | n/a |" in text
+    assert "NVIDIA H200" in text and "abc" in text
