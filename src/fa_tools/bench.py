@@ -117,11 +117,17 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _best(row: dict, peer: str) -> str:
+    ours, theirs = row.get("ours_ms_min"), row.get(f"{peer}_ms_min")
+    return f" ({theirs / ours:.3f})" if ours and theirs else ""
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         f"GPU: {env.get('gpu')} ({env.get('driver_clocks')}), torch {env.get('torch')}, "
-        f"commit {env.get('commit')}, {env.get('date')}. Ratio = peer time / our time "
-        "(> 1: we are faster).",
+        f"commit {env.get('commit')}, {env.get('date')}. TFLOP/s from median times; "
+        "ratio = peer time / our time (> 1: we are faster), from medians and, in brackets, "
+        "from the fastest sample of each.",
         "",
         "| dtype | d | batch x seq | heads | ours TFLOP/s | SDPA FA2 TFLOP/s | ours/FA2 | "
         "SDPA cuDNN TFLOP/s | ours/cuDNN | config |",
@@ -131,8 +137,9 @@ def markdown(rows: list[dict], env: dict) -> str:
         lines.append(
             f"| {r['dtype']} | {r['d_head']} | {r['batch']}x{r['seqlen']} | {r['heads']} | "
             f"{_fmt(r['ours_tflops'])} | {_fmt(r['sdpa_fa2_tflops'])} | "
-            f"{_fmt(r['ratio_sdpa_fa2'], '.3f')} | {_fmt(r['sdpa_cudnn_tflops'])} | "
-            f"{_fmt(r['ratio_sdpa_cudnn'], '.3f')} | `{r['config']}` |"
+            f"{_fmt(r['ratio_sdpa_fa2'], '.3f')}{_best(r, 'sdpa_fa2')} | "
+            f"{_fmt(r['sdpa_cudnn_tflops'])} | "
+            f"{_fmt(r['ratio_sdpa_cudnn'], '.3f')}{_best(r, 'sdpa_cudnn')} | `{r['config']}` |"
         )
     return "\n".join(lines) + "\n"
 
