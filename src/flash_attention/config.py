@@ -205,20 +205,30 @@ class KernelConfig:
 
     # ---- occupancy -----------------------------------------------------------------------------
 
-    def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
-        """Expected resident CTAs per SM on sm_<arch>, limited by shared memory, threads and
-        registers. Without a measured register count the estimate assumes the worst case of
-        this config's fragments (at least 128, at most 255 per thread)."""
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """Resident CTAs per SM on sm_<arch> and what limits them: registers, shared memory
+        (dynamic tiles plus any static smem, 1 KB reserved per CTA), threads and the CTA cap.
+        Without a measured register count the estimate assumes this config's fragments plus
+        64 for addressing (at least 128, at most 255)."""
         if arch not in SMEM_PER_SM:
             raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
         if regs_per_thread is None:
             regs_per_thread = min(255, max(128, self.accum_regs + self.whole_frag_regs + 64))
         # Registers are allocated per warp in units of 256 (8 per thread, rounded up).
-        regs_alloc = ((regs_per_thread + 7) // 8) * 8
-        by_regs = REGS_PER_SM // (regs_alloc * self.threads)
-        by_smem = SMEM_PER_SM[arch] // (self.smem_bytes + 1024)  # 1 KB reserved per CTA
-        by_threads = THREADS_PER_SM[arch] // self.threads
-        return max(0, min(by_regs, by_smem, by_threads, MAX_CTAS_PER_SM[arch]))
+        regs_alloc = ((max(regs_per_thread, 1) + 7) // 8) * 8
+        limits = {
+            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
+            "by_smem": SMEM_PER_SM[arch] // (self.smem_bytes + static_smem + 1024),
+            "by_threads": THREADS_PER_SM[arch] // self.threads,
+            "by_cap": MAX_CTAS_PER_SM[arch],
+        }
+        ctas = max(0, min(limits.values()))
+        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+
+    def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
+        """Expected resident CTAs per SM on sm_<arch> (see occupancy())."""
+        return self.occupancy(arch, regs_per_thread)["ctas"]
 
     def describe(self) -> str:
         on = [name for name in FLAGS if getattr(self, name)]
