@@ -29,6 +29,11 @@ if [ ${#need[@]} -gt 0 ]; then
     "$PYTHON" -m pip install --progress-bar off -q "${need[@]}"
 fi
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+# cuobjdump and nvdisasm for the toolchain (fa-tools) and its tests, from PyPI if not present.
+if ! PYTHONPATH=src "$PYTHON" -c 'from fa_tools.binaries import find_tool as f; f("cuobjdump"); f("nvdisasm")' 2>/dev/null; then
+    echo "== installing cuobjdump and nvdisasm"
+    "$PYTHON" -m pip install --progress-bar off -q nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
+fi
 
 echo "== building the extension (kernels: ${FLASH_ATTENTION_KERNELS:-ci}, archs: ${FLASH_ATTENTION_ARCHS:-80,90})"
 FLASH_ATTENTION_KERNELS=${FLASH_ATTENTION_KERNELS:-ci} \

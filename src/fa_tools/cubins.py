@@ -1,0 +1,113 @@
+"""The device code inside the built extension: which kernels it holds per architecture, their
+cubins and PTX, extracted with cuobjdump into a directory kept for the session."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from .binaries import ToolError, run_tool
+
+_ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>fwd_(?P<kernel>\w+?)\.sm_(?P<arch>\w+)\.cubin)")
+_PTX_NAME = re.compile(r"PTX file\s+\d+:\s+(?P<file>fwd_(?P<kernel>\w+?)\.sm_(?P<arch>\w+)\.ptx)")
+
+
+@dataclass(frozen=True)
+class Member:
+    kernel: str  # config short form
+    arch: str
+    file: str  # name cuobjdump gives it
+
+
+def list_cubins(binary: Path) -> list[Member]:
+    out = run_tool("cuobjdump", "--list-elf", str(binary))
+    members = [Member(m["kernel"], m["arch"], m["file"]) for m in _ELF_NAME.finditer(out)]
+    return sorted(members, key=lambda m: (m.kernel, m.arch))
+
+
+def list_ptx(binary: Path) -> list[Member]:
+    out = run_tool("cuobjdump", "--list-ptx", str(binary))
+    members = [Member(m["kernel"], m["arch"], m["file"]) for m in _PTX_NAME.finditer(out)]
+    return sorted(members, key=lambda m: (m.kernel, m.arch))
+
+
+@lru_cache(maxsize=4)
+def _extracted(binary: str, stamp: str) -> Path:
+    """All cubins and PTX of the binary, extracted once per binary content."""
+    out = Path(tempfile.gettempdir()) / f"fa_tools-{stamp}"
+    if not (out / ".done").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        run_tool("cuobjdump", "-xelf", "all", binary, cwd=out)
+        try:
+            run_tool("cuobjdump", "-xptx", "all", binary, cwd=out)
+        except ToolError:
+            pass  # a binary without PTX: asked-for PTX is reported missing later
+        (out / ".done").write_text("ok")
+    return out
+
+
+def _stamp(binary: Path) -> str:
+    h = hashlib.sha1()
+    with open(binary, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _find(binary: Path, kernel: str, arch: str, suffix: str, members: list[Member]) -> Path:
+    mine = [m for m in members if m.kernel == kernel]
+    if not mine:
+        raise ToolError(f"kernel {kernel} is not in {binary.name}; it has: "
+                        f"{', '.join(sorted({m.kernel for m in members})) or 'none'}")
+    match = [m for m in mine if m.arch == arch]
+    if not match:
+        what = "PTX" if suffix == "ptx" else "code"
+        raise ToolError(f"{binary.name} has no sm_{arch} {what} for {kernel}; it has "
+                        f"{', '.join('sm_' + m.arch for m in mine)}")
+    return _extracted(str(binary), _stamp(binary)) / match[0].file
+
+
+def cubin(binary: Path, kernel: str, arch: str) -> Path:
+    return _find(binary, kernel, arch, "cubin", list_cubins(binary))
+
+
+def ptx(binary: Path, kernel: str, arch: str) -> Path:
+    return _find(binary, kernel, arch, "ptx", list_ptx(binary))
+
+
+def elf_section(path: Path, name: str) -> bytes | None:
+    """Raw contents of one section of a 64-bit little-endian ELF file (None if absent)."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ToolError(f"{path} is not a 64-bit ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        sh_name, = struct.unpack_from("<I", data, base)
+        sh_offset, sh_size = struct.unpack_from("<QQ", data, base + 0x18)
+        return sh_name, sh_offset, sh_size
+
+    _, str_off, str_size = header(shstrndx)
+    names = data[str_off:str_off + str_size]
+    for i in range(shnum):
+        sh_name, off, size = header(i)
+        end = names.index(b"\0", sh_name)
+        if names[sh_name:end].decode() == name:
+            return data[off:off + size]
+    return None
+
+
+def embedded_ptx(cubin_path: Path) -> str | None:
+    """The PTX text ptxas embedded for line info (.nv_debug_ptx_txt, one NUL-terminated line
+    after another; line numbers in the SASS line table count these); None if not kept."""
+    raw = elf_section(cubin_path, ".nv_debug_ptx_txt")
+    if not raw:
+        return None
+    return "\n".join(part.decode() for part in raw.split(b"\0")[:-1])

@@ -1,0 +1,85 @@
+"""Opcode histograms of a kernel's SASS: full opcodes (with modifiers), base opcodes, the number
+of predicated instructions, and categories a kernel engineer reads first."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .sass import Instruction
+
+# Category of each base opcode (the part before the first dot). Order is the report order.
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "tensor_mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "BMMA", "DMMA", "WARPGROUP"),
+    "ldmatrix": ("LDSM", "STSM"),
+    "async_copy": ("LDGSTS", "LDGDEPBAR", "DEPBAR", "UBLKCP", "UTMALDG", "UTMASTG", "UTMACCTL",
+                   "SYNCS"),
+    "global_load": ("LDG",),
+    "global_store": ("STG", "RED", "ATOMG"),
+    "shared_load": ("LDS",),
+    "shared_store": ("STS",),
+    "local_memory": ("LDL", "STL"),
+    "mufu": ("MUFU",),
+    "fp32": ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "FSWZADD", "FRND", "FSET"),
+    "conversion": ("F2FP", "F2F", "F2I", "I2F", "I2FP", "F2IP", "HADD2", "HMUL2", "HFMA2"),
+    "int_address": ("IADD3", "IADD", "IMAD", "IMUL", "LOP3", "LOP", "SHF", "SHL", "SHR", "LEA",
+                    "ISETP", "SEL", "VIADD", "VIMNMX", "IABS", "IMNMX", "PRMT", "POPC", "FLO",
+                    "BMSK", "SGXT", "UIADD3", "UIMAD", "ULOP3", "USHF", "ULEA", "USEL", "UISETP",
+                    "UPRMT", "UFLO", "UPOPC", "USGXT", "UBMSK", "PLOP3", "UPLOP3", "VOTE",
+                    "VOTEU", "P2R", "R2P", "PSETP"),
+    "move": ("MOV", "UMOV", "MOV32I", "CS2R", "S2R", "S2UR", "R2UR", "LDC", "ULDC", "SHFL"),
+    "barrier": ("BAR", "BSSY", "BSYNC", "WARPSYNC", "MEMBAR", "ERRBAR", "CCTL", "FENCE"),
+    "branch": ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BREAK", "BPT", "KILL"),
+}
+_CATEGORY_OF = {op: cat for cat, ops in CATEGORIES.items() for op in ops}
+OTHER = "other"
+
+
+def category(base_opcode: str) -> str:
+    return _CATEGORY_OF.get(base_opcode, OTHER)
+
+
+@dataclass
+class Histogram:
+    kernel: str
+    arch: str
+    total: int = 0
+    predicated: int = 0
+    categories: dict[str, int] = field(default_factory=dict)
+    base: dict[str, int] = field(default_factory=dict)
+    full: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "arch": self.arch, "total": self.total,
+                "predicated": self.predicated, "categories": self.categories,
+                "base": self.base, "full": self.full}
+
+
+def _sorted(counter: Counter) -> dict[str, int]:
+    """Deterministic order: most frequent first, ties by name."""
+    return dict(sorted(counter.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def histogram(kernel: str, arch: str, instrs: list[Instruction],
+              include_nops: bool = False) -> Histogram:
+    """NOPs (alignment padding after EXIT) are left out unless asked for."""
+    kept = [i for i in instrs if include_nops or i.base != "NOP"]
+    cats = Counter(category(i.base) for i in kept)
+    return Histogram(
+        kernel=kernel,
+        arch=arch,
+        total=len(kept),
+        predicated=sum(1 for i in kept if i.predicate),
+        categories={c: cats.get(c, 0) for c in [*CATEGORIES, OTHER]},
+        base=_sorted(Counter(i.base for i in kept)),
+        full=_sorted(Counter(i.opcode for i in kept)),
+    )
+
+
+def expected_mma_count(cfg) -> int:
+    """mma.sync m16n8k16 instructions a config's kernel body holds: per KV block each warp
+    issues m_tiles x (B_c/8 x d/16) for S = Q K^T and m_tiles x (d/8 x B_c/16) for O += P V;
+    the optimised softmax peels the first block, so its body is emitted twice."""
+    per_block = cfg.m_tiles * ((cfg.block_c // 8) * (cfg.d_head // 16)
+                               + (cfg.d_head // 8) * (cfg.block_c // 16))
+    return per_block * (2 if cfg.opt_softmax else 1)

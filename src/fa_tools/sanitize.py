@@ -1,0 +1,66 @@
+"""compute-sanitizer (memcheck, racecheck, synccheck) over small runs of chosen configs,
+including tail shapes, with a summary of errors per tool. GPU only."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from .binaries import find_tool
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+# (batch, seqlen_q, seqlen_k, heads): a tail in both sequences, and exact multiples of 128.
+SHAPES = ((1, 131, 77, 2), (2, 128, 256, 1))
+
+_PROGRAM = """
+import sys, torch, flash_attention as fa
+shapes = {shapes!r}
+for name in sys.argv[1:]:
+    cfg = fa.KernelConfig.parse(name)
+    dt = {{"fp16": torch.float16, "bf16": torch.bfloat16}}[cfg.dtype]
+    for b, sq, sk, h in shapes:
+        q = torch.randn(b, sq, h, cfg.d_head, device="cuda", dtype=dt)
+        k = torch.randn(b, sk, h, cfg.d_head, device="cuda", dtype=dt)
+        v = torch.randn(b, sk, h, cfg.d_head, device="cuda", dtype=dt)
+        fa.attention(q, k, v, config=cfg, return_lse=True)
+torch.cuda.synchronize()
+print("ran", len(sys.argv) - 1, "configs")
+"""
+
+
+@dataclass(frozen=True)
+class SanitizerResult:
+    tool: str
+    errors: int
+    returncode: int
+    log: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.errors == 0
+
+
+def _errors(text: str) -> int | None:
+    m = re.search(r"ERROR SUMMARY: (\d+) error", text)
+    if m:
+        return int(m[1])
+    m = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?", text)
+    return int(m[1]) if m else None
+
+
+def run(configs: list[str], tools: tuple[str, ...] = TOOLS, timeout: int = 600
+        ) -> list[SanitizerResult]:
+    exe = find_tool("compute-sanitizer")
+    program = _PROGRAM.format(shapes=SHAPES)
+    results = []
+    for tool in tools:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", program,
+               *configs]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        log = proc.stdout + proc.stderr
+        errors = _errors(log)
+        results.append(SanitizerResult(tool, -1 if errors is None else errors, proc.returncode,
+                                       log))
+    return results

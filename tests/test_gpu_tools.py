@@ -1,0 +1,59 @@
+"""The GPU subcommands of fa-tools: sanitize and debug on the default configs (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+import flash_attention as fa
+from flash_attention.config_sets import SETS
+
+pytestmark = pytest.mark.gpu
+
+
+def _built_defaults():
+    if not fa.is_built():
+        return []
+    return [c.short for c in fa.available_configs() if c in SETS["default"]]
+
+
+@pytest.mark.parametrize("kernel", _built_defaults())
+def test_debug_finds_no_mismatch(kernel):
+    from fa_tools import debug
+
+    rows, mismatch = debug.run(kernel, batch=2, seqlen_q=200, seqlen_k=333, heads=2)
+    assert rows == 2 * 200 * 2
+    assert mismatch is None, mismatch
+
+
+def test_debug_reports_a_planted_mismatch(require_extension, monkeypatch):
+    from fa_tools import debug
+
+    real = fa.attention
+
+    def wrong(q, k, v, **kw):
+        out, lse = real(q, k, v, **kw)
+        out[0, 70, 1, 3] += 1.0  # batch 0, row 70, head 1
+        return out, lse
+
+    monkeypatch.setattr(fa, "attention", wrong)
+    kernel = next(c.short for c in fa.available_configs() if c.block_r == 64 or True)
+    cfg = fa.KernelConfig.parse(kernel)
+    rows, m = debug.run(kernel, batch=1, seqlen_q=100, seqlen_k=50, heads=2)
+    assert m is not None and (m.batch, m.head) == (0, 1)
+    assert m.q_block * cfg.block_r + m.row == 70
+    assert m.trace and m.trace[-1][0] == (0 if cfg.reverse_kv else 0)
+
+
+def test_sanitize_default_configs_clean():
+    from fa_tools import sanitize
+    from fa_tools.binaries import ToolError
+
+    kernels = _built_defaults()
+    if not kernels:
+        pytest.fail("no default configs built")
+    try:
+        results = sanitize.run(kernels)
+    except ToolError as exc:
+        pytest.fail(str(exc))
+    for r in results:
+        assert r.ok, f"{r.tool}: {r.errors} errors\n" + "\n".join(r.log.splitlines()[-30:])

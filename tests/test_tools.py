@@ -1,0 +1,216 @@
+"""The toolchain (fa-tools) against the real built extension and recorded ptxas output (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flash_attention as fa
+from fa_tools import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
+from fa_tools.cli import main as cli
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """(binary, build info) of the installed extension, with the binary tools available."""
+    if not fa.is_built():
+        if os.environ.get("FLASH_ATTENTION_REQUIRE_EXT") == "1":
+            pytest.fail("flash_attention._C is not built but FLASH_ATTENTION_REQUIRE_EXT=1")
+        pytest.skip("flash_attention._C is not built")
+    try:
+        for tool in ("cuobjdump", "nvdisasm", "c++filt"):
+            binaries.find_tool(tool)
+    except binaries.ToolError as exc:
+        if os.environ.get("FLASH_ATTENTION_REQUIRE_EXT") == "1":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    return binaries.extension_path(), fa.build_info()
+
+
+# ---- resources ---------------------------------------------------------------------------------
+
+
+def test_resource_report_covers_every_built_kernel_and_arch(built):
+    _, info = built
+    records = ptxas_report.load(binaries.ptxas_log_path())
+    got = {(r.kernel, r.arch) for r in records}
+    assert got == {(k, a) for k in info["configs"] for a in info["archs"]}
+    for r in records:
+        cfg = fa.KernelConfig.parse(r.kernel)
+        assert 0 < r.registers <= 255 and r.barriers >= 1
+        assert r.dynamic_smem == cfg.smem_bytes
+        assert r.ctas_per_sm >= 1 and r.warps_per_sm == r.ctas_per_sm * cfg.warps
+
+
+def test_recorded_log_edge_cases():
+    records = ptxas_report.load(DATA / "ptxas_sample.log")
+    by = {(r.kernel, r.arch): r for r in records}
+    spill = by[("bf16_d64_r128_c128_w4_fsekvbor", "90")]
+    assert (spill.registers, spill.spill_stores, spill.spill_loads) == (255, 124, 116)
+    assert spill.stack_frame == 104 and spill.cumulative_stack == 104
+    plain80 = by[("fp16_d64_r64_c32_w4_fqkv", "80")]
+    assert plain80.cmem0 == 512 and plain80.compile_ms == pytest.approx(57.277)
+    assert by[("fp16_d64_r64_c32_w4_fqkv", "90")].cmem0 == 0
+    assert [r.kernel for r in records] == sorted(r.kernel for r in records)
+
+
+def test_static_smem_and_foreign_kernels_parse():
+    text = ("ptxas info    : Compiling entry function '_Z6helperPf' for 'sm_90'\n"
+            "ptxas info    : Function properties for _Z6helperPf\n"
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+            "ptxas info    : Used 32 registers, used 1 barriers, 1024 bytes smem\n")
+    (r,) = ptxas_report.parse(text)
+    assert (r.kernel, r.registers, r.static_smem, r.ctas_per_sm) == ("_Z6helperPf", 32, 1024, None)
+
+
+def test_truncated_log_is_an_error():
+    text = (DATA / "ptxas_sample.log").read_text().split("ptxas info    : Used")[0]
+    with pytest.raises(ValueError, match="no 'Used N registers' line"):
+        ptxas_report.parse(text)
+
+
+def test_resources_cli_formats_are_deterministic(built, capsys):
+    outputs = []
+    for fmt in ("json", "json", "csv", "yaml", "table"):
+        assert cli(["resources", "--format", fmt]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    rows = json.loads(outputs[0])
+    assert outputs[2].splitlines()[0].startswith("kernel,arch,registers,spill_stores")
+    assert len(outputs[2].splitlines()) == len(rows) + 1
+    assert rows[0]["kernel"] in outputs[4]
+
+
+# ---- SASS ------------------------------------------------------------------------------------
+
+
+def test_mma_count_matches_tile_shapes(built):
+    """HMMA count = m_tiles x (B_c/8 x d/16 + d/8 x B_c/16), twice with the peeled first block
+    (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further."""
+    binary, info = built
+    for short in info["configs"]:
+        cfg = fa.KernelConfig.parse(short)
+        for arch in info["archs"]:
+            hist = opcodes.histogram(short, arch, sass.instructions(binary, short, arch))
+            assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), (short, arch)
+            assert set(hist.base) >= {"HMMA", "LDSM", "LDGSTS", "MUFU", "BAR"}
+
+
+def test_no_local_memory_when_spill_free(built):
+    binary, _ = built
+    for r in ptxas_report.load(binaries.ptxas_log_path()):
+        hist = opcodes.histogram(r.kernel, r.arch, sass.instructions(binary, r.kernel, r.arch))
+        spills = r.spill_stores + r.spill_loads + r.stack_frame
+        assert (hist.categories["local_memory"] == 0) == (spills == 0), (r.kernel, r.arch)
+
+
+def test_spilling_kernel_shows_local_memory(tmp_path):
+    """Consistency the other way round: a config ptxas spills has LDL/STL in its SASS."""
+    from flash_attention.codegen import kernel_source
+
+    cfg = fa.KernelConfig.parse("bf16_d64_r128_c128_w4_fsekvbor")
+    src = tmp_path / "k.cu"
+    src.write_text(kernel_source(cfg))
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc not found")
+    proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-Xptxas=-v",
+                           f"-I{ROOT / 'src/csrc'}", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True, check=True)
+    (rec,) = ptxas_report.parse(proc.stderr)
+    assert rec.spill_stores > 0
+    data = json.loads(binaries.run_tool("nvdisasm", "-json", str(tmp_path / "k.cubin")))
+    ops = [i["opcode"].split(".")[0] for i in data[1][0]["sass-instructions"]]
+    assert ops.count("STL") > 0 and ops.count("LDL") > 0
+
+
+def test_histogram_diff_with_itself_is_empty(built, capsys):
+    binary, info = built
+    kernel = info["configs"][0]
+    hist = opcodes.histogram(kernel, "90", sass.instructions(binary, kernel, "90")).as_dict()
+    flat = diff.flatten([hist], opcodes=True)
+    assert diff.compare(flat, flat) == []
+    assert diff.markdown([], len(flat)).startswith("No differences")
+    assert cli(["diff", "--configs", kernel, kernel]) == 0
+    assert "No differences" in capsys.readouterr().out
+
+
+def test_diff_of_two_configs_sorted_by_change(built, capsys):
+    _, info = built
+    a, b = info["configs"][:2] if len(info["configs"]) > 2 else (info["configs"][0],) * 2
+    assert cli(["diff", "--configs", a, info["configs"][2]]) == 0
+    out = capsys.readouterr().out
+    deltas = [abs(float(m)) for m in re.findall(r"\| ([+-][\d.e+]+) \|", out)]
+    assert deltas == sorted(deltas, reverse=True)
+    assert re.search(r"\d+ of \d+ values changed", out)
+
+
+def test_cfg_is_valid_dot(built):
+    binary, info = built
+    dot = sass.cfg_dot(binary, info["configs"][0], "90")
+    assert dot.lstrip().startswith("digraph")
+    body = re.sub(r'"(?:[^"\\]|\\.)*"', '""', dot)  # drop quoted labels
+    assert body.count("{") == body.count("}")
+    assert re.search(r'""(:\w+)*\s*->\s*""', body), "no edges"
+    assert "EXIT" in dot
+
+
+def test_sass_dump_strips_addresses_and_demangles(built):
+    binary, info = built
+    text = sass.dump(binary, info["configs"][0], "90", strip_addresses=True)
+    assert "flash::fwd_kernel<flash::FwdConfig<" in text
+    assert not re.search(r"/\*[0-9a-f]{4}\*/", text)
+    assert "HMMA" in text
+
+
+def test_ptx2sass_maps_mma_line(built):
+    binary, info = built
+    kernel = info["configs"][0]
+    lines = sass.ptx_text(binary, kernel, "90").splitlines()
+    mma_line = ptx2sass.find_lines(lines, r"mma\.sync")[0]
+    hits = ptx2sass.sass_for_line(sass.instructions(binary, kernel, "90"), mma_line)
+    assert [i.base for _, i in hits] == ["HMMA"]
+    sl = ptx2sass.backward_slice(lines, mma_line)
+    assert sl[-1].line == mma_line and any("ldmatrix" in p.text for p in sl)
+
+
+def test_ptx_slice_parsing():
+    ptx = ["mov.u32 %r1, %tid.x;", "add.s32 %r2, %r1, 4;", "mov.u32 %r9, 7;",
+           "st.shared.u32 [%r2], %r9;", "@%p1 bra $L1;"]
+    sl = ptx2sass.backward_slice(ptx, 4)
+    assert [p.line for p in sl] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="out of range"):
+        ptx2sass.backward_slice(ptx, 9)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_missing_tool_names_its_package(monkeypatch):
+    monkeypatch.setattr(binaries.shutil, "which", lambda name: None)
+    monkeypatch.setattr(binaries, "_candidate_dirs", lambda: [])
+    with pytest.raises(binaries.ToolError, match="pip install nvidia-cuda-nvdisasm"):
+        binaries.find_tool("nvdisasm")
+
+
+def test_missing_arch_and_kernel(built):
+    binary, info = built
+    with pytest.raises(binaries.ToolError, match="has no sm_86 code"):
+        cubins.cubin(binary, info["configs"][0], "86")
+    with pytest.raises(binaries.ToolError, match="is not in"):
+        cubins.cubin(binary, "bf16_d64_r64_c64_w4_f", "90")
+
+
+def test_cli_module_entry_point(built):
+    out = subprocess.run([sys.executable, "-m", "fa_tools", "sass", "list", "--format", "csv"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "kernel,arch,fatbin_ptx"
