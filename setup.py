@@ -29,7 +29,7 @@ from setuptools import setup
 if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
 
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "src" / "csrc"

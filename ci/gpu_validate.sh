@@ -1,42 +1,47 @@
 #!/usr/bin/env bash
-# One pass on a GPU machine: build, GPU tests, a config sweep, the benchmark table against SDPA,
-# and compute-sanitizer on small runs. Logs go to $LOG_DIR (default ./gpu-logs); a short summary
-# is printed last.
-#   KERNELS=ci,default,tune ARCHS=90 STEPS="build test sweep bench bench64 prog sanitize" \
-#       ci/gpu_validate.sh
+# One pass on a GPU machine without network (the lent device or a runner): build in place,
+# then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
+#   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
+# Steps: build test sweep bench bench64 prog sanitize debug asv aa planted
+#   asv      nox -s bench (needs nox and asv, e.g. from wheels; FA_COMMIT names the commit)
+#   aa       A/A gate: the build against itself, AA_REPEAT comparisons (false positives, spread)
+#   planted  A/B gate with a planted regression: the head dispatches non-swizzled kernels
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 3
 LOG_DIR=${LOG_DIR:-gpu-logs}
 KERNELS=${KERNELS:-ci,default}
 ARCHS=${ARCHS:-90}
 STEPS=${STEPS:-build test bench}
 mkdir -p "$LOG_DIR"
-export PYTHONUNBUFFERED=1 FLASH_ATTENTION_TUNING_FILE=${FLASH_ATTENTION_TUNING_FILE:-/nonexistent}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export FLASH_ATTENTION_TUNING_FILE=${FLASH_ATTENTION_TUNING_FILE:-/nonexistent}
 summary=()
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 run() {  # run NAME CMD...: log to $LOG_DIR/NAME.log, record status and time
-    local name=$1; shift
+    local name=$1
+    shift
     local t0=$SECONDS
     echo "== $name: $*"
     "$@" >"$LOG_DIR/$name.log" 2>&1
     local rc=$?
     summary+=("$name: rc=$rc, $((SECONDS - t0)) s")
-    tail -n 15 "$LOG_DIR/$name.log"
+    tail -n 25 "$LOG_DIR/$name.log"
     return $rc
 }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv >"$LOG_DIR/env.log" 2>&1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv \
+    >"$LOG_DIR/env.log" 2>&1
 python3 -c 'import torch; print(torch.__version__, torch.version.cuda)' >>"$LOG_DIR/env.log" 2>&1
 cat "$LOG_DIR/env.log"
 
 if step build; then
     run build env FLASH_ATTENTION_KERNELS="$KERNELS" FLASH_ATTENTION_ARCHS="$ARCHS" \
-        MAX_JOBS=${MAX_JOBS:-16} python3 -m pip install --no-build-isolation --no-deps -e . \
+        MAX_JOBS="${MAX_JOBS:-16}" python3 setup.py build_ext --inplace \
         || { printf '%s\n' "${summary[@]}"; exit 2; }
     cp build/ptxas.log "$LOG_DIR/ptxas.log" 2>/dev/null
 fi
 if step test; then
-    run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -x -p no:cacheprovider tests
+    run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider tests
 fi
 if step sweep; then
     run sweep python3 -c '
@@ -49,7 +54,8 @@ for dtype in ("bf16", "fp16"):
         for s in seqs:
             ranked = time_configs(dtype, d, s, reps=10)
             b = max(1, 65536 // s)
-            res[f"{dtype}/d{d}/{s}"] = [(c.short, ms, attention_flops(b, 16, s, s, d) / ms / 1e9) for c, ms in ranked]
+            res[f"{dtype}/d{d}/{s}"] = [(c.short, ms, attention_flops(b, 16, s, s, d) / ms / 1e9)
+                                        for c, ms in ranked]
             print(f"{dtype} d{d} seq {s}:")
             for c, ms, tf in res[f"{dtype}/d{d}/{s}"][:8]:
                 print(f"  {c:34s} {ms:8.3f} ms {tf:6.1f} TFLOP/s")
@@ -68,21 +74,33 @@ if step prog; then
         --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
 if step sanitize; then
-    for tool in memcheck racecheck synccheck; do
-        run "sanitize-$tool" timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 1 python3 -c '
-import torch, flash_attention as fa
+    run sanitize python3 -m fa_tools sanitize ci default
+fi
+if step debug; then
+    for k in $(python3 -c 'import flash_attention as fa
 from flash_attention.config_sets import SETS
-for cfg in fa.available_configs():
-    if cfg not in SETS["default"] and cfg not in SETS["ci"]:
-        continue
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.dtype]
-    q = torch.randn(1, 131, 2, cfg.d_head, device="cuda", dtype=dt)
-    k = torch.randn(1, 77, 2, cfg.d_head, device="cuda", dtype=dt)
-    fa.attention(q, k, k, config=cfg, return_lse=True)
-torch.cuda.synchronize()
-print("ok")
-'
+print(" ".join(c.short for c in fa.available_configs() if c in SETS["default"]))'); do
+        run "debug-$k" python3 -m fa_tools debug "$k"
     done
+fi
+if step asv; then
+    run asv python3 -m nox --no-venv -s bench
+fi
+if step aa; then
+    run aa python3 -m fa_tools gate perf --aa --repeat "${AA_REPEAT:-3}" --out "$LOG_DIR/aa"
+fi
+if step planted; then
+    # base: this tree as built; head: a copy whose dispatch table drops swizzling (a real,
+    # large slowdown of the generated code) for the long-sequence kernels.
+    rm -rf /tmp/fa-head && cp -r . /tmp/fa-head
+    sed -i 's/_r128_c{64 if d == 128 else 128}_w4_fseqkvbor/_r128_c{64 if d == 128 else 128}_w4_feqkvbor/' \
+        /tmp/fa-head/src/flash_attention/dispatch.py
+    grep -n "feqkvbor" /tmp/fa-head/src/flash_attention/dispatch.py
+    run planted-build env FLASH_ATTENTION_KERNELS="$KERNELS,bf16_d128_r128_c64_w4_feqkvbor,fp16_d128_r128_c64_w4_feqkvbor,bf16_d64_r128_c128_w4_feqkvbor,fp16_d64_r128_c128_w4_feqkvbor" \
+        FLASH_ATTENTION_ARCHS="$ARCHS" MAX_JOBS="${MAX_JOBS:-16}" \
+        bash -c 'cd /tmp/fa-head && python3 setup.py build_ext --inplace'
+    run planted bash -c "cd /tmp/fa-head && PYTHONPATH=/tmp/fa-head/src python3 -m fa_tools \
+        gate perf --base-dir '$PWD' --out '$PWD/$LOG_DIR/planted'"
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.log"

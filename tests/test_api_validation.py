@@ -81,7 +81,7 @@ def test_scale_default():
 def test_capability_below_sm80(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    with pytest.raises(RuntimeError, match="capability 7.5.*need 8.0"):
+    with pytest.raises(RuntimeError, match=r"capability 7\.5.*need 8\.0"):
         validation.check_capability(torch.device("cuda", 0))
 
 
@@ -96,7 +96,7 @@ def test_config_not_built_or_mismatched(monkeypatch):
     built = (fa.KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvbor"),)
     monkeypatch.setattr(fa.api, "_built", lambda: built)
     prob = validation.Problem(1, 8, 8, 2, 2, 64, "bf16", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="not in this build.*FLASH_ATTENTION_KERNELS="):
+    with pytest.raises(ConfigError, match=r"not in this build.*FLASH_ATTENTION_KERNELS="):
         fa.api._resolve_config("bf16_d64_r128_c64_w4_fseqkvbor", prob)
     with pytest.raises(ConfigError, match="is for fp16 with d_head=64, but the inputs are bf16"):
         fa.api._resolve_config("fp16_d64_r64_c64_w4_fseqkvbor", prob)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_sets_sizes_and_content():
 def test_prog_steps():
     assert [s.step for s in PROG_STEPS] == list(range(1, 17))
     assert set(PROG) == {s.config for s in PROG_STEPS}
-    for before, after in zip(PROG_STEPS, PROG_STEPS[1:]):
+    for before, after in itertools.pairwise(PROG_STEPS):
         if after.config == before.config:
             assert after.note, f"step {after.step} repeats a config without saying why"
 

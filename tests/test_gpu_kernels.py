@@ -123,7 +123,6 @@ def test_64bit_offsets(require_extension):
     out.fill_(float("nan"))
     fa.attention(q, k, v, out=out)
     check_against_reference(out, q.contiguous(), k.contiguous(), v.contiguous(), what="2^31+")
-    del storage
 
 
 def test_runs_on_current_stream_and_other_device_guard(require_extension):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -79,5 +80,5 @@ def test_trace_records_each_block_step():
     ]
     # The running max never decreases and the final one is the row max of the scaled scores.
     first_rows = [t for t in emu.trace if t.q_block == 0]
-    for a, b in zip(first_rows, first_rows[1:]):
+    for a, b in itertools.pairwise(first_rows):
         assert torch.all(b.m >= a.m)

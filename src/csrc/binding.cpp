@@ -21,7 +21,8 @@ const std::unordered_map<std::string, const flash::KernelEntry*>& entries_by_nam
         std::unordered_map<std::string, const flash::KernelEntry*> map;
         int count = 0;
         const flash::KernelEntry* const* entries = flash::kernel_registry(&count);
-        for (int i = 0; i < count; ++i) map.emplace(entries[i]->name, entries[i]);
+        for (int i = 0; i < count; ++i)
+            map.emplace(entries[i]->name, entries[i]);
         return map;
     }();
     return table;
@@ -56,7 +57,8 @@ const cudaDeviceProp& device_properties(int device) {
     if (it == cache.end()) {
         cudaDeviceProp prop{};
         const cudaError_t err = cudaGetDeviceProperties(&prop, device);
-        TORCH_CHECK(err == cudaSuccess, "cudaGetDeviceProperties failed: ", cudaGetErrorString(err));
+        TORCH_CHECK(err == cudaSuccess,
+                    "cudaGetDeviceProperties failed: ", cudaGetErrorString(err));
         it = cache.emplace(device, prop).first;
     }
     return it->second;
@@ -64,15 +66,15 @@ const cudaDeviceProp& device_properties(int device) {
 
 void check_bshd(const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-    TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, seq, heads, d_head), got ", t.dim(), "-D");
+    TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, seq, heads, d_head), got ", t.dim(),
+                "-D");
     TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dimension");
 }
 
 // Runs kernel `name` on q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given,
 // lse (B, H, Sq) fp32 contiguous.
-void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k,
-             const at::Tensor& v, const at::Tensor& out, std::optional<at::Tensor> lse,
-             double softmax_scale) {
+void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const at::Tensor& out, std::optional<at::Tensor> lse, double softmax_scale) {
     const auto& table = entries_by_name();
     const auto it = table.find(name);
     TORCH_CHECK(it != table.end(), "kernel ", name, " is not in this build");
@@ -108,13 +110,16 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k,
                         lse->size(1) == H && lse->size(2) == Sq,
                     "lse must be a contiguous fp32 (batch, heads, seqlen_q) tensor on q's device");
     }
-    if (B == 0 || Sq == 0 || H == 0) return;
+    if (B == 0 || Sq == 0 || H == 0)
+        return;
     TORCH_CHECK(Sk > 0, "seqlen_k must be positive (the Python API handles empty keys)");
 
     const c10::cuda::CUDAGuard guard(device);
     const cudaDeviceProp& prop = device_properties(device.index());
-    TORCH_CHECK(prop.major >= 8, "FlashAttention kernels need compute capability 8.0 or newer, "
-                "this GPU has ", prop.major, ".", prop.minor);
+    TORCH_CHECK(prop.major >= 8,
+                "FlashAttention kernels need compute capability 8.0 or newer, "
+                "this GPU has ",
+                prop.major, ".", prop.minor);
     TORCH_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", name,
                 " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
                 prop.sharedMemPerBlockOptin);
@@ -145,8 +150,8 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k,
     p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
 
     const cudaError_t err = e.launch(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
-    TORCH_CHECK(err == cudaSuccess, "launch of kernel ", name, " failed: ",
-                cudaGetErrorString(err));
+    TORCH_CHECK(err == cudaSuccess, "launch of kernel ", name,
+                " failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace

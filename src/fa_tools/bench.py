@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 # (batch, seqlen) of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD_SHAPES = [(16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)]
-PEERS = {"sdpa_fa2": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+PEERS = ("sdpa_fa2", "sdpa_cudnn")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -57,60 +57,56 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
     FA2 and cuDNN backends timed in the same interleaved rounds. `configs` names configs or
     sets (comma-separated); configs of another dtype/d_head are left out. None: dispatch."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     import flash_attention as fa
-    from flash_attention.timing import attention_flops, time_cuda_ms
 
     wanted = fa.resolve(configs) if configs else None
     rows = []
     for dtype in dtypes:
-        tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
         for d_head in d_heads:
             chosen = ([c for c in wanted if c.dtype == dtype and c.d_head == d_head]
                       if wanted else [None])
             for (batch, seqlen), config in itertools.product(shapes, chosen):
-                q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
-                           for _ in range(3))
-                out = torch.empty_like(q)
-                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA's (B, H, S, D) view
-                fns = {"ours": lambda: fa.attention(q, k, v, out=out, config=config)}
-                for name, backend in PEERS.items():
-                    def peer(backend=getattr(SDPBackend, backend)):
-                        with sdpa_kernel([backend]):
-                            return F.scaled_dot_product_attention(qt, kt, vt)
-                    try:
-                        peer()
-                        fns[name] = peer
-                    except RuntimeError as exc:
-                        log.warning("%s unavailable for %s d%d %dx%d: %s", name, dtype, d_head,
-                                    batch, seqlen, str(exc).splitlines()[0])
-                samples: dict[str, list[float]] = {name: [] for name in fns}
-                for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
-                    for name, fn in fns.items():
-                        samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
-                flops = attention_flops(batch, heads, seqlen, seqlen, d_head)
-                row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen,
-                       "heads": heads,
-                       "config": (config or fa.dispatch.select(
-                           dtype, d_head, seqlen, fa.available_configs())).short}
-                for name in ("ours", *PEERS):
-                    ms = statistics.median(samples[name]) if name in samples else None
-                    row[f"{name}_ms"] = ms
-                    row[f"{name}_ms_min"] = min(samples[name]) if name in samples else None
-                    row[f"{name}_ms_max"] = max(samples[name]) if name in samples else None
-                    row[f"{name}_tflops"] = flops / ms / 1e9 if ms else None
-                for name in PEERS:
-                    row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
-                                            if row[f"{name}_ms"] else None)
-                log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head,
-                         batch, seqlen, row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]),
-                         _fmt(row["sdpa_cudnn_tflops"]))
-                rows.append(row)
-                del q, k, v, out
+                rows.append(_measure_row(dtype, d_head, batch, seqlen, heads, config, reps,
+                                         rounds))
     return rows
+
+
+def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
+                 reps: int, rounds: int) -> dict:
+    import torch
+
+    import flash_attention as fa
+    from flash_attention.timing import attention_flops
+
+    from .perfcases import contenders, time_cuda_ms
+
+    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
+               for _ in range(3))
+    out = torch.empty_like(q)
+    fns = contenders(q, k, v, out, config=config)
+    for name in set(PEERS) - set(fns):
+        log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
+        for name, fn in fns.items():
+            samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
+    flops = attention_flops(batch, heads, seqlen, seqlen, d_head)
+    chosen = config or fa.dispatch.select(dtype, d_head, seqlen, fa.available_configs())
+    row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
+           "config": chosen.short if hasattr(chosen, "short") else str(chosen)}
+    for name in ("ours", *PEERS):
+        got = samples.get(name)
+        row[f"{name}_ms"] = statistics.median(got) if got else None
+        row[f"{name}_ms_min"] = min(got) if got else None
+        row[f"{name}_ms_max"] = max(got) if got else None
+        row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9 if got else None
+    for name in PEERS:
+        row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
+                                if row[f"{name}_ms"] else None)
+    log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head, batch, seqlen,
+             row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
+    return row
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:

@@ -8,6 +8,7 @@
   sanitize    compute-sanitizer memcheck/racecheck/synccheck on small runs (GPU)
   debug       a config beside the block-by-block emulation: first mismatching row (GPU)
   bench       attention() against PyTorch SDPA FA2 and cuDNN (GPU)
+  gate        static resource ratchet, A/B perf gate (GPU), rebaseline, combined report
 
 Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor); a kernel
 argument may also be a set name (ci, default, ...) or 'all' (everything built).
@@ -23,7 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import bench, cubins, diff, formats, opcodes, ptx2sass, ptxas_report, sass
+from . import bench, cubins, diff, formats, gate, opcodes, ptx2sass, ptxas_report, sass
 from .binaries import ToolError, extension_path, ptxas_log_path
 
 RESOURCE_COLUMNS = ["kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_frame",
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_debug)
 
     bench.add_parser(sub)
+    gate.add_parser(sub)
     return parser
 
 

@@ -3,6 +3,7 @@ cubins and PTX, extracted with cuobjdump into a directory kept for the session."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import struct
@@ -43,10 +44,8 @@ def _extracted(binary: str, stamp: str) -> Path:
     if not (out / ".done").exists():
         out.mkdir(parents=True, exist_ok=True)
         run_tool("cuobjdump", "-xelf", "all", binary, cwd=out)
-        try:
+        with contextlib.suppress(ToolError):  # no PTX: asked-for PTX is reported missing later
             run_tool("cuobjdump", "-xptx", "all", binary, cwd=out)
-        except ToolError:
-            pass  # a binary without PTX: asked-for PTX is reported missing later
         (out / ".done").write_text("ok")
     return out
 

@@ -11,7 +11,8 @@ from .kernel_names import config_of
 
 _ENTRY = re.compile(r"Compiling entry function '(?P<name>[^']+)' for 'sm_(?P<arch>\w+)'")
 _PROPS = re.compile(
-    r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, (?P<ld>\d+) bytes spill loads"
+    r"(?P<stack>\d+) bytes stack frame, (?P<st>\d+) bytes spill stores, "
+    r"(?P<ld>\d+) bytes spill loads"
 )
 _USED = re.compile(r"Used (?P<regs>\d+) registers")
 _BARRIERS = re.compile(r"used (?P<n>\d+) barriers")

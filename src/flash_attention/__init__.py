@@ -6,26 +6,37 @@
     fa.forward("bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)
     fa.available_configs()
 
-Importing works without the compiled extension; a call then says how to build it.
+Importing works without the compiled extension (a call then says how to build it) and without
+importing torch: the config modules (config, config_sets, dispatch, codegen) are plain Python,
+and the torch-facing names below load on first use.
 """
 
-from ._extension import ExtensionNotBuilt, build_info, is_built
-from .api import attention, available_configs, forward
+from importlib import import_module
+
 from .config import ConfigError, KernelConfig
 from .config_sets import SETS, resolve
-from .reference import attention_reference, emulate_blocks
 
-__all__ = [
-    "SETS",
-    "ConfigError",
-    "ExtensionNotBuilt",
-    "KernelConfig",
-    "attention",
-    "attention_reference",
-    "available_configs",
-    "build_info",
-    "emulate_blocks",
-    "forward",
-    "is_built",
-    "resolve",
-]
+_LAZY = {
+    "attention": "api",
+    "forward": "api",
+    "available_configs": "api",
+    "attention_reference": "reference",
+    "emulate_blocks": "reference",
+    "ExtensionNotBuilt": "_extension",
+    "build_info": "_extension",
+    "is_built": "_extension",
+    "dispatch": None,
+    "api": None,
+}
+
+__all__ = ["SETS", "ConfigError", "KernelConfig", "resolve", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flash_attention' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = (import_module(f".{name}", __name__) if module is None
+             else getattr(import_module(f".{module}", __name__), name))
+    globals()[name] = value
+    return value

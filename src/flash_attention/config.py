@@ -37,10 +37,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "swizzle": ("s", "XOR-swizzle 16-byte smem chunks by row (conflict-free ldmatrix)"),
     "eager_kv": ("e", "prefetch V_j under Q K_j^T and K_{j+1} under softmax and P V_j"),
     "slice_q": ("q", "load Q fragments per d-slice from smem (else resident in registers)"),
-    "slice_k": ("k", "load K fragments per d-slice, interleaved with the MMAs (else whole block)"),
-    "slice_v": ("v", "load V fragments per key-slice, interleaved with the MMAs (else whole block)"),
+    "slice_k": ("k", "load K fragments per d-slice, between the MMAs (else the whole block)"),
+    "slice_v": ("v", "load V fragments per key-slice, between the MMAs (else the whole block)"),
     "double_buffer": ("b", "load slice s+1 into a second register buffer before the MMAs of s"),
-    "opt_softmax": ("o", "peeled first KV block (no rescale) and the scale folded into the exp2 FMA"),
+    "opt_softmax": ("o", "peeled first KV block (no rescale), scale folded into the exp2 FMA"),
     "reverse_kv": ("r", "iterate KV blocks from last to first"),
 }
 

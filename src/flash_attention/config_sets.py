@@ -14,6 +14,7 @@ A build selects sets by name or explicit short forms, comma-separated (FLASH_ATT
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -45,10 +46,8 @@ def _tune_space() -> tuple[KernelConfig, ...]:
     out: list[KernelConfig] = []
     for dtype, d, br, bc, w in itertools.product(DTYPES, D_HEADS, BLOCK_R, BLOCK_C, WARPS):
         for slice_q in (True, False):
-            try:
+            with contextlib.suppress(ConfigError):  # the space holds only valid configs
                 out.append(KernelConfig(dtype, d, br, bc, w, slice_q=slice_q))
-            except ConfigError:
-                pass
     return tuple(out)
 
 

@@ -65,7 +65,7 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
     if k.shape[3] != d_head:
         raise ValueError(f"d_head of k/v ({k.shape[3]}) differs from d_head of q ({d_head})")
     kv_heads, seqlen_k = k.shape[2], k.shape[1]
-    if kv_heads == 0 and heads != 0 or kv_heads and heads % kv_heads != 0:
+    if (kv_heads == 0 and heads != 0) or (kv_heads and heads % kv_heads != 0):
         raise ValueError(
             f"heads of q ({heads}) must be a multiple of heads of k/v ({kv_heads}) "
             "(equal for MHA, a divisor for GQA/MQA)"

@@ -21,14 +21,14 @@ struct FwdConfig {
     static constexpr int kBc = kBc_;        // B_c: key/value rows per iteration
     static constexpr int kWarps = kWarps_;
 
-    static constexpr bool kSwizzle = kSwizzle_;          // XOR-swizzle 16-byte smem chunks by row
-    static constexpr bool kEagerKV = kEagerKV_;          // prefetch V_j and K_{j+1} under compute
-    static constexpr bool kSliceQ = kSliceQ_;            // Q fragments per d-slice (else resident)
-    static constexpr bool kSliceK = kSliceK_;            // K fragments per d-slice (else whole block)
-    static constexpr bool kSliceV = kSliceV_;            // V fragments per key-slice (else whole)
+    static constexpr bool kSwizzle = kSwizzle_;  // XOR-swizzle 16-byte smem chunks by row
+    static constexpr bool kEagerKV = kEagerKV_;  // prefetch V_j and K_{j+1} under compute
+    static constexpr bool kSliceQ = kSliceQ_;    // Q fragments per d-slice (else resident)
+    static constexpr bool kSliceK = kSliceK_;    // K fragments per d-slice (else whole block)
+    static constexpr bool kSliceV = kSliceV_;    // V fragments per key-slice (else whole)
     static constexpr bool kDoubleBuffer = kDoubleBuffer_;  // prefetch slice s+1 before MMAs of s
-    static constexpr bool kOptSoftmax = kOptSoftmax_;    // peeled first block, scale folded in FMA
-    static constexpr bool kReverseKV = kReverseKV_;      // iterate KV blocks last to first
+    static constexpr bool kOptSoftmax = kOptSoftmax_;  // peeled first block, scale folded in FMA
+    static constexpr bool kReverseKV = kReverseKV_;    // iterate KV blocks last to first
 
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kRowsPerWarp = kBr / kWarps;

@@ -67,9 +67,7 @@ struct ForwardCta {
         return Cfg::kReverseKV ? n_blocks - 1 - i : i;
     }
 
-    __device__ __forceinline__ void copy_q() {
-        q_copy.issue(sQ, q, p.seqlen_q - q_row0);
-    }
+    __device__ __forceinline__ void copy_q() { q_copy.issue(sQ, q, p.seqlen_q - q_row0); }
     __device__ __forceinline__ void copy_k(int j) {
         const int row0 = j * Cfg::kBc;
         k_copy.issue(sK, k + row0 * p.k_row_stride, p.seqlen_k - row0);
@@ -157,11 +155,13 @@ struct ForwardCta {
 #pragma unroll
             for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) O[mt][nt][e] = 0.f;
+                for (int e = 0; e < 4; ++e)
+                    O[mt][nt][e] = 0.f;
         softmax.init();
 
         copy_q();
-        if constexpr (Cfg::kEagerKV) copy_k(kv_block(0));
+        if constexpr (Cfg::kEagerKV)
+            copy_k(kv_block(0));
         cp_async_commit();
 
         int i = 0;
@@ -169,7 +169,8 @@ struct ForwardCta {
             block<true>(0);  // peeled: no rescale of O and l on the first block
             i = 1;
         }
-        for (; i < n_blocks; ++i) block<false>(i);
+        for (; i < n_blocks; ++i)
+            block<false>(i);
 
         float lse[Cfg::kMTiles][2];
         softmax.finalize(O, lse, p.scale_log2);
@@ -199,7 +200,8 @@ struct ForwardCta {
             }
         __syncwarp();  // this warp's O rows are in smem
         Elem* o = static_cast<Elem*>(p.o) + int64_t(blockIdx.z) * p.o_batch_stride +
-                  int64_t(blockIdx.y) * p.o_head_stride + int64_t(q_row0 + warp_row0) * p.o_row_stride;
+                  int64_t(blockIdx.y) * p.o_head_stride +
+                  int64_t(q_row0 + warp_row0) * p.o_row_stride;
         store_warp_rows<Cfg>(smem, warp_row0, o, p.o_row_stride, q_valid - warp_row0, lane);
     }
 };

@@ -39,7 +39,8 @@ struct LdsmAddr {
 
     __device__ __forceinline__ LdsmAddr(uint32_t tile, int row, int chunk_lo) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) base[u] = tile + tile_offset<Cfg>(row, 2 * u + chunk_lo);
+        for (int u = 0; u < 4; ++u)
+            base[u] = tile + tile_offset<Cfg>(row, 2 * u + chunk_lo);
     }
 
     // row_off: a compile-time multiple of 8 rows added to this thread's row.
@@ -58,7 +59,8 @@ __device__ __forceinline__ LdsmAddr<Cfg> q_addr(uint32_t sQ, int warp_row0, int 
 template <class Cfg>
 __device__ __forceinline__ void load_q_slice(QFrag<Cfg>& f, const LdsmAddr<Cfg>& addr, int step) {
 #pragma unroll
-    for (int mt = 0; mt < Cfg::kMTiles; ++mt) ldmatrix_x4(f.r[mt], addr(mt * 16, step));
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+        ldmatrix_x4(f.r[mt], addr(mt * 16, step));
 }
 
 // K (B operand of S = Q K^T): K rows are keys, so a non-transposed 8x8 load already has B's

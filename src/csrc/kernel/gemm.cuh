@@ -16,7 +16,8 @@ struct LoadSchedule {
     __device__ __forceinline__ static void prologue(Load&& load) {
         if constexpr (!kSliced) {
 #pragma unroll
-            for (int s = 0; s < kSteps; ++s) load(s);
+            for (int s = 0; s < kSteps; ++s)
+                load(s);
         } else if constexpr (kDoubleBuffer) {
             load(0);
         }
@@ -25,7 +26,8 @@ struct LoadSchedule {
     template <class Load>
     __device__ __forceinline__ static void before_step(int s, Load&& load) {
         if constexpr (kSliced && kDoubleBuffer) {
-            if (s + 1 < kSteps) load(s + 1);
+            if (s + 1 < kSteps)
+                load(s + 1);
         } else if constexpr (kSliced) {
             load(s);
         }
@@ -52,13 +54,16 @@ __device__ __forceinline__ void gemm_qk(float (&S)[Cfg::kMTiles][Cfg::kNTilesS][
 #pragma unroll
         for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) S[mt][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e)
+                S[mt][nt][e] = 0.f;
 
-    if constexpr (Cfg::kSliceQ) QSched::prologue(load_q);
+    if constexpr (Cfg::kSliceQ)
+        QSched::prologue(load_q);
     KSched::prologue(load_k);
 #pragma unroll
     for (int s = 0; s < Cfg::kStepsQK; ++s) {
-        if constexpr (Cfg::kSliceQ) QSched::before_step(s, load_q);
+        if constexpr (Cfg::kSliceQ)
+            QSched::before_step(s, load_q);
         KSched::before_step(s, load_k);
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTiles; ++mt)

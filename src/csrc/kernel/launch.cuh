@@ -8,10 +8,10 @@
 
 #include <cuda_runtime.h>
 
+#include "../registry.h"
 #include "config.cuh"
 #include "forward_kernel.cuh"
 #include "params.h"
-#include "../registry.h"
 
 namespace flash {
 
@@ -22,12 +22,14 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         // Opt in to >48 KB of dynamic smem once per device (the attribute is per device context).
         static std::atomic<uint64_t> configured{0};
         int device = 0;
-        if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+        if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+            return err;
         const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
         if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
             cudaError_t err = cudaFuncSetAttribute(
                 kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-            if (err != cudaSuccess) return err;
+            if (err != cudaSuccess)
+                return err;
             configured.fetch_or(bit, std::memory_order_acq_rel);
         }
     }

@@ -49,8 +49,7 @@ struct TileCopy {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const bool valid = row + pass * kRowsPerPass < valid_rows;
-            cp_async_16(smem_tile + smem_off + pass * kPassBytes, valid ? src : gmem_tile,
-                        valid);
+            cp_async_16(smem_tile + smem_off + pass * kPassBytes, valid ? src : gmem_tile, valid);
             src += pass_step;
         }
     }
@@ -70,8 +69,8 @@ __device__ __forceinline__ void store_warp_rows(const unsigned char* smem_tile, 
         const int row = idx / Cfg::kChunksPerRow;
         const int chunk = idx % Cfg::kChunksPerRow;
         if (row < valid_rows) {
-            const uint4 val = *reinterpret_cast<const uint4*>(
-                smem_tile + tile_offset<Cfg>(row0 + row, chunk));
+            const uint4 val =
+                *reinterpret_cast<const uint4*>(smem_tile + tile_offset<Cfg>(row0 + row, chunk));
             __stcs(reinterpret_cast<uint4*>(gmem + row * row_stride + chunk * Cfg::kChunkElems),
                    val);
         }

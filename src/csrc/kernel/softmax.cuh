@@ -41,7 +41,8 @@ struct OnlineSoftmax {
                 const int col = kv_col0 + nt * 8 + (lane % 4) * 2 + (e % 2);
                 if (col >= seqlen_k) {
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) S[mt][nt][e] = -INFINITY;
+                    for (int mt = 0; mt < kMT; ++mt)
+                        S[mt][nt][e] = -INFINITY;
                 }
             }
     }
@@ -59,7 +60,8 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int nt = 0; nt < kNS; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) S[mt][nt][e] *= scale_log2;
+                    for (int e = 0; e < 4; ++e)
+                        S[mt][nt][e] *= scale_log2;
         }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
@@ -124,8 +126,7 @@ struct OnlineSoftmax {
                     O[mt][nt][2 * h + 1] *= inv;
                 }
                 const float m_scaled = Cfg::kOptSoftmax ? m[mt][h] * scale_log2 : m[mt][h];
-                lse[mt][h] = sum > 0.f ? (m_scaled + log2f(sum)) * 0.69314718055994531f
-                                       : -INFINITY;
+                lse[mt][h] = sum > 0.f ? (m_scaled + log2f(sum)) * 0.69314718055994531f : -INFINITY;
             }
     }
 };

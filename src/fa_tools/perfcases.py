@@ -1,0 +1,119 @@
+"""The performance cases the gate and asv measure, and measuring them in one process: every
+case is timed for attention() (dispatched config) and for PyTorch SDPA's FA2 backend on the same
+inputs, with CUDA events (flash_attention.timing)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+# (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
+STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    d_head: int
+    batch: int
+    seqlen: int
+    heads: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, and d 64.
+GATE_CASES = tuple(
+    [Case(dt, 128, b, s) for dt in ("bf16", "fp16")
+     for b, s in ((16, 1024), (16, 4096), (4, 16384))]
+    + [Case("bf16", 64, 16, 4096)]
+)
+# asv's cases: the standard table for both dtypes and both d_heads.
+ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
+                  for b, s in STANDARD)
+
+CONTENDERS = ("ours", "sdpa_fa2", "sdpa_cudnn")
+
+
+def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
+    """CUDA-event milliseconds of each call, the stream held busy (a device-side sleep) while
+    the host queues the calls so host overhead does not open gaps. Kept here, not imported from
+    the build under test, so both sides of an A/B comparison are timed by the same code."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    torch.cuda._sleep(2_000_000 + 100_000 * reps)
+    for start, end in events:
+        start.record(stream)
+        fn()
+        end.record(stream)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def contenders(q, k, v, out, config=None, names=CONTENDERS) -> dict:
+    """Zero-argument callables, one per contender, on the same inputs: attention() (the given
+    config, else dispatch) writing into out, and SDPA restricted to one backend on the
+    (B, H, S, D) view of the same tensors. A backend that cannot run the shape is left out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attention as fa
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+    def make_peer(backend):
+        def peer():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+        return peer
+
+    fns = {}
+    if "ours" in names:
+        fns["ours"] = (lambda: fa.attention(q, k, v, out=out)) if config is None else (
+            lambda: fa.attention(q, k, v, out=out, config=config))
+    for name in names:
+        if name in backends:
+            peer = make_peer(backends[name])
+            try:
+                peer()
+            except RuntimeError:
+                continue
+            fns[name] = peer
+    return fns
+
+
+def measure(cases: list[Case], contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
+            reps: int = 10, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """{case name: {contender: median ms over reps calls}}; raises on any failure (a broken
+    benchmark must never look like a slow one)."""
+    import torch
+
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    out: dict[str, dict[str, float]] = {}
+    for case in cases:
+        shape = (case.batch, case.seqlen, case.heads, case.d_head)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype]) for _ in range(3))
+        o = torch.empty_like(q)
+        fns = contenders(q, k, v, o, names=contenders_)
+        missing = set(contenders_) - set(fns)
+        if missing:
+            raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
+        fns["ours"]()
+        if not torch.isfinite(o).all():
+            raise RuntimeError(f"{case.name}: attention() produced non-finite values")
+        out[case.name] = {name: statistics.median(time_cuda_ms(fn, reps=reps, warmup=warmup))
+                          for name, fn in fns.items()}
+    return out

@@ -1,0 +1,168 @@
+"""The static resource ratchet: per kernel and architecture, registers, spill bytes, stack,
+shared memory and SASS totals of the current build against the pins in ci/baselines/, under the
+policy in ci/gate_policy.yaml. Worse fails; better but not re-pinned fails too ("re-pin with
+rebaseline"), so the pins never go stale. No GPU needed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from . import opcodes, ptxas_report, sass
+from .binaries import ToolError, run_tool
+
+METRICS = ("registers", "spill_bytes", "stack_frame", "smem", "sass_total", "sass_local_memory",
+           "sass_int_address", "sass_tensor_mma")
+
+
+@dataclass(frozen=True)
+class Finding:
+    kernel: str
+    arch: str
+    metric: str
+    baseline: float | None
+    current: float | None
+    status: str  # ok | worse | improved | missing | unpinned
+    rule: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def scope_kernels(policy: dict) -> list[str]:
+    from flash_attention.config_sets import resolve
+
+    return [c.short for c in resolve(policy["static"]["kernels"])]
+
+
+def toolchain(build_info: dict | None) -> dict[str, str]:
+    version = run_tool("nvdisasm", "--version")
+    m = re.search(r"V(\d+\.\d+\.\d+)", version)
+    return {"nvcc": (build_info or {}).get("nvcc", "unknown"),
+            "nvdisasm": m[1] if m else "unknown"}
+
+
+def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Path
+                    ) -> dict[str, dict[str, dict[str, int]]]:
+    """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build."""
+    records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for kernel in kernels:
+        for arch in archs:
+            rec = records.get((kernel, arch))
+            if rec is None:
+                continue
+            hist = opcodes.histogram(kernel, arch, sass.instructions(binary, kernel, arch))
+            out.setdefault(kernel, {})[arch] = {
+                "registers": rec.registers,
+                "spill_bytes": rec.spill_stores + rec.spill_loads,
+                "stack_frame": rec.stack_frame,
+                "smem": rec.static_smem + rec.dynamic_smem,
+                "sass_total": hist.total,
+                "sass_local_memory": hist.categories["local_memory"],
+                "sass_int_address": hist.categories["int_address"],
+                "sass_tensor_mma": hist.categories["tensor_mma"],
+            }
+    return out
+
+
+def _allowance(rule: dict, base: float) -> float:
+    if "max_increase_pct" in rule:
+        return base * rule["max_increase_pct"] / 100
+    return rule.get("max_increase", 0)
+
+
+def _rule_text(rule: dict) -> str:
+    if "max_increase_pct" in rule:
+        return f"may rise at most {rule['max_increase_pct']}%"
+    n = rule.get("max_increase", 0)
+    return "may not rise" if n == 0 else f"may rise at most {n}"
+
+
+def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
+    static = policy["static"]
+    rules = static["metrics"]
+    zero_spill = set()
+    if static.get("zero_spills_for"):
+        from flash_attention.config_sets import resolve
+
+        zero_spill = {c.short for c in resolve(static["zero_spills_for"])}
+    findings: list[Finding] = []
+    pinned = baseline.get("kernels", {})
+    for kernel in sorted(set(pinned) | set(current)):
+        for arch in sorted(set(pinned.get(kernel, {})) | set(current.get(kernel, {}))):
+            old = pinned.get(kernel, {}).get(arch)
+            new = current.get(kernel, {}).get(arch)
+            if old is None:
+                findings.append(Finding(kernel, arch, "*", None, None, "unpinned",
+                                        "new kernel: pin it with rebaseline"))
+                continue
+            if new is None:
+                findings.append(Finding(kernel, arch, "*", None, None, "missing",
+                                        "pinned kernel not in this build"))
+                continue
+            for metric, rule in rules.items():
+                b, c = old.get(metric), new.get(metric)
+                if b is None or c is None:
+                    findings.append(Finding(kernel, arch, metric, b, c, "unpinned",
+                                            "metric not pinned: rebaseline"))
+                    continue
+                text = _rule_text(rule)
+                if metric == "spill_bytes" and kernel in zero_spill and c > 0:
+                    findings.append(Finding(kernel, arch, metric, b, c, "worse",
+                                            "must stay 0 for this kernel set"))
+                elif c > b + _allowance(rule, b):
+                    findings.append(Finding(kernel, arch, metric, b, c, "worse", text))
+                elif c < b and static.get("fail_on_unpinned_improvement", True):
+                    findings.append(Finding(kernel, arch, metric, b, c, "improved",
+                                            "better than the pin: re-pin with rebaseline"))
+                else:
+                    findings.append(Finding(kernel, arch, metric, b, c, "ok", text))
+    return findings
+
+
+def load_yaml(path: Path) -> dict:
+    return yaml.safe_load(Path(path).read_text()) or {}
+
+
+def rebaseline(path: Path, current: dict, tools: dict, reason: str, policy: dict) -> dict:
+    reason = reason.strip()
+    if not reason:
+        raise ValueError("rebaseline needs a reason (--reason \"...\")")
+    old = load_yaml(path) if Path(path).exists() else {}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    history = list(old.get("history", []))
+    history.append({"date": dt.date.today().isoformat(), "commit": commit, "reason": reason})
+    doc = {
+        "note": "Pinned by `nox -s rebaseline -- --reason ...`; edit only through rebaseline.",
+        "toolchain": tools,
+        "kernels": current,
+        "history": history,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(doc, sort_keys=False, width=100))
+    return doc
+
+
+def check_toolchain(baseline: dict, tools: dict) -> str | None:
+    pinned = baseline.get("toolchain")
+    if pinned and pinned != tools:
+        return (f"toolchain {tools} differs from the pinned {pinned}: SASS counts are not "
+                "comparable; rebaseline on purpose after a toolchain change")
+    return None
+
+
+__all__ = ["METRICS", "Finding", "ToolError", "compare", "current_metrics", "rebaseline"]
