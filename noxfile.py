@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent
 PY = sys.executable
 REPORT = ROOT / "gate-report"
 ENV = {"PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+ASV_ENV = {**ENV, "ASV_PYTHONPATH": ENV["PYTHONPATH"]}  # asv drops PYTHONPATH, keeps this one
 
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
@@ -168,14 +169,14 @@ def bench(session: nox.Session) -> None:
                 platform.machine(), env=ENV)
     session.run(PY, "-m", "asv", "run", "-E", f"existing:{PY}", "--set-commit-hash", sha,
                 "--machine", machine, "--record-samples", "--show-stderr", *session.posargs,
-                env=ENV)
+                env=ASV_ENV)
 
 
 @nox.session
 def publish(session: nox.Session) -> None:
     """asv html of every recorded result (benchmarks/results -> .asv/html)."""
     _ensure(session, BENCH_DEPS)
-    session.run(PY, "-m", "asv", "publish", env=ENV)
+    session.run(PY, "-m", "asv", "publish", env=ASV_ENV)
     session.log(f"open {ROOT / '.asv' / 'html' / 'index.html'}")
 
 

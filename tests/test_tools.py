@@ -196,7 +196,6 @@ def test_ptx_slice_parsing():
 
 
 def test_missing_tool_names_its_package(monkeypatch):
-    monkeypatch.setattr(binaries.shutil, "which", lambda name: None)
     monkeypatch.setattr(binaries, "_candidate_dirs", lambda: [])
     with pytest.raises(binaries.ToolError, match="pip install nvidia-cuda-nvdisasm"):
         binaries.find_tool("nvdisasm")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,27 +25,27 @@ class ToolError(RuntimeError):
 
 
 def _candidate_dirs() -> list[Path]:
-    dirs = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    """Where to look, in order: the PyPI packages first (their versions are pinned, so SASS
+    counts match the pins), then PATH, CUDA_HOME and the default toolkit."""
+    dirs = []
+    for entry in sys.path:
+        for sub in ("cu13", "cu12", "cuda_cuobjdump", "cuda_nvdisasm"):
+            dirs.append(Path(entry) / "nvidia" / sub / "bin")
+    dirs += [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             dirs.append(Path(os.environ[var]) / "bin")
     dirs.append(Path("/usr/local/cuda/bin"))
-    for entry in sys.path:
-        for sub in ("cu13", "cu12", "cuda_cuobjdump", "cuda_nvdisasm"):
-            dirs.append(Path(entry) / "nvidia" / sub / "bin")
     return dirs
 
 
 def find_tool(name: str) -> str:
-    found = shutil.which(name)
-    if found:
-        return found
     for directory in _candidate_dirs():
         path = directory / name
         if path.is_file() and os.access(path, os.X_OK):
             return str(path)
-    raise ToolError(f"{name} not found on PATH, in CUDA_HOME or site-packages; install it with "
-                    f"{PROVIDERS.get(name, 'the CUDA toolkit')}")
+    raise ToolError(f"{name} not found in site-packages, on PATH or in CUDA_HOME; install it "
+                    f"with {PROVIDERS.get(name, 'the CUDA toolkit')}")
 
 
 def run_tool(name: str, *args: str, cwd: str | Path | None = None) -> str:
