@@ -36,7 +36,10 @@ nox.options.sessions = ["build", "test"]
 ROOT = Path(__file__).resolve().parent
 PY = sys.executable
 REPORT = ROOT / "gate-report"
-ENV = {"PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+# src first; whatever PYTHONPATH already holds (e.g. wheels unpacked on an offline runner) after.
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                   os.environ.get("PYTHONPATH")])),
+       "PYTHONUNBUFFERED": "1"}
 ASV_ENV = {**ENV, "ASV_PYTHONPATH": ENV["PYTHONPATH"]}  # asv drops PYTHONPATH, keeps this one
 
 # import name -> pip requirement, per purpose

@@ -40,7 +40,7 @@ def test_default_table(no_tuning):
     long = dispatch.select("bf16", 128, 4096, built)
     assert short.short == "bf16_d128_r64_c64_w4_fseqkvbor"
     assert long.short == "bf16_d128_r128_c64_w4_fseqkvbor"
-    assert dispatch.select("fp16", 64, 4096, built).short == "fp16_d64_r128_c128_w4_fseqkvbor"
+    assert dispatch.select("fp16", 64, 4096, built).short == "fp16_d64_r128_c64_w4_fsekvbor"
 
 
 def test_fallback_to_any_built(no_tuning):

@@ -213,3 +213,31 @@ def test_cli_module_entry_point(built):
     out = subprocess.run([sys.executable, "-m", "fa_tools", "sass", "list", "--format", "csv"],
                          capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0] == "kernel,arch,fatbin_ptx"
+
+
+def test_default_configs_do_not_spill(tmp_path):
+    """The kernels dispatch runs must be spill-free on both architectures (ptxas's word)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flash_attention.codegen import kernel_source
+    from flash_attention.config_sets import SETS
+
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc not found")
+
+    def compile_one(job):
+        cfg, arch = job
+        src = tmp_path / f"{cfg.short}_{arch}.cu"
+        src.write_text(kernel_source(cfg))
+        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", f"-arch=sm_{arch}",
+                               "-Xptxas=-v", f"-I{ROOT / 'src/csrc'}", str(src), "-o",
+                               str(src.with_suffix(".cubin"))],
+                              capture_output=True, text=True, check=True)
+        return ptxas_report.parse(proc.stderr)[0]
+
+    jobs = [(cfg, arch) for cfg in SETS["default"] for arch in ("80", "90")]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        records = list(pool.map(compile_one, jobs))
+    spilling = [(r.kernel, r.arch, r.spill_stores) for r in records if r.spill_stores]
+    assert not spilling, f"default kernels spill: {spilling}"
