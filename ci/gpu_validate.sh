@@ -12,7 +12,7 @@ LOG_DIR=${LOG_DIR:-gpu-logs}
 KERNELS=${KERNELS:-ci,default}
 ARCHS=${ARCHS:-90}
 STEPS=${STEPS:-build test bench}
-mkdir -p "$LOG_DIR"
+LOG_DIR=$(mkdir -p "$LOG_DIR" && cd "$LOG_DIR" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export FLASH_ATTENTION_TUNING_FILE=${FLASH_ATTENTION_TUNING_FILE:-/nonexistent}
 summary=()
@@ -93,14 +93,14 @@ if step planted; then
     # base: this tree as built; head: a copy whose dispatch table drops swizzling (a real,
     # large slowdown of the generated code) for the long-sequence kernels.
     rm -rf /tmp/fa-head && cp -r . /tmp/fa-head
-    sed -i 's/_r128_c{64 if d == 128 else 128}_w4_fseqkvbor/_r128_c{64 if d == 128 else 128}_w4_feqkvbor/' \
+    sed -i "s/{'fseqkvbor' if d == 128 else 'fsekvbor'}/{'feqkvbor' if d == 128 else 'fekvbor'}/" \
         /tmp/fa-head/src/flash_attention/dispatch.py
-    grep -n "feqkvbor" /tmp/fa-head/src/flash_attention/dispatch.py
-    run planted-build env FLASH_ATTENTION_KERNELS="$KERNELS,bf16_d128_r128_c64_w4_feqkvbor,fp16_d128_r128_c64_w4_feqkvbor,bf16_d64_r128_c128_w4_feqkvbor,fp16_d64_r128_c128_w4_feqkvbor" \
+    grep -n "feqkvbor" /tmp/fa-head/src/flash_attention/dispatch.py || exit 3
+    run planted-build env FLASH_ATTENTION_KERNELS="$KERNELS,default" \
         FLASH_ATTENTION_ARCHS="$ARCHS" MAX_JOBS="${MAX_JOBS:-16}" \
         bash -c 'cd /tmp/fa-head && python3 setup.py build_ext --inplace'
     run planted bash -c "cd /tmp/fa-head && PYTHONPATH=/tmp/fa-head/src python3 -m fa_tools \
-        gate perf --base-dir '$PWD' --out '$PWD/$LOG_DIR/planted'"
+        gate perf --base-dir '$PWD' --out '$LOG_DIR/planted'"
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.log"
