@@ -95,8 +95,15 @@ def _has_gpu() -> bool:
     return subprocess.run([PY, "-c", code], check=False).returncode == 0
 
 
-def _fa_tools(session: nox.Session, *args: str, **kw) -> int:
-    return session.run(PY, "-m", "fa_tools", *args, env=ENV, **kw)
+def _fa_tools(session: nox.Session, *args: str) -> None:
+    session.run(PY, "-m", "fa_tools", *args, env=ENV)
+
+
+def _fa_tools_code(session: nox.Session, *args: str) -> int:
+    """Run fa-tools and return its exit code (session.run only says success or failure)."""
+    session.log(f"fa-tools {' '.join(args)}")
+    return subprocess.run([PY, "-m", "fa_tools", *args], env={**os.environ, **ENV},
+                          check=False).returncode
 
 
 @nox.session
@@ -198,17 +205,16 @@ def gate(session: nox.Session) -> None:
     REPORT.mkdir()
     build(session)
     _ensure(session, TEST_DEPS)
-    codes = [_fa_tools(session, "gate", "static", "--out", str(REPORT), success_codes=[0, 1, 2, 3])]
+    _fa_tools_code(session, "gate", "static", "--out", str(REPORT))
     session.run(PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                 f"--junitxml={REPORT / 'tests.xml'}", "tests",
                 env={**ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"}, success_codes=[0, 1])
     if _has_gpu():
         perf_args = session.posargs or ["--base", os.environ.get("GATE_BASE", "origin/main")]
-        codes.append(_fa_tools(session, "gate", "perf", "--out", str(REPORT), *perf_args,
-                               success_codes=[0, 1, 2, 3]))
+        _fa_tools_code(session, "gate", "perf", "--out", str(REPORT), *perf_args)
     else:
         session.log("perf A/B skipped: no CUDA GPU on this machine")
-    code = _fa_tools(session, "gate", "report", "--out", str(REPORT), success_codes=[0, 1, 2, 3])
+    code = _fa_tools_code(session, "gate", "report", "--out", str(REPORT))
     if code:
         session.error(f"gate failed with exit code {code}: see {REPORT / 'report.md'}")
 
