@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import nox
@@ -35,6 +36,9 @@ nox.options.sessions = ["build", "test"]
 
 ROOT = Path(__file__).resolve().parent
 PY = sys.executable
+# Console scripts installed into this interpreter (clang-format, shellcheck) must be found even
+# when its environment is not activated (ci/nox.sh runs .venv/bin/python -m nox).
+os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])
 REPORT = ROOT / "gate-report"
 # src first; whatever PYTHONPATH already holds (e.g. wheels unpacked on an offline runner) after.
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
