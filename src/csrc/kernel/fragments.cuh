@@ -63,6 +63,17 @@ __device__ __forceinline__ void load_q_slice(QFrag<Cfg>& f, const LdsmAddr<Cfg>&
         ldmatrix_x4(f.r[mt], addr(mt * 16, step));
 }
 
+// One x4 load covers two n8 tiles: registers {0, 1} are tile 2*pair's B operand, {2, 3} tile
+// 2*pair+1's.
+template <int N>
+__device__ __forceinline__ void split_pair(uint32_t (&dst)[N][2], int pair,
+                                           const uint32_t (&r)[4]) {
+    dst[2 * pair][0] = r[0];
+    dst[2 * pair][1] = r[1];
+    dst[2 * pair + 1][0] = r[2];
+    dst[2 * pair + 1][1] = r[3];
+}
+
 // K (B operand of S = Q K^T): K rows are keys, so a non-transposed 8x8 load already has B's
 // column-major layout. One x4 load covers two n8 tiles: {keys 0-7, keys 8-15} x {d 0-7, d 8-15}.
 template <class Cfg>
@@ -76,10 +87,7 @@ __device__ __forceinline__ void load_k_slice(KFrag<Cfg>& f, const LdsmAddr<Cfg>&
     for (int pair = 0; pair < Cfg::kNTilesS / 2; ++pair) {
         uint32_t r[4];
         ldmatrix_x4(r, addr(pair * 16, step));
-        f.r[2 * pair][0] = r[0];
-        f.r[2 * pair][1] = r[1];
-        f.r[2 * pair + 1][0] = r[2];
-        f.r[2 * pair + 1][1] = r[3];
+        split_pair(f.r, pair, r);
     }
 }
 
@@ -97,10 +105,7 @@ __device__ __forceinline__ void load_v_slice(VFrag<Cfg>& f, const LdsmAddr<Cfg>&
     for (int pair = 0; pair < Cfg::kNTilesO / 2; ++pair) {
         uint32_t r[4];
         ldmatrix_x4_trans(r, addr(step * 16, pair));
-        f.r[2 * pair][0] = r[0];
-        f.r[2 * pair][1] = r[1];
-        f.r[2 * pair + 1][0] = r[2];
-        f.r[2 * pair + 1][1] = r[3];
+        split_pair(f.r, pair, r);
     }
 }
 
