@@ -20,6 +20,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                  "r"(src_bytes));
 }
 
+// 16-byte async copy of a chunk known to be inside the tensor (no source-size operand).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

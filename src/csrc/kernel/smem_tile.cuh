@@ -46,6 +46,14 @@ struct TileCopy {
     __device__ __forceinline__ void issue(uint32_t smem_tile, const typename Cfg::Elem* gmem_tile,
                                           int valid_rows) const {
         const typename Cfg::Elem* src = gmem_tile + gmem_off;
+        if (valid_rows >= kRows) {  // a whole tile (every block but a tail): no row predicates
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+                cp_async_16(smem_tile + smem_off + pass * kPassBytes, src);
+                src += pass_step;
+            }
+            return;
+        }
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const bool valid = row + pass * kRowsPerPass < valid_rows;
