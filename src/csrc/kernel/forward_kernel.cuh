@@ -206,8 +206,10 @@ struct ForwardCta {
     }
 };
 
+// Min one CTA per SM: ptxas may then use up to 255 registers. Without it, it capped some
+// kernels at 128 registers to fit 4 CTAs and spilled instead.
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads)
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
     ForwardCta<Cfg> cta(params, smem);
