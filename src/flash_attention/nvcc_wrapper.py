@@ -10,8 +10,12 @@ time) land in a file for the resource report. Standalone: imports nothing from t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+
+# ptxas -v lines: "ptxas info : ..." and the indented "N bytes stack frame, ..." property line.
+_PTXAS_INFO = re.compile(r"^(ptxas info\s*:|\s+\d+ bytes stack frame,)")
 
 
 def _real_nvcc() -> str:
@@ -27,7 +31,7 @@ def main(argv: list[str]) -> int:
         with open(obj + ".ptxas.log", "w") as fh:
             fh.write(proc.stderr)
     for line in proc.stderr.splitlines(keepends=True):
-        if not line.startswith("ptxas info") and not line.startswith("    "):
+        if not _PTXAS_INFO.match(line):
             sys.stderr.write(line)
     return proc.returncode
 
