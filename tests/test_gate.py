@@ -119,9 +119,9 @@ def test_ratchet_new_and_missing_kernels():
 def test_rebaseline_requires_reason_and_records_history(tmp_path):
     path = tmp_path / "static.yaml"
     with pytest.raises(ValueError, match="needs a reason"):
-        ratchet.rebaseline(path, _metrics(), {"nvcc": "13.0"}, "  ", POLICY)
-    ratchet.rebaseline(path, _metrics(), {"nvcc": "13.0"}, "first", POLICY)
-    doc = ratchet.rebaseline(path, _metrics(registers=190), {"nvcc": "13.0"}, "second", POLICY)
+        ratchet.rebaseline(path, _metrics(), {"nvcc": "13.0"}, "  ")
+    ratchet.rebaseline(path, _metrics(), {"nvcc": "13.0"}, "first")
+    doc = ratchet.rebaseline(path, _metrics(registers=190), {"nvcc": "13.0"}, "second")
     assert [h["reason"] for h in doc["history"]] == ["first", "second"]
     assert ratchet.load_yaml(path)["kernels"][K]["90"]["registers"] == 190
 

@@ -82,7 +82,9 @@ def extension_path() -> Path:
 
 
 def ptxas_log_path() -> Path:
-    path = package_dir() / "ptxas.log"
+    from flash_attention._extension import ptxas_log_path as kept_by_build
+
+    path = kept_by_build()
     if not path.exists():
         raise ToolError(f"no ptxas report at {path}: build the extension with "
                         "`pip install --no-build-isolation -e .` (the build writes it)")

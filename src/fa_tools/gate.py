@@ -37,10 +37,6 @@ def overall(codes: list[int]) -> int:
     return PASS
 
 
-def _load_policy(path: Path) -> dict:
-    return ratchet.load_yaml(path)
-
-
 def _write(out: Path, name: str, doc: dict, md: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -76,7 +72,7 @@ def _v(x: object) -> str:
 def run_static(policy_path: Path, baseline_path: Path, out: Path) -> int:
     import flash_attention as fa
 
-    policy = _load_policy(policy_path)
+    policy = ratchet.load_yaml(policy_path)
     try:
         binary, log_path = extension_path(), ptxas_log_path()
         tools = ratchet.toolchain(fa.build_info())
@@ -109,12 +105,11 @@ def run_static(policy_path: Path, baseline_path: Path, out: Path) -> int:
 def run_rebaseline(policy_path: Path, baseline_path: Path, reason: str) -> int:
     import flash_attention as fa
 
-    policy = _load_policy(policy_path)
+    policy = ratchet.load_yaml(policy_path)
     current = ratchet.current_metrics(ratchet.scope_kernels(policy),
                                       [str(a) for a in policy["static"]["archs"]],
                                       extension_path(), ptxas_log_path())
-    doc = ratchet.rebaseline(baseline_path, current, ratchet.toolchain(fa.build_info()), reason,
-                             policy)
+    doc = ratchet.rebaseline(baseline_path, current, ratchet.toolchain(fa.build_info()), reason)
     n = sum(len(v) for v in doc["kernels"].values())
     print(f"pinned {n} kernel x arch entries in {baseline_path} ({reason})")
     return PASS
@@ -312,7 +307,7 @@ def command(args: argparse.Namespace) -> int:
     if args.action == "perf":
         if not (args.aa or args.base or args.base_dir):
             raise SystemExit("fa-tools gate perf: give --base REF, --base-dir DIR or --aa")
-        code = run_perf(args, _load_policy(policy_path), out)
+        code = run_perf(args, ratchet.load_yaml(policy_path), out)
         print((out / "perf.md").read_text())
         return code
     return run_report(out)

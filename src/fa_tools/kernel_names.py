@@ -29,7 +29,3 @@ def config_of(mangled: str) -> KernelConfig | None:
     return KernelConfig(_ELEM[m["elem"]], int(m["d"]), int(m["br"]), int(m["bc"]), int(m["w"]),
                         **flags)
 
-
-def short_name(mangled: str) -> str:
-    cfg = config_of(mangled)
-    return cfg.short if cfg else mangled

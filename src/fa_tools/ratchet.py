@@ -14,10 +14,7 @@ from pathlib import Path
 import yaml
 
 from . import opcodes, ptxas_report, sass
-from .binaries import ToolError, run_tool
-
-METRICS = ("registers", "spill_bytes", "stack_frame", "smem", "sass_total", "sass_local_memory",
-           "sass_int_address", "sass_tensor_mma")
+from .binaries import run_tool
 
 
 @dataclass(frozen=True)
@@ -134,7 +131,7 @@ def load_yaml(path: Path) -> dict:
     return yaml.safe_load(Path(path).read_text()) or {}
 
 
-def rebaseline(path: Path, current: dict, tools: dict, reason: str, policy: dict) -> dict:
+def rebaseline(path: Path, current: dict, tools: dict, reason: str) -> dict:
     reason = reason.strip()
     if not reason:
         raise ValueError("rebaseline needs a reason (--reason \"...\")")
@@ -164,5 +161,3 @@ def check_toolchain(baseline: dict, tools: dict) -> str | None:
                 "comparable; rebaseline on purpose after a toolchain change")
     return None
 
-
-__all__ = ["METRICS", "Finding", "ToolError", "compare", "current_metrics", "rebaseline"]

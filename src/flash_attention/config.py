@@ -238,10 +238,3 @@ class KernelConfig:
             f"flags={','.join(on) or 'none'}"
         )
 
-
-def is_valid(**fields: object) -> bool:
-    try:
-        KernelConfig(**fields)  # type: ignore[arg-type]
-    except ConfigError:
-        return False
-    return True

@@ -96,11 +96,6 @@ SETS: dict[str, tuple[KernelConfig, ...]] = {
 SETS["all"] = _unique(list(itertools.chain.from_iterable(SETS.values())))
 
 
-def prog_steps_of(config: KernelConfig) -> list[int]:
-    """Step numbers of the progression that this config stands for."""
-    return [s.step for s in PROG_STEPS if s.config == config]
-
-
 def resolve(spec: str) -> tuple[KernelConfig, ...]:
     """Configs named by a comma-separated list of set names and/or short forms, in order,
     without duplicates. Raises ConfigError naming the bad item."""
