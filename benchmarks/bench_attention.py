@@ -1,10 +1,10 @@
 """asv: timings of attention() and of PyTorch SDPA's FLASH_ATTENTION (FA2) and CUDNN_ATTENTION
 backends, over dtype x d_head x (batch, seq_len), 16 heads. All cases are measured once per
-run in setup_cache, in one process, with CUDA events (fa_tools.perfcases: median of 20 calls);
+run in setup_cache, in one process, with CUDA events (fa_tools.gpu.perfcases: median of 20 calls);
 the track_ methods report them. Without a GPU every benchmark here is skipped.
 Nox builds the extension; asv only measures (environment_type "existing")."""
 
-from fa_tools.perfcases import ASV_CASES, CONTENDERS, STANDARD, Case, measure
+from fa_tools.gpu.perfcases import ASV_CASES, CONTENDERS, STANDARD, Case, measure
 
 SHAPES = [f"{b}x{s}" for b, s in STANDARD]
 

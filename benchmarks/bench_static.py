@@ -12,8 +12,8 @@ CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "s
 
 
 def _collect():
-    from fa_tools import opcodes, ptxas_report, sass
-    from fa_tools.binaries import ToolError, extension_path, ptxas_log_path
+    from fa_tools.analysis import opcodes, ptxas_report, sass
+    from fa_tools.analysis.binaries import ToolError, extension_path, ptxas_log_path
 
     try:
         binary, log = extension_path(), ptxas_log_path()

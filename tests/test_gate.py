@@ -5,61 +5,95 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
-from fa_tools import abtest, gate, ratchet
-from fa_tools.stats import bootstrap_ratio_ci, mann_whitney_greater
+from fa_tools import gate
+from fa_tools.gate import abtest, perf, ratchet, report
+from fa_tools.gate.stats import bootstrap_median_ci, signed_rank_greater
+from fa_tools.gpu.perfcases import Case
 
-# ---- statistics (reference values from scipy.stats.mannwhitneyu, alternative="greater",
-# exact up to 20 values a side, asymptotic above) --------------------------------------------
+# ---- statistics (reference values from scipy.stats.wilcoxon, alternative="greater": exact up
+# to 50 pairs, normal approximation with continuity correction above and with ties) ----------
+
+
+def _diffs(n, mu, seed=1):
+    r = random.Random(seed)
+    return [r.gauss(mu, 0.01) for _ in range(n)]
 
 
 @pytest.mark.parametrize(
-    "n, m, expected",
-    [(6, 6, 0.0010822510822510823), (8, 8, 0.0003108003108003108),
-     (6, 7, 0.0005827505827505828), (25, 30, 2.0692527515760454e-07)],
+    "n, mu, expected",
+    [(12, 0.01, 0.008056640625), (20, 0.002, 0.0031948089599609375),
+     (30, 0.0, 0.27805663738399744), (60, 0.003, 0.1955492997006671)],
 )
-def test_mann_whitney_matches_scipy(n, m, expected):
+def test_signed_rank_matches_scipy(n, mu, expected):
     r = random.Random(1)
-    x = [r.gauss(1.05, 0.03) for _ in range(n)]
-    y = [r.gauss(1, 0.03) for _ in range(m)]
-    assert mann_whitney_greater(x, y) == pytest.approx(expected, rel=1e-6)
+    for m, spread in ((12, 0.01), (20, 0.002), (30, 0.0), (60, 0.003)):
+        d = [r.gauss(spread, 0.01) for _ in range(m)]
+        if m == n:
+            break
+    assert signed_rank_greater(d) == pytest.approx(expected, rel=1e-9)
 
 
-def test_mann_whitney_ties_and_extremes():
-    # scipy asymptotic with tie correction: 0.06936985521514459
-    assert mann_whitney_greater([1, 2, 2, 3, 4, 5], [0, 1, 1, 2, 2, 3]) == pytest.approx(
-        0.0693698552151446, rel=1e-9)
-    x, y = [2, 3, 4, 5, 6, 7], [1, 1.1, 1.2, 1.3, 1.4, 1.5]
-    assert mann_whitney_greater(x, y) == pytest.approx(1 / 924)  # the smallest p for 6 vs 6
-    assert mann_whitney_greater(y, x) == pytest.approx(1.0)
+def test_signed_rank_ties_zeros_and_extremes():
+    # scipy, zero_method="wilcox", correction=True, method="approx": 0.045444392622863546
+    assert signed_rank_greater([1, 2, 2, 3, -1, 4, -2, 5, 0]) == pytest.approx(
+        0.04544439262286354, rel=1e-9)
+    assert signed_rank_greater([0.01 * (i + 1) for i in range(12)]) == pytest.approx(2**-12)
+    assert signed_rank_greater([-0.01 * (i + 1) for i in range(12)]) == pytest.approx(1.0)
+    assert signed_rank_greater([0.0, 0.0]) == 1.0
 
 
-def test_bootstrap_interval_brackets_the_ratio():
-    lo, hi = bootstrap_ratio_ci([1.05, 1.06, 1.04, 1.05, 1.07, 1.05], [1, 1.01, 0.99, 1, 1.02, 1])
-    assert lo < 1.05 < hi and lo > 1.0
+def test_bootstrap_interval_brackets_the_median():
+    values = [0.05, 0.06, 0.04, 0.05, 0.07, 0.05, 0.045, 0.055]
+    lo, hi = bootstrap_median_ci(values)
+    assert lo <= 0.05 <= hi and lo > 0.0
 
 
 # ---- verdicts ----------------------------------------------------------------------------------
 
 
-def _samples(center, spread=0.005, n=8, seed=0):
+def _samples(center, spread=0.005, n=12, seed=0):
     r = random.Random(seed)
     return [center * (1 + r.uniform(-spread, spread)) for _ in range(n)]
+
+
+POL = abtest.Policy()
+ALPHA = POL.alpha_per_look(7)
+
+
+def test_policy_splits_alpha_over_cases_and_looks():
+    assert POL.looks == 1 + 3  # after 12, 18, 24 and 30 rounds
+    assert pytest.approx(0.01 / (7 * 4)) == ALPHA
+    assert 2.0**-POL.rounds < ALPHA, "the first look must be able to reach significance"
+    with pytest.raises(ValueError, match="unknown perf policy keys: alpah"):
+        abtest.Policy.from_dict({"alpah": 0.1})
 
 
 def test_analyse_verdicts():
     peer = _samples(1.0, seed=9)
     base = _samples(1.0, seed=1)
-    slow = abtest.analyse("c", base, _samples(1.10, seed=2), peer, peer, 3.0, 0.002)
-    same = abtest.analyse("c", base, _samples(1.0, seed=3), peer, peer, 3.0, 0.002)
-    small = abtest.analyse("c", base, _samples(1.02, seed=4), peer, peer, 3.0, 0.002)
-    fast = abtest.analyse("c", base, _samples(0.90, seed=5), peer, peer, 3.0, 0.002)
+    slow = abtest.analyse("c", base, _samples(1.10, seed=2), peer, peer, 1.5, ALPHA)
+    same = abtest.analyse("c", base, _samples(1.0, seed=3), peer, peer, 1.5, ALPHA)
+    small = abtest.analyse("c", base, [b * 1.004 for b in base], peer, peer, 1.5, ALPHA)
+    fast = abtest.analyse("c", base, _samples(0.90, seed=5), peer, peer, 1.5, ALPHA)
     assert slow.verdict == "slower" and slow.ratio == pytest.approx(1.10, rel=0.01)
     assert same.verdict == "same"
     assert small.verdict == "same", "significant but under the threshold must pass"
     assert fast.verdict == "faster"
+
+
+def test_too_few_rounds_or_too_much_noise_is_undecided():
+    peer = _samples(1.0, seed=9, n=6)
+    six = abtest.analyse("c", _samples(1.0, n=6, seed=1), _samples(1.10, n=6, seed=2), peer,
+                         peer, 1.5, ALPHA)
+    assert six.verdict == "undecided", "2^-6 cannot reach the per-look alpha"
+    noisy_peer = _samples(1.0, seed=9)
+    noisy = abtest.analyse("c", _samples(1.0, 0.08, seed=1), _samples(1.02, 0.08, seed=2),
+                           noisy_peer, noisy_peer, 1.5, ALPHA)
+    assert noisy.verdict == "undecided" and noisy.ci_low < 1.015 < noisy.ci_high
 
 
 def test_machine_drift_alone_is_not_a_regression():
@@ -67,9 +101,79 @@ def test_machine_drift_alone_is_not_a_regression():
     normalised comparison shows no change, so the verdict is not 'slower'."""
     base, base_peer = _samples(1.0, seed=1), _samples(2.0, seed=2)
     head, head_peer = [x * 1.1 for x in base], [x * 1.1 for x in base_peer]
-    r = abtest.analyse("c", base, head, base_peer, head_peer, 3.0, 0.002)
+    r = abtest.analyse("c", base, head, base_peer, head_peer, 1.5, ALPHA)
     assert r.ratio == pytest.approx(1.1) and r.norm_ratio == pytest.approx(1.0)
-    assert r.verdict == "same"
+    assert r.verdict != "slower"
+
+
+# ---- the sequential comparison, with simulated workers ----------------------------------------
+
+
+class FakeWorker:
+    """Answers like a worker: per case a time factor, noise, and the planted slowdown."""
+
+    def __init__(self, factors, noise, seed):
+        self.factors, self.noise = factors, noise
+        self.rng = random.Random(seed)
+        self.calls: list[tuple[str, int, float, float]] = []
+
+    def measure(self, case, reps, timeout_s, slowdown=0.0):
+        self.calls.append((case.name, reps, timeout_s, slowdown))
+        base = 1.0 + case.seqlen / 1000
+        jitter = 1 + self.rng.gauss(0, self.noise.get(case.name, 0.002))
+        return {"ours": base * self.factors.get(case.name, 1.0) * (1 + slowdown) * jitter,
+                "sdpa_fa2": 2.0 * (1 + self.rng.gauss(0, 0.002))}
+
+
+CASES = [Case("bf16", 128, 16, 1024), Case("bf16", 128, 16, 4096), Case("fp16", 128, 16, 4096)]
+
+
+def test_sequential_compare_stops_early_extends_undecided_and_plants_only_on_head():
+    slow, clean, noisy = (c.name for c in CASES)
+    base = FakeWorker({}, {noisy: 0.05}, seed=1)
+    head = FakeWorker({slow: 1.05}, {noisy: 0.05}, seed=2)
+    results = {r.case: r for r in abtest.compare(base, head, CASES, POL, 7)}
+    assert results[slow].verdict == "slower" and results[slow].rounds == POL.rounds
+    assert results[clean].verdict == "same" and results[clean].rounds == POL.rounds
+    assert results[noisy].rounds > POL.rounds, "an undecided case gets more rounds"
+    assert results[noisy].verdict in ("same", "inconclusive")
+    # planted slowdowns reach the head only
+    base, head = FakeWorker({}, {}, seed=3), FakeWorker({}, {}, seed=4)
+    (r,) = abtest.compare(base, head, CASES[:1], POL, 7, {slow: 0.05})
+    assert r.verdict == "slower" and r.ratio == pytest.approx(1.05, rel=0.01)
+    assert all(s == 0.0 for *_, s in base.calls) and all(s == 0.05 for *_, s in head.calls)
+
+
+def test_sequential_compare_gives_up_as_inconclusive():
+    policy = abtest.Policy(rounds=12, step=6, max_rounds=18)
+    c = CASES[0]
+    base, head = FakeWorker({}, {c.name: 0.08}, 1), FakeWorker({c.name: 1.02}, {c.name: 0.08}, 2)
+    (r,) = abtest.compare(base, head, [c], policy, 7)
+    assert r.rounds == 18 and r.verdict == "inconclusive"
+    assert perf.verdict_code([r]) == gate.INCONCLUSIVE
+
+
+def test_time_limits_come_from_the_base_timings():
+    c = CASES[1]
+    base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+    plan = abtest.warm_up(base, head, [c], POL, {})
+    assert POL.min_reps <= plan.reps[c.name] <= POL.max_reps
+    assert plan.timeout_s[c.name] >= POL.min_timeout_s
+    assert base.calls[0][2] == POL.first_call_timeout_s, "the base's first call: policy limit"
+
+
+def test_hung_worker_is_killed_within_its_limit(tmp_path):
+    """A head that never answers (here: its import sleeps) is killed at the deadline and
+    reported as broken, naming what it was doing."""
+    src = tmp_path / "src" / "flash_attention"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("import time\ntime.sleep(3600)\n")
+    t0 = time.monotonic()
+    with pytest.raises(abtest.WorkerError) as info:
+        abtest.Worker("head", tmp_path / "src", start_timeout_s=3)
+    assert time.monotonic() - t0 < 60
+    assert info.value.kind == "broken" and "did not finish within 3 s" in str(info.value)
+    assert "killed" in str(info.value)
 
 
 # ---- static ratchet ----------------------------------------------------------------------------
@@ -126,11 +230,11 @@ def test_rebaseline_requires_reason_and_records_history(tmp_path):
     assert ratchet.load_yaml(path)["kernels"][K]["90"]["registers"] == 190
 
 
-def test_toolchain_change_is_detected():
+def test_toolchain_change_is_refused_not_compared():
     assert ratchet.check_toolchain({"toolchain": {"nvdisasm": "13.5.37"}},
                                    {"nvdisasm": "13.5.37"}) is None
-    assert "differs" in ratchet.check_toolchain({"toolchain": {"nvdisasm": "13.5.37"}},
-                                                {"nvdisasm": "13.0.88"})
+    msg = ratchet.check_toolchain({"toolchain": {"nvdisasm": "13.5.37"}}, {"nvdisasm": "13.0.88"})
+    assert "not comparable" in msg and "13.0.88" in msg and "rebaseline" in msg
 
 
 # ---- exit codes and report ---------------------------------------------------------------------
@@ -140,7 +244,8 @@ def test_overall_precedence():
     assert gate.overall([]) == gate.PASS
     assert gate.overall([0, 0]) == gate.PASS
     assert gate.overall([0, 3]) == gate.INFRA
-    assert gate.overall([3, 1]) == gate.REGRESSION
+    assert gate.overall([3, 4]) == gate.INCONCLUSIVE
+    assert gate.overall([4, 1]) == gate.REGRESSION
     assert gate.overall([1, 2, 3]) == gate.BROKEN
 
 
@@ -151,13 +256,15 @@ def _write(out, name, doc, md="x\n"):
 
 def test_report_combines_parts(tmp_path, capsys):
     _write(tmp_path, "static", {"code": 0, "findings": [{"status": "ok"}]})
-    row = {"verdict": "slower", "case": "c"}
-    _write(tmp_path, "perf", {"code": 1, "meta": {}, "results": [row]})
+    rows = [{"verdict": "slower", "case": "c"}, {"verdict": "same", "case": "d"}]
+    _write(tmp_path, "perf", {"code": 1, "meta": {}, "results": rows})
+    _write(tmp_path, "hostbench", {"code": 0, "summary": "3 benchmarks within 10%"})
     (tmp_path / "tests.xml").write_text(
         '<testsuites><testsuite tests="5" failures="0" errors="0" skipped="1"/></testsuites>')
-    assert gate.run_report(tmp_path) == gate.REGRESSION
+    assert report.run(tmp_path) == gate.REGRESSION
     md = (tmp_path / "report.md").read_text()
     assert "Gate: FAIL: regression (exit 1)" in md and "1 slower" in md and "5 run" in md
+    assert "| hostbench | PASS | 3 benchmarks within 10% |" in md
     assert json.loads((tmp_path / "report.json").read_text())["code"] == 1
 
 
@@ -165,10 +272,22 @@ def test_report_failed_tests_are_broken_and_nothing_is_infra(tmp_path):
     (tmp_path / "tests.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="0"/></testsuites>')
     _write(tmp_path, "perf", {"code": 1, "meta": {}, "results": [{"verdict": "slower"}]})
-    assert gate.run_report(tmp_path) == gate.BROKEN
+    assert report.run(tmp_path) == gate.BROKEN
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert gate.run_report(empty) == gate.INFRA
+    assert report.run(empty) == gate.INFRA
+
+
+def test_report_broken_steps_and_inconclusive(tmp_path):
+    _write(tmp_path, "tests", {"code": 2, "error": "the test run passed its 2400 s limit"})
+    (tmp_path / "tests.xml").write_text(  # a partial file of the killed run must not count
+        '<testsuites><testsuite tests="5" failures="0" errors="0" skipped="0"/></testsuites>')
+    assert report.run(tmp_path) == gate.BROKEN
+    assert "2400 s limit" in (tmp_path / "report.md").read_text()
+    other = tmp_path / "other"
+    other.mkdir()
+    _write(other, "perf", {"code": 4, "meta": {}, "results": [{"verdict": "inconclusive"}]})
+    assert report.run(other) == gate.INCONCLUSIVE
 
 
 def test_perf_without_gpu_is_infra(tmp_path, monkeypatch):
@@ -177,10 +296,10 @@ def test_perf_without_gpu_is_infra(tmp_path, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = argparse.Namespace(rounds=None, reps=None, aa=True, base=None, base_dir=None,
-                              repeat=1, rebuild=False, kernels="ci", archs=None)
-    policy = {"perf": {"rounds": 6, "reps": 5, "threshold_pct": 3.0, "alpha": 0.002}}
-    assert gate.run_perf(args, policy, tmp_path) == gate.INFRA
+    args = argparse.Namespace(rounds=None, max_rounds=None, aa=True, base=None, base_dir=None,
+                              rebuild=False, kernels="ci", archs=None)
+    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    assert perf.run(args, policy, tmp_path) == gate.INFRA
     assert "no CUDA GPU" in (tmp_path / "perf.md").read_text()
 
 

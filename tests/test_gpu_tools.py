@@ -18,7 +18,7 @@ def _built_defaults():
 
 @pytest.mark.parametrize("kernel", _built_defaults())
 def test_debug_finds_no_mismatch(kernel):
-    from fa_tools import debug
+    from fa_tools.gpu import debug
 
     rows, mismatch = debug.run(kernel, batch=2, seqlen_q=200, seqlen_k=333, heads=2)
     assert rows == 2 * 200 * 2
@@ -26,7 +26,7 @@ def test_debug_finds_no_mismatch(kernel):
 
 
 def test_debug_reports_a_planted_mismatch(require_extension, monkeypatch):
-    from fa_tools import debug
+    from fa_tools.gpu import debug
 
     real = fa.attention
 
@@ -45,8 +45,8 @@ def test_debug_reports_a_planted_mismatch(require_extension, monkeypatch):
 
 
 def test_sanitize_default_configs_clean():
-    from fa_tools import sanitize
-    from fa_tools.binaries import ToolError
+    from fa_tools.analysis.binaries import ToolError
+    from fa_tools.gpu import sanitize
 
     kernels = _built_defaults()
     if not kernels:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import flash_attention as fa
-from fa_tools import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
+from fa_tools.analysis import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
 from fa_tools.cli import main as cli
 
 DATA = Path(__file__).parent / "data"
@@ -193,6 +193,53 @@ def test_ptx_slice_parsing():
 
 
 # ---- errors ------------------------------------------------------------------------------------
+
+
+def test_kernel_code_includes_internal_subroutines_listed_apart():
+    """nvdisasm 13.0/13.1 list compiler subroutines as functions of their own, 13.5 inside the
+    kernel: both must give the kernel's whole code."""
+    kernel = {"function-name": "_ZN5flash10fwd_kernel", "start": 0,
+              "sass-instructions": [{"opcode": "HMMA"}, {"opcode": "CALL.REL"}]}
+    sub = {"function-name": "$__internal_0_$__cuda_sm20_div_s64", "start": 32,
+           "sass-instructions": [{"opcode": "IMAD"}, {"opcode": "RET.REL"}]}
+    split = sass.kernel_code([sub, kernel], "k.cubin")
+    merged = sass.kernel_code([{**kernel, "sass-instructions": [*kernel["sass-instructions"],
+                                                                 *sub["sass-instructions"]]}],
+                              "k.cubin")
+    assert [i["opcode"] for i in split] == [i["opcode"] for i in merged] == [
+        "HMMA", "CALL.REL", "IMAD", "RET.REL"]
+    with pytest.raises(binaries.ToolError, match="expected one kernel"):
+        sass.kernel_code([kernel, {**kernel, "function-name": "_ZN5other"}], "k.cubin")
+
+
+def _other_sass_tools() -> Path | None:
+    """cuobjdump + nvdisasm of another version than the pinned ones: $FA_OTHER_SASS_TOOLS_DIR,
+    else the copies triton ships (13.1, which, like the CUDA 13.0 toolkit, lists subroutines
+    as functions of their own)."""
+    if os.environ.get("FA_OTHER_SASS_TOOLS_DIR"):
+        return Path(os.environ["FA_OTHER_SASS_TOOLS_DIR"])
+    for entry in sys.path:
+        d = Path(entry) / "triton" / "backends" / "nvidia" / "bin"
+        if (d / "nvdisasm").is_file() and (d / "cuobjdump").is_file():
+            return d
+    return None
+
+
+def test_counts_agree_across_nvdisasm_versions(built, monkeypatch):
+    other = _other_sass_tools()
+    if other is None:
+        pytest.skip("no second set of SASS tools (set FA_OTHER_SASS_TOOLS_DIR)")
+    binary, info = built
+    kernel = info["configs"][0]
+    mine = sass.instructions(binary, kernel, "90")
+    version = binaries.tool_version("nvdisasm")
+    monkeypatch.setenv("FA_SASS_TOOLS_DIR", str(other))
+    if binaries.tool_version("nvdisasm") == version:
+        pytest.skip(f"{other} holds the same nvdisasm version ({version})")
+    theirs = sass.instructions(binary, kernel, "90")
+    assert len(theirs) == len(mine)
+    assert (opcodes.histogram(kernel, "90", theirs).categories
+            == opcodes.histogram(kernel, "90", mine).categories)
 
 
 def test_missing_tool_names_its_package(monkeypatch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fa_tools import bench
+from fa_tools.gpu import bench
 
 
 def test_parse_shapes():

@@ -8,7 +8,9 @@
   sanitize    compute-sanitizer memcheck/racecheck/synccheck on small runs (GPU)
   debug       a config beside the block-by-block emulation: first mismatching row (GPU)
   bench       attention() against PyTorch SDPA FA2 and cuDNN (GPU)
-  gate        static resource ratchet, A/B perf gate (GPU), rebaseline, combined report
+  tools       which cuobjdump / nvdisasm the analyses use (path, version, origin)
+  gate        static ratchet, sequential A/B perf gate and its power study (GPU), rebaseline,
+              combined report
 
 Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor); a kernel
 argument may also be a set name (ci, default, ...) or 'all' (everything built).
@@ -24,8 +26,11 @@ import logging
 import sys
 from pathlib import Path
 
-from . import bench, cubins, diff, formats, gate, opcodes, ptx2sass, ptxas_report, sass
-from .binaries import ToolError, extension_path, ptxas_log_path
+from . import formats
+from .analysis import cubins, diff, opcodes, ptx2sass, ptxas_report, sass
+from .analysis.binaries import ToolError, extension_path, ptxas_log_path, tools_in_use
+from .gate import cli as gate
+from .gpu import bench
 
 RESOURCE_COLUMNS = ["kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_frame",
                     "static_smem", "dynamic_smem", "barriers", "cmem0", "compile_ms",
@@ -162,7 +167,7 @@ def cmd_ptx2sass(args: argparse.Namespace) -> int:
 
 
 def cmd_sanitize(args: argparse.Namespace) -> int:
-    from . import sanitize
+    from .gpu import sanitize
 
     binary = _binary(args)
     kernels = _kernels(binary, args.kernels)
@@ -179,7 +184,7 @@ def cmd_sanitize(args: argparse.Namespace) -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
-    from . import debug
+    from .gpu import debug
 
     rows, mismatch = debug.run(args.kernel, args.batch, args.seqlen_q, args.seqlen_k, args.heads,
                                args.seed)
@@ -195,6 +200,16 @@ def cmd_debug(args: argparse.Namespace) -> int:
     print("  emulation per KV block (block, m, l): "
           + ", ".join(f"({j}, {mm:.3f}, {ll:.3f})" for j, mm, ll in m.trace))
     return 1
+
+
+def cmd_tools(args: argparse.Namespace) -> int:
+    """Which cuobjdump and nvdisasm the analyses use: path, version, origin."""
+    used = tools_in_use()
+    for name in ("cuobjdump", "nvdisasm"):
+        t = used.get(name)
+        print(f"{name}: {t['version']} ({t['origin']}: {t['path']})" if t else
+              f"{name}: not found")
+    return 0 if len(used) == 2 else 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_debug)
+
+    p = sub.add_parser("tools", help="which SASS tools the analyses use (path, version)")
+    p.set_defaults(func=cmd_tools)
 
     bench.add_parser(sub)
     gate.add_parser(sub)

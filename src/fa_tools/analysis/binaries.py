@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +26,10 @@ class ToolError(RuntimeError):
 
 
 def _candidate_dirs() -> list[Path]:
-    """Where to look, in order: the PyPI packages first (their versions are pinned, so SASS
-    counts match the pins), then PATH, CUDA_HOME and the default toolkit."""
-    dirs = []
+    """Where to look, in order: $FA_SASS_TOOLS_DIR when set (to run the analyses with, say, a
+    CUDA toolkit's own tools), the PyPI packages (their versions are pinned, so SASS counts
+    match the pins), then PATH, CUDA_HOME and the default toolkit."""
+    dirs = [Path(os.environ["FA_SASS_TOOLS_DIR"])] if os.environ.get("FA_SASS_TOOLS_DIR") else []
     for entry in sys.path:
         for sub in ("cu13", "cu12", "cuda_cuobjdump", "cuda_nvdisasm"):
             dirs.append(Path(entry) / "nvidia" / sub / "bin")
@@ -46,6 +48,30 @@ def find_tool(name: str) -> str:
             return str(path)
     raise ToolError(f"{name} not found in site-packages, on PATH or in CUDA_HOME; install it "
                     f"with {PROVIDERS.get(name, 'the CUDA toolkit')}")
+
+
+def tool_version(name: str) -> str:
+    """The tool's version as it prints it (e.g. 13.5.37), or 'unknown'."""
+    m = re.search(r"V(\d+\.\d+\.\d+)", run_tool(name, "--version"))
+    return m[1] if m else "unknown"
+
+
+def tool_origin(path: str) -> str:
+    """Where a tool comes from: a PyPI package (pinned versions) or a CUDA toolkit."""
+    return "PyPI package" if f"{os.sep}site-packages{os.sep}" in path else "CUDA toolkit / PATH"
+
+
+def tools_in_use() -> dict[str, dict[str, str]]:
+    """{tool: {path, version, origin}} of the SASS tools the analyses run (missing ones left
+    out), so every report can say which tools made its counts."""
+    out = {}
+    for name in ("cuobjdump", "nvdisasm"):
+        try:
+            path = find_tool(name)
+            out[name] = {"path": path, "version": tool_version(name), "origin": tool_origin(path)}
+        except ToolError:
+            continue
+    return out
 
 
 def run_tool(name: str, *args: str, cwd: str | Path | None = None) -> str:

@@ -1,10 +1,13 @@
 """A measuring process bound to one build (the flash_attention found first on its path). It
 reports which build it imported, then answers one JSON request per line on stdin with one JSON
 reply per line on stdout, so the A/B gate pays the torch import once per side and alternates
-rounds between two live workers.
+rounds between two live workers. Inputs of each case are made once and kept.
 
-    request:  {"cases": [Case dicts], "reps": 10}
-    reply:    {"ok": true, "results": {case name: {contender: ms}}}  or  {"ok": false, "error": ...}
+    request:  {"case": Case dict, "reps": 10, "slowdown": 0.0}
+    reply:    {"ok": true, "results": {contender: median ms}}  or  {"ok": false, "error": ...}
+
+"slowdown" > 0 plants a known slowdown of attention() for the gate's power study (calibrate);
+only that command sends it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ def main() -> int:
 
         import flash_attention as fa
 
-        from .perfcases import Case, measure
+        from ..gpu.perfcases import Case, Inputs, measure_case
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU")
@@ -35,14 +38,17 @@ def main() -> int:
         return 3
     out.write(json.dumps(hello) + "\n")
     out.flush()
+    inputs: dict[Case, Inputs] = {}
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
-            cases = [Case(**c) for c in req["cases"]]
-            results = measure(cases, tuple(req.get("contenders", ("ours", "sdpa_fa2"))),
-                              reps=req.get("reps", 10))
+            case = Case(**req["case"])
+            if case not in inputs:
+                inputs[case] = Inputs.make(case)
+            results = measure_case(case, inputs[case], reps=req.get("reps", 10), warmup=1,
+                                   slowdown=req.get("slowdown", 0.0))
             reply = {"ok": True, "results": results}
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",

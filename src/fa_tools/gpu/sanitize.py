@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .binaries import find_tool
+from ..analysis.binaries import find_tool
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 # (batch, seqlen_q, seqlen_k, heads): a tail in both sequences, and exact multiples of 128.

@@ -6,15 +6,14 @@ rebaseline"), so the pins never go stale. No GPU needed."""
 from __future__ import annotations
 
 import datetime as dt
-import re
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
-from . import opcodes, ptxas_report, sass
-from .binaries import run_tool
+from ..analysis import opcodes, ptxas_report, sass
+from ..analysis.binaries import tool_version, tools_in_use
 
 
 @dataclass(frozen=True)
@@ -42,10 +41,15 @@ def scope_kernels(policy: dict) -> list[str]:
 
 
 def toolchain(build_info: dict | None) -> dict[str, str]:
-    version = run_tool("nvdisasm", "--version")
-    m = re.search(r"V(\d+\.\d+\.\d+)", version)
+    """What made the numbers: nvcc (registers, spills, SASS) and nvdisasm (the SASS counts)."""
     return {"nvcc": (build_info or {}).get("nvcc", "unknown"),
-            "nvdisasm": m[1] if m else "unknown"}
+            "nvdisasm": tool_version("nvdisasm")}
+
+
+def describe_toolchain(tools: dict[str, str]) -> str:
+    used = tools_in_use().get("nvdisasm", {})
+    where = f" ({used['origin']}: {used['path']})" if used else ""
+    return f"nvcc {tools.get('nvcc')}, nvdisasm {tools.get('nvdisasm')}{where}"
 
 
 def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Path
@@ -155,9 +159,13 @@ def rebaseline(path: Path, current: dict, tools: dict, reason: str) -> dict:
 
 
 def check_toolchain(baseline: dict, tools: dict) -> str | None:
+    """None when the pins were made by the same tools; else why the counts are not comparable
+    (the gate then stops with exit 3 instead of reporting a regression or an improvement)."""
     pinned = baseline.get("toolchain")
-    if pinned and pinned != tools:
-        return (f"toolchain {tools} differs from the pinned {pinned}: SASS counts are not "
-                "comparable; rebaseline on purpose after a toolchain change")
-    return None
-
+    if not pinned or pinned == tools:
+        return None
+    return (f"the pins were made with {pinned}, this build is measured with {tools} "
+            f"({describe_toolchain(tools)}): SASS counts of different tool versions are not "
+            "comparable. Use the pinned tools (`pip install nvidia-cuda-cuobjdump==<v> "
+            "nvidia-cuda-nvdisasm==<v>`, or the wheelhouse on an offline runner), or re-pin "
+            "on purpose after a toolchain change (`nox -s rebaseline -- --reason ...`).")

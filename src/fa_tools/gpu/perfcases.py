@@ -95,25 +95,71 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS) -> dict:
     return fns
 
 
-def measure(cases: list[Case], contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
-            reps: int = 10, warmup: int = 3) -> dict[str, dict[str, float]]:
-    """{case name: {contender: median ms over reps calls}}; raises on any failure (a broken
+@dataclass
+class Inputs:
+    """Random q, k, v of a case (BSHD) and the output buffer attention() writes into."""
+
+    q: object
+    k: object
+    v: object
+    out: object
+
+    @classmethod
+    def make(cls, case: Case) -> Inputs:
+        import torch
+
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+        shape = (case.batch, case.seqlen, case.heads, case.d_head)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+        return cls(q, k, v, torch.empty_like(q))
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep, measured now (clocks vary)."""
+    import torch
+
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # clocks up
+    return cycles / statistics.median(time_cuda_ms(lambda: torch.cuda._sleep(cycles), 3, 0))
+
+
+def planted_slowdown(fn, fraction: float, reps: int):
+    """fn followed by a device-side spin of `fraction` of fn's own median time: a known
+    slowdown for the gate's power study (fa-tools gate calibrate), nothing else."""
+    import torch
+
+    cycles = int(fraction * statistics.median(time_cuda_ms(fn, max(reps, 5), 1))
+                 * _cycles_per_ms())
+
+    def slowed():
+        fn()
+        torch.cuda._sleep(cycles)
+
+    return slowed
+
+
+def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
+                 reps: int = 10, warmup: int = 3, slowdown: float = 0.0) -> dict[str, float]:
+    """{contender: median ms over reps calls} of one case; raises on any failure (a broken
     benchmark must never look like a slow one)."""
     import torch
 
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    out: dict[str, dict[str, float]] = {}
-    for case in cases:
-        shape = (case.batch, case.seqlen, case.heads, case.d_head)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype]) for _ in range(3))
-        o = torch.empty_like(q)
-        fns = contenders(q, k, v, o, names=contenders_)
-        missing = set(contenders_) - set(fns)
-        if missing:
-            raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
-        fns["ours"]()
-        if not torch.isfinite(o).all():
-            raise RuntimeError(f"{case.name}: attention() produced non-finite values")
-        out[case.name] = {name: statistics.median(time_cuda_ms(fn, reps=reps, warmup=warmup))
-                          for name, fn in fns.items()}
-    return out
+    fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_)
+    missing = set(contenders_) - set(fns)
+    if missing:
+        raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
+    inputs.out.fill_(float("nan"))
+    fns["ours"]()
+    if not torch.isfinite(inputs.out).all():
+        raise RuntimeError(f"{case.name}: attention() produced non-finite values")
+    if slowdown > 0:
+        fns["ours"] = planted_slowdown(fns["ours"], slowdown, reps)
+    return {name: statistics.median(time_cuda_ms(fn, reps=reps, warmup=warmup))
+            for name, fn in fns.items()}
+
+
+def measure(cases: list[Case], contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
+            reps: int = 10, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """{case name: {contender: median ms over reps calls}}, fresh inputs per case."""
+    return {case.name: measure_case(case, Inputs.make(case), contenders_, reps, warmup)
+            for case in cases}

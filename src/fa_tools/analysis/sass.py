@@ -71,13 +71,26 @@ def instructions(binary: Path, kernel: str, arch: str) -> list[Instruction]:
     build kept line info."""
     path = cubins.cubin(binary, kernel, arch)
     data = json.loads(run_tool("nvdisasm", "-json", str(path)))
-    functions = data[1]
-    if len(functions) != 1:
-        raise ToolError(f"expected one function in {path.name}, found {len(functions)}")
-    raw = functions[0]["sass-instructions"]
+    raw = kernel_code(data[1], path.name)
     lines = _ptx_lines(path, len(raw))
     return [Instruction(i["opcode"], i.get("operands", ""), i.get("predicate", ""), line)
             for i, line in zip(raw, lines)]
+
+
+def kernel_code(functions: list[dict], cubin_name: str) -> list[dict]:
+    """The kernel's instructions from nvdisasm -json's function list, in address order. Each
+    cubin holds one kernel; subroutines the compiler added to it (64-bit division, the slow
+    path of an IEEE reciprocal: `$__internal_N_$__cuda_sm20_...`) are part of its code. nvdisasm
+    13.5 lists them inside the kernel's function, 13.0 and 13.1 as functions of their own;
+    concatenating by address gives the same instructions either way."""
+    kernels = [f for f in functions if not f["function-name"].startswith("$__internal")]
+    if len(kernels) != 1:
+        names = ", ".join(f["function-name"] for f in functions) or "none"
+        raise ToolError(f"expected one kernel in {cubin_name}, found {len(kernels)}: {names}")
+    code: list[dict] = []
+    for function in sorted(functions, key=lambda f: f.get("start", 0)):
+        code += function["sass-instructions"]
+    return code
 
 
 def _ptx_lines(path: Path, count: int) -> list[int | None]:

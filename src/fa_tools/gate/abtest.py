@@ -1,0 +1,303 @@
+"""The sequential A/B performance comparison.
+
+Two builds (base and head), one live measuring process each (worker.py), measured in rounds
+that alternate which side goes first. Each round gives, per case, one median time per side for
+attention() and for the SDPA FA2 peer measured right after it. Per case the gate looks at the
+paired log-ratios ln(head/base), raw and normalised by the peer (policy in ci/gate_policy.yaml):
+
+  slower        both one-sided signed-rank tests significant at the per-look level and both
+                median ratios beyond 1 + threshold
+  faster        significant the other way, beyond 1 / (1 + threshold)
+  same          both intervals entirely below 1 + threshold (a slowdown of the threshold's size
+                is ruled out)
+  undecided     anything else: the case gets `step` more rounds, up to `max_rounds`; still
+                undecided then -> inconclusive
+
+The false-positive rate is controlled per gate run: the family-wise alpha is split evenly
+(Bonferroni) over the cases and over the looks each case can have, so all cases and all looks
+together stay under it. Every request to a worker runs under a time limit derived from the base's
+own timings; a request past it is killed and reported as broken (or infrastructure, if it is
+the base), naming the case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..gpu.perfcases import Case
+from .stats import bootstrap_median_ci, cv, log_ratios, signed_rank_greater
+
+log = logging.getLogger(__name__)
+TOOLS_DIR = Path(__file__).resolve().parents[1]  # the fa_tools package
+
+
+class WorkerError(RuntimeError):
+    """A measuring process failed: kind 'broken' (the build under test) or 'infra'."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The perf section of ci/gate_policy.yaml."""
+
+    threshold_pct: float = 1.5
+    fwer: float = 0.01
+    rounds: int = 12
+    step: int = 6
+    max_rounds: int = 30
+    round_ms: float = 40.0
+    min_reps: int = 3
+    max_reps: int = 50
+    first_call_timeout_s: float = 300.0
+    min_timeout_s: float = 60.0
+    timeout_factor: float = 20.0
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Policy:
+        known = {k: v for k, v in doc.items() if k in cls.__dataclass_fields__}
+        unknown = set(doc) - set(known)
+        if unknown:
+            raise ValueError(f"unknown perf policy keys: {', '.join(sorted(unknown))}")
+        return cls(**known)
+
+    @property
+    def looks(self) -> int:
+        """How many times a case can be analysed: after `rounds`, then every `step`."""
+        return 1 + math.ceil(max(0, self.max_rounds - self.rounds) / self.step)
+
+    def alpha_per_look(self, n_cases: int) -> float:
+        return self.fwer / (n_cases * self.looks)
+
+
+def gpu_health(python: str = sys.executable, timeout_s: float = 60.0) -> str:
+    """After a killed worker: does a fresh process still get correct work done on the GPU?"""
+    code = ("import torch; a = torch.ones(256, 256, device='cuda'); "
+            "assert (a @ a).sum().item() == 256 ** 3; print(torch.cuda.get_device_name())")
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return f"GPU check: a fresh process did not finish a matmul within {timeout_s:.0f} s"
+    if proc.returncode != 0:
+        return f"GPU check failed: {proc.stderr.strip().splitlines()[-1:]}"
+    return f"GPU check after the kill: healthy ({proc.stdout.strip()})"
+
+
+class Worker:
+    """One worker.py process bound to the flash_attention of `src_dir`. The gate's own fa_tools
+    is put first on the path (copied alone), so an old base tree is measured by the same timing
+    code as the head. Replies are read with a deadline; a worker past it is killed with its
+    process group."""
+
+    def __init__(self, label: str, src_dir: Path, python: str = sys.executable,
+                 start_timeout_s: float = 300.0):
+        self.label = label
+        self.src_dir = Path(src_dir).resolve()
+        self.python = python
+        self._buf = b""
+        self._tools = Path(tempfile.mkdtemp(prefix="fa-gate-tools-"))
+        shutil.copytree(TOOLS_DIR, self._tools / "fa_tools",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(self._tools), str(self.src_dir)]),
+                   PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([python, "-m", "fa_tools.gate.worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     cwd=self._tools, start_new_session=True)
+        hello = self._read(start_timeout_s, "start-up (import of torch and flash_attention)")
+        if not hello.get("ok"):
+            raise WorkerError(f"{label} worker did not start: {hello.get('error')}",
+                              self._kind)
+        module = Path(hello["module"]).resolve()
+        if self.src_dir not in module.parents:
+            raise WorkerError(f"{label} worker imported {module}, not the build in {self.src_dir}",
+                              "infra")
+        self.configs = hello["configs"]
+        self.gpu = hello["gpu"]
+        log.info("%s: %s (%d kernels) on %s", label, module.parent, len(self.configs), self.gpu)
+
+    @property
+    def _kind(self) -> str:
+        return "broken" if self.label == "head" else "infra"
+
+    def _read(self, timeout_s: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready = select.select([fd], [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                self.kill()
+                raise WorkerError(f"{self.label}: {what} did not finish within {timeout_s:.0f} s;"
+                                  f" the worker was killed. {gpu_health(self.python)}",
+                                  self._kind)
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                code = self.proc.wait()
+                return {"ok": False, "error": f"process exited with {code}"}
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def measure(self, case: Case, reps: int, timeout_s: float, slowdown: float = 0.0
+                ) -> dict[str, float]:
+        """{contender: median ms} of one case; slowdown > 0 only from the power study."""
+        request = {"case": case.as_dict(), "reps": reps, "slowdown": slowdown}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = self._read(timeout_s, f"case {case.name} ({reps} calls per contender)")
+        if not reply.get("ok"):
+            raise WorkerError(f"{self.label}, case {case.name}: {reply.get('error')}\n"
+                              f"{reply.get('trace', '')}", self._kind)
+        return reply["results"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        shutil.rmtree(self._tools, ignore_errors=True)
+
+
+@dataclass
+class CaseResult:
+    case: str
+    rounds: int
+    base_ms: float
+    head_ms: float
+    ratio: float  # head / base from the median paired log-ratio, > 1: head slower
+    ci_low: float
+    ci_high: float
+    p_slower: float  # one-sided signed-rank: head slower than base
+    p_faster: float
+    norm_ratio: float  # the same on times divided by the in-round SDPA FA2 time
+    norm_ci_low: float
+    norm_ci_high: float
+    norm_p_slower: float
+    base_cv: float
+    head_cv: float
+    verdict: str  # slower | faster | same | undecided | inconclusive
+    samples: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def analyse(case: str, base: list[float], head: list[float], base_peer: list[float],
+            head_peer: list[float], threshold_pct: float, alpha: float, level: float = 0.95
+            ) -> CaseResult:
+    """Verdict of one case at one look (see the module doc); samples are per-round medians,
+    paired by round."""
+    d = log_ratios(head, base)
+    nd = [a - b for a, b in zip(d, log_ratios(head_peer, base_peer))]
+    lo, hi = bootstrap_median_ci(d, level)
+    nlo, nhi = bootstrap_median_ci(nd, level, seed=1)
+    ratio, nratio = math.exp(statistics.median(d)), math.exp(statistics.median(nd))
+    p_slow, np_slow = signed_rank_greater(d), signed_rank_greater(nd)
+    p_fast = signed_rank_greater([-x for x in d])
+    limit = math.log1p(threshold_pct / 100)
+    if p_slow < alpha and np_slow < alpha and ratio > math.exp(limit) and nratio > math.exp(limit):
+        verdict = "slower"
+    elif p_fast < alpha and ratio < math.exp(-limit):
+        verdict = "faster"
+    elif hi < limit and nhi < limit:
+        verdict = "same"
+    else:
+        verdict = "undecided"
+    return CaseResult(case, len(d), statistics.median(base), statistics.median(head), ratio,
+                      math.exp(lo), math.exp(hi), p_slow, p_fast, nratio, math.exp(nlo),
+                      math.exp(nhi), np_slow, cv(base), cv(head), verdict,
+                      {"base": base, "head": head, "base_peer": base_peer,
+                       "head_peer": head_peer})
+
+
+@dataclass
+class Plan:
+    """Per case: calls per round and each side's time limit per request, from the base's own
+    timings in a discarded warm-up round."""
+
+    reps: dict[str, int]
+    timeout_s: dict[str, float]
+
+
+def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
+            slowdown: dict[str, float]) -> Plan:
+    reps, timeout = {}, {}
+    for c in cases:
+        t0 = time.monotonic()
+        first = base.measure(c, policy.min_reps, policy.first_call_timeout_s)
+        base_s = time.monotonic() - t0
+        n = math.ceil(policy.round_ms / max(first["ours"], 1e-3))
+        reps[c.name] = min(policy.max_reps, max(policy.min_reps, n))
+        # a request of reps calls costs about reps / min_reps times the warm-up request
+        expected = base_s * reps[c.name] / policy.min_reps
+        timeout[c.name] = max(policy.min_timeout_s, policy.timeout_factor * expected)
+        head.measure(c, policy.min_reps, max(policy.min_timeout_s,
+                                             policy.timeout_factor * base_s),
+                     slowdown.get(c.name, 0.0))
+    return Plan(reps, timeout)
+
+
+def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_family: int,
+            slowdown: dict[str, float] | None = None) -> list[CaseResult]:
+    """The sequential comparison of `cases`; alpha is split over n_family cases (the whole
+    gate's case count, also when a study runs a subset)."""
+    slowdown = slowdown or {}
+    plan = warm_up(base, head, cases, policy, slowdown)
+    alpha = policy.alpha_per_look(n_family)
+    keys = ("base", "head", "base_peer", "head_peer")
+    samples = {c.name: {k: [] for k in keys} for c in cases}
+    active = list(cases)
+    done: dict[str, CaseResult] = {}
+    rounds = 0
+    target = policy.rounds
+    while active:
+        while rounds < target:
+            sides = [("base", base), ("head", head)]
+            for side, worker in sides if rounds % 2 == 0 else sides[::-1]:
+                for c in active:
+                    res = worker.measure(c, plan.reps[c.name], plan.timeout_s[c.name],
+                                         slowdown.get(c.name, 0.0) if side == "head" else 0.0)
+                    samples[c.name][side].append(res["ours"])
+                    samples[c.name][f"{side}_peer"].append(res["sdpa_fa2"])
+            rounds += 1
+        final = rounds >= policy.max_rounds
+        still = []
+        for c in active:
+            s = samples[c.name]
+            r = analyse(c.name, s["base"], s["head"], s["base_peer"], s["head_peer"],
+                        policy.threshold_pct, alpha)
+            if r.verdict == "undecided" and not final:
+                still.append(c)
+                continue
+            if r.verdict == "undecided":
+                r.verdict = "inconclusive"
+            done[c.name] = r
+        log.info("after %d rounds: %d decided, %d undecided", rounds, len(done), len(still))
+        active = still
+        target = min(policy.max_rounds, rounds + policy.step)
+    return sorted(done.values(), key=lambda r: -abs(r.ratio - 1))

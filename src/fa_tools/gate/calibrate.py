@@ -1,0 +1,125 @@
+"""The gate's power study (fa-tools gate calibrate): how often the A/B gate catches a slowdown
+of known size, and how often it cries wolf.
+
+Both workers run the head's build (A/A). For each planted size the head worker slows
+attention() on one chosen case by that fraction of its own time (a device-side spin after each
+call: gpu/perfcases.planted_slowdown; only this command turns it on) and the gate's sequential
+comparison runs on that case with the alpha split of a whole gate run, `runs` times: the
+detection rate is the share of 'slower' verdicts. Then `aa_runs` whole gate runs (every case, no
+planted slowdown) give the false-positive rate per gate run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from pathlib import Path
+
+from ..gpu.perfcases import GATE_CASES
+from . import PASS, write_part
+from .abtest import Policy, compare
+from .perf import workers
+
+log = logging.getLogger(__name__)
+
+
+def _row(label: str, verdicts: list[str], ratios: list[float], rounds: list[int],
+         seconds: list[float]) -> dict:
+    n = len(verdicts)
+    return {"planted": label, "runs": n,
+            "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
+            "same": verdicts.count("same"), "faster": verdicts.count("faster"),
+            "detection_rate": verdicts.count("slower") / n if n else 0.0,
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "rounds_median": statistics.median(rounds),
+            "seconds_median": statistics.median(seconds)}
+
+
+def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
+    lines = [f"### Gate power study on {meta['gpu']}", "",
+             f"Policy: threshold {meta['threshold_pct']}%, family-wise alpha {meta['fwer']} over "
+             f"{meta['n_family']} cases, {meta['rounds']} rounds first, +{meta['step']} up to "
+             f"{meta['max_rounds']}.", ""]
+    if power:
+        lines += ["| case | planted slowdown | runs | slower | inconclusive | same | detection "
+                  "| measured head/base median [min, max] | rounds (median) | s per run |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in power:
+            lines.append(
+                f"| {r['case']} | {r['planted']} | {r['runs']} | {r['slower']} | "
+                f"{r['inconclusive']} | {r['same']} | {r['detection_rate']:.0%} | "
+                f"{r['ratio_median']:.4f} [{r['ratio_min']:.4f}, {r['ratio_max']:.4f}] | "
+                f"{r['rounds_median']:g} | {r['seconds_median']:.1f} |")
+    if aa:
+        lines += ["", f"A/A: {aa['runs']} whole gate runs x {aa['cases']} cases: "
+                  f"{aa['runs_with_slower']} runs with a 'slower' verdict "
+                  f"(false-positive rate per gate run {aa['fp_rate']:.1%}), "
+                  f"{aa['runs_with_inconclusive']} with an 'inconclusive' one.", "",
+                  "| case | same | inconclusive | slower | faster | head/base median [min, max] "
+                  "| rounds (median) |", "|---|---|---|---|---|---|---|"]
+        for c in aa["per_case"]:
+            lines.append(f"| {c['case']} | {c['same']} | {c['inconclusive']} | {c['slower']} | "
+                         f"{c['faster']} | {c['ratio_median']:.4f} [{c['ratio_min']:.4f}, "
+                         f"{c['ratio_max']:.4f}] | {c['rounds_median']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
+    perf = dict(policy_doc["perf"])
+    policy = Policy.from_dict({k: v for k, v in perf.items() if k != "build_timeout_s"})
+    by_name = {c.name: c for c in GATE_CASES}
+    unknown = [n for n in args.case if n not in by_name]
+    if unknown:
+        raise SystemExit(f"fa-tools gate calibrate: unknown case(s) {', '.join(unknown)}; "
+                         f"the gate's cases: {', '.join(by_name)}")
+    n_family = len(GATE_CASES)
+    meta = {"threshold_pct": policy.threshold_pct, "fwer": policy.fwer, "n_family": n_family,
+            "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds}
+    args.aa = True
+    power: list[dict] = []
+    aa = None
+    with workers(args, perf, meta) as (base_w, head_w):
+        for name in args.case:
+            for size in args.sizes:
+                verdicts, ratios, rounds, seconds = [], [], [], []
+                for i in range(args.runs):
+                    t0 = time.monotonic()
+                    (r,) = compare(base_w, head_w, [by_name[name]], policy, n_family,
+                                   {name: size / 100})
+                    seconds.append(time.monotonic() - t0)
+                    verdicts.append(r.verdict)
+                    ratios.append(r.ratio)
+                    rounds.append(r.rounds)
+                    log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
+                             i + 1, args.runs, r.verdict, r.ratio, r.rounds)
+                power.append({"case": name, **_row(f"{size:g}%", verdicts, ratios, rounds,
+                                                   seconds)})
+        if args.aa_runs:
+            per_case: dict[str, dict[str, list]] = {c.name: {"v": [], "r": [], "n": []}
+                                                    for c in GATE_CASES}
+            slower_runs = inconclusive_runs = 0
+            for i in range(args.aa_runs):
+                results = compare(base_w, head_w, list(GATE_CASES), policy, n_family)
+                verdicts = [r.verdict for r in results]
+                slower_runs += "slower" in verdicts
+                inconclusive_runs += "inconclusive" in verdicts
+                for r in results:
+                    per_case[r.case]["v"].append(r.verdict)
+                    per_case[r.case]["r"].append(r.ratio)
+                    per_case[r.case]["n"].append(r.rounds)
+                log.info("A/A run %d/%d: %s", i + 1, args.aa_runs,
+                         ", ".join(f"{r.case} {r.verdict} {r.ratio:.4f}" for r in results))
+            aa = {"runs": args.aa_runs, "cases": n_family, "runs_with_slower": slower_runs,
+                  "runs_with_inconclusive": inconclusive_runs,
+                  "fp_rate": slower_runs / args.aa_runs,
+                  "per_case": [{"case": name, "same": d["v"].count("same"),
+                                "inconclusive": d["v"].count("inconclusive"),
+                                "slower": d["v"].count("slower"), "faster": d["v"].count("faster"),
+                                "ratio_median": statistics.median(d["r"]),
+                                "ratio_min": min(d["r"]), "ratio_max": max(d["r"]),
+                                "rounds_median": statistics.median(d["n"])}
+                               for name, d in per_case.items()]}
+    write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa},
+               markdown(meta, power, aa))
+    return PASS

@@ -1,0 +1,86 @@
+"""`fa-tools gate`: the gate's subcommands (see the package doc for the exit codes).
+
+  static       resource ratchet of the build against ci/baselines/static.yaml (no GPU)
+  perf         sequential A/B of the head against a base (--base REF, --base-dir DIR or --aa)
+  calibrate    power study: detection rate of planted slowdowns, A/A false positives (GPU)
+  rebaseline   re-pin the static baselines (--reason required)
+  report       combine the parts in --out into report.md / report.json; exit with the code
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import BROKEN, ratchet
+
+
+def command(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    policy_path, baseline_path = Path(args.policy), Path(args.baseline)
+    if args.action == "static":
+        from . import static
+
+        code = static.run(policy_path, baseline_path, out)
+        print((out / "static.md").read_text())
+        return code
+    if args.action == "rebaseline":
+        from . import static
+
+        try:
+            return static.rebaseline(policy_path, baseline_path, args.reason or "")
+        except ValueError as exc:
+            print(f"fa-tools gate rebaseline: {exc}", file=sys.stderr)
+            return BROKEN
+    if args.action == "perf":
+        from . import perf
+
+        if not (args.aa or args.base or args.base_dir):
+            raise SystemExit("fa-tools gate perf: give --base REF, --base-dir DIR or --aa")
+        code = perf.run(args, ratchet.load_yaml(policy_path), out)
+        print((out / "perf.md").read_text())
+        return code
+    if args.action == "calibrate":
+        from . import calibrate
+
+        if not args.case:
+            raise SystemExit("fa-tools gate calibrate: name at least one --case")
+        code = calibrate.run(args, ratchet.load_yaml(policy_path), out)
+        print((out / "calibrate.md").read_text())
+        return code
+    from . import report
+
+    return report.run(out)
+
+
+def _sizes(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gate", help="static ratchet, A/B perf gate, power study, rebaseline, "
+                       "report", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("static", "perf", "calibrate", "rebaseline", "report"))
+    p.add_argument("--policy", default="ci/gate_policy.yaml")
+    p.add_argument("--baseline", default="ci/baselines/static.yaml")
+    p.add_argument("--out", default="gate-report", help="directory for reports")
+    p.add_argument("--reason", help="why the pins change (rebaseline)")
+    p.add_argument("--base", help="git ref of the target branch; its merge-base is compared")
+    p.add_argument("--base-dir", help="a source tree to use as base instead of a git ref")
+    p.add_argument("--aa", action="store_true", help="A/A: the head against itself")
+    p.add_argument("--rounds", type=int, help="override the policy's first rounds")
+    p.add_argument("--max-rounds", type=int, help="override the policy's most rounds")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the base even if built")
+    p.add_argument("--kernels", default=os.environ.get("FLASH_ATTENTION_KERNELS", "ci,default"))
+    p.add_argument("--archs", help="archs of the base build (default: this GPU's)")
+    p.add_argument("--case", action="append", default=[],
+                   help="calibrate: a gate case to plant slowdowns on (repeatable)")
+    p.add_argument("--sizes", type=_sizes, default=[1.5, 2, 3, 5, 10],
+                   help="calibrate: planted slowdowns in percent, comma-separated")
+    p.add_argument("--runs", type=int, default=10, help="calibrate: gate runs per planted size")
+    p.add_argument("--aa-runs", type=int, default=20,
+                   help="calibrate: whole A/A gate runs for the false-positive rate")
+    p.set_defaults(func=command)

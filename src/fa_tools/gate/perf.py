@@ -1,0 +1,147 @@
+"""The perf part of the gate: prepare and build the base (the merge-base with the target
+branch, or a given tree, or the head itself for A/A), start one worker per side and run the
+sequential A/B comparison of the gate's cases."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..gpu.perfcases import GATE_CASES
+from . import BROKEN, INCONCLUSIVE, INFRA, PASS, REGRESSION, VERDICT, write_part
+from .abtest import CaseResult, Policy, Worker, WorkerError, compare
+
+log = logging.getLogger(__name__)
+ROOT = Path.cwd()
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                          cwd=ROOT).stdout.strip()
+
+
+def prepare_base(ref: str, workdir: Path) -> tuple[Path, str]:
+    """A worktree of merge-base(ref, HEAD) at workdir; returns (tree, sha)."""
+    sha = _git("merge-base", ref, "HEAD")
+    if workdir.exists():
+        subprocess.run(["git", "worktree", "remove", "--force", str(workdir)], cwd=ROOT,
+                       capture_output=True, check=False)
+    _git("worktree", "add", "--detach", str(workdir), sha)
+    return workdir, sha
+
+
+def build_tree(tree: Path, kernels: str, archs: str, timeout_s: float) -> None:
+    env = dict(os.environ, FLASH_ATTENTION_KERNELS=kernels, FLASH_ATTENTION_ARCHS=archs)
+    log.info("building %s (kernels %s, archs %s), limit %.0f s", tree, kernels, archs, timeout_s)
+    try:
+        proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                              cwd=tree, env=env, capture_output=True, text=True, check=False,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"build of {tree} ran past {timeout_s:.0f} s") from exc
+    if proc.returncode != 0:
+        raise RuntimeError(f"build of {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def markdown(results: list[dict], code: int, meta: dict) -> str:
+    lines = [f"### Performance A/B: {VERDICT[code]}", ""]
+    if meta.get("error"):
+        return "\n".join([*lines, "```", meta["error"].strip(), "```"]) + "\n"
+    lines.append(
+        f"{meta['base_label']} vs {meta['head_label']} on {meta.get('gpu')}: alternating rounds "
+        f"({meta['rounds']} first, +{meta['step']} for undecided cases, at most "
+        f"{meta['max_rounds']}), threshold {meta['threshold_pct']}%, family-wise alpha "
+        f"{meta['fwer']} per gate run ({meta['alpha_per_look']:.2g} per case and look; "
+        "one-sided signed-rank tests on paired per-round log-ratios). Slower = significant and "
+        "beyond the threshold on raw times and on times normalised by SDPA FA2 in the same "
+        "round; same = both 95% intervals below the threshold.")
+    lines += ["", "| case | rounds | base ms | head ms | head/base [95% CI] | p slower | "
+              "vs SDPA FA2: head/base [95% CI] | spread base/head | verdict |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
+            f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
+            f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}] | "
+            f"{r['base_cv']:.1%}/{r['head_cv']:.1%} | **{r['verdict']}** |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict_code(results: list[CaseResult] | list[dict]) -> int:
+    verdicts = {r["verdict"] if isinstance(r, dict) else r.verdict for r in results}
+    if "slower" in verdicts:
+        return REGRESSION
+    return INCONCLUSIVE if "inconclusive" in verdicts else PASS
+
+
+@contextlib.contextmanager
+def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tuple[Worker, Worker]]:
+    """The base and head workers for args (--aa, --base-dir or --base), the base built if
+    needed; raises WorkerError (infra or broken) with the reason."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise WorkerError("no CUDA GPU on this machine: the A/B gate needs one", "infra")
+    head_src = ROOT / "src"
+    if not list((head_src / "flash_attention").glob("_C*.so")):
+        raise WorkerError("the head is not built (nox -s build)", "infra")
+    if args.aa:
+        base_src, meta["base_label"] = head_src, "head (A/A)"
+    else:
+        if args.base_dir:
+            tree, label = Path(args.base_dir).resolve(), f"base dir {args.base_dir}"
+        else:
+            tree, sha = prepare_base(args.base, ROOT / ".gate" / "base")
+            label = f"merge-base {sha[:10]} of {args.base}"
+        if not list((tree / "src" / "flash_attention").glob("_C*.so")) or args.rebuild:
+            major, minor = torch.cuda.get_device_capability()
+            try:
+                build_tree(tree, args.kernels, args.archs or f"{major}{minor}",
+                           policy.get("build_timeout_s", 1800))
+            except RuntimeError as exc:
+                raise WorkerError(f"the base does not build: {exc}", "infra") from exc
+        base_src, meta["base_label"] = tree / "src", label
+    meta["head_label"] = "head"
+    base_w = Worker("base", base_src)
+    try:
+        head_w = Worker("head", head_src)
+    except WorkerError:
+        base_w.close()
+        raise
+    meta["gpu"] = head_w.gpu
+    try:
+        yield base_w, head_w
+    finally:
+        base_w.close()
+        head_w.close()
+
+
+def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
+    perf = dict(policy_doc["perf"])
+    for key in ("rounds", "max_rounds"):
+        if getattr(args, key, None):
+            perf[key] = getattr(args, key)
+    policy = Policy.from_dict({k: v for k, v in perf.items() if k != "build_timeout_s"})
+    cases = list(GATE_CASES)
+    meta = {"rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds,
+            "threshold_pct": policy.threshold_pct, "fwer": policy.fwer,
+            "alpha_per_look": policy.alpha_per_look(len(cases))}
+    try:
+        with workers(args, perf, meta) as (base_w, head_w):
+            results = compare(base_w, head_w, cases, policy, len(cases))
+    except WorkerError as exc:
+        code = BROKEN if exc.kind == "broken" else INFRA
+        meta["error"] = str(exc)
+        write_part(out, "perf", {"code": code, "meta": meta}, markdown([], code, meta))
+        return code
+    rows = [r.as_dict() for r in results]
+    code = verdict_code(results)
+    write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
+               markdown(rows, code, meta))
+    return code

@@ -1,0 +1,1 @@
+"""Tools that run kernels on a GPU: sanitizer, debug, benchmark harness, measured cases."""
