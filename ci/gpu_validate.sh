@@ -2,10 +2,15 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test sweep bench bench64 prog sanitize debug asv aa planted
-#   asv      nox -s bench (needs nox and asv, e.g. from wheels; FA_COMMIT names the commit)
-#   aa       A/A gate: the build against itself, AA_REPEAT comparisons (false positives, spread)
-#   planted  A/B gate with a planted regression: the head dispatches non-swizzled kernels
+# Steps: build test toolkit sweep bench bench64 prog sanitize debug asv calibrate hang
+#        workflow workflow-planted
+#   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
+#   hang      a head whose attention() never returns on one case: the gate must end in exit 2
+#   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
+#             $BUNDLE (a git bundle of the repo, main = the PR's base): an unchanged head
+#   workflow-planted  the same for a head with one cp.async wait made stricter
+#   (workflow steps need nox and the pinned SASS tools in $FA_WHEELHOUSE)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
 LOG_DIR=${LOG_DIR:-gpu-logs}
@@ -86,21 +91,59 @@ fi
 if step asv; then
     run asv python3 -m nox --no-venv -s bench
 fi
-if step aa; then
-    run aa python3 -m fa_tools gate perf --aa --repeat "${AA_REPEAT:-3}" --out "$LOG_DIR/aa"
+if step toolkit; then
+    run toolkit env FA_SASS_TOOLS_DIR="${CUDA_HOME:-/usr/local/cuda}/bin" \
+        FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_tools.py tests/test_gpu_tools.py
+    FA_SASS_TOOLS_DIR="${CUDA_HOME:-/usr/local/cuda}/bin" python3 -m fa_tools tools \
+        >>"$LOG_DIR/toolkit.log" 2>&1
 fi
-if step planted; then
-    # base: this tree as built; head: a copy whose dispatch table drops swizzling (a real,
-    # large slowdown of the generated code) for the long-sequence kernels.
-    rm -rf /tmp/fa-head && cp -r . /tmp/fa-head
-    sed -i "s/{'fseqkvbor' if d == 128 else 'fsekvbor'}/{'feqkvbor' if d == 128 else 'fekvbor'}/" \
-        /tmp/fa-head/src/flash_attention/dispatch.py
-    grep -n "feqkvbor" /tmp/fa-head/src/flash_attention/dispatch.py || exit 3
-    run planted-build env FLASH_ATTENTION_KERNELS="$KERNELS,default" \
-        FLASH_ATTENTION_ARCHS="$ARCHS" MAX_JOBS="${MAX_JOBS:-16}" \
-        bash -c 'cd /tmp/fa-head && python3 setup.py build_ext --inplace'
-    run planted bash -c "cd /tmp/fa-head && PYTHONPATH=/tmp/fa-head/src python3 -m fa_tools \
-        gate perf --base-dir '$PWD' --out '$LOG_DIR/planted'"
+if step calibrate; then
+    run calibrate python3 -m fa_tools gate calibrate --case "${CAL_CASE:-fp16_d128_b16_s1024}" \
+        --sizes "${CAL_SIZES:-1.5,2,3,5,10}" --runs "${CAL_RUNS:-10}" --aa-runs "${AA_RUNS:-20}" \
+        --out "$LOG_DIR/calibrate"
+fi
+if step hang; then
+    # head: a copy of this built tree whose attention() sleeps for an hour at seqlen 16384
+    rm -rf /tmp/fa-hang && cp -r . /tmp/fa-hang
+    python3 - <<'PY' || exit 3
+import pathlib
+p = pathlib.Path("/tmp/fa-hang/src/flash_attention/api.py")
+t = p.read_text()
+marker = "def attention("
+i = t.index(marker)
+body = t.index('"""', t.index('"""', i) + 3) + 3  # after the docstring
+t = t[:body] + "\n    if q.shape[1] == 16384:  # planted hang\n        import time\n        time.sleep(3600)\n" + t[body:]
+p.write_text(t)
+PY
+    run hang bash -c "cd /tmp/fa-hang && time PYTHONPATH=/tmp/fa-hang/src python3 -m fa_tools \
+        gate perf --base-dir '$PWD' --out '$LOG_DIR/hang'; echo exit \$?"
+fi
+workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone
+    name=$1 dir=/tmp/runner-$1
+    rm -rf "$dir" && git clone -q "$BUNDLE" "$dir" && cd "$dir" || return 3
+    git config user.email gate@example.invalid && git config user.name gate
+    git checkout -q -b pr origin/main
+    if [ "${2:-}" = planted ]; then
+        sed -i 's|cp_async_wait<1>();  // V_j has landed|cp_async_wait<0>();  // V_j has landed|' \
+            src/csrc/kernel/forward_kernel.cuh
+        git commit -qam "planted: wait for K_{j+1} too (no overlap of its copy)" || return 3
+    fi
+    export FA_OFFLINE=1 GATE_BASE=origin/main FA_GATE_CACHE=/tmp/fa-gate-cache
+    python3 -m pip install -q --no-index --find-links "$FA_WHEELHOUSE" nox
+    t0=$SECONDS
+    python3 -m nox -s gate -- --base "$GATE_BASE"
+    PYTHONPATH=src python3 -m fa_tools gate report --out gate-report >/dev/null
+    rc=$?
+    echo "gate exit code $rc, wall time $((SECONDS - t0)) s (builds included)"
+    cp gate-report/report.md "$LOG_DIR/$name-report.md"
+    return $rc
+)
+if step workflow; then
+    run workflow workflow workflow
+fi
+if step workflow-planted; then
+    run workflow-planted workflow workflow-planted planted
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.log"

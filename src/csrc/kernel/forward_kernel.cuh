@@ -54,7 +54,8 @@ struct ForwardCta {
           k_at(k_addr<Cfg>(sK, lane)),
           v_at(v_addr<Cfg>(sV, lane)) {
         const int64_t batch = blockIdx.z, head = blockIdx.y;
-        const int64_t kv_head = head / params.heads_per_kv;
+        // 32-bit division: a 64-bit one compiles to a call of a slow subroutine.
+        const int64_t kv_head = static_cast<int>(blockIdx.y) / params.heads_per_kv;
         q = static_cast<const Elem*>(params.q) + batch * params.q_batch_stride +
             head * params.q_head_stride + q_row0 * params.q_row_stride;
         k = static_cast<const Elem*>(params.k) + batch * params.k_batch_stride +

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,14 +27,24 @@ def _git(*args: str) -> str:
                           cwd=ROOT).stdout.strip()
 
 
-def prepare_base(ref: str, workdir: Path) -> tuple[Path, str]:
-    """A worktree of merge-base(ref, HEAD) at workdir; returns (tree, sha)."""
+def prepare_base(ref: str) -> tuple[Path, str]:
+    """The source of merge-base(ref, HEAD), exported (git archive) to <cache>/base-<sha>, where
+    <cache> is $FA_GATE_CACHE (default .gate/): a runner that keeps the cache between jobs
+    builds each base once. Returns (tree, sha)."""
     sha = _git("merge-base", ref, "HEAD")
-    if workdir.exists():
-        subprocess.run(["git", "worktree", "remove", "--force", str(workdir)], cwd=ROOT,
-                       capture_output=True, check=False)
-    _git("worktree", "add", "--detach", str(workdir), sha)
-    return workdir, sha
+    tree = Path(os.environ.get("FA_GATE_CACHE", ROOT / ".gate")) / f"base-{sha[:12]}"
+    stamp = tree / ".fa-gate-sha"
+    if stamp.exists() and stamp.read_text().strip() == sha:
+        log.info("base %s: reusing %s", sha[:10], tree)
+        return tree, sha
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    stamp.write_text(sha + "\n")
+    return tree, sha
 
 
 def build_tree(tree: Path, kernels: str, archs: str, timeout_s: float) -> None:
@@ -97,7 +108,7 @@ def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tupl
         if args.base_dir:
             tree, label = Path(args.base_dir).resolve(), f"base dir {args.base_dir}"
         else:
-            tree, sha = prepare_base(args.base, ROOT / ".gate" / "base")
+            tree, sha = prepare_base(args.base)
             label = f"merge-base {sha[:10]} of {args.base}"
         if not list((tree / "src" / "flash_attention").glob("_C*.so")) or args.rebuild:
             major, minor = torch.cuda.get_device_capability()
