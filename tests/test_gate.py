@@ -11,7 +11,7 @@ import pytest
 
 from fa_tools import gate
 from fa_tools.gate import abtest, perf, ratchet, report
-from fa_tools.gate.stats import bootstrap_median_ci, signed_rank_greater
+from fa_tools.gate.stats import hodges_lehmann, signed_rank_greater
 from fa_tools.gpu.perfcases import Case
 
 # ---- statistics (reference values from scipy.stats.wilcoxon, alternative="greater": exact up
@@ -46,10 +46,14 @@ def test_signed_rank_ties_zeros_and_extremes():
     assert signed_rank_greater([0.0, 0.0]) == 1.0
 
 
-def test_bootstrap_interval_brackets_the_median():
-    values = [0.05, 0.06, 0.04, 0.05, 0.07, 0.05, 0.045, 0.055]
-    lo, hi = bootstrap_median_ci(values)
-    assert lo <= 0.05 <= hi and lo > 0.0
+def test_hodges_lehmann_interval():
+    # 1..10: 55 Walsh averages; P(W+ <= 8) = 25/1024 <= 0.025 < P(W+ <= 9), so the 95%
+    # interval runs from the 10th smallest to the 10th largest average: [3.5, 7.5]
+    assert hodges_lehmann([float(i) for i in range(1, 11)]) == (5.5, 3.5, 7.5)
+    # n = 6: P(W+ <= 0) = 1/64: the 2nd smallest to the 2nd largest (96.9% coverage)
+    assert hodges_lehmann([1.0, 2, 3, 4, 5, 6]) == (3.5, 1.5, 5.5)
+    est, lo, hi = hodges_lehmann(_diffs(60, 0.01))  # normal approximation above 50
+    assert lo < est < hi and lo > 0.0
 
 
 # ---- verdicts ----------------------------------------------------------------------------------
@@ -75,10 +79,10 @@ def test_policy_splits_alpha_over_cases_and_looks():
 def test_analyse_verdicts():
     peer = _samples(1.0, seed=9)
     base = _samples(1.0, seed=1)
-    slow = abtest.analyse("c", base, _samples(1.10, seed=2), peer, peer, 1.5, ALPHA)
-    same = abtest.analyse("c", base, _samples(1.0, seed=3), peer, peer, 1.5, ALPHA)
-    small = abtest.analyse("c", base, [b * 1.004 for b in base], peer, peer, 1.5, ALPHA)
-    fast = abtest.analyse("c", base, _samples(0.90, seed=5), peer, peer, 1.5, ALPHA)
+    slow = abtest.analyse("c", base, _samples(1.10, seed=2), peer, peer, POL, ALPHA)
+    same = abtest.analyse("c", base, _samples(1.0, seed=3), peer, peer, POL, ALPHA)
+    small = abtest.analyse("c", base, [b * 1.004 for b in base], peer, peer, POL, ALPHA)
+    fast = abtest.analyse("c", base, _samples(0.90, seed=5), peer, peer, POL, ALPHA)
     assert slow.verdict == "slower" and slow.ratio == pytest.approx(1.10, rel=0.01)
     assert same.verdict == "same"
     assert small.verdict == "same", "significant but under the threshold must pass"
@@ -88,11 +92,11 @@ def test_analyse_verdicts():
 def test_too_few_rounds_or_too_much_noise_is_undecided():
     peer = _samples(1.0, seed=9, n=6)
     six = abtest.analyse("c", _samples(1.0, n=6, seed=1), _samples(1.10, n=6, seed=2), peer,
-                         peer, 1.5, ALPHA)
+                         peer, POL, ALPHA)
     assert six.verdict == "undecided", "2^-6 cannot reach the per-look alpha"
     noisy_peer = _samples(1.0, seed=9)
     noisy = abtest.analyse("c", _samples(1.0, 0.08, seed=1), _samples(1.02, 0.08, seed=2),
-                           noisy_peer, noisy_peer, 1.5, ALPHA)
+                           noisy_peer, noisy_peer, POL, ALPHA)
     assert noisy.verdict == "undecided" and noisy.ci_low < 1.015 < noisy.ci_high
 
 
@@ -101,7 +105,7 @@ def test_machine_drift_alone_is_not_a_regression():
     normalised comparison shows no change, so the verdict is not 'slower'."""
     base, base_peer = _samples(1.0, seed=1), _samples(2.0, seed=2)
     head, head_peer = [x * 1.1 for x in base], [x * 1.1 for x in base_peer]
-    r = abtest.analyse("c", base, head, base_peer, head_peer, 1.5, ALPHA)
+    r = abtest.analyse("c", base, head, base_peer, head_peer, POL, ALPHA)
     assert r.ratio == pytest.approx(1.1) and r.norm_ratio == pytest.approx(1.0)
     assert r.verdict != "slower"
 
@@ -130,8 +134,8 @@ CASES = [Case("bf16", 128, 16, 1024), Case("bf16", 128, 16, 4096), Case("fp16", 
 
 def test_sequential_compare_stops_early_extends_undecided_and_plants_only_on_head():
     slow, clean, noisy = (c.name for c in CASES)
-    base = FakeWorker({}, {noisy: 0.05}, seed=1)
-    head = FakeWorker({slow: 1.05}, {noisy: 0.05}, seed=2)
+    base = FakeWorker({}, {noisy: 0.12}, seed=1)
+    head = FakeWorker({slow: 1.05}, {noisy: 0.12}, seed=2)
     results = {r.case: r for r in abtest.compare(base, head, CASES, POL, 7)}
     assert results[slow].verdict == "slower" and results[slow].rounds == POL.rounds
     assert results[clean].verdict == "same" and results[clean].rounds == POL.rounds

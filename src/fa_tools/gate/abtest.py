@@ -6,10 +6,10 @@ attention() and for the SDPA FA2 peer measured right after it. Per case the gate
 paired log-ratios ln(head/base), raw and normalised by the peer (policy in ci/gate_policy.yaml):
 
   slower        both one-sided signed-rank tests significant at the per-look level and both
-                median ratios beyond 1 + threshold
-  faster        significant the other way, beyond 1 / (1 + threshold)
-  same          both intervals entirely below 1 + threshold (a slowdown of the threshold's size
-                is ruled out)
+                estimated ratios (Hodges-Lehmann) beyond 1 + threshold_pct
+  faster        significant the other way, beyond 1 / (1 + threshold_pct)
+  same          both 95% intervals entirely below 1 + clear_pct: a slowdown of the size the
+                gate promises to catch is ruled out
   undecided     anything else: the case gets `step` more rounds, up to `max_rounds`; still
                 undecided then -> inconclusive
 
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..gpu.perfcases import Case
-from .stats import bootstrap_median_ci, cv, log_ratios, signed_rank_greater
+from .stats import cv, hodges_lehmann, log_ratios, signed_rank_greater
 
 log = logging.getLogger(__name__)
 TOOLS_DIR = Path(__file__).resolve().parents[1]  # the fa_tools package
@@ -58,6 +58,7 @@ class Policy:
     """The perf section of ci/gate_policy.yaml."""
 
     threshold_pct: float = 1.5
+    clear_pct: float = 3.0
     fwer: float = 0.01
     rounds: int = 12
     step: int = 6
@@ -189,7 +190,7 @@ class CaseResult:
     rounds: int
     base_ms: float
     head_ms: float
-    ratio: float  # head / base from the median paired log-ratio, > 1: head slower
+    ratio: float  # head / base: Hodges-Lehmann of the paired log-ratios, > 1: head slower
     ci_low: float
     ci_high: float
     p_slower: float  # one-sided signed-rank: head slower than base
@@ -208,29 +209,29 @@ class CaseResult:
 
 
 def analyse(case: str, base: list[float], head: list[float], base_peer: list[float],
-            head_peer: list[float], threshold_pct: float, alpha: float, level: float = 0.95
+            head_peer: list[float], policy: Policy, alpha: float, level: float = 0.95
             ) -> CaseResult:
     """Verdict of one case at one look (see the module doc); samples are per-round medians,
     paired by round."""
     d = log_ratios(head, base)
     nd = [a - b for a, b in zip(d, log_ratios(head_peer, base_peer))]
-    lo, hi = bootstrap_median_ci(d, level)
-    nlo, nhi = bootstrap_median_ci(nd, level, seed=1)
-    ratio, nratio = math.exp(statistics.median(d)), math.exp(statistics.median(nd))
+    est, lo, hi = hodges_lehmann(d, level)
+    nest, nlo, nhi = hodges_lehmann(nd, level)
     p_slow, np_slow = signed_rank_greater(d), signed_rank_greater(nd)
     p_fast = signed_rank_greater([-x for x in d])
-    limit = math.log1p(threshold_pct / 100)
-    if p_slow < alpha and np_slow < alpha and ratio > math.exp(limit) and nratio > math.exp(limit):
+    convict = math.log1p(policy.threshold_pct / 100)
+    clear = math.log1p(policy.clear_pct / 100)
+    if p_slow < alpha and np_slow < alpha and est > convict and nest > convict:
         verdict = "slower"
-    elif p_fast < alpha and ratio < math.exp(-limit):
+    elif p_fast < alpha and est < -convict:
         verdict = "faster"
-    elif hi < limit and nhi < limit:
+    elif hi < clear and nhi < clear:
         verdict = "same"
     else:
         verdict = "undecided"
-    return CaseResult(case, len(d), statistics.median(base), statistics.median(head), ratio,
-                      math.exp(lo), math.exp(hi), p_slow, p_fast, nratio, math.exp(nlo),
-                      math.exp(nhi), np_slow, cv(base), cv(head), verdict,
+    return CaseResult(case, len(d), statistics.median(base), statistics.median(head),
+                      math.exp(est), math.exp(lo), math.exp(hi), p_slow, p_fast, math.exp(nest),
+                      math.exp(nlo), math.exp(nhi), np_slow, cv(base), cv(head), verdict,
                       {"base": base, "head": head, "base_peer": base_peer,
                        "head_peer": head_peer})
 
@@ -289,8 +290,8 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
         still = []
         for c in active:
             s = samples[c.name]
-            r = analyse(c.name, s["base"], s["head"], s["base_peer"], s["head_peer"],
-                        policy.threshold_pct, alpha)
+            r = analyse(c.name, s["base"], s["head"], s["base_peer"], s["head_peer"], policy,
+                        alpha)
             if r.verdict == "undecided" and not final:
                 still.append(c)
                 continue

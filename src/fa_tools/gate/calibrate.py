@@ -38,7 +38,8 @@ def _row(label: str, verdicts: list[str], ratios: list[float], rounds: list[int]
 
 def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
     lines = [f"### Gate power study on {meta['gpu']}", "",
-             f"Policy: threshold {meta['threshold_pct']}%, family-wise alpha {meta['fwer']} over "
+             f"Policy: slower beyond {meta['threshold_pct']}%, cleared below "
+             f"{meta['clear_pct']}%, family-wise alpha {meta['fwer']} over "
              f"{meta['n_family']} cases, {meta['rounds']} rounds first, +{meta['step']} up to "
              f"{meta['max_rounds']}.", ""]
     if power:
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
         raise SystemExit(f"fa-tools gate calibrate: unknown case(s) {', '.join(unknown)}; "
                          f"the gate's cases: {', '.join(by_name)}")
     n_family = len(GATE_CASES)
-    meta = {"threshold_pct": policy.threshold_pct, "fwer": policy.fwer, "n_family": n_family,
+    meta = {"threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
+            "fwer": policy.fwer, "n_family": n_family,
             "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds}
     args.aa = True
     power: list[dict] = []
