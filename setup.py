@@ -2,15 +2,19 @@
 
 Selected kernel configs are generated as one .cu file each (flash_attention.codegen), compiled
 in parallel by torch's ninja build (MAX_JOBS jobs) with no torch headers in them, and linked with
-the single torch binding. nvcc runs through flash_attention/nvcc_wrapper.py, which keeps each
-object's ptxas resource lines; they are gathered into ptxas.log next to the extension (and in
-build/ptxas.log) with build_info.json saying what was built.
+the single torch binding. nvcc and the host C++ compiler run through
+flash_attention/nvcc_wrapper.py, which keeps each object's ptxas resource lines (gathered into
+ptxas.log next to the extension and in build/ptxas.log, with build_info.json saying what was
+built) and looks every object up in a content-addressed cache first, so a translation unit
+that did not change is not compiled again, whichever checkout or commit builds it (asv builds
+every commit in a fresh checkout).
 
 Environment:
   FLASH_ATTENTION_KERNELS  config sets and/or short forms, comma-separated (default: "default";
                            sets: ci, default, tune, prog, all)
   FLASH_ATTENTION_ARCHS    SM architectures, comma-separated (default: "80,90"; "90a" allowed)
   MAX_JOBS                 parallel compile jobs
+  FA_BUILD_CACHE           object cache directory (default ~/.cache/fa-build; "off" disables it)
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import json
 import os
 import re
 import shlex
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from setuptools import setup
@@ -76,10 +82,9 @@ SOURCES = [str(p.relative_to(ROOT)) for p in generate(CONFIGS, GENERATED)]
 if CUDA_HOME:
     os.environ["CUDA_HOME"] = CUDA_HOME  # the nvcc wrapper runs the same toolkit as torch found
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[0]}.{a[1:]}" for a in ARCHS))
-# Route nvcc through the wrapper that keeps the ptxas report of every object.
-os.environ["PYTORCH_NVCC"] = shlex.join(
-    [sys.executable, str(ROOT / "src" / "flash_attention" / "nvcc_wrapper.py")]
-)
+# Route nvcc through the wrapper that keeps the ptxas report of every object and caches objects.
+WRAPPER = ROOT / "src" / "flash_attention" / "nvcc_wrapper.py"
+os.environ["PYTORCH_NVCC"] = shlex.join([sys.executable, str(WRAPPER)])
 
 NVCC_FLAGS = [
     "-O3",
@@ -96,9 +101,50 @@ class BuildWithReport(BuildExtension):
     def run(self) -> None:
         print(f"flash_attention: building {len(CONFIGS)} kernels ({KERNELS}) for "
               f"{', '.join('sm_' + a for a in ARCHS)}", flush=True)
+        self._started = time.time()
         super().run()
         for ext in self.extensions:
             self._write_report(Path(self.get_ext_fullpath(ext.name)).parent)
+        self._cache_summary()
+
+    def build_extensions(self) -> None:
+        # The C++ compile rule of torch's ninja file runs $CXX (read when the file is written,
+        # after distutils configured its own compiler and linker): point it at a launcher of
+        # the wrapper, so the binding (the costliest translation unit) is cached too.
+        saved = {k: os.environ.get(k) for k in ("CXX", "TORCH_NO_COMPILER_WRAPPER")}
+        os.environ["CXX"] = str(self._cxx_launcher(saved["CXX"] or "c++"))
+        os.environ["TORCH_NO_COMPILER_WRAPPER"] = "1"  # no ccache in front of the launcher
+        try:
+            super().build_extensions()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def _cxx_launcher(self, compiler: str) -> Path:
+        path = Path(self.build_temp).resolve() / "fa-cxx"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n# written by setup.py: the host C++ compiler through the "
+                        "caching wrapper\nexec " + shlex.join(
+                            [sys.executable, str(WRAPPER), "--cxx", compiler]) + ' "$@"\n')
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        return path
+
+    def _cache_summary(self) -> None:
+        """How many objects this build took from the object cache (the wrapper leaves a
+        marker beside each object it handled; ninja does not run it for up-to-date ones)."""
+        hits = misses = 0
+        for marker in Path(self.build_temp).rglob("*.fa-cache.json"):
+            if marker.stat().st_mtime < self._started - 1:
+                continue
+            result = json.loads(marker.read_text()).get("result")
+            hits += result == "hit"
+            misses += result == "miss"
+        if hits or misses:
+            print(f"flash_attention: object cache: {hits} hits, {misses} compiled "
+                  f"({os.environ.get('FA_BUILD_CACHE') or '~/.cache/fa-build'})", flush=True)
 
     def _write_report(self, ext_dir: Path) -> None:
         logs = []
