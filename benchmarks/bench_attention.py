@@ -1,12 +1,152 @@
 """asv: timings of attention() and of PyTorch SDPA's FLASH_ATTENTION (FA2) and CUDNN_ATTENTION
 backends, over dtype x d_head x (batch, seq_len), 16 heads. All cases are measured once per
-run in setup_cache, in one process, with CUDA events (fa_tools.gpu.perfcases: median of 20 calls);
-the track_ methods report them. Without a GPU every benchmark here is skipped.
-Nox builds the extension; asv only measures (environment_type "existing")."""
+run in setup_cache, in one process, with CUDA events (median of 20 calls); the track_ methods
+report them. Without a GPU every benchmark here is skipped, and so is every case the build has
+no kernel for (e.g. a build restricted by FLASH_ATTENTION_KERNELS), with the reason.
 
-from fa_tools.gpu.perfcases import ASV_CASES, CONTENDERS, STANDARD, Case, measure
+Self-contained on purpose: asv runs the benchmarks of the working tree against every commit
+it builds (`asv run A..B`, `asv find`), so this module uses only the package's public API
+(flash_attention.attention, available_configs) and torch, and the timing code here is the same
+for every commit measured. It mirrors the gate's (fa_tools), which keeps its own copy for the
+same reason: the code under test never times itself. The source of the methods below is
+unchanged since the first recorded results, so asv's benchmark versions (hashes of that
+source) still match them.
+"""
 
+import statistics
+from dataclasses import dataclass
+
+# (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
+STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
+CONTENDERS = ("ours", "sdpa_fa2", "sdpa_cudnn")
 SHAPES = [f"{b}x{s}" for b, s in STANDARD]
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    d_head: int
+    batch: int
+    seqlen: int
+    heads: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+
+
+ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
+                  for b, s in STANDARD)
+
+
+class Measured(dict):
+    """{case name: {contender: median ms}}. Looking up a case that was not measured raises
+    NotImplementedError with the reason, which asv reports as a skipped benchmark."""
+
+    def __init__(self, measured: dict, skipped: dict[str, str]) -> None:
+        super().__init__(measured)
+        self.skipped = skipped
+
+    def __missing__(self, key):
+        raise NotImplementedError(self.skipped.get(key, f"{key} was not measured"))
+
+
+def cuda_event_ms(fn, reps: int, warmup: int) -> list[float]:
+    """CUDA-event milliseconds of each call, the stream held busy (a device-side sleep) while
+    the host queues the calls so host overhead does not open gaps."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    torch.cuda._sleep(2_000_000 + 100_000 * reps)
+    for start, end in events:
+        start.record(stream)
+        fn()
+        end.record(stream)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def contenders(q, k, v, out, names=CONTENDERS) -> dict:
+    """Zero-argument callables, one per contender, on the same inputs: attention() (dispatch)
+    writing into out, and SDPA restricted to one backend on the (B, H, S, D) view of the same
+    tensors. A backend that cannot run the shape is left out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attention as fa
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+    def make_peer(backend):
+        def peer():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+        return peer
+
+    fns = {}
+    if "ours" in names:
+        fns["ours"] = lambda: fa.attention(q, k, v, out=out)
+    for name in names:
+        if name in backends:
+            peer = make_peer(backends[name])
+            try:
+                peer()
+            except RuntimeError:
+                continue
+            fns[name] = peer
+    return fns
+
+
+def built_kernels() -> set[tuple[str, int]] | None:
+    """(dtype, d_head) pairs the installed build has a kernel for (None: cannot tell)."""
+    import flash_attention as fa
+
+    try:
+        return {(c.dtype, c.d_head) for c in fa.available_configs()}
+    except AttributeError:  # a commit from before available_configs()
+        return None
+
+
+def measure(cases, contenders_=("ours", "sdpa_fa2"), reps: int = 10,
+            warmup: int = 3) -> Measured:
+    """Median milliseconds per case and contender. A case the build has no kernel for is
+    skipped with the reason; any other failure raises (a broken benchmark must never look like
+    a slow one)."""
+    import torch
+
+    import flash_attention as fa
+
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    built = built_kernels()
+    measured, skipped = {}, {}
+    for case in cases:
+        if built is not None and (case.dtype, case.d_head) not in built:
+            info = (getattr(fa, "build_info", dict)() or {}).get("kernels", "?")
+            skipped[case.name] = (f"this build has no {case.dtype} d_head {case.d_head} kernel "
+                                  f"(FLASH_ATTENTION_KERNELS={info})")
+            continue
+        shape = (case.batch, case.seqlen, case.heads, case.d_head)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype]) for _ in range(3))
+        o = torch.empty_like(q)
+        fns = contenders(q, k, v, o, names=contenders_)
+        missing = set(contenders_) - set(fns)
+        if missing:
+            raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
+        fns["ours"]()
+        if not torch.isfinite(o).all():
+            raise RuntimeError(f"{case.name}: attention() produced non-finite values")
+        measured[case.name] = {name: statistics.median(cuda_event_ms(fn, reps=reps,
+                                                                    warmup=warmup))
+                               for name, fn in fns.items()}
+        del q, k, v, o, fns
+    return Measured(measured, skipped)
 
 
 class Attention:

@@ -1,6 +1,10 @@
 """asv: per kernel of the default set and per architecture, what ptxas and the SASS say:
 registers, spill bytes, shared memory, SASS instruction totals per category. Read from the
-build's ptxas report and the binary (fa_tools); no GPU needed."""
+installed build's ptxas report (the wheel carries ptxas.log) and binary by the fa_tools of the
+same commit (installed with it); cuobjdump/nvdisasm are found on sys.path (the PyPI packages,
+also those of the interpreter running asv) or in the CUDA toolkit. No GPU needed. Kernels or
+architectures the build does not contain are skipped with the reason, and so is everything
+when fa_tools or the SASS tools are missing."""
 
 from flash_attention.config_sets import SETS
 
@@ -11,12 +15,23 @@ CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "s
               "branch"]
 
 
-def _collect():
-    from fa_tools.analysis import opcodes, ptxas_report, sass
-    from fa_tools.analysis.binaries import ToolError, extension_path, ptxas_log_path
-
+def _analysis():
+    """fa_tools' binary-analysis modules: fa_tools.analysis.*, or fa_tools.* in commits from
+    before that package existed."""
     try:
-        binary, log = extension_path(), ptxas_log_path()
+        from fa_tools.analysis import binaries, opcodes, ptxas_report, sass
+    except ImportError:
+        from fa_tools import binaries, opcodes, ptxas_report, sass
+    return binaries, opcodes, ptxas_report, sass
+
+
+def _collect():
+    try:
+        binaries, opcodes, ptxas_report, sass = _analysis()
+    except ImportError as exc:
+        return {"skip": f"fa_tools' analysis is not importable in this environment ({exc})"}
+    try:
+        binary, log = binaries.extension_path(), binaries.ptxas_log_path()
         records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
         out = {}
         for (kernel, arch), rec in records.items():
@@ -30,7 +45,7 @@ def _collect():
                 "sass": {"total": hist.total, **hist.categories},
             }
         return out
-    except ToolError as exc:
+    except binaries.ToolError as exc:
         return {"skip": str(exc)}  # asv passes no cache for None
 
 
