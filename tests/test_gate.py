@@ -315,3 +315,29 @@ def test_broken_head_worker_is_exit_2(tmp_path):
     with pytest.raises(abtest.WorkerError) as info:
         abtest.Worker("head", tmp_path / "src")
     assert info.value.kind == "broken" and "planted" in str(info.value)
+
+
+def test_power_study_tables(tmp_path, monkeypatch):
+    """calibrate on simulated workers: a large planted slowdown is always caught, none is
+    planted on the A/A runs, and the tables are written."""
+    import argparse
+    import contextlib
+
+    from fa_tools.gate import calibrate
+
+    @contextlib.contextmanager
+    def fake_workers(args, perf_policy, meta):
+        meta["gpu"] = "simulated"
+        yield FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+
+    monkeypatch.setattr(calibrate, "workers", fake_workers)
+    case = perf.GATE_CASES[0].name
+    args = argparse.Namespace(case=[case], sizes=[0.5, 10], runs=2, aa_runs=2)
+    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    assert calibrate.run(args, policy, tmp_path) == gate.PASS
+    doc = json.loads((tmp_path / "calibrate.json").read_text())
+    big = next(r for r in doc["power"] if r["planted"] == "10%")
+    assert big["slower"] == 2 and big["detection_rate"] == 1.0
+    assert doc["aa"]["runs"] == 2 and doc["aa"]["runs_with_slower"] == 0
+    md = (tmp_path / "calibrate.md").read_text()
+    assert "| planted slowdown |" in md and "A/A: 2 whole gate runs" in md

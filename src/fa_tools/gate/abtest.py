@@ -276,6 +276,7 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
     done: dict[str, CaseResult] = {}
     rounds = 0
     target = policy.rounds
+    t0 = time.monotonic()
     while active:
         while rounds < target:
             sides = [("base", base), ("head", head)]
@@ -298,7 +299,8 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
             if r.verdict == "undecided":
                 r.verdict = "inconclusive"
             done[c.name] = r
-        log.info("after %d rounds: %d decided, %d undecided", rounds, len(done), len(still))
+        log.info("after %d rounds (%.0f s): %d decided, %d undecided", rounds,
+                 time.monotonic() - t0, len(done), len(still))
         active = still
         target = min(policy.max_rounds, rounds + policy.step)
     return sorted(done.values(), key=lambda r: -abs(r.ratio - 1))

@@ -81,6 +81,11 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     args.aa = True
     power: list[dict] = []
     aa = None
+
+    def save() -> None:  # after every block, so a study cut short still leaves its tables
+        write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa},
+                   markdown(meta, power, aa))
+
     with workers(args, perf, meta) as (base_w, head_w):
         for name in args.case:
             for size in args.sizes:
@@ -97,11 +102,13 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                              i + 1, args.runs, r.verdict, r.ratio, r.rounds)
                 power.append({"case": name, **_row(f"{size:g}%", verdicts, ratios, rounds,
                                                    seconds)})
+                save()
         if args.aa_runs:
             per_case: dict[str, dict[str, list]] = {c.name: {"v": [], "r": [], "n": []}
                                                     for c in GATE_CASES}
             slower_runs = inconclusive_runs = 0
             for i in range(args.aa_runs):
+                t0 = time.monotonic()
                 results = compare(base_w, head_w, list(GATE_CASES), policy, n_family)
                 verdicts = [r.verdict for r in results]
                 slower_runs += "slower" in verdicts
@@ -110,18 +117,23 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                     per_case[r.case]["v"].append(r.verdict)
                     per_case[r.case]["r"].append(r.ratio)
                     per_case[r.case]["n"].append(r.rounds)
-                log.info("A/A run %d/%d: %s", i + 1, args.aa_runs,
+                log.info("A/A run %d/%d (%.0f s): %s", i + 1, args.aa_runs,
+                         time.monotonic() - t0,
                          ", ".join(f"{r.case} {r.verdict} {r.ratio:.4f}" for r in results))
-            aa = {"runs": args.aa_runs, "cases": n_family, "runs_with_slower": slower_runs,
-                  "runs_with_inconclusive": inconclusive_runs,
-                  "fp_rate": slower_runs / args.aa_runs,
-                  "per_case": [{"case": name, "same": d["v"].count("same"),
-                                "inconclusive": d["v"].count("inconclusive"),
-                                "slower": d["v"].count("slower"), "faster": d["v"].count("faster"),
-                                "ratio_median": statistics.median(d["r"]),
-                                "ratio_min": min(d["r"]), "ratio_max": max(d["r"]),
-                                "rounds_median": statistics.median(d["n"])}
-                               for name, d in per_case.items()]}
-    write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa},
-               markdown(meta, power, aa))
+                aa = _aa_summary(i + 1, n_family, slower_runs, inconclusive_runs, per_case)
+                save()
+    save()
     return PASS
+
+
+def _aa_summary(runs: int, n_family: int, slower_runs: int, inconclusive_runs: int,
+                per_case: dict[str, dict[str, list]]) -> dict:
+    return {"runs": runs, "cases": n_family, "runs_with_slower": slower_runs,
+            "runs_with_inconclusive": inconclusive_runs, "fp_rate": slower_runs / runs,
+            "per_case": [{"case": name, "same": d["v"].count("same"),
+                          "inconclusive": d["v"].count("inconclusive"),
+                          "slower": d["v"].count("slower"), "faster": d["v"].count("faster"),
+                          "ratio_median": statistics.median(d["r"]),
+                          "ratio_min": min(d["r"]), "ratio_max": max(d["r"]),
+                          "rounds_median": statistics.median(d["n"])}
+                         for name, d in per_case.items()]}

@@ -45,8 +45,9 @@ def command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from . import calibrate
 
-        if not args.case:
-            raise SystemExit("fa-tools gate calibrate: name at least one --case")
+        if not args.case and not args.aa_runs:
+            raise SystemExit("fa-tools gate calibrate: name a --case to plant slowdowns on, "
+                             "or ask for --aa-runs")
         code = calibrate.run(args, ratchet.load_yaml(policy_path), out)
         print((out / "calibrate.md").read_text())
         return code
