@@ -92,7 +92,8 @@ EOF
     fi
 done
 last=$(git rev-parse HEAD)
-git log --format='%h %s' "$base..$last" | tee "$OUT/history.txt"
+git log --format='%H %s' "$base..$last" >"$OUT/history.txt"
+git log --format='%h %s' "$base..$last"
 echo "planted: $planted"
 
 # The plant must change what dispatch runs, and only from its commit on.
@@ -135,6 +136,38 @@ found=$(grep -oE 'Greatest regression found: [0-9a-f]+' "$OUT/asv-find.log" | aw
 if (( rc != 0 )) || [ -z "$found" ]; then
     die "asv find did not name a commit (exit $rc; see $OUT/asv-find.log)"
 fi
+# What asv measured at the commits it visited (bf16 d_head 128 cases of the benchmark). asv
+# stores skipped benchmarks as NaN and bisects them anyway: without timings nothing is judged.
+"$PYTHON" - "$BENCH" "$OUT/history.txt" benchmarks/results/"$machine" <<'EOF' \
+    | tee "$OUT/measured.txt" || die "asv recorded no timings (no GPU?): nothing to judge"
+import ast, glob, itertools, json, math, sys
+bench, history, results = sys.argv[1], sys.argv[2], sys.argv[3]
+subjects = dict(line.rstrip("\n").split(" ", 1) for line in open(history))
+order = list(subjects)
+rows, finite = [], 0
+
+
+def ok(v):
+    return v is not None and not math.isnan(v)
+
+
+for path in glob.glob(f"{results}/*.json"):
+    data = json.load(open(path))
+    if "commit_hash" not in data or bench not in data["results"]:
+        continue
+    entry = dict(zip(data["result_columns"], data["results"][bench]))
+    params = [[ast.literal_eval(p) for p in axis] for axis in entry["params"]]
+    values = dict(zip(itertools.product(*params), entry["result"] or []))
+    cells = [values.get(("bf16", 128, shape)) for shape in params[2]]
+    finite += sum(ok(v) for v in cells)
+    sha = data["commit_hash"]
+    rows.append((order.index(sha) if sha in order else -1, sha, cells))
+print("commit   " + " ".join(f"{s:>9}" for s in params[2]) + "   (bf16 d_head 128, ms)")
+for _, sha, cells in sorted(rows, reverse=True):  # oldest first
+    print(f"{sha[:8]} " + " ".join(f"{v:9.3f}" if ok(v) else f"{'-':>9}" for v in cells)
+          + f"   {subjects.get(sha, '')}")
+sys.exit(0 if finite else 1)
+EOF
 echo "asv find names:  $(git log -1 --format='%h %s' "$found")"
 echo "planted commit:  $(git log -1 --format='%h %s' "$planted")"
 if [[ $planted == "$found"* ]]; then
