@@ -3,7 +3,7 @@
 #
 #   WHEELHOUSE=/path/to/wheels ci/asv_find_demo.sh        # exit 0: asv named the planted commit
 #
-# Makes a throwaway clone of this repository's HEAD under $OUT, commits a history of
+# Makes a throwaway clone of this repository's HEAD in $WORK, commits a history of
 # $N_COMMITS commits on top of it in which only commit $PLANT_AT changes code: it points the
 # dispatch table's bf16 d_head 128 entry at the same tile without the shared-memory swizzle
 # (a real kernel slowdown: bank-conflicted ldmatrix), every other commit edits a doc. Then
@@ -16,12 +16,14 @@
 # Offline: asv, virtualenv and the packages asv installs into its environment (wheel, ninja,
 # build, asv_runner, pympler) come from $WHEELHOUSE (pip --no-index); without a wheelhouse pip
 # uses its index. torch is the one of $PYTHON (default python3), never installed.
-# Logs: $OUT (default /tmp/asv-demo): demo.log, asv-find.log, history.txt.
+# Logs: $OUT (default /tmp/asv-demo): demo.log, asv-find.log, history.txt, measured.txt,
+# cache-stats.log. The clone and asv's environment: $WORK (default /tmp/asv-demo-work).
 # Exit: 0 asv named the planted commit, 1 it named another one, 2 the demo could not run.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/asv-demo}
+WORK=${WORK:-/tmp/asv-demo-work}
 PYTHON=${PYTHON:-python3}
 WHEELHOUSE=${WHEELHOUSE:-${FA_WHEELHOUSE:-$REPO/wheelhouse}}
 BENCH=${BENCH:-bench_attention.Attention.track_ours_ms}
@@ -65,10 +67,10 @@ if ! "$PYTHON" -c 'import asv, virtualenv' 2>/dev/null; then
 fi
 "$PYTHON" -m asv --version
 
-say "throwaway clone of $(git -C "$REPO" rev-parse --short HEAD) in $OUT/repo"
-rm -rf "$OUT/repo"
-git clone -q "$REPO" "$OUT/repo"
-cd "$OUT/repo"
+say "throwaway clone of $(git -C "$REPO" rev-parse --short HEAD) in $WORK"
+rm -rf "$WORK"
+git clone -q "$REPO" "$WORK"
+cd "$WORK"
 grep -q '"environment_type": "virtualenv"' asv.conf.json \
     || die "asv.conf.json of HEAD does not build commits (commit the asv setup first)"
 git config user.name "asv find demo"
