@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,19 @@ def test_approval_cli_writes_github_output_lines(tmp_path, capsys):
     assert capsys.readouterr().out == (
         f"approved_sha={HEAD}\ngpu=success\nrun_url=https://example.invalid/runs/7\n")
 
+
+def test_run_title_pattern_matches_the_workflow_run_name():
+    """RUN_TITLE_RE must parse the run-name that .github/workflows/gpu-gate.yml renders."""
+    text = (ROOT / ".github" / "workflows" / "gpu-gate.yml").read_text()
+    m = re.search(r"^run-name:\s*(.+)$", text, re.M)
+    assert m, "gpu-gate.yml has no run-name"
+    rendered = (m.group(1).strip().strip("'\"")
+                .replace("${{ inputs.pr }}", "12").replace("${{ inputs.sha }}", HEAD))
+    assert gd.RUN_TITLE_RE.match(rendered)
+    # gate-report.yml parses the same title in bash: its pattern must agree
+    report = (ROOT / ".github" / "workflows" / "gate-report.yml").read_text()
+    bash_re = re.search(r"re='(\^gpu-gate[^']+)'", report)
+    assert bash_re and re.match(bash_re.group(1), rendered)
+    assert bash_re.group(1) == gd.RUN_TITLE_RE.pattern.replace(r"\d", "[0-9]")
+    assert f"-f pr=12 -f sha={HEAD}" in gd.decide("success", "skipped", True, HEAD, "", "12").reason
+    assert "workflow_dispatch" in text and gd.WORKFLOW_FILE == "gpu-gate.yml"
