@@ -71,10 +71,30 @@ say "throwaway clone of $(git -C "$REPO" rev-parse --short HEAD) in $WORK"
 rm -rf "$WORK"
 git clone -q "$REPO" "$WORK"
 cd "$WORK"
-grep -q '"environment_type": "virtualenv"' asv.conf.json \
-    || die "asv.conf.json of HEAD does not build commits (commit the asv setup first)"
 git config user.name "asv find demo"
 git config user.email "asv-find-demo@example.invalid"
+if [ -n "$(git -C "$REPO" status --porcelain)" ]; then
+    # The working tree is not HEAD (uncommitted work, or a copied tree whose .git lags): the
+    # history starts from a commit of the working tree as it is.
+    git rm -rq --cached .
+    find . -mindepth 1 -maxdepth 1 ! -name .git -exec rm -rf {} +
+    "$PYTHON" - "$REPO" <<'EOF'
+import os, shutil, subprocess, sys
+repo = sys.argv[1]
+names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo,
+                       capture_output=True, check=True).stdout.decode().split("\0")
+for name in filter(None, names):
+    src = os.path.join(repo, name)
+    if os.path.lexists(src) and not os.path.isdir(src):
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        shutil.copy2(src, name, follow_symlinks=False)
+EOF
+    git add -A
+    git commit -qm "Working tree of $REPO"
+    echo "the working tree differs from HEAD: committed it as $(git rev-parse --short HEAD)"
+fi
+grep -q '"environment_type": "virtualenv"' asv.conf.json \
+    || die "asv.conf.json does not build commits (environment_type virtualenv needed)"
 base=$(git rev-parse HEAD)
 
 say "history: $N_COMMITS commits, the slowdown planted in commit $PLANT_AT"
