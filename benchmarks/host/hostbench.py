@@ -239,7 +239,7 @@ def decide(rows: list[dict], head: Run, compared: bool) -> int:
 def write_report(out: Path, code: int, rows: list[dict], summary: dict, notes: list[str],
                  runs: list[Run]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    compared = summary.get("base") is not None
+    compared = summary["mode"] == "compare"
     status = CODE_NAMES[code]
     if code == PASS and not compared:
         status = "PASS (recorded, no base to compare)"
@@ -251,7 +251,10 @@ def write_report(out: Path, code: int, rows: list[dict], summary: dict, notes: l
     if errors:
         headline += f": {len(errors)} errored ({', '.join(errors)})"
     lines = [headline, ""]
-    if compared:
+    if compared and summary["base"] is None:
+        lines.append(f"Head {summary['head']} against {summary['base_ref'] or summary['base_what']}"
+                     ": nothing compared.")
+    elif compared:
         lines.append(f"Head {summary['head']} against base {summary['base']} "
                      f"({summary['base_what']}); a benchmark fails when its median exceeds the "
                      f"base's by more than {summary['threshold_pct']}% "
@@ -262,8 +265,9 @@ def write_report(out: Path, code: int, rows: list[dict], summary: dict, notes: l
                      f"(`--benchmark-save={summary['head']}`); no base given, nothing compared.")
     lines += [f"- {note}" for note in notes]
     lines += [f"- {line}" for run in runs if (line := _gpu_ratio_line(run))]
-    lines += ["", "| benchmark | base median | head median | ratio | threshold | verdict |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    if rows:
+        lines += ["", "| benchmark | base median | head median | ratio | threshold | verdict |",
+                  "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         if len(r["attempt_ratios"]) > 1:
@@ -291,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(os.environ.get("HOSTBENCH_STORAGE", DEFAULT_STORAGE)))
     args = parser.parse_args(argv)
     storage = args.storage.resolve()
-    summary: dict = {"head": None, "base": None, "base_ref": args.base, "base_what": None,
+    mode = "record" if args.base is None and args.base_dir is None else "compare"
+    summary: dict = {"mode": mode, "head": None, "base": None, "base_ref": args.base,
+                     "base_what": str(args.base_dir) if args.base_dir else None,
                      "threshold_pct": args.threshold, "storage": str(storage), "attempts": 0}
     notes: list[str] = []
     rows: list[dict] = []
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         except InfraError:
             head_sha = os.environ.get("FA_COMMIT", "")[:7] or "unknown"
         summary["head"] = head_sha
-        if args.base is None and args.base_dir is None:
+        if mode == "record":
             head = run_benchmarks("head", HERE, ROOT / "src", ROOT, storage, save=head_sha)
             runs = [head]
             rows = [{"benchmark": n, "base_median_s": None, "head_median_s": m, "ratio": None,
@@ -318,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                 tree = args.base_dir.resolve()
                 if not (tree / "src" / "flash_attention").is_dir():
                     raise InfraError(f"--base-dir {tree} has no src/flash_attention")
-                base_sha = _short("HEAD", cwd=tree)
+                try:
+                    base_sha = _short("HEAD", cwd=tree)
+                except InfraError:  # a copied tree without git
+                    base_sha = tree.name
                 if args.base:
                     merge_base = _short(_git("merge-base", args.base, "HEAD"))
                     if merge_base != base_sha:
