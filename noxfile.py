@@ -197,13 +197,14 @@ def asv_machine() -> str:
 def bench(session: nox.Session) -> None:
     """asv for HEAD with the repository's asv.conf.json, exactly as `asv run HEAD^!` by hand:
     asv builds the commit in its own environment (kernels $FLASH_ATTENTION_KERNELS, default
-    `default`; archs $FLASH_ATTENTION_ARCHS, default the local GPU's; object cache
-    $FA_BUILD_CACHE), runs the timings (GPU) and the resource/SASS tracks and saves them under
-    benchmarks/results/<machine>. `-- RANGE` (e.g. `-- main~5..main`) or other `asv run`
-    arguments replace HEAD^!. With a wheelhouse, asv's environment installs from it (only
+    `default`; archs $FLASH_ATTENTION_ARCHS; object cache $FA_BUILD_CACHE), runs the timings
+    (GPU) and the resource/SASS tracks and saves them under benchmarks/results/<machine>.
+    `-- RANGE` (e.g. `-- main~5..main`) or other `asv run` arguments replace HEAD^!. The
+    recorded history keeps the register/SASS tracks of both architectures the gate pins:
+    archs default to 80,90 here. With a wheelhouse, asv's environment installs from it (only
     from it when FA_OFFLINE=1)."""
     _ensure(session, BENCH_DEPS)
-    env = dict(ASV_ENV)
+    env = {**ASV_ENV, "FLASH_ATTENTION_ARCHS": os.environ.get("FLASH_ATTENTION_ARCHS") or "80,90"}
     wheels = _wheelhouse()
     if wheels:
         env["PIP_FIND_LINKS"] = str(wheels)
