@@ -2,11 +2,13 @@
 of known size, and how often it cries wolf.
 
 Both workers run the head's build (A/A). For each planted size the head worker slows
-attention() on one chosen case by that fraction of its own time (a device-side spin after each
+attention() on one chosen case by that fraction of its own time (a matrix product after each
 call: gpu/perfcases.planted_slowdown; only this command turns it on) and the gate's sequential
 comparison runs on that case with the alpha split of a whole gate run, `runs` times: the
-detection rate is the share of 'slower' verdicts. Then `aa_runs` whole gate runs (every case, no
-planted slowdown) give the false-positive rate per gate run."""
+detection rate is the share of 'slower' verdicts. The measured head/base ratio is reported
+beside the planted size, and a plant that did not take effect (under half its size, measured)
+is flagged, so a detection rate is never read off a slowdown that was not there. Then `aa_runs`
+whole gate runs (every case, no planted slowdown) give the false-positive rate per gate run."""
 
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ from .perf import workers
 log = logging.getLogger(__name__)
 
 
-def _row(label: str, verdicts: list[str], ratios: list[float], rounds: list[int],
+def _row(size_pct: float, verdicts: list[str], ratios: list[float], rounds: list[int],
          seconds: list[float]) -> dict:
     n = len(verdicts)
-    return {"planted": label, "runs": n,
+    realised = statistics.median(ratios) - 1 >= size_pct / 200  # at least half the plant
+    return {"planted": f"{size_pct:g}%", "realised": realised, "runs": n,
             "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
             "same": verdicts.count("same"), "faster": verdicts.count("faster"),
             "detection_rate": verdicts.count("slower") / n if n else 0.0,
@@ -47,8 +50,9 @@ def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
                   "| measured head/base median [min, max] | rounds (median) | s per run |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in power:
+            planted = r["planted"] + ("" if r["realised"] else " (not realised)")
             lines.append(
-                f"| {r['case']} | {r['planted']} | {r['runs']} | {r['slower']} | "
+                f"| {r['case']} | {planted} | {r['runs']} | {r['slower']} | "
                 f"{r['inconclusive']} | {r['same']} | {r['detection_rate']:.0%} | "
                 f"{r['ratio_median']:.4f} [{r['ratio_min']:.4f}, {r['ratio_max']:.4f}] | "
                 f"{r['rounds_median']:g} | {r['seconds_median']:.1f} |")
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                     rounds.append(r.rounds)
                     log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
                              i + 1, args.runs, r.verdict, r.ratio, r.rounds)
-                power.append({"case": name, **_row(f"{size:g}%", verdicts, ratios, rounds,
+                power.append({"case": name, **_row(size, verdicts, ratios, rounds,
                                                    seconds)})
                 save()
         if args.aa_runs:
