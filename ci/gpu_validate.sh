@@ -119,8 +119,9 @@ PY
     run hang bash -c "cd /tmp/fa-hang && time PYTHONPATH=/tmp/fa-hang/src python3 -m fa_tools \
         gate perf --base-dir '$PWD' --out '$LOG_DIR/hang'; echo exit \$?"
 fi
-workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone
-    name=$1 dir=/tmp/runner-$1
+workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
+    # workspace path as on a runner (so the object cache serves a later job as it would there)
+    name=$1 dir=/tmp/runner
     rm -rf "$dir" && git clone -q "$BUNDLE" "$dir" && cd "$dir" || return 3
     git config user.email gate@example.invalid && git config user.name gate
     git checkout -q -b pr origin/main

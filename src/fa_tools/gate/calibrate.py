@@ -2,7 +2,7 @@
 of known size, and how often it cries wolf.
 
 Both workers run the head's build (A/A). For each planted size the head worker slows
-attention() on one chosen case by that fraction of its own time (a matrix product after each
+attention() on one chosen case by that fraction of its own time (a device-side spin after each
 call: gpu/perfcases.planted_slowdown; only this command turns it on) and the gate's sequential
 comparison runs on that case with the alpha split of a whole gate run, `runs` times: the
 detection rate is the share of 'slower' verdicts. The measured head/base ratio is reported

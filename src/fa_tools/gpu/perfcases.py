@@ -114,32 +114,32 @@ class Inputs:
         return cls(q, k, v, torch.empty_like(q))
 
 
-def planted_slowdown(fn, fraction: float, reps: int):
-    """fn followed by a bf16 matrix product sized to take `fraction` of fn's own median time: a
-    known slowdown for the gate's power study (fa-tools gate calibrate), nothing else.
-
-    The extra work keeps the tensor cores busy the way the kernel does. A device-side spin of
-    one thread (torch.cuda._sleep) did not: on an H100 it left the GPU idle for that time, the
-    power management raised the clocks, and the next calls ran faster by about as much (a
-    planted 2-3% on bf16 d_head 64, 16 x 4096, measured as 0.998-1.005). The study reports the
-    slowdown it measured beside the one it asked for."""
+def _cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep, measured now (clocks vary)."""
     import torch
 
-    def gemm_ms(m: int, a, b) -> float:
-        return statistics.median(time_cuda_ms(lambda: torch.mm(a[:m], b), 10, 2))
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles)  # clocks up
+    return cycles / statistics.median(time_cuda_ms(lambda: torch.cuda._sleep(cycles), 3, 0))
 
-    k = 1024
-    a = torch.randn(65536, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, k, device="cuda", dtype=torch.bfloat16)
-    target = fraction * statistics.median(time_cuda_ms(fn, max(reps, 5), 1))
-    m = 8192
-    for _ in range(3):  # the product's time is close to linear in m once m is large
-        m = max(64, min(a.shape[0], round(m * target / gemm_ms(m, a, b) / 64) * 64))
-    a = a[:m].contiguous()
+
+def planted_slowdown(fn, fraction: float, reps: int):
+    """fn followed by a device-side spin of `fraction` of fn's own median time: a known
+    slowdown for the gate's power study (fa-tools gate calibrate), nothing else.
+
+    Inserted work is not always a slowdown of that size: on an H100, bf16 d_head 64 16 x 4096
+    gave most of it back (a spin of 2-3% measured as 0.998-1.005; a bf16 matrix product of 3%,
+    5% and 10% as 1.014, 1.037 and 1.039), while fp16 d_head 128 16 x 1024 took it in full.
+    So the study reports the slowdown it measured beside the one it planted, and flags a plant
+    that did not take effect."""
+    import torch
+
+    cycles = int(fraction * statistics.median(time_cuda_ms(fn, max(reps, 5), 1))
+                 * _cycles_per_ms())
 
     def slowed():
         fn()
-        torch.mm(a, b)
+        torch.cuda._sleep(cycles)
 
     return slowed
 
