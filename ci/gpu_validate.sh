@@ -122,6 +122,7 @@ fi
 workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
     # workspace path as on a runner (so the object cache serves a later job as it would there)
     name=$1 dir=/tmp/runner
+    unset PYTHONPATH FLASH_ATTENTION_TUNING_FILE  # nothing of this tree leaks into the job
     rm -rf "$dir" && git clone -q "$BUNDLE" "$dir" && cd "$dir" || return 3
     git config user.email gate@example.invalid && git config user.name gate
     git checkout -q -b pr origin/main
