@@ -9,7 +9,7 @@
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
 #             $BUNDLE (a git bundle of the repo, main = the PR's base): an unchanged head
-#   workflow-planted  the same for a head with one cp.async wait made stricter
+#   workflow-planted  the same for a head whose cp.async waits are made strict
 #   (workflow steps need nox and the pinned SASS tools in $FA_WHEELHOUSE)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
@@ -127,9 +127,14 @@ workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh cl
     git config user.email gate@example.invalid && git config user.name gate
     git checkout -q -b pr origin/main
     if [ "${2:-}" = planted ]; then
-        sed -i 's|cp_async_wait<1>();  // V_j has landed|cp_async_wait<0>();  // V_j has landed|' \
+        # Both eager waits made strict: V_j no longer streams in under S = Q K_j^T, nor K_{j+1}
+        # under softmax and P V_j. (The second alone slowed fp16 d128 16 x 1024 by 5.7% on an
+        # H200 and nothing measurable on an H100.)
+        sed -i -e 's|cp_async_wait<1>();  // Q (first|cp_async_wait<0>();  // Q (first|' \
+            -e 's|cp_async_wait<1>();  // V_j has landed|cp_async_wait<0>();  // V_j has landed|' \
             src/csrc/kernel/forward_kernel.cuh
-        git commit -qam "planted: wait for K_{j+1} too (no overlap of its copy)" || return 3
+        [ "$(grep -c 'cp_async_wait<1>' src/csrc/kernel/forward_kernel.cuh)" = 0 ] || return 3
+        git commit -qam "planted: strict cp.async waits (no K/V copy overlaps compute)" || return 3
     fi
     export FA_OFFLINE=1 GATE_BASE=origin/main FA_GATE_CACHE=/tmp/fa-gate-cache
     python3 -m pip install -q --no-index --find-links "$FA_WHEELHOUSE" nox
