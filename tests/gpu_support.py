@@ -9,13 +9,14 @@ from flash_attention.reference import attention_reference
 ABS_FLOOR = 1e-5
 
 
-def check_against_reference(out, q, k, v, softmax_scale=None, lse=None, what=""):
+def check_against_reference(out, q, k, v, softmax_scale=None, lse=None, what="", **features):
     """Pass when max|out - out_ref| <= 2 * max|out_pt - out_ref| + floor, where out_ref is the
-    reference on fp32-upcast inputs and out_pt the same reference in the inputs' dtype. Also
-    checks that every output element was written (no NaN left from the poison)."""
+    reference on fp32-upcast inputs and out_pt the same reference in the inputs' dtype, both
+    with the call's features (causal, window_size, softcap). Also checks that every output
+    element was written (no NaN left from the poison)."""
     assert torch.isfinite(out).all(), f"{what}: output has NaN/inf (unwritten or overflow)"
-    out_ref, lse_ref = attention_reference(q, k, v, softmax_scale)
-    out_pt, _ = attention_reference(q, k, v, softmax_scale, upcast=False)
+    out_ref, lse_ref = attention_reference(q, k, v, softmax_scale, **features)
+    out_pt, _ = attention_reference(q, k, v, softmax_scale, upcast=False, **features)
     err = (out.float() - out_ref).abs().max().item()
     err_pt = (out_pt.float() - out_ref).abs().max().item()
     assert err <= 2 * err_pt + ABS_FLOOR, (
@@ -23,7 +24,11 @@ def check_against_reference(out, q, k, v, softmax_scale=None, lse=None, what="")
     )
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.shape == lse_ref.shape
-        torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4, msg=f"{what}: LSE")
+        empty = torch.isinf(lse_ref)  # rows that see no key: -inf exactly
+        assert torch.equal(torch.isinf(lse), empty) and bool((lse[empty] < 0).all()), (
+            f"{what}: LSE of rows without keys must be -inf (and only those)")
+        torch.testing.assert_close(lse[~empty], lse_ref[~empty], atol=2e-3, rtol=1e-4,
+                                   msg=f"{what}: LSE")
     return err, err_pt
 
 

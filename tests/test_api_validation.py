@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attention as fa
 from flash_attention import validation
@@ -78,13 +79,6 @@ def test_scale_default():
     assert validation.check_scale(2, 64) == 2.0
 
 
-def test_capability_below_sm80(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    with pytest.raises(RuntimeError, match=r"capability 7\.5.*need 8\.0"):
-        validation.check_capability(torch.device("cuda", 0))
-
-
 def test_config_errors():
     with pytest.raises(ConfigError, match="cannot parse"):
         fa.KernelConfig.parse("not-a-config")
@@ -93,31 +87,61 @@ def test_config_errors():
 
 
 def test_config_not_built_or_mismatched(monkeypatch):
-    built = (fa.KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvbor"),)
-    monkeypatch.setattr(fa.api, "_built", lambda: built)
+    monkeypatch.setattr(fa.ops, "BUILT_NAMES", frozenset({"bf16_d64_r64_c64_w4_fseqkvbor",
+                                                          "bf16_d64_r64_c64_w4_fseqkvborm"}))
     prob = validation.Problem(1, 8, 8, 2, 2, 64, "bf16", torch.device("cpu"))
+    kernel = fa.api._explicit_kernel
     with pytest.raises(ConfigError, match=r"not in this build.*FLASH_ATTENTION_KERNELS="):
-        fa.api._resolve_config("bf16_d64_r128_c64_w4_fseqkvbor", prob)
+        kernel("bf16_d64_r128_c64_w4_fseqkvbor", prob, False, False)
     with pytest.raises(ConfigError, match="is for fp16 with d_head=64, but the inputs are bf16"):
-        fa.api._resolve_config("fp16_d64_r64_c64_w4_fseqkvbor", prob)
-    assert fa.api._resolve_config(None, prob) == built[0]
-    prob128 = validation.Problem(1, 8, 8, 2, 2, 128, "bf16", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="no kernel for bf16 with d_head=128"):
-        fa.api._resolve_config(None, prob128)
+        kernel("fp16_d64_r64_c64_w4_fseqkvbor", prob, False, False)
+    with pytest.raises(ConfigError, match="has no masks"):
+        kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, True, False)
+    with pytest.raises(ConfigError, match="has no softcap"):
+        kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, False, True)
+    with pytest.raises(ConfigError, match="applies a softcap"):
+        kernel("bf16_d64_r64_c64_w4_fseqkvbort", prob, False, False)
+    assert kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, False, False) == \
+        "bf16_d64_r64_c64_w4_fseqkvbor"
+    # A kernel with masks serves an unmasked call too.
+    assert kernel("bf16_d64_r64_c64_w4_fseqkvborm", prob, False, False).endswith("m")
 
 
 def test_missing_extension_explains_how_to_build(monkeypatch):
-    def broken():
-        raise fa.ExtensionNotBuilt("the flash_attention CUDA extension is not available; build "
-                                   "it with `pip install --no-build-isolation -e .`")
+    monkeypatch.setattr(fa.ops, "LOADED", False)
+    monkeypatch.setattr(fa.ops, "load", lambda: False)
+    monkeypatch.setattr(fa.ops, "LOAD_ERROR", "the flash_attention CUDA extension is not "
+                        "available; build it with `pip install --no-build-isolation -e .`")
+    with pytest.raises(fa.ExtensionNotBuilt, match="pip install --no-build-isolation"):
+        fa.available_configs()
 
-    monkeypatch.setattr(fa.api, "extension", broken)
-    fa.api._built.cache_clear()
-    try:
-        with pytest.raises(fa.ExtensionNotBuilt, match="pip install --no-build-isolation"):
-            fa.available_configs()
-    finally:
-        fa.api._built.cache_clear()
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        ({"causal": 1}, TypeError, "causal must be a bool"),
+        ({"window_size": 5}, TypeError, "window_size must be a pair"),
+        ({"window_size": (1, 2, 3)}, TypeError, "window_size must be a pair"),
+        ({"window_size": (1.0, 2)}, TypeError, "window_size must be a pair"),
+        ({"window_size": (-2, 0)}, ValueError, "window_size left must be -1"),
+        ({"window_size": (0, 2**31)}, ValueError, "window_size right must be -1"),
+        ({"softcap": -1.0}, ValueError, "softcap must be 0"),
+        ({"softcap": float("inf")}, ValueError, "softcap must be 0"),
+        ({"softcap": "1"}, TypeError, "softcap must be a float"),
+    ],
+)
+def test_feature_argument_errors(kwargs, exc, message):
+    with FakeTensorMode():  # CUDA tensors without a GPU: the checks come before any launch
+        q = torch.empty(*Q, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(exc, match=message):
+            fa.attention(q, q, q, **kwargs)
+
+
+def test_inputs_that_require_grad_are_refused():
+    with FakeTensorMode():
+        q = torch.empty(*Q, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        with pytest.raises(RuntimeError, match=r"forward pass only.*torch\.no_grad"):
+            fa.attention(q, q, q)
 
 
 def test_import_without_extension_message():

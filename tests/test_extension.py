@@ -29,6 +29,7 @@ def test_registry_facts_match_python_configs(ext):
         assert entry["block_r"] == cfg.block_r and entry["block_c"] == cfg.block_c
         assert entry["threads"] == cfg.threads
         assert entry["smem_bytes"] == cfg.smem_bytes
+        assert entry["mask"] == cfg.mask and entry["softcap"] == cfg.softcap
 
 
 def test_ptxas_report_kept(ext):
@@ -40,12 +41,16 @@ def test_ptxas_report_kept(ext):
         assert text.count(f"for 'sm_{arch}'") >= len(info["configs"])
 
 
-def test_direct_extension_call_rejects_bad_input(ext):
+def test_operator_call_rejects_bad_input(ext):
+    """The operator checks what it is given even when called directly, without the API."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    name = fa.available_configs()[0].short
-    q = torch.zeros(1, 4, 1, 64)
-    with pytest.raises(RuntimeError, match="CUDA tensor"):
-        ext.forward(name, q, q, q, q, None, 0.1)
-    with pytest.raises(RuntimeError, match="not in this build"):
-        ext.forward("bf16_d64_r64_c64_w4_f", q, q, q, q, None, 0.1)
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises((NotImplementedError, RuntimeError), match="CPU"):
+        torch.ops.flash_attention.fwd(q, q, q, q, None, "", 0.1, -1, -1, 0.0)
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 1, 64, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(RuntimeError, match="not in this build"):
+            torch.ops.flash_attention.fwd(q, q, q, q, None, "bf16_d64_r64_c64_w4_f", 0.1, -1, -1,
+                                          0.0)

@@ -53,19 +53,49 @@ def test_extension_is_built_with_the_tested_sets(require_extension):
         pytest.fail(f"configs of the ci/default sets not built: {missing}")
 
 
+def softcap_of(cfg):
+    """A softcap kernel runs with softcap > 0 only; 1.5 bends typical scores well into the tanh."""
+    return {"softcap": 1.5} if cfg.softcap else {}
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_kernel_matches_reference(cfg, shape):
+    """Every kernel without a mask, and every kernel with one serving an unmasked call."""
     torch.manual_seed(hash((cfg.short, shape)) % 2**31)
     batch, sq, sk, heads, kv_heads = shape
     q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
     out = poisoned_like(q)
-    out2, lse = fa.attention(q, k, v, out=out, return_lse=True, config=cfg)
+    opts = softcap_of(cfg)
+    out2, lse = fa.attention(q, k, v, out=out, return_lse=True, config=cfg, **opts)
     assert out2 is out
-    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} {shape}")
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} {shape}", **opts)
     # Same inputs again: a kernel without races is bitwise deterministic.
-    again = fa.forward(cfg, q, k, v, out=poisoned_like(q))
+    again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)
     assert torch.equal(again, out), f"{cfg} {shape}: a second run differs (race?)"
+
+
+MASK_CONFIGS = [c for c in CONFIGS if c.mask]
+# (causal, window_size): causal, windows on one or both sides, causal with a left window, and
+# the degenerate (0, 0) (each row sees one key).
+MASKS = [(True, (-1, -1)), (False, (64, 64)), (False, (0, 0)), (True, (100, -1)),
+         (False, (-1, 17)), (False, (300, 0)), (False, (5, 200))]
+MASK_SHAPES = [SHAPES[i] for i in (1, 2, 3, 4, 5, 6, 7)]
+
+
+@pytest.mark.parametrize("cfg", MASK_CONFIGS, ids=str)
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal, window", MASKS, ids=lambda m: str(m).replace(" ", ""))
+def test_masked_kernel_matches_reference(cfg, shape, causal, window):
+    """Causal (bottom-right when Sq != Sk, rows without keys when Sq > Sk) and windows."""
+    torch.manual_seed(hash((cfg.short, shape, window)) % 2**31)
+    batch, sq, sk, heads, kv_heads = shape
+    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
+    opts = {"causal": causal, "window_size": window, **softcap_of(cfg)}
+    out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} {shape} {opts}", **opts)
+    again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)
+    assert torch.equal(again, out), f"{cfg} {shape} {opts}: a second run differs (race?)"
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
@@ -77,18 +107,23 @@ def test_kernel_strided_inputs(cfg, layout):
     # out as a strided view too: (B, H, S, D) storage seen as (B, S, H, D).
     out = torch.full((2, 3, 177, cfg.d_head), float("nan"), device="cuda",
                      dtype=q.dtype).transpose(1, 2)
-    fa.attention(q, k, v, out=out, config=cfg, softmax_scale=0.3)
-    check_against_reference(out, q, k, v, softmax_scale=0.3, what=f"{cfg} {layout}")
+    opts = {"causal": cfg.mask, **softcap_of(cfg)}
+    fa.attention(q, k, v, out=out, config=cfg, softmax_scale=0.3, **opts)
+    check_against_reference(out, q, k, v, softmax_scale=0.3, what=f"{cfg} {layout}", **opts)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("d_head", [64, 128])
 @pytest.mark.parametrize("seqlen", [1, 64, 500, 2048])
-def test_dispatched_attention(require_extension, dtype, d_head, seqlen):
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window_size": (256, 0)},
+                                      {"softcap": 30.0}, {"causal": True, "softcap": 2.0}],
+                         ids=lambda f: "-".join(f) or "plain")
+def test_dispatched_attention(require_extension, dtype, d_head, seqlen, features):
     torch.manual_seed(seqlen)
     q, k, v = rand_inputs(2, seqlen, seqlen + 3, 4, 2, d_head, TORCH_DTYPE[dtype])
-    out, lse = fa.attention(q, k, v, return_lse=True)
-    check_against_reference(out, q, k, v, lse=lse, what=f"dispatch {dtype} d{d_head} {seqlen}")
+    out, lse = fa.attention(q, k, v, return_lse=True, **features)
+    check_against_reference(out, q, k, v, lse=lse,
+                            what=f"dispatch {dtype} d{d_head} {seqlen} {features}", **features)
 
 
 def test_empty_inputs(require_extension):
@@ -98,6 +133,15 @@ def test_empty_inputs(require_extension):
     assert out.shape == q.shape and lse.shape == (2, 4, 0)
     q = torch.randn(0, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
     assert fa.attention(q, q, q).shape == q.shape
+
+
+def test_rows_without_keys_give_zero_and_minus_inf(require_extension):
+    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key; a whole
+    query block of such rows visits no KV block at all."""
+    q, k, v = rand_inputs(1, 400, 100, 2, 2, 128, torch.bfloat16)
+    out, lse = fa.attention(q, k, v, out=poisoned_like(q), causal=True, return_lse=True)
+    assert torch.all(out[:, :300] == 0) and torch.all(lse[:, :, :300] == -math.inf)
+    check_against_reference(out, q, k, v, lse=lse, what="causal 400 x 100", causal=True)
 
 
 def test_empty_keys(require_extension):

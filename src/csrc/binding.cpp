@@ -1,16 +1,24 @@
-// The one translation unit that talks to torch: it lists the kernels of this build (from the
-// generated registry) and runs one of them on tensors the Python layer has validated. Checks are
-// repeated here so that a direct call of the extension cannot launch on bad input either.
+// The one translation unit that talks to torch. It registers the operator
+//   flash_attention::fwd(q, k, v, out!, lse!?, kernel, softmax_scale, window_left,
+//                        window_right, softcap) -> ()
+// (its CUDA kernel here; its fake implementation for tracing in flash_attention/ops.py), lists
+// the kernels of this build (from the generated registry) and holds the dispatch table that
+// flash_attention.dispatch computes once per process: with kernel == "" the operator runs the
+// table's choice for (dtype, d_head, seqlen_q bucket, mask, softcap), a lookup with no Python
+// on the call path. Every input is checked here, so no call can launch on bad input.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "registry.h"
 
@@ -42,6 +50,8 @@ py::list list_kernels() {
         d["block_c"] = e.block_n;
         d["threads"] = e.threads;
         d["smem_bytes"] = e.smem_bytes;
+        d["mask"] = e.mask;
+        d["softcap"] = e.softcap;
         out.append(d);
     }
     return out;
@@ -64,6 +74,67 @@ const cudaDeviceProp& device_properties(int device) {
     return it->second;
 }
 
+// ---- dispatch table ---------------------------------------------------------------------------
+
+// The sequence bucket of flash_attention.dispatch.seq_bucket: seqlen_q rounded up to a power of
+// two, 64 .. 16384.
+int64_t seq_bucket(int64_t seqlen_q) {
+    int64_t bucket = 64;
+    while (bucket < seqlen_q && bucket < 16384)
+        bucket *= 2;
+    return bucket;
+}
+
+uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask, bool softcap) {
+    return (uint64_t(bf16) << 40) | (uint64_t(d_head) << 24) | (uint64_t(bucket) << 2) |
+           (uint64_t(mask) << 1) | uint64_t(softcap);
+}
+
+struct DispatchTable {
+    std::mutex mutex;
+    std::unordered_map<uint64_t, const flash::KernelEntry*> choices;
+};
+
+DispatchTable& dispatch_table() {
+    static DispatchTable table;
+    return table;
+}
+
+// Replaces the table: rows (dtype, d_head, bucket, mask, softcap, kernel name).
+void set_dispatch(
+    const std::vector<std::tuple<std::string, int64_t, int64_t, bool, bool, std::string>>& rows) {
+    std::unordered_map<uint64_t, const flash::KernelEntry*> choices;
+    const auto& by_name = entries_by_name();
+    for (const auto& [dtype, d_head, bucket, mask, softcap, name] : rows) {
+        const auto it = by_name.find(name);
+        TORCH_CHECK(it != by_name.end(), "dispatch table names kernel ", name,
+                    ", which is not in this build");
+        TORCH_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
+        choices[choice_key(dtype == "bf16", d_head, bucket, mask, softcap)] = it->second;
+    }
+    DispatchTable& table = dispatch_table();
+    const std::lock_guard<std::mutex> lock(table.mutex);
+    table.choices = std::move(choices);
+}
+
+// The table's kernel for a call, nullptr when it has none.
+const flash::KernelEntry* lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask,
+                                 bool softcap) {
+    DispatchTable& table = dispatch_table();
+    const std::lock_guard<std::mutex> lock(table.mutex);
+    const auto it =
+        table.choices.find(choice_key(bf16, d_head, seq_bucket(seqlen_q), mask, softcap));
+    return it == table.choices.end() ? nullptr : it->second;
+}
+
+std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, bool mask,
+                   bool softcap) {
+    const flash::KernelEntry* e = lookup(dtype == "bf16", d_head, seqlen_q, mask, softcap);
+    return e == nullptr ? "" : e->name;
+}
+
+// ---- the operator -----------------------------------------------------------------------------
+
 void check_bshd(const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
     TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, seq, heads, d_head), got ", t.dim(),
@@ -71,25 +142,44 @@ void check_bshd(const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dimension");
 }
 
-// Runs kernel `name` on q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given,
-// lse (B, H, Sq) fp32 contiguous.
-void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const at::Tensor& out, std::optional<at::Tensor> lse, double softmax_scale) {
-    const auto& table = entries_by_name();
-    const auto it = table.find(name);
-    TORCH_CHECK(it != table.end(), "kernel ", name, " is not in this build");
-    const flash::KernelEntry& e = *it->second;
-
+// Runs a kernel on q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given,
+// lse (B, H, Sq) fp32 contiguous: kernel `name`, or with "" the dispatch table's choice.
+// window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
+// are -1. softcap: 0 off, else a kernel built for it.
+void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const std::optional<at::Tensor>& lse, c10::string_view name, double softmax_scale,
+              int64_t window_left, int64_t window_right, double softcap) {
     check_bshd(q, "q");
+    const bool mask = window_left != -1 || window_right != -1;
+    const flash::KernelEntry* chosen = nullptr;
+    if (name.empty()) {
+        TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                    "q must be fp16 or bf16, got ", q.scalar_type());
+        chosen = lookup(q.scalar_type() == at::kBFloat16, q.size(3), q.size(1), mask, softcap > 0);
+        TORCH_CHECK(chosen != nullptr, "this build has no kernel for ", q.scalar_type(),
+                    " with d_head=", q.size(3), mask ? " with masks" : "",
+                    softcap > 0 ? " with a softcap" : "",
+                    " (or flash_attention has not set its dispatch table); rebuild with "
+                    "FLASH_ATTENTION_KERNELS=default");
+    } else {
+        const auto& table = entries_by_name();
+        const auto it = table.find(std::string(name));
+        TORCH_CHECK(it != table.end(), "kernel ", name,
+                    " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
+                    " (comma-separate to add more)");
+        chosen = it->second;
+    }
+    const flash::KernelEntry& e = *chosen;
+
     check_bshd(k, "k");
     check_bshd(v, "v");
     check_bshd(out, "out");
     const auto want = e.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
     for (const at::Tensor* t : {&q, &k, &v, &out})
-        TORCH_CHECK(t->scalar_type() == want, "kernel ", name, " needs ", want, " tensors");
+        TORCH_CHECK(t->scalar_type() == want, "kernel ", e.name, " needs ", want, " tensors");
     const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
     const int64_t Sk = k.size(1), Hk = k.size(2);
-    TORCH_CHECK(D == e.d_head, "kernel ", name, " is for d_head=", e.d_head, ", got ", D);
+    TORCH_CHECK(D == e.d_head, "kernel ", e.name, " is for d_head=", e.d_head, ", got ", D);
     TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
     TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k/v batch and d_head must match q");
     TORCH_CHECK(Hk > 0 && H % Hk == 0, "heads of q (", H, ") must be a multiple of heads of k/v (",
@@ -101,6 +191,16 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, 
                 "sequence lengths must be below 2^31");
     TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
                 "softmax_scale must be finite and positive");
+    TORCH_CHECK(window_left >= -1 && window_right >= -1 &&
+                    window_left <= std::numeric_limits<int>::max() &&
+                    window_right <= std::numeric_limits<int>::max(),
+                "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    TORCH_CHECK(e.mask || (window_left == -1 && window_right == -1), "kernel ", e.name,
+                " has no masks (config flag m): it cannot run causal or windowed attention");
+    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0");
+    TORCH_CHECK(e.softcap == (softcap > 0), "kernel ", e.name,
+                e.softcap ? " applies a softcap: call it with softcap > 0"
+                          : " has no softcap (config flag t)");
     const auto device = q.device();
     for (const at::Tensor* t : {&k, &v, &out})
         TORCH_CHECK(t->device() == device, "all tensors must be on the same device");
@@ -112,7 +212,12 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, 
     }
     if (B == 0 || Sq == 0 || H == 0)
         return;
-    TORCH_CHECK(Sk > 0, "seqlen_k must be positive (the Python API handles empty keys)");
+    if (Sk == 0) {  // no key for any row: out 0, LSE -inf
+        out.zero_();
+        if (lse)
+            lse->fill_(-std::numeric_limits<float>::infinity());
+        return;
+    }
 
     const c10::cuda::CUDAGuard guard(device);
     const cudaDeviceProp& prop = device_properties(device.index());
@@ -120,7 +225,7 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, 
                 "FlashAttention kernels need compute capability 8.0 or newer, "
                 "this GPU has ",
                 prop.major, ".", prop.minor);
-    TORCH_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", name,
+    TORCH_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
                 " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
                 prop.sharedMemPerBlockOptin);
 
@@ -147,18 +252,36 @@ void forward(const std::string& name, const at::Tensor& q, const at::Tensor& k, 
     p.heads_per_kv = static_cast<int>(H / Hk);
     p.seqlen_q = static_cast<int>(Sq);
     p.seqlen_k = static_cast<int>(Sk);
-    p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    // With a softcap, scores become softcap * tanh(scale * s / softcap): the kernel applies
+    // scale / softcap inside the tanh and folds softcap into the exp2 scale.
+    p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
+    p.softcap_scale = static_cast<float>(softcap > 0 ? softmax_scale / softcap : 0.0);
+    p.window_left = static_cast<int>(window_left);
+    p.window_right = static_cast<int>(window_right);
 
     const cudaError_t err = e.launch(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
-    TORCH_CHECK(err == cudaSuccess, "launch of kernel ", name,
+    TORCH_CHECK(err == cudaSuccess, "launch of kernel ", e.name,
                 " failed: ", cudaGetErrorString(err));
 }
 
 }  // namespace
 
+TORCH_LIBRARY(flash_attention, m) {
+    m.def(
+        "fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, str kernel, "
+        "float softmax_scale, int window_left, int window_right, float softcap) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
+    m.impl("fwd", &fwd_cuda);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention-2 forward kernels (see flash_attention for the Python API)";
     m.def("kernels", &list_kernels, "the kernels of this build, in config-set order");
-    m.def("forward", &forward, "run one kernel by name", py::arg("name"), py::arg("q"),
-          py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"));
+    m.def("set_dispatch", &set_dispatch,
+          "replace the dispatch table: rows (dtype, d_head, bucket, mask, softcap, kernel)");
+    m.def("choice", &choice, "the dispatch table's kernel for a call ('' if none)",
+          py::arg("dtype"), py::arg("d_head"), py::arg("seqlen_q"), py::arg("mask"),
+          py::arg("softcap"));
 }

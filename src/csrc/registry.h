@@ -21,6 +21,8 @@ struct KernelEntry {
     int block_n;  // B_c
     int threads;
     int smem_bytes;
+    bool mask;     // serves causal / sliding-window masks (window_left/right of FwdParams)
+    bool softcap;  // applies FwdParams::softcap_scale (and serves only softcap > 0)
     LaunchFn launch;
 };
 

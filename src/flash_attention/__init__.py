@@ -2,7 +2,9 @@
 
     import flash_attention as fa
     out = fa.attention(q, k, v)                      # q, k, v: (batch, seq, heads, d_head)
+    out = fa.attention(q, k, v, causal=True)         # or window_size=(left, right), softcap=c
     out, lse = fa.attention(q, k, v, return_lse=True)
+    from flash_attention.interface import flash_attn_func   # flash_attn's API
     fa.forward("bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)
     fa.available_configs()
 
@@ -20,6 +22,9 @@ _LAZY = {
     "attention": "api",
     "forward": "api",
     "available_configs": "api",
+    "flash_attn_func": "interface",
+    "flash_attn_qkvpacked_func": "interface",
+    "flash_attn_kvpacked_func": "interface",
     "attention_reference": "reference",
     "emulate_blocks": "reference",
     "ExtensionNotBuilt": "_extension",

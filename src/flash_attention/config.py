@@ -42,7 +42,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "double_buffer": ("b", "load slice s+1 into a second register buffer before the MMAs of s"),
     "opt_softmax": ("o", "peeled first KV block (no rescale), scale folded into the exp2 FMA"),
     "reverse_kv": ("r", "iterate KV blocks from last to first"),
+    "mask": ("m", "causal / sliding-window masks: visit only the KV blocks a query block can see, "
+                  "mask only the blocks on the window's edges, heaviest query blocks first"),
+    "softcap": ("t", "score soft-capping, softcap * tanh(s / softcap) before the softmax"),
 }
+# Flags that add a feature rather than an optimisation: off unless asked for.
+FEATURE_FLAGS = ("mask", "softcap")
 
 _SHORT_RE = re.compile(
     r"^(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_r(?P<block_r>\d+)_c(?P<block_c>\d+)"
@@ -72,6 +77,8 @@ class KernelConfig:
     double_buffer: bool = True
     opt_softmax: bool = True
     reverse_kv: bool = True
+    mask: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()

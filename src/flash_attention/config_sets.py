@@ -1,7 +1,8 @@
 """Named sets of kernel configs.
 
-- ``ci``: what CI builds (at most 6 kernels); together they switch every flag off at least once
-  and cover both dtypes, both d_heads, every B_c and both warp counts.
+- ``ci``: what CI builds (at most 6 kernels); together they switch every flag on and off at
+  least once (masks with both KV orders) and cover both dtypes, both d_heads, every B_c and both
+  warp counts.
 - ``default``: what dispatch uses (see :mod:`flash_attention.dispatch`).
 - ``tune``: the autotune space: every valid tile shape per dtype and d_head with all
   optimisations on, plus the resident-Q variant where it fits the register budget.
@@ -27,8 +28,8 @@ CI: tuple[KernelConfig, ...] = (
     P("bf16_d128_r128_c64_w4_fseqkvbor"),  # default long-sequence kernel, bf16
     P("fp16_d128_r128_c64_w4_fseqkvbor"),  # ... and fp16
     P("fp16_d64_r64_c32_w4_fqkv"),  # plain: no swizzle, eager, double buffer, opt softmax, reverse
-    P("bf16_d128_r64_c128_w4_fsekvo"),  # resident Q, forward iteration, no double buffer
-    P("bf16_d64_r128_c64_w8_fseqbr"),  # whole-block K and V, 8 warps, plain softmax
+    P("bf16_d128_r64_c128_w4_fsekvom"),  # resident Q, forward iteration, no double buffer; masks
+    P("bf16_d64_r128_c64_w8_fseqbrmt"),  # whole-block K, V, 8 warps, plain softmax; masks, softcap
     P("fp16_d128_r128_c128_w8_fsqkvbo"),  # no eager prefetch, 8 warps, B_c = 128
 )
 

@@ -1,6 +1,11 @@
 """Choosing a kernel for a call: a tuning file if one exists and names a built kernel, else the
-default table by dtype, d_head and sequence length, else any built kernel of that dtype and
-d_head.
+default table by dtype, d_head, features and sequence length, else any built kernel of that
+dtype and d_head that has the features the call needs (a kernel with masks also serves unmasked
+calls; a softcap kernel serves only softcap calls).
+
+Features: ``mask`` (causal or a sliding window), ``softcap``. The default table has, per dtype
+and d_head, the plain kernels, the same tiles with masks, and the long-sequence tile with a
+softcap, with and without masks.
 
 The default table comes from a sweep of the tune set on an H200 (docs/results.md): B_r=128
 with 4 warps and B_c=64 win at every measured length. At d_head 64 the table keeps Q resident
@@ -9,9 +14,11 @@ kernels must not spill. Very short query sequences (<= 64 rows) use B_r=64.
 
 The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
 ``{"version": 1, "device": "...", "entries": {"bf16/d128/q4096": "<short form>", ...}}`` where
-the ``q`` bucket is seqlen_q rounded up to a power of two (64 .. 16384). Its path is
+the ``q`` bucket is seqlen_q rounded up to a power of two (64 .. 16384), with ``/m``, ``/t`` or
+``/mt`` appended for calls with masks and/or a softcap. Its path is
 $FLASH_ATTENTION_TUNING_FILE, else ~/.cache/flash_attention/tuning.json. It is read once per
-process (``reload_tuning()`` reads it again), so dispatch costs no file access per call.
+process (``reload_tuning()`` reads it again), and each choice is remembered per (dtype, d_head,
+bucket, features) and build, so a call costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -19,23 +26,33 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from .config import ConfigError, KernelConfig
 
 log = logging.getLogger(__name__)
 
-# (dtype, d_head) -> [(largest seqlen_q it serves or None for the rest, config short form)]
-DEFAULT_TABLE: dict[tuple[str, int], list[tuple[int | None, str]]] = {
-    (dtype, d): [
-        (64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor"),
-        (None, f"{dtype}_d{d}_r128_c64_w4_{'fseqkvbor' if d == 128 else 'fsekvbor'}"),
-    ]
+def _rows(dtype: str, d: int, features: str) -> list[tuple[int | None, str]]:
+    long = f"{dtype}_d{d}_r128_c64_w4_{'fseqkvbor' if d == 128 else 'fsekvbor'}{features}"
+    if "t" in features:  # softcap: the long-sequence tile serves every length
+        return [(None, long)]
+    return [(64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor{features}"), (None, long)]
+
+
+# Config flag letters of each (mask, softcap) feature set.
+FEATURES = {(False, False): "", (True, False): "m", (False, True): "t", (True, True): "mt"}
+
+# (dtype, d_head, mask, softcap) -> [(largest seqlen_q it serves or None for the rest, config)]
+DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] = {
+    (dtype, d, mask, softcap): _rows(dtype, d, letters)
     for dtype in ("fp16", "bf16")
     for d in (64, 128)
+    for (mask, softcap), letters in FEATURES.items()
 }
 
 MIN_BUCKET, MAX_BUCKET = 64, 16384
+BUCKETS = tuple(MIN_BUCKET << i for i in range((MAX_BUCKET // MIN_BUCKET).bit_length()))
 
 
 def seq_bucket(seqlen_q: int) -> int:
@@ -45,8 +62,10 @@ def seq_bucket(seqlen_q: int) -> int:
     return bucket
 
 
-def tuning_key(dtype: str, d_head: int, seqlen_q: int) -> str:
-    return f"{dtype}/d{d_head}/q{seq_bucket(seqlen_q)}"
+def tuning_key(dtype: str, d_head: int, seqlen_q: int, mask: bool = False,
+               softcap: bool = False) -> str:
+    letters = FEATURES[(mask, softcap)]
+    return f"{dtype}/d{d_head}/q{seq_bucket(seqlen_q)}" + (f"/{letters}" if letters else "")
 
 
 def tuning_file_path() -> Path:
@@ -80,29 +99,65 @@ def tuning_entries() -> dict[str, str]:
     return _tuning
 
 
+# (built, dtype, d_head, bucket, mask, softcap) -> (built, config); `built` is kept so that the
+# id in the key can never belong to another object.
+_choices: dict[tuple, tuple[object, KernelConfig]] = {}
+
+
 def reload_tuning() -> dict[str, str]:
-    """Forget the cached tuning file (after writing a new one or changing the path)."""
+    """Forget the cached tuning file (after writing a new one or changing the path) and the
+    choices made from it."""
     global _tuning
     _tuning = None
-    return tuning_entries()
+    _choices.clear()
+    entries = tuning_entries()
+    ops = sys.modules.get(f"{__package__}.ops")
+    if ops is not None:  # the extension's dispatch table follows the new choices
+        ops.refresh_dispatch()
+    return entries
 
 
-def select(dtype: str, d_head: int, seqlen_q: int, built: list[KernelConfig]) -> KernelConfig:
-    """The config to run for this problem among the built ones."""
+def serves(cfg: KernelConfig, dtype: str, d_head: int, mask: bool, softcap: bool) -> bool:
+    """Can cfg run this call? Masks serve unmasked calls too; a softcap kernel only softcap."""
+    return (cfg.dtype == dtype and cfg.d_head == d_head and cfg.softcap == softcap
+            and (cfg.mask or not mask))
+
+
+def select(dtype: str, d_head: int, seqlen_q: int, built: tuple[KernelConfig, ...] | list,
+           mask: bool = False, softcap: bool = False) -> KernelConfig:
+    """The config to run for this problem among the built ones. With a tuple of built configs
+    (what the API passes) the choice is remembered for the sequence bucket."""
+    bucket = seq_bucket(seqlen_q)
+    key = (id(built), dtype, d_head, bucket, mask, softcap)
+    hit = _choices.get(key)
+    if hit is not None and hit[0] is built:
+        return hit[1]
+    cfg = _choose(dtype, d_head, seqlen_q, built, mask, softcap)
+    if isinstance(built, tuple):
+        _choices[key] = (built, cfg)
+    return cfg
+
+
+def _choose(dtype: str, d_head: int, seqlen_q: int, built, mask: bool,
+            softcap: bool) -> KernelConfig:
     by_name = {c.short: c for c in built}
-    tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q))
+    tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q, mask, softcap))
     if tuned is not None:
-        if tuned in by_name:
+        if tuned in by_name and serves(by_name[tuned], dtype, d_head, mask, softcap):
             return by_name[tuned]
-        log.debug("tuned config %s is not in this build; using the default table", tuned)
-    for max_seq, short in DEFAULT_TABLE.get((dtype, d_head), []):
+        log.debug("tuned config %s is not in this build or cannot serve the call; using the "
+                  "default table", tuned)
+    for max_seq, short in DEFAULT_TABLE.get((dtype, d_head, mask, softcap), []):
         if (max_seq is None or seqlen_q <= max_seq) and short in by_name:
             return by_name[short]
-    for cfg in built:
-        if cfg.dtype == dtype and cfg.d_head == d_head:
-            return cfg
+    candidates = [c for c in built if serves(c, dtype, d_head, mask, softcap)]
+    if candidates:  # exact features first: masks cost a little when none is needed
+        return min(candidates, key=lambda c: c.mask != mask)
+    need = " and ".join(filter(None, ["masks (causal / window)" if mask else "",
+                                      "a softcap" if softcap else ""]))
     raise ConfigError(
-        f"this build has no kernel for {dtype} with d_head={d_head}; rebuild with "
-        "FLASH_ATTENTION_KERNELS=default (or name a config) and "
+        f"this build has no kernel for {dtype} with d_head={d_head}"
+        + (f" with {need}" if need else "")
+        + "; rebuild with FLASH_ATTENTION_KERNELS=default (or name a config) and "
         "`pip install --no-build-isolation -e .`"
     )

@@ -2,7 +2,7 @@
 
 - :func:`attention_reference`: plain softmax attention, by default in fp32 on upcast inputs
   (the accuracy reference), or in the inputs' own dtype (the "what low precision costs" peer of
-  the test rule).
+  the test rule), with causal / sliding-window masks and softcap as flash_attention applies them.
 - :func:`emulate_blocks`: the kernel's algorithm block by block in Python: B_r query rows at a
   time, KV blocks of B_c in the config's order, online softmax in base 2 with running max m and
   sum l, P rounded to the input dtype before P V as the kernel does. With ``trace`` it records
@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from .masks import canonical_window, kv_blocks, visible
 
 LOG2E = math.log2(math.e)
 
@@ -32,27 +34,38 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // kv_heads, dim=2)
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     softmax_scale: float | None = None,
     upcast: bool = True,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse): out (B, Sq, H, D) in q's dtype if not upcast else fp32; lse
-    (B, H, Sq) fp32, natural log of the sum of exp(scaled scores). No keys: out 0, lse -inf."""
-    batch, seqlen_q, heads, d_head = q.shape
+    (B, H, Sq) fp32, natural log of the sum of exp(scores) over the keys a row sees, where
+    scores = softcap * tanh(scale * q k^T / softcap) with a softcap, scale * q k^T without.
+    A row that sees no key (none at all, or all masked): out 0, lse -inf."""
+    _, seqlen_q, heads, d_head = q.shape
+    seqlen_k = k.shape[1]
     scale = _scale(softmax_scale, d_head)
     dtype = torch.float32 if upcast else q.dtype
     qf, kf, vf = (t.to(dtype) for t in (q, k, v))
     kf, vf = _expand_kv(kf, heads), _expand_kv(vf, heads)
-    if k.shape[1] == 0:
-        out = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        lse = torch.full((batch, heads, seqlen_q), -math.inf, device=q.device)
-        return out, lse
-    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    scores = _capped(torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale, softcap)
+    left, right = canonical_window(causal, window_size, seqlen_q, seqlen_k)
+    seen = visible(seqlen_q, seqlen_k, left, right, q.device)
+    scores = scores.masked_fill(~seen, -math.inf)
     lse = torch.logsumexp(scores.float(), dim=-1)
-    probs = torch.softmax(scores, dim=-1)
+    empty = ~seen.any(dim=-1)  # rows with no key: softmax would be NaN
+    probs = torch.softmax(scores.masked_fill(empty[:, None], 0.0), dim=-1)
+    probs = probs.masked_fill(empty[:, None], 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse
 
@@ -86,28 +99,39 @@ def emulate_blocks(
     softmax_scale: float | None = None,
     round_p: bool = True,
     trace: bool = False,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> Emulation:
-    """The FA2 forward algorithm, one (query block, KV block) step at a time, in fp32."""
+    """The FA2 forward algorithm, one (query block, KV block) step at a time, in fp32. With a
+    causal or window mask it visits the KV blocks the kernel visits (masks.kv_blocks) and masks
+    element-wise only the blocks the kernel masks; the rows past seqlen_q of a tail block, which
+    the kernel computes and drops, are left out."""
     batch, seqlen_q, heads, d_head = q.shape
     seqlen_k = k.shape[1]
-    scale_log2 = _scale(softmax_scale, d_head) * LOG2E
+    scale = _scale(softmax_scale, d_head)
+    left, right = canonical_window(causal, window_size, seqlen_q, seqlen_k)
     kx, vx = _expand_kv(k, heads), _expand_kv(v, heads)
     out = torch.zeros((batch, seqlen_q, heads, d_head), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     result = Emulation(out, lse)
-    n_kv = -(-seqlen_k // block_c)
-    order = range(n_kv - 1, -1, -1) if reverse_kv else range(n_kv)
+    seen = visible(seqlen_q, seqlen_k, left, right, q.device)
     for b in range(batch):
         for h in range(heads):
             for qb in range(-(-seqlen_q // block_r)):
                 rows = slice(qb * block_r, min((qb + 1) * block_r, seqlen_q))
+                blocks = kv_blocks(qb * block_r, block_r, block_c, seqlen_q, seqlen_k, left,
+                                   right)
+                order = range(blocks.first, blocks.last + 1)
                 qt = q[b, rows, h].float()
                 m = torch.full((qt.shape[0],), -math.inf, device=q.device)
                 l = torch.zeros(qt.shape[0], device=q.device)
                 o = torch.zeros((qt.shape[0], d_head), device=q.device)
-                for j in order:
+                for j in reversed(order) if reverse_kv else order:
                     cols = slice(j * block_c, min((j + 1) * block_c, seqlen_k))
-                    s = (qt @ kx[b, cols, h].float().T) * scale_log2
+                    s = _capped((qt @ kx[b, cols, h].float().T) * scale, softcap) * LOG2E
+                    if blocks.needs_mask(j):
+                        s = s.masked_fill(~seen[rows, cols], -math.inf)
                     m_new = torch.maximum(m, s.max(dim=1).values)
                     offset = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                     corr = torch.exp2(m - offset)

@@ -1,7 +1,7 @@
 """Input checks of the Python API. Every problem is reported with what is wrong and what is
 allowed, before anything runs on the GPU. Structural checks (types, ranks, shapes, dtypes,
-strides) come first, then devices, then the GPU's capability, so that each can be exercised on
-a machine without a GPU."""
+strides) come first, then devices, so that each can be exercised on a machine without a GPU
+(the GPU's compute capability is checked by the operator, which needs one)."""
 
 from __future__ import annotations
 
@@ -92,20 +92,14 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
                    q.device)
 
 
-_capable_devices: set[int] = set()
-
-
-def check_capability(device: torch.device) -> None:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _capable_devices:
-        return
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
+def check_no_grad(*tensors: torch.Tensor) -> None:
+    """Forward only: an input that requires grad, with grad mode on, would silently get no
+    gradient."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError(
-            f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; "
-            "these kernels need 8.0 or newer (Ampere, Ada, Hopper)"
+            "flash_attention computes the forward pass only (no backward): an input requires "
+            "grad; call it under torch.no_grad() or torch.inference_mode(), or detach the inputs"
         )
-    _capable_devices.add(index)
 
 
 def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
@@ -132,3 +126,32 @@ def check_scale(softmax_scale: object, d_head: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale}")
     return scale
+
+
+MAX_WINDOW = 2**31 - 1
+
+
+def check_window(causal: object, window_size: object) -> tuple[bool, tuple[int, int]]:
+    """causal a bool; window_size a pair of ints, each -1 (unbounded) or in [0, 2^31)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    for name, w in (("left", left), ("right", right)):
+        if not -1 <= w <= MAX_WINDOW:
+            raise ValueError(f"window_size {name} must be -1 (unbounded) or in [0, {MAX_WINDOW}],"
+                             f" got {w}")
+    return causal, (left, right)
+
+
+def check_softcap(softcap: object) -> float:
+    """softcap: 0 (off) or a finite positive float."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be 0 (off) or finite and positive, got {softcap}")
+    return value
+

@@ -12,7 +12,7 @@ namespace flash {
 
 template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kWarps_, bool kSwizzle_,
           bool kEagerKV_, bool kSliceQ_, bool kSliceK_, bool kSliceV_, bool kDoubleBuffer_,
-          bool kOptSoftmax_, bool kReverseKV_>
+          bool kOptSoftmax_, bool kReverseKV_, bool kMask_, bool kSoftcap_>
 struct FwdConfig {
     using Elem = Elem_;
 
@@ -29,6 +29,11 @@ struct FwdConfig {
     static constexpr bool kDoubleBuffer = kDoubleBuffer_;  // prefetch slice s+1 before MMAs of s
     static constexpr bool kOptSoftmax = kOptSoftmax_;  // peeled first block, scale folded in FMA
     static constexpr bool kReverseKV = kReverseKV_;    // iterate KV blocks last to first
+    // Causal / sliding-window masks: only the KV blocks a query block can see are visited, only
+    // those on the window's edges are masked, and query blocks run heaviest first. Without it
+    // the kernel serves unmasked attention only (and carries none of that code).
+    static constexpr bool kMask = kMask_;
+    static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kRowsPerWarp = kBr / kWarps;

@@ -3,14 +3,18 @@
 // only meet at the barriers that guard the shared K and V tiles.
 //
 // Per KV block j (in the order the config asks):
-//   S = Q K_j^T  ->  mask columns past seqlen_k  ->  online softmax (P, rescale O and l)
+//   S = Q K_j^T  ->  softcap (kSoftcap)  ->  mask keys past seqlen_k, or outside the window on
+//   the window's edge blocks (kMask)  ->  online softmax (P, rescale O and l)
 //   O += P V_j
-// then O / l is written once, with LSE = m + log(l) if requested.
+// then O / l is written once, with LSE = m + log(l) if requested. With kMask only the KV blocks
+// some row of the CTA can see are visited, and CTAs take query blocks from the last (the most
+// keys under a causal mask) to the first, so the longest finish first.
 #pragma once
 
 #include <cstdint>
 
 #include "gemm.cuh"
+#include "mask.cuh"
 #include "params.h"
 #include "smem_tile.cuh"
 #include "softmax.cuh"
@@ -24,7 +28,8 @@ struct ForwardCta {
     const FwdParams& p;
     const int lane, warp_row0;
     const int q_row0;    // first query row of this CTA
-    const int n_blocks;  // KV blocks: ceil(seqlen_k / B_c)
+    const KvBlocks kv;   // kMask: the KV blocks this CTA visits and the ones it masks
+    const int n_blocks;  // KV blocks this CTA visits: ceil(seqlen_k / B_c) without kMask
     const uint32_t sQ, sK, sV;
     const Elem* q;
     const Elem* k;
@@ -42,8 +47,9 @@ struct ForwardCta {
         : p(params),
           lane(threadIdx.x % 32),
           warp_row0((threadIdx.x / 32) * Cfg::kRowsPerWarp),
-          q_row0(blockIdx.x * Cfg::kBr),
-          n_blocks((params.seqlen_k + Cfg::kBc - 1) / Cfg::kBc),
+          q_row0((Cfg::kMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * Cfg::kBr),
+          kv(Cfg::kMask ? window_blocks<Cfg::kBr, Cfg::kBc>(params, q_row0) : KvBlocks{}),
+          n_blocks(Cfg::kMask ? kv.count() : (params.seqlen_k + Cfg::kBc - 1) / Cfg::kBc),
           sQ(smem_addr(smem)),
           sK(sQ + Cfg::kQTileElems * sizeof(Elem)),
           sV(sK + Cfg::kKVTileElems * sizeof(Elem)),
@@ -65,6 +71,8 @@ struct ForwardCta {
     }
 
     __device__ __forceinline__ int kv_block(int i) const {
+        if constexpr (Cfg::kMask)
+            return Cfg::kReverseKV ? kv.last - i : kv.first + i;
         return Cfg::kReverseKV ? n_blocks - 1 - i : i;
     }
 
@@ -90,12 +98,19 @@ struct ForwardCta {
         gemm_qk<Cfg>(S, qbuf, q_at, k_at);
     }
 
-    // S -> P for block j: mask the key tail, then the online-softmax update of m, l and O.
+    // S -> P for block j: softcap, mask (the key tail; with kMask the window's edge blocks
+    // too), then the online-softmax update of m, l and O.
     template <bool kFirst>
     __device__ __forceinline__ void softmax_block(int j) {
         const int kv_col0 = j * Cfg::kBc;
-        if (kv_col0 + Cfg::kBc > p.seqlen_k)
+        if constexpr (Cfg::kSoftcap)
+            OnlineSoftmax<Cfg>::softcap(S, p.softcap_scale);
+        if constexpr (Cfg::kMask) {
+            if (kv.needs_mask(j))  // uniform over the CTA: blocks seen whole pay nothing
+                WindowMask<Cfg>(p, q_row0, warp_row0, lane).apply(S, kv_col0, p);
+        } else if (kv_col0 + Cfg::kBc > p.seqlen_k) {
             OnlineSoftmax<Cfg>::mask_tail(S, kv_col0, p.seqlen_k, lane);
+        }
         softmax.template update<kFirst>(S, O, p.scale_log2);
     }
 
@@ -160,6 +175,14 @@ struct ForwardCta {
                     O[mt][nt][e] = 0.f;
         softmax.init();
 
+        if constexpr (Cfg::kMask) {
+            if (n_blocks == 0) {  // no row sees a key: O = 0, LSE = -inf (no copy in flight)
+                float lse[Cfg::kMTiles][2];
+                softmax.finalize(O, lse, p.scale_log2);
+                write_output(smem, lse);
+                return;
+            }
+        }
         copy_q();
         if constexpr (Cfg::kEagerKV)
             copy_k(kv_block(0));

@@ -47,6 +47,8 @@ constexpr KernelEntry make_entry(const char* name) {
                        Cfg::kBc,
                        Cfg::kThreads,
                        Cfg::kSmemBytes,
+                       Cfg::kMask,
+                       Cfg::kSoftcap,
                        &launch_fwd<Cfg>};
 }
 

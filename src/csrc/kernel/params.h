@@ -26,7 +26,16 @@ struct FwdParams {
     int seqlen_q;
     int seqlen_k;
 
-    float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2
+    float scale_log2;  // softmax_scale * log2(e): scores go straight into exp2; with a softcap,
+                       // softcap * log2(e) (the scale is applied inside the tanh)
+
+    // Kernels with kMask: query i sees key j iff i + (seqlen_k - seqlen_q) - window_left <= j
+    // <= i + (seqlen_k - seqlen_q) + window_right; -1 leaves that side unbounded. Causal is
+    // (-1, 0): the diagonal aligned bottom-right.
+    int window_left;
+    int window_right;
+
+    float softcap_scale;  // kernels with kSoftcap: softmax_scale / softcap, applied inside tanh
 };
 
 }  // namespace flash

@@ -31,6 +31,17 @@ struct OnlineSoftmax {
             }
     }
 
+    // Soft-capping: s -> tanh(s * softcap_scale); the softcap itself is folded into scale_log2.
+    __device__ __forceinline__ static void softcap(float (&S)[kMT][kNS][4], float softcap_scale) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    S[mt][nt][e] = tanh_fast(S[mt][nt][e] * softcap_scale);
+    }
+
     // Scores of key columns >= seqlen_k (the tail block) become -inf: zero probability.
     __device__ __forceinline__ static void mask_tail(float (&S)[kMT][kNS][4], int kv_col0,
                                                      int seqlen_k, int lane) {

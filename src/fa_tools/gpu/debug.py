@@ -25,7 +25,8 @@ class Mismatch:
 
 def run(config: str, batch: int = 1, seqlen_q: int = 200, seqlen_k: int = 300, heads: int = 2,
         seed: int = 0) -> tuple[int, Mismatch | None]:
-    """(rows compared, first mismatch or None)."""
+    """(rows compared, first mismatch or None). A kernel with masks runs causal, a softcap
+    kernel with softcap 1.5; the emulation does the same."""
     import torch
 
     import flash_attention as fa
@@ -35,8 +36,10 @@ def run(config: str, batch: int = 1, seqlen_q: int = 200, seqlen_k: int = 300, h
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(batch, s, heads, cfg.d_head, device="cuda", dtype=dt, generator=gen)
                for s in (seqlen_q, seqlen_k, seqlen_k))
-    out, lse = fa.attention(q, k, v, config=cfg, return_lse=True)
-    emu = fa.emulate_blocks(q, k, v, cfg.block_r, cfg.block_c, cfg.reverse_kv, trace=True)
+    features = {"causal": cfg.mask, "softcap": 1.5 if cfg.softcap else 0.0}
+    out, lse = fa.attention(q, k, v, config=cfg, return_lse=True, **features)
+    emu = fa.emulate_blocks(q, k, v, cfg.block_r, cfg.block_c, cfg.reverse_kv, trace=True,
+                            **features)
     tol = TOLERANCE[cfg.dtype]
     rows = 0
     for b in range(batch):

@@ -1,5 +1,6 @@
 """compute-sanitizer (memcheck, racecheck, synccheck) over small runs of chosen configs,
-including tail shapes, with a summary of errors per tool. GPU only."""
+including tail shapes (and, for kernels with masks, causal and window calls), with a summary of
+errors per tool. GPU only."""
 
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ shapes = {shapes!r}
 for name in sys.argv[1:]:
     cfg = fa.KernelConfig.parse(name)
     dt = {{"fp16": torch.float16, "bf16": torch.bfloat16}}[cfg.dtype]
+    # kernels with masks: causal (rows without keys when sq > sk) and a two-sided window
+    masks = [(True, (-1, -1)), (False, (37, 5))] if cfg.mask else [(False, (-1, -1))]
+    softcap = 2.0 if cfg.softcap else 0.0
     for b, sq, sk, h in shapes:
         q = torch.randn(b, sq, h, cfg.d_head, device="cuda", dtype=dt)
         k = torch.randn(b, sk, h, cfg.d_head, device="cuda", dtype=dt)
         v = torch.randn(b, sk, h, cfg.d_head, device="cuda", dtype=dt)
-        fa.attention(q, k, v, config=cfg, return_lse=True)
+        for causal, window in masks:
+            fa.attention(q, k, v, config=cfg, return_lse=True, causal=causal,
+                         window_size=window, softcap=softcap)
 torch.cuda.synchronize()
 print("ran", len(sys.argv) - 1, "configs")
 """

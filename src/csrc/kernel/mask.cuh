@@ -1,0 +1,101 @@
+// Causal and sliding-window masks (kernels with kMask). Query row i sees key j iff
+//   i + off - window_left <= j <= i + off + window_right,   off = seqlen_k - seqlen_q,
+// each side unbounded when its window is -1; causal is (-1, 0), aligned bottom-right.
+// A query block visits only the KV blocks some of its rows can see, and masks only the blocks on
+// the window's edges (and the key tail); the blocks between are seen whole by every row.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash {
+
+__device__ __forceinline__ int64_t floor_div(int64_t n, int64_t d) {
+    return n >= 0 ? n / d : -((-n + d - 1) / d);
+}
+
+// The KV blocks of one query block: [first, last] (empty when last < first), and the ones seen
+// whole by every row, [full_first, full_last] (none when full_last < full_first).
+struct KvBlocks {
+    int first, last;
+    int full_first, full_last;
+
+    __device__ __forceinline__ int count() const { return last >= first ? last - first + 1 : 0; }
+    __device__ __forceinline__ bool needs_mask(int j) const {
+        return j < full_first || j > full_last;
+    }
+};
+
+// 64-bit arithmetic: row + off spans up to 2^32.
+template <int kBr, int kBc>
+__device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int q_row0) {
+    const int64_t off = int64_t(p.seqlen_k) - p.seqlen_q;
+    const int64_t row_first = q_row0;
+    const int64_t row_last = (q_row0 + kBr < p.seqlen_q ? q_row0 + kBr : p.seqlen_q) - 1;
+    const bool left_open = p.window_left < 0, right_open = p.window_right < 0;
+    int64_t key_lo = left_open ? 0 : row_first + off - p.window_left;
+    int64_t key_hi = right_open ? p.seqlen_k - 1 : row_last + off + p.window_right;
+    key_lo = key_lo > 0 ? key_lo : 0;
+    key_hi = key_hi < p.seqlen_k - 1 ? key_hi : p.seqlen_k - 1;
+    KvBlocks b{0, -1, 0, -1};
+    if (key_hi < key_lo)
+        return b;  // no row of this block sees any key
+    b.first = static_cast<int>(key_lo / kBc);
+    b.last = static_cast<int>(key_hi / kBc);
+    // Block j is seen whole by every row when j*B_c >= row_last + off - left and
+    // j*B_c + B_c - 1 <= row_first + off + right, and it is not the partial key tail.
+    int64_t full_first = left_open ? b.first : -floor_div(-(row_last + off - p.window_left), kBc);
+    int64_t full_last =
+        right_open ? b.last : floor_div(row_first + off + p.window_right - kBc + 1, kBc);
+    if (full_last > p.seqlen_k / kBc - 1)
+        full_last = p.seqlen_k / kBc - 1;
+    b.full_first = static_cast<int>(full_first > b.first ? full_first : b.first);
+    b.full_last = static_cast<int>(full_last < b.last ? full_last : b.last);
+    return b;
+}
+
+// Per-thread view of the mask over one warp's MMA accumulator tiles: element e of tile (mt, nt)
+// sits at CTA row warp_row0 + mt*16 + lane/4 + 8*(e/2) and block column nt*8 + 2*(lane%4) +
+// e%2, so column - row is this thread's `diag` plus a compile-time offset.
+template <class Cfg>
+struct WindowMask {
+    static constexpr int kBig = 1 << 24;  // beyond any |column - row| inside one block pair
+
+    int col0;     // block column of this thread's element (0, 0, 0, 0)
+    int diag;     // column - row of that element
+    int64_t off;  // seqlen_k - seqlen_q - q_row0
+
+    __device__ __forceinline__ WindowMask(const FwdParams& p, int q_row0, int warp_row0, int lane)
+        : col0(2 * (lane % 4)),
+          diag(2 * (lane % 4) - lane / 4 - warp_row0),
+          off(int64_t(p.seqlen_k) - p.seqlen_q - q_row0) {}
+
+    // Scores of block kv_col0 that no row may see (outside the window or past seqlen_k) -> -inf.
+    template <int kMT, int kNS>
+    __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0,
+                                          const FwdParams& p) const {
+        // Visible iff -left <= key - row - off <= right, with key - row - off =
+        // (column - row) + kv_col0 - q_row0 - off: bounds on column - row, clamped to 32 bits.
+        const int64_t base = int64_t(kv_col0) - off;
+        const int64_t lo = p.window_left < 0 ? -kBig : -p.window_left - base;
+        const int64_t hi = p.window_right < 0 ? kBig : p.window_right - base;
+        const int lo32 = static_cast<int>(lo < -kBig ? -kBig : (lo > kBig ? kBig : lo));
+        const int hi32 = static_cast<int>(hi < -kBig ? -kBig : (hi > kBig ? kBig : hi));
+        const int cols = p.seqlen_k - kv_col0;  // valid key columns of this block
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = col0 + nt * 8 + e % 2;
+                    const int d = diag + nt * 8 + e % 2 - mt * 16 - 8 * (e / 2);
+                    if (col >= cols || d < lo32 || d > hi32)
+                        S[mt][nt][e] = -INFINITY;
+                }
+    }
+};
+
+}  // namespace flash

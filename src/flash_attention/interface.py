@@ -1,0 +1,92 @@
+"""FlashAttention-compatible functions: the names, argument names, defaults and return
+conventions of ``flash_attn`` (v2), on this package's forward kernels.
+
+    from flash_attention.interface import flash_attn_func        # instead of flash_attn's
+
+Supported as in flash_attn: softmax_scale, causal (aligned bottom-right), window_size,
+softcap, GQA/MQA, return_attn_probs (returns out, softmax_lse, None: no attention matrix is
+ever materialised). Not supported, refused with an error naming the argument rather than
+silently ignored: dropout_p > 0, alibi_slopes, and a backward pass (inputs that require grad
+with grad mode on). ``deterministic`` is accepted: the forward pass is deterministic anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import attention
+
+
+def _check_unsupported(dropout_p: float, alibi_slopes: object) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p={dropout_p}: flash_attention has no dropout (forward inference only); "
+            "pass dropout_p=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: flash_attention has no ALiBi bias; pass None")
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """q: (batch, seqlen_q, heads, d_head); k, v: (batch, seqlen_k, kv_heads, d_head).
+    Returns out (batch, seqlen_q, heads, d_head), or with return_attn_probs
+    (out, softmax_lse (batch, heads, seqlen_q) fp32, None)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    if return_attn_probs:
+        out, lse = attention(q, k, v, causal=causal, window_size=window_size,
+                             softcap=softcap, softmax_scale=softmax_scale, return_lse=True)
+        return out, lse, None
+    return attention(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                     softmax_scale=softmax_scale)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """qkv: (batch, seqlen, 3, heads, d_head); q, k and v are read in place (strided views)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError("qkv must be a 5-D tensor (batch, seqlen, 3, heads, d_head), got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv)}")
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """q: (batch, seqlen_q, heads, d_head); kv: (batch, seqlen_k, 2, kv_heads, d_head)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError("kv must be a 5-D tensor (batch, seqlen_k, 2, kv_heads, d_head), got "
+                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv)}")
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)

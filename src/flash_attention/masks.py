@@ -1,0 +1,78 @@
+"""Causal and sliding-window masks, FlashAttention's conventions, in plain Python and torch.
+
+Query i sees key j iff ``i + off - left <= j <= i + off + right`` with ``off = seqlen_k -
+seqlen_q`` (the diagonal aligned bottom-right), each side unbounded when its window is -1.
+``causal=True`` sets right = 0. A row that sees no key gives output 0 and LSE -inf.
+
+:func:`kv_blocks` mirrors ``flash::window_blocks`` (src/csrc/kernel/mask.cuh): which KV blocks a
+query block visits and which of them need masking. The block emulation uses it, and the tests
+check it against the element-wise rule, so the kernel's index arithmetic has a CPU-tested twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def canonical_window(causal: bool, window_size: tuple[int, int], seqlen_q: int,
+                     seqlen_k: int) -> tuple[int, int]:
+    """(left, right) with causal folded in (right = 0) and every side that bounds nothing
+    written as -1: left >= seqlen_k and right >= seqlen_q can exclude no key of any row."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_q:
+        right = -1
+    return left, right
+
+
+def visible(seqlen_q: int, seqlen_k: int, left: int, right: int,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: which keys each query row sees."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    rel = j - i - (seqlen_k - seqlen_q)  # key - row - off
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= rel >= -left
+    if right >= 0:
+        ok &= rel <= right
+    return ok
+
+
+@dataclass(frozen=True)
+class KvBlocks:
+    """KV blocks [first, last] of one query block (empty when last < first); those in
+    [full_first, full_last] are seen whole by every row of the block and need no mask."""
+
+    first: int
+    last: int
+    full_first: int
+    full_last: int
+
+    @property
+    def count(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def needs_mask(self, j: int) -> bool:
+        return j < self.full_first or j > self.full_last
+
+
+def kv_blocks(q_row0: int, block_r: int, block_c: int, seqlen_q: int, seqlen_k: int,
+              left: int, right: int) -> KvBlocks:
+    """The KV blocks query block [q_row0, q_row0 + block_r) visits; as the kernel computes it."""
+    off = seqlen_k - seqlen_q
+    row_first, row_last = q_row0, min(q_row0 + block_r, seqlen_q) - 1
+    key_lo = 0 if left < 0 else max(0, row_first + off - left)
+    key_hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, row_last + off + right)
+    if key_hi < key_lo:
+        return KvBlocks(0, -1, 0, -1)
+    first, last = key_lo // block_c, key_hi // block_c
+    full_first = first if left < 0 else -(-(row_last + off - left) // block_c)
+    full_last = last if right < 0 else (row_first + off + right - block_c + 1) // block_c
+    full_last = min(full_last, seqlen_k // block_c - 1)
+    return KvBlocks(first, last, max(full_first, first), min(full_last, last))

@@ -1,0 +1,81 @@
+"""Causal / sliding-window masks (CPU): the element rule, the canonical window, and the KV block
+ranges the kernel visits (masks.kv_blocks, the twin of flash::window_blocks) against brute
+force over every element."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flash_attention.masks import canonical_window, kv_blocks, visible
+
+
+def test_causal_is_bottom_right():
+    # Sq < Sk: the last query row sees every key; row i sees keys <= i + Sk - Sq.
+    seen = visible(3, 5, *canonical_window(True, (-1, -1), 3, 5))
+    assert seen.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # Sq > Sk: the first Sq - Sk rows see no key at all.
+    seen = visible(4, 2, *canonical_window(True, (-1, -1), 4, 2))
+    assert seen.tolist() == [[0, 0], [0, 0], [1, 0], [1, 1]]
+
+
+def test_window_and_canonical_form():
+    seen = visible(5, 5, 1, 1)
+    assert seen.sum(1).tolist() == [2, 3, 3, 3, 2]
+    assert canonical_window(False, (-1, -1), 10, 20) == (-1, -1)
+    assert canonical_window(True, (3, 7), 10, 20) == (3, 0), "causal sets right to 0"
+    # Sides that can exclude no key become -1 (so an unmasked kernel may serve the call) ...
+    assert canonical_window(False, (20, 10), 10, 20) == (-1, -1)
+    # ... and the others stay: right = 9 < seqlen_q still hides keys from the first rows.
+    assert canonical_window(False, (19, 9), 10, 20) == (19, 9)
+    for left, right in [(20, -1), (-1, 10), (19, 9)]:
+        c = canonical_window(False, (left, right), 10, 20)
+        assert torch.equal(visible(10, 20, *c), visible(10, 20, left, right))
+
+
+def brute_force(q_row0, block_r, block_c, sq, sk, left, right):
+    """(blocks some valid row sees, blocks every valid row sees whole) from the element rule."""
+    seen = visible(sq, sk, left, right)[q_row0:min(q_row0 + block_r, sq)]
+    n_blocks = -(-sk // block_c)
+    touched, whole = [], []
+    for j in range(n_blocks):
+        tile = seen[:, j * block_c:(j + 1) * block_c]
+        if tile.any():
+            touched.append(j)
+        if tile.shape[1] == block_c and tile.all():
+            whole.append(j)
+    return touched, whole
+
+
+CASES = [(128, 64, 1, 1), (64, 64, 1000, 1000), (128, 64, 1023, 1024), (128, 32, 113, 203),
+         (64, 128, 300, 1), (128, 64, 4096, 128), (64, 64, 77, 500), (128, 128, 1, 300)]
+
+
+@pytest.mark.parametrize("block_r, block_c, sq, sk", CASES)
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (0, 0), (16, -1), (100, 3), (5, 200),
+                                    (-1, 50), (300, 0), (2000, 2000)])
+def test_kv_blocks_match_the_element_rule(block_r, block_c, sq, sk, window):
+    for causal in (False, True):
+        left, right = canonical_window(causal, window, sq, sk)
+        for q_row0 in range(0, sq, block_r):
+            b = kv_blocks(q_row0, block_r, block_c, sq, sk, left, right)
+            touched, whole = brute_force(q_row0, block_r, block_c, sq, sk, left, right)
+            visited = list(range(b.first, b.last + 1))
+            assert visited == touched, (q_row0, left, right)  # contiguous, none missed or extra
+            unmasked = [j for j in visited if not b.needs_mask(j)]
+            assert unmasked == whole, (q_row0, left, right)  # masked exactly where needed
+
+
+def test_kv_blocks_random():
+    rng = random.Random(0)
+    for _ in range(300):
+        block_r, block_c = rng.choice([64, 128]), rng.choice([32, 64, 128])
+        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
+        left, right = rng.choice([-1, rng.randint(0, 800)]), rng.choice([-1, rng.randint(0, 800)])
+        for q_row0 in range(0, sq, block_r):
+            b = kv_blocks(q_row0, block_r, block_c, sq, sk, left, right)
+            touched, whole = brute_force(q_row0, block_r, block_c, sq, sk, left, right)
+            assert list(range(b.first, b.last + 1)) == touched
+            assert [j for j in touched if not b.needs_mask(j)] == whole

@@ -1,0 +1,113 @@
+"""The operator flash_attention::fwd on a machine without a GPU: its fake implementation, tracing
+of the public functions with fake CUDA tensors (as torch.export and torch.compile do), the
+dispatch table the extension holds, and the FlashAttention-compatible functions' refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import flash_attention as fa
+from flash_attention import dispatch, ops
+from flash_attention.interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+)
+
+
+@pytest.fixture
+def mode(require_extension):
+    return FakeTensorMode()
+
+
+def fake(mode, *shape, dtype=torch.bfloat16):
+    with mode:
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+
+def built_feature_call():
+    """(dtype, d_head, causal, softcap) of a call this build serves, preferring masks."""
+    rows = ops.dispatch_rows(ops.BUILT)
+    for dtype, d, _, mask, softcap, _ in sorted(rows, key=lambda r: (not r[3], r[4])):
+        return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
+                5.0 if softcap else 0.0)
+    pytest.skip("this build serves no call")
+
+
+def test_fake_tensors_trace_through_the_public_functions(mode):
+    dtype, d, causal, softcap = built_feature_call()
+    q = fake(mode, 2, 33, 4, d, dtype=dtype)
+    kv = fake(mode, 2, 40, 2, 2, d, dtype=dtype)
+    with mode:
+        out, lse = fa.attention(q, kv[:, :, 0], kv[:, :, 1], causal=causal, softcap=softcap,
+                                return_lse=True)
+        out2, lse2, none = flash_attn_kvpacked_func(q, kv, causal=causal, softcap=softcap,
+                                                    return_attn_probs=True)
+    assert isinstance(out, FakeTensor) and out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32 and none is None
+    assert out2.shape == q.shape and lse2.shape == lse.shape
+
+
+def test_strict_export_has_one_operator_call_and_no_break(mode):
+    """torch.export with strict=True traces with dynamo, as torch.compile(fullgraph=True) does:
+    the whole function becomes one graph around one flash_attention.fwd call."""
+    dtype, d, causal, softcap = built_feature_call()
+
+    class Block(torch.nn.Module):
+        def forward(self, qkv):
+            out = flash_attn_qkvpacked_func(qkv, causal=causal, softcap=softcap)
+            return out.float().sum(-1)
+
+    qkv = fake(mode, 2, 64, 3, 4, d, dtype=dtype)
+    with mode:
+        program = torch.export.export(Block(), (qkv,), strict=True)
+    calls = [n for n in program.graph.nodes if n.op == "call_function"
+             and "flash_attention" in str(n.target)]
+    assert len(calls) == 1 and str(calls[0].target) == "flash_attention.fwd.default"
+
+
+def test_fake_implementation_refuses_what_the_build_cannot_run(mode):
+    q = fake(mode, 1, 8, 2, 64)
+    with mode, pytest.raises(RuntimeError, match="not in this build"):
+        torch.ops.flash_attention.fwd(q, q, q, torch.empty_like(q), None,
+                                      "bf16_d64_r64_c64_w4_fsqkv", 0.1, -1, -1, 0.0)
+    odd = fake(mode, 1, 8, 2, 64, dtype=torch.float16)
+    if not ops.extension().choice("fp16", 64, 8, True, True):
+        with mode, pytest.raises(RuntimeError, match="no kernel for fp16 with d_head=64 with "
+                                 "masks with a softcap"):
+            fa.attention(odd, odd, odd, causal=True, softcap=3.0)
+
+
+def test_extension_dispatch_table_is_pythons_choice(require_extension):
+    ext = ops.extension()
+    for dtype, d in {(c.dtype, c.d_head) for c in ops.BUILT}:
+        for seqlen in (1, 63, 64, 65, 1000, 4096, 5000, 16384, 10**6):
+            for mask, softcap in dispatch.FEATURES:
+                try:
+                    want = dispatch.select(dtype, d, seqlen, ops.BUILT, mask, softcap).short
+                except fa.ConfigError:
+                    want = ""
+                assert ext.choice(dtype, d, seqlen, mask, softcap) == want, (dtype, d, seqlen)
+
+
+def test_operator_rejects_cpu_tensors(require_extension):
+    q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises((NotImplementedError, RuntimeError), match="CPU"):
+        torch.ops.flash_attention.fwd(q, q, q, q, None, "", 0.1, -1, -1, 0.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"dropout_p": 0.1}, "dropout_p=0.1"),
+                                           ({"alibi_slopes": torch.ones(4)}, "alibi_slopes")])
+def test_flash_attn_unsupported_arguments_are_named(kwargs, match):
+    q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=match):
+        flash_attn_func(q, q, q, **kwargs)
+
+
+def test_packed_layouts_are_checked():
+    with pytest.raises(ValueError, match=r"qkv must be a 5-D tensor \(batch, seqlen, 3"):
+        flash_attn_qkvpacked_func(torch.zeros(1, 4, 2, 4, 64))
+    with pytest.raises(ValueError, match=r"kv must be a 5-D tensor \(batch, seqlen_k, 2"):
+        flash_attn_kvpacked_func(torch.zeros(1, 4, 4, 64), torch.zeros(1, 4, 3, 4, 64))
