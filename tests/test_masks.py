@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from flash_attention.masks import canonical_window, kv_blocks, visible
+from flash_attention.masks import block_mask, canonical_window, kv_blocks, visible
 
 
 def test_causal_is_bottom_right():
@@ -79,3 +79,22 @@ def test_kv_blocks_random():
             touched, whole = brute_force(q_row0, block_r, block_c, sq, sk, left, right)
             assert list(range(b.first, b.last + 1)) == touched
             assert [j for j in touched if not b.needs_mask(j)] == whole
+
+
+def test_block_mask_is_the_element_rule():
+    """The kernel's element mask (c - r range per block, clamped) equals the rule, for blocks
+    anywhere in the matrix, including far from the diagonal and past seqlen_k."""
+    rng = random.Random(1)
+    for _ in range(400):
+        sq, sk = rng.randint(1, 600), rng.randint(1, 600)
+        left, right = rng.choice([-1, rng.randint(0, 700)]), rng.choice([-1, rng.randint(0, 700)])
+        block_r, block_c = rng.choice([64, 128]), rng.choice([32, 64, 128])
+        q_row0 = rng.randrange(0, sq, block_r) if sq > block_r else 0
+        kv_col0 = rng.randrange(0, sk, block_c) if sk > block_c else 0
+        rows = min(block_r, sq - q_row0)
+        got = block_mask(q_row0, kv_col0, rows, block_c, sq, sk, left, right)
+        want = torch.zeros(rows, block_c, dtype=torch.bool)
+        ncols = min(block_c, sk - kv_col0)
+        want[:, :ncols] = visible(sq, sk, left, right)[q_row0:q_row0 + rows,
+                                                       kv_col0:kv_col0 + ncols]
+        assert torch.equal(got, want), (sq, sk, left, right, q_row0, kv_col0)

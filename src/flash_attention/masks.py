@@ -5,8 +5,10 @@ seqlen_q`` (the diagonal aligned bottom-right), each side unbounded when its win
 ``causal=True`` sets right = 0. A row that sees no key gives output 0 and LSE -inf.
 
 :func:`kv_blocks` mirrors ``flash::window_blocks`` (src/csrc/kernel/mask.cuh): which KV blocks a
-query block visits and which of them need masking. The block emulation uses it, and the tests
-check it against the element-wise rule, so the kernel's index arithmetic has a CPU-tested twin.
+query block visits and which of them need masking; :func:`block_mask` mirrors
+``flash::WindowMask``: the element mask of one such block, as a range of column - row. The block
+emulation uses both, and the tests check them against the element-wise rule, so the kernel's
+index arithmetic has a CPU-tested twin.
 """
 
 from __future__ import annotations
@@ -76,3 +78,20 @@ def kv_blocks(q_row0: int, block_r: int, block_c: int, seqlen_q: int, seqlen_k: 
     full_last = last if right < 0 else (row_first + off + right - block_c + 1) // block_c
     full_last = min(full_last, seqlen_k // block_c - 1)
     return KvBlocks(first, last, max(full_first, first), min(full_last, last))
+
+
+BIG = 1 << 24  # WindowMask::kBig: beyond any |column - row| inside one block pair
+
+
+def block_mask(q_row0: int, kv_col0: int, rows: int, cols: int, seqlen_q: int, seqlen_k: int,
+               left: int, right: int) -> torch.Tensor:
+    """(rows, cols) bool: which elements of the block at (q_row0, kv_col0) are visible, computed
+    as the kernel does: a range of c - r (block column minus CTA row) clamped to 32 bits, and
+    the columns before seqlen_k."""
+    base = kv_col0 - (q_row0 + seqlen_k - seqlen_q)
+    lo = -BIG if left < 0 else max(-BIG, min(BIG, -left - base))
+    hi = BIG if right < 0 else max(-BIG, min(BIG, right - base))
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(cols)[None, :]
+    d = c - r
+    return (c < seqlen_k - kv_col0) & (d >= lo) & (d <= hi)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import canonical_window, kv_blocks, visible
+from .masks import block_mask, canonical_window, kv_blocks, visible
 
 LOG2E = math.log2(math.e)
 
@@ -115,7 +115,6 @@ def emulate_blocks(
     out = torch.zeros((batch, seqlen_q, heads, d_head), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
     result = Emulation(out, lse)
-    seen = visible(seqlen_q, seqlen_k, left, right, q.device)
     for b in range(batch):
         for h in range(heads):
             for qb in range(-(-seqlen_q // block_r)):
@@ -130,8 +129,10 @@ def emulate_blocks(
                 for j in reversed(order) if reverse_kv else order:
                     cols = slice(j * block_c, min((j + 1) * block_c, seqlen_k))
                     s = _capped((qt @ kx[b, cols, h].float().T) * scale, softcap) * LOG2E
-                    if blocks.needs_mask(j):
-                        s = s.masked_fill(~seen[rows, cols], -math.inf)
+                    if blocks.needs_mask(j):  # the kernel's element mask (WindowMask)
+                        seen = block_mask(qb * block_r, j * block_c, s.shape[0], s.shape[1],
+                                          seqlen_q, seqlen_k, left, right).to(s.device)
+                        s = s.masked_fill(~seen, -math.inf)
                     m_new = torch.maximum(m, s.max(dim=1).values)
                     offset = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                     corr = torch.exp2(m - offset)

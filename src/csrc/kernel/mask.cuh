@@ -57,28 +57,30 @@ __device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int q_row0
 }
 
 // Per-thread view of the mask over one warp's MMA accumulator tiles: element e of tile (mt, nt)
-// sits at CTA row warp_row0 + mt*16 + lane/4 + 8*(e/2) and block column nt*8 + 2*(lane%4) +
-// e%2, so column - row is this thread's `diag` plus a compile-time offset.
+// sits at CTA row r = warp_row0 + mt*16 + lane/4 + 8*(e/2) and block column c = nt*8 +
+// 2*(lane%4) + e%2, so c - r is this thread's `diag` plus a compile-time offset. For that
+// element key - row - off = (c - r) + kv_col0 - diag0, with diag0 = q_row0 + off the key on the
+// diagonal of the CTA's first row: the window is a range of c - r. (masks.block_mask mirrors
+// this in Python, and the block emulation uses it.)
 template <class Cfg>
 struct WindowMask {
-    static constexpr int kBig = 1 << 24;  // beyond any |column - row| inside one block pair
+    static constexpr int kBig = 1 << 24;  // beyond any |c - r| inside one block pair
 
-    int col0;     // block column of this thread's element (0, 0, 0, 0)
-    int diag;     // column - row of that element
-    int64_t off;  // seqlen_k - seqlen_q - q_row0
+    int col0;       // c of this thread's element (0, 0, 0, 0)
+    int diag;       // c - r of that element
+    int64_t diag0;  // q_row0 + seqlen_k - seqlen_q
 
     __device__ __forceinline__ WindowMask(const FwdParams& p, int q_row0, int warp_row0, int lane)
         : col0(2 * (lane % 4)),
           diag(2 * (lane % 4) - lane / 4 - warp_row0),
-          off(int64_t(p.seqlen_k) - p.seqlen_q - q_row0) {}
+          diag0(int64_t(q_row0) + p.seqlen_k - p.seqlen_q) {}
 
     // Scores of block kv_col0 that no row may see (outside the window or past seqlen_k) -> -inf.
     template <int kMT, int kNS>
     __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0,
                                           const FwdParams& p) const {
-        // Visible iff -left <= key - row - off <= right, with key - row - off =
-        // (column - row) + kv_col0 - q_row0 - off: bounds on column - row, clamped to 32 bits.
-        const int64_t base = int64_t(kv_col0) - off;
+        // Visible iff -left <= (c - r) + base <= right: bounds on c - r, clamped to 32 bits.
+        const int64_t base = int64_t(kv_col0) - diag0;
         const int64_t lo = p.window_left < 0 ? -kBig : -p.window_left - base;
         const int64_t hi = p.window_right < 0 ? kBig : p.window_right - base;
         const int lo32 = static_cast<int>(lo < -kBig ? -kBig : (lo > kBig ? kBig : lo));
