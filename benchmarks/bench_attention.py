@@ -29,14 +29,18 @@ class Case:
     batch: int
     seqlen: int
     heads: int = 16
+    causal: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+        return (f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+                + ("_causal" if self.causal else ""))
 
 
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
+CAUSAL_CASES = tuple(Case(dt, 128, b, s, causal=True) for dt in ("bf16", "fp16")
+                     for b, s in STANDARD)
 
 
 class Measured(dict):
@@ -71,10 +75,10 @@ def cuda_event_ms(fn, reps: int, warmup: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
-def contenders(q, k, v, out, names=CONTENDERS) -> dict:
+def contenders(q, k, v, out, names=CONTENDERS, causal=False) -> dict:
     """Zero-argument callables, one per contender, on the same inputs: attention() (dispatch)
     writing into out, and SDPA restricted to one backend on the (B, H, S, D) view of the same
-    tensors. A backend that cannot run the shape is left out."""
+    tensors, causal or not. A backend that cannot run the shape is left out."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -87,12 +91,13 @@ def contenders(q, k, v, out, names=CONTENDERS) -> dict:
     def make_peer(backend):
         def peer():
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt)
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         return peer
 
     fns = {}
     if "ours" in names:
-        fns["ours"] = lambda: fa.attention(q, k, v, out=out)
+        fns["ours"] = ((lambda: fa.attention(q, k, v, out=out, causal=True)) if causal
+                       else (lambda: fa.attention(q, k, v, out=out)))
     for name in names:
         if name in backends:
             peer = make_peer(backends[name])
@@ -105,13 +110,16 @@ def contenders(q, k, v, out, names=CONTENDERS) -> dict:
 
 
 def built_kernels() -> set[tuple[str, int]] | None:
-    """(dtype, d_head) pairs the installed build has a kernel for (None: cannot tell)."""
+    """(dtype, d_head) pairs the installed build has a kernel for, and (dtype, d_head, "mask")
+    for kernels with causal masks (None: cannot tell)."""
     import flash_attention as fa
 
     try:
-        return {(c.dtype, c.d_head) for c in fa.available_configs()}
+        configs = fa.available_configs()
     except AttributeError:  # a commit from before available_configs()
         return None
+    return ({(c.dtype, c.d_head) for c in configs}
+            | {(c.dtype, c.d_head, "mask") for c in configs if getattr(c, "mask", False)})
 
 
 def measure(cases, contenders_=("ours", "sdpa_fa2"), reps: int = 10,
@@ -127,6 +135,10 @@ def measure(cases, contenders_=("ours", "sdpa_fa2"), reps: int = 10,
     built = built_kernels()
     measured, skipped = {}, {}
     for case in cases:
+        if case.causal and (built is None or (case.dtype, case.d_head, "mask") not in built):
+            skipped[case.name] = (f"this build has no causal {case.dtype} d_head {case.d_head} "
+                                  "kernel (masks came in with causal attention)")
+            continue
         if built is not None and (case.dtype, case.d_head) not in built:
             info = (getattr(fa, "build_info", dict)() or {}).get("kernels", "?")
             skipped[case.name] = (f"this build has no {case.dtype} d_head {case.d_head} kernel "
@@ -135,7 +147,7 @@ def measure(cases, contenders_=("ours", "sdpa_fa2"), reps: int = 10,
         shape = (case.batch, case.seqlen, case.heads, case.d_head)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype]) for _ in range(3))
         o = torch.empty_like(q)
-        fns = contenders(q, k, v, o, names=contenders_)
+        fns = contenders(q, k, v, o, names=contenders_, causal=case.causal)
         missing = set(contenders_) - set(fns)
         if missing:
             raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
@@ -189,3 +201,43 @@ class Attention:
         return self.r["ours"] / self.r["sdpa_fa2"]
 
     track_ratio_to_sdpa_fa2.unit = "ratio"
+
+
+class CausalAttention:
+    """Causal d_head 128 (bottom-right mask; Sq == Sk here) against SDPA FA2 causal."""
+
+    params = (["bf16", "fp16"], SHAPES)
+    param_names = ["dtype", "batch_x_seq"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        return measure(list(CAUSAL_CASES), ("ours", "sdpa_fa2"), reps=20)
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, dtype, shape):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        batch, seqlen = (int(x) for x in shape.split("x"))
+        self.r = cache[Case(dtype, 128, batch, seqlen, causal=True).name]
+
+    def track_ours_ms(self, cache, dtype, shape):
+        return self.r["ours"]
+
+    track_ours_ms.unit = "ms"
+
+    def track_sdpa_fa2_ms(self, cache, dtype, shape):
+        return self.r["sdpa_fa2"]
+
+    track_sdpa_fa2_ms.unit = "ms"
+
+    def track_ratio_to_sdpa_fa2(self, cache, dtype, shape):
+        """Our time over SDPA FA2 causal's in the same run (< 1: we are faster)."""
+        return self.r["ours"] / self.r["sdpa_fa2"]
+
+    track_ratio_to_sdpa_fa2.unit = "ratio"
+

@@ -386,3 +386,43 @@ def test_power_study_flags_a_plant_that_did_not_take_effect(tmp_path, monkeypatc
     (row,) = json.loads((tmp_path / "calibrate.json").read_text())["power"]
     assert row["realised"] is False and row["slower"] == 0
     assert "| 5% (not realised) |" in (tmp_path / "calibrate.md").read_text()
+
+
+def test_a_case_the_base_cannot_run_is_new_not_broken():
+    """A pull request that adds a feature adds its gate case too; the base (the merge-base)
+    answers that case with an error: the case is reported as new, the rest compared as usual."""
+
+    class OldBase(FakeWorker):
+        def measure(self, case, reps, timeout_s, slowdown=0.0):
+            if case.causal:
+                raise abtest.WorkerError("base, case x: TypeError: unexpected keyword "
+                                         "argument 'causal'", "infra")
+            return super().measure(case, reps, timeout_s, slowdown)
+
+        def alive(self):
+            return True
+
+    cases = [CASES[0], Case("bf16", 128, 16, 4096, causal=True)]
+    results = {r.case: r for r in abtest.compare(OldBase({}, {}, 1), FakeWorker({}, {}, 2),
+                                                 cases, POL, 7)}
+    new = results["bf16_d128_b16_s4096_causal"]
+    assert new.verdict == "new" and "causal" in new.note and new.rounds == 0
+    assert results[CASES[0].name].verdict == "same"
+    assert perf.verdict_code(list(results.values())) == gate.PASS
+    md = perf.markdown([r.as_dict() for r in results.values()], 0,
+                       {"base_label": "b", "head_label": "h", "rounds": 12, "step": 12,
+                        "max_rounds": 48, "fwer": 0.01, "alpha_per_look": 1e-4,
+                        "threshold_pct": 1.5, "clear_pct": 3.0})
+    assert "**new**: the base cannot run it" in md
+
+
+def test_a_base_that_dies_is_still_infrastructure():
+    class DeadBase(FakeWorker):
+        def measure(self, case, reps, timeout_s, slowdown=0.0):
+            raise abtest.WorkerError("base: case x did not finish within 60 s", "infra")
+
+        def alive(self):
+            return False
+
+    with pytest.raises(abtest.WorkerError, match="did not finish"):
+        abtest.compare(DeadBase({}, {}, 1), FakeWorker({}, {}, 2), CASES[:1], POL, 7)

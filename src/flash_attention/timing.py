@@ -35,6 +35,8 @@ def median_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> floa
     return statistics.median(time_cuda_ms(fn, reps, warmup))
 
 
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, d_head: int) -> float:
-    """Forward FLOPs of non-causal attention: two matmuls of 2*Sq*Sk*D each per (batch, head)."""
-    return 4.0 * batch * heads * seqlen_q * seqlen_k * d_head
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, d_head: int,
+                    causal: bool = False) -> float:
+    """Forward FLOPs: two matmuls of 2*Sq*Sk*D each per (batch, head), halved for causal (the
+    convention for Sq == Sk)."""
+    return 4.0 * batch * heads * seqlen_q * seqlen_k * d_head / (2 if causal else 1)

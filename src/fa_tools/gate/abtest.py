@@ -13,6 +13,8 @@ paired log-ratios ln(head/base), raw and normalised by the peer (policy in ci/ga
                 gate promises to catch is ruled out) and the normalised estimate below it too
   undecided     anything else: the case gets `step` more rounds, up to `max_rounds`; still
                 undecided then -> inconclusive
+  new           the base cannot run the case (a feature the pull request adds): nothing to
+                compare, reported with the base's error, no effect on the exit code
 
 Significance is tested on the raw ratios only: rounds alternate which side goes first and pair
 measurements seconds apart, so drift cancels within a pair, and the raw test alone keeps the
@@ -176,6 +178,9 @@ class Worker:
                               f"{reply.get('trace', '')}", self._kind)
         return reply["results"]
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -209,8 +214,16 @@ class CaseResult:
     norm_p_slower: float
     base_cv: float
     head_cv: float
-    verdict: str  # slower | faster | same | undecided | inconclusive
+    verdict: str  # slower | faster | same | undecided | inconclusive | new
     samples: dict = field(default_factory=dict)
+    note: str = ""
+
+    @classmethod
+    def new(cls, case: str, why: str) -> CaseResult:
+        """A case the base cannot run: no numbers."""
+        nan = math.nan
+        return cls(case, 0, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan,
+                   "new", note=why)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -251,14 +264,22 @@ class Plan:
 
     reps: dict[str, int]
     timeout_s: dict[str, float]
+    new: dict[str, str] = field(default_factory=dict)  # cases the base cannot run: its error
 
 
 def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
             slowdown: dict[str, float]) -> Plan:
-    reps, timeout = {}, {}
+    reps, timeout, new = {}, {}, {}
     for c in cases:
         t0 = time.monotonic()
-        first = base.measure(c, policy.min_reps, policy.first_call_timeout_s)
+        try:
+            first = base.measure(c, policy.min_reps, policy.first_call_timeout_s)
+        except WorkerError as exc:
+            if not base.alive():  # killed at its limit, or died: the base is broken
+                raise
+            new[c.name] = str(exc).splitlines()[0]
+            log.info("%s: the base cannot run it (%s); not compared", c.name, new[c.name])
+            continue
         base_s = time.monotonic() - t0
         n = math.ceil(policy.round_ms / max(first["ours"], 1e-3))
         reps[c.name] = min(policy.max_reps, max(policy.min_reps, n))
@@ -268,7 +289,7 @@ def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
         head.measure(c, policy.min_reps, max(policy.min_timeout_s,
                                              policy.timeout_factor * base_s),
                      slowdown.get(c.name, 0.0))
-    return Plan(reps, timeout)
+    return Plan(reps, timeout, new)
 
 
 def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_family: int,
@@ -280,8 +301,8 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
     alpha = policy.alpha_per_look(n_family)
     keys = ("base", "head", "base_peer", "head_peer")
     samples = {c.name: {k: [] for k in keys} for c in cases}
-    active = list(cases)
-    done: dict[str, CaseResult] = {}
+    active = [c for c in cases if c.name not in plan.new]
+    done = {name: CaseResult.new(name, why) for name, why in plan.new.items()}
     rounds = 0
     target = policy.rounds
     t0 = time.monotonic()
@@ -311,4 +332,4 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
                  time.monotonic() - t0, len(done), len(still))
         active = still
         target = min(policy.max_rounds, rounds + policy.step)
-    return sorted(done.values(), key=lambda r: -abs(r.ratio - 1))
+    return sorted(done.values(), key=lambda r: (r.verdict == "new", -abs(r.ratio - 1)))

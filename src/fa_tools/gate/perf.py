@@ -77,6 +77,10 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
               "vs SDPA FA2: head/base [95% CI] | spread base/head | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        if r["verdict"] == "new":
+            lines.append(f"| {r['case']} | - | - | - | - | - | - | - | **new**: the base "
+                         f"cannot run it ({r['note']}) |")
+            continue
         lines.append(
             f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
             f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "

@@ -53,26 +53,29 @@ def environment() -> dict:
 
 
 def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
-        configs: str | None = None, reps: int = 10, rounds: int = 3) -> list[dict]:
+        configs: str | None = None, reps: int = 10, rounds: int = 3,
+        causal: bool = False) -> list[dict]:
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
-    FA2 and cuDNN backends timed in the same interleaved rounds. `configs` names configs or
-    sets (comma-separated); configs of another dtype/d_head are left out. None: dispatch."""
+    FA2 and cuDNN backends timed in the same interleaved rounds (all causal with `causal`,
+    FLOPs halved). `configs` names configs or sets (comma-separated); configs of another
+    dtype/d_head, or without masks when causal, are left out. None: dispatch."""
     import flash_attention as fa
 
     wanted = fa.resolve(configs) if configs else None
     rows = []
     for dtype in dtypes:
         for d_head in d_heads:
-            chosen = ([c for c in wanted if c.dtype == dtype and c.d_head == d_head]
+            chosen = ([c for c in wanted if c.dtype == dtype and c.d_head == d_head
+                       and (c.mask or not causal) and not c.softcap]
                       if wanted else [None])
             for (batch, seqlen), config in itertools.product(shapes, chosen):
                 rows.append(_measure_row(dtype, d_head, batch, seqlen, heads, config, reps,
-                                         rounds))
+                                         rounds, causal))
     return rows
 
 
 def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
-                 reps: int, rounds: int) -> dict:
+                 reps: int, rounds: int, causal: bool = False) -> dict:
     import torch
 
     import flash_attention as fa
@@ -84,17 +87,18 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
                for _ in range(3))
     out = torch.empty_like(q)
-    fns = contenders(q, k, v, out, config=config)
+    fns = contenders(q, k, v, out, config=config, causal=causal)
     for name in set(PEERS) - set(fns):
         log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
         for name, fn in fns.items():
             samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
-    flops = attention_flops(batch, heads, seqlen, seqlen, d_head)
-    chosen = config or fa.dispatch.select(dtype, d_head, seqlen, fa.available_configs())
+    flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
+    chosen = config or fa.dispatch.select(dtype, d_head, seqlen, fa.available_configs(),
+                                          mask=causal)
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
-           "config": chosen.short if hasattr(chosen, "short") else str(chosen)}
+           "causal": causal, "config": chosen.short if hasattr(chosen, "short") else str(chosen)}
     for name in ("ours", *PEERS):
         got = samples.get(name)
         row[f"{name}_ms"] = statistics.median(got) if got else None
@@ -131,7 +135,8 @@ def markdown(rows: list[dict], env: dict) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['dtype']} | {r['d_head']} | {r['batch']}x{r['seqlen']} | {r['heads']} | "
+            f"| {r['dtype']} | {r['d_head']}{' causal' if r.get('causal') else ''} | "
+            f"{r['batch']}x{r['seqlen']} | {r['heads']} | "
             f"{_fmt(r['ours_tflops'])} | {_fmt(r['sdpa_fa2_tflops'])} | "
             f"{_fmt(r['ratio_sdpa_fa2'], '.3f')}{_best(r, 'sdpa_fa2')} | "
             f"{_fmt(r['sdpa_cudnn_tflops'])} | "
@@ -148,7 +153,8 @@ def command(args: argparse.Namespace) -> int:
         return 3
     env = environment()
     rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
-               parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds)
+               parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds,
+               args.causal)
     table = markdown(rows, env)
     print(table)
     if args.json:
@@ -171,6 +177,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the config dispatch picks)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--causal", action="store_true",
+                   help="causal attention for all contenders (TFLOP/s from halved FLOPs)")
     p.add_argument("--json", type=Path, help="write all numbers here")
     p.add_argument("--md", type=Path, help="write the markdown table here")
     p.set_defaults(func=command)

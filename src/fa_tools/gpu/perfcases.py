@@ -18,20 +18,23 @@ class Case:
     batch: int
     seqlen: int
     heads: int = 16
+    causal: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+        return (f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+                + ("_causal" if self.causal else ""))
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, and d 64.
+# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, d 64,
+# and causal d 128 (against SDPA FA2 causal).
 GATE_CASES = tuple(
     [Case(dt, 128, b, s) for dt in ("bf16", "fp16")
      for b, s in ((16, 1024), (16, 4096), (4, 16384))]
-    + [Case("bf16", 64, 16, 4096)]
+    + [Case("bf16", 64, 16, 4096), Case("bf16", 128, 16, 4096, causal=True)]
 )
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
@@ -61,10 +64,12 @@ def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
-def contenders(q, k, v, out, config=None, names=CONTENDERS) -> dict:
+def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False) -> dict:
     """Zero-argument callables, one per contender, on the same inputs: attention() (the given
     config, else dispatch) writing into out, and SDPA restricted to one backend on the
-    (B, H, S, D) view of the same tensors. A backend that cannot run the shape is left out."""
+    (B, H, S, D) view of the same tensors, causal or not. A backend that cannot run the shape is
+    left out. (Without causal, attention() is called exactly as before the argument existed, so
+    a base from then runs.)"""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -77,13 +82,14 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS) -> dict:
     def make_peer(backend):
         def peer():
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt)
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
         return peer
 
     fns = {}
+    extra = {"causal": True} if causal else {}
     if "ours" in names:
-        fns["ours"] = (lambda: fa.attention(q, k, v, out=out)) if config is None else (
-            lambda: fa.attention(q, k, v, out=out, config=config))
+        fns["ours"] = (lambda: fa.attention(q, k, v, out=out, **extra)) if config is None else (
+            lambda: fa.attention(q, k, v, out=out, config=config, **extra))
     for name in names:
         if name in backends:
             peer = make_peer(backends[name])
@@ -150,7 +156,8 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     benchmark must never look like a slow one)."""
     import torch
 
-    fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_)
+    fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
+                     causal=case.causal)
     missing = set(contenders_) - set(fns)
     if missing:
         raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
