@@ -164,7 +164,8 @@ def test(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff, clang-format (check only), shellcheck and actionlint."""
     _ensure(session, LINT_DEPS)
-    session.run(PY, "-m", "ruff", "check", "src", "tests", "benchmarks", "noxfile.py", "setup.py")
+    session.run(PY, "-m", "ruff", "check", "src", "tests", "benchmarks", "ci", "noxfile.py",
+                "setup.py")
     cpp = sorted(str(p) for p in (ROOT / "src" / "csrc").rglob("*")
                  if p.suffix in {".h", ".cuh", ".cpp", ".cu"} and "generated" not in p.parts)
     session.run("clang-format", "--dry-run", "-Werror", *cpp, external=True)

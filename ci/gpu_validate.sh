@@ -2,9 +2,10 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test toolkit sweep bench bench64 prog sanitize debug asv calibrate hang
+# Steps: build test toolkit sweep bench bench64 features prog sanitize debug asv calibrate hang
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   features  causal table against SDPA FA2 causal, host cost per call, window, GQA
 #   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
@@ -69,6 +70,11 @@ json.dump(res, open(sys.argv[1], "w"), indent=1)
 fi
 if step bench; then
     run bench python3 -m fa_tools bench --json "$LOG_DIR/bench.json" --md "$LOG_DIR/bench.md"
+fi
+if step features; then
+    run features python3 -m fa_tools bench --causal --json "$LOG_DIR/causal.json" \
+        --md "$LOG_DIR/causal.md"
+    python3 ci/feature_probe.py >>"$LOG_DIR/features.log" 2>&1
 fi
 if step bench64; then
     run bench64 python3 -m fa_tools bench --d-heads 64 --json "$LOG_DIR/bench64.json" \

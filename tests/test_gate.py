@@ -426,3 +426,13 @@ def test_a_base_that_dies_is_still_infrastructure():
 
     with pytest.raises(abtest.WorkerError, match="did not finish"):
         abtest.compare(DeadBase({}, {}, 1), FakeWorker({}, {}, 2), CASES[:1], POL, 7)
+
+
+def test_ratchet_spill_exception_allows_its_bytes_only():
+    policy = {"static": {**POLICY["static"], "spill_exceptions": {K: {"bytes": 8, "reason": "x"}}}}
+    pinned = {"kernels": _metrics(spill_bytes=8)}
+    assert not [f for f in ratchet.compare(pinned, _metrics(spill_bytes=8), policy)
+                if f.status == "worse"]
+    (f,) = [f for f in ratchet.compare(pinned, _metrics(spill_bytes=16), policy)
+            if f.status == "worse" and "exception" in f.rule]
+    assert f.metric == "spill_bytes" and "at most 8" in f.rule

@@ -14,6 +14,7 @@ import pytest
 import flash_attention as fa
 from fa_tools.analysis import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
 from fa_tools.cli import main as cli
+from fa_tools.gate import ratchet
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +264,8 @@ def test_cli_module_entry_point(built):
 
 
 def test_default_configs_do_not_spill(tmp_path):
-    """The kernels dispatch runs must be spill-free on both architectures (ptxas's word)."""
+    """The kernels dispatch runs must be spill-free on both architectures (ptxas's word), except
+    the ones ci/gate_policy.yaml lists with a byte limit and the measurement behind it."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flash_attention.codegen import kernel_source
@@ -286,5 +288,11 @@ def test_default_configs_do_not_spill(tmp_path):
     jobs = [(cfg, arch) for cfg in SETS["default"] for arch in ("80", "90")]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         records = list(pool.map(compile_one, jobs))
-    spilling = [(r.kernel, r.arch, r.spill_stores) for r in records if r.spill_stores]
-    assert not spilling, f"default kernels spill: {spilling}"
+    allowed = {k: v["bytes"] for k, v in
+               ratchet.load_yaml(ROOT / "ci" / "gate_policy.yaml")["static"].get(
+                   "spill_exceptions", {}).items()}
+    spilling = [(r.kernel, r.arch, r.spill_stores) for r in records
+                if r.spill_stores > allowed.get(r.kernel, 0)]
+    assert not spilling, f"default kernels spill (beyond the policy's exceptions): {spilling}"
+    assert all(k in {c.short for c in SETS["default"]} for k in allowed), \
+        "a spill exception names a kernel that is not a default kernel"

@@ -1,0 +1,64 @@
+"""Feature probes on a GPU (issue targets of the features work), printed as lines:
+host cost per call of attention() / flash_attn_func against SDPA on a tiny problem (wall time of
+300 calls queued back to back, median of 15), a sliding window against full attention at seq
+8192, and GQA 16/4 against MHA at 16x4096. Run by ci/gpu_validate.sh (step features)."""
+
+import statistics as st
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flash_attention as fa
+from fa_tools.gpu.perfcases import time_cuda_ms
+from flash_attention.interface import flash_attn_func
+from flash_attention.masks import visible
+
+dt = torch.bfloat16
+q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=dt) for _ in range(3))
+qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+
+def host(fn, n=300):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(15):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        res.append((time.perf_counter() - t) / n * 1e6)
+    return st.median(res)
+
+
+def sd():
+    return F.scaled_dot_product_attention(qt, kt, vt)
+
+
+for name, fn in (("sdpa", sd), ("attention", lambda: fa.attention(q, k, v)),
+                 ("flash_attn_func", lambda: flash_attn_func(q, k, v)),
+                 ("attention causal", lambda: fa.attention(q, k, v, causal=True)), ("sdpa", sd)):
+    print(f"host cost per call, 1x128x8x64 bf16, {name:18s} {host(fn):6.1f} us")
+b, s = 8, 8192
+q, k, v = (torch.randn(b, s, 16, 128, device="cuda", dtype=dt) for _ in range(3))
+out = torch.empty_like(q)
+full = st.median(time_cuda_ms(lambda: fa.attention(q, k, v, out=out), 10, 2))
+win = st.median(time_cuda_ms(lambda: fa.attention(q, k, v, out=out, window_size=(1024, 1024)),
+                             10, 2))
+frac = visible(s, s, 1024, 1024, "cuda").float().mean().item()
+print(f"window (1024,1024) seq 8192 b8 bf16 d128: full {full:.3f} ms, window {win:.3f} ms, "
+      f"visible fraction {frac:.4f}, window/(fraction*full) = {win / (frac * full):.3f}")
+b, s = 16, 4096
+q = torch.randn(b, s, 16, 128, device="cuda", dtype=dt)
+out = torch.empty_like(q)
+k16, v16 = (torch.randn(b, s, 16, 128, device="cuda", dtype=dt) for _ in range(2))
+k4, v4 = (torch.randn(b, s, 4, 128, device="cuda", dtype=dt) for _ in range(2))
+r = []
+for _ in range(5):
+    m = st.median(time_cuda_ms(lambda: fa.attention(q, k16, v16, out=out), 10, 2))
+    g = st.median(time_cuda_ms(lambda: fa.attention(q, k4, v4, out=out), 10, 2))
+    r.append(g / m)
+print(f"GQA 16/4 vs MHA 16 heads, b16 s4096 bf16 d128: time ratio median {st.median(r):.3f} "
+      f"[{min(r):.3f}, {max(r):.3f}]")
