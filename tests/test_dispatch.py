@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flash_attention import dispatch
-from flash_attention.config import KernelConfig
+from flash_attention.config import ConfigError, KernelConfig
 from flash_attention.config_sets import DEFAULT, TUNE
 
 
@@ -69,3 +69,27 @@ def test_broken_tuning_file_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
     dispatch.reload_tuning()
     assert dispatch.select("bf16", 128, 4096, list(DEFAULT)) in DEFAULT
+
+
+def test_features_pick_kernels_that_can_serve_them(no_tuning):
+    built = list(DEFAULT)
+    assert dispatch.select("bf16", 128, 4096, built, mask=True).short == \
+        "bf16_d128_r128_c64_w4_fseqkvborm"
+    assert dispatch.select("bf16", 128, 32, built, mask=True).short == \
+        "bf16_d128_r64_c64_w4_fseqkvborm"
+    assert dispatch.select("fp16", 64, 32, built, softcap=True).short == \
+        "fp16_d64_r128_c64_w4_fsekvbort"
+    assert dispatch.select("fp16", 64, 4096, built, True, True).short == \
+        "fp16_d64_r128_c64_w4_fsekvbormt"
+    assert dispatch.tuning_key("bf16", 128, 3000, True, True) == "bf16/d128/q4096/mt"
+
+
+def test_fallback_respects_features(no_tuning):
+    masked = KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvborm")
+    capped = KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvbort")
+    # A kernel with masks serves an unmasked call; a softcap kernel serves softcap calls only.
+    assert dispatch.select("bf16", 64, 100, [capped, masked]) == masked
+    assert dispatch.select("bf16", 64, 100, [capped, masked], softcap=True) == capped
+    with pytest.raises(ConfigError, match="no kernel for bf16 with d_head=64 with masks "
+                                          r"\(causal / window\) and a softcap"):
+        dispatch.select("bf16", 64, 100, [capped, masked], mask=True, softcap=True)

@@ -17,8 +17,9 @@ The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
 the ``q`` bucket is seqlen_q rounded up to a power of two (64 .. 16384), with ``/m``, ``/t`` or
 ``/mt`` appended for calls with masks and/or a softcap. Its path is
 $FLASH_ATTENTION_TUNING_FILE, else ~/.cache/flash_attention/tuning.json. It is read once per
-process (``reload_tuning()`` reads it again), and each choice is remembered per (dtype, d_head,
-bucket, features) and build, so a call costs one dictionary lookup.
+process (``reload_tuning()`` reads it again). The API does not call :func:`select` per call:
+flash_attention.ops computes the choice for every (dtype, d_head, bucket, features) once and
+hands the table to the extension, which looks a call's kernel up in C++.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from .config import ConfigError, KernelConfig
@@ -99,17 +101,11 @@ def tuning_entries() -> dict[str, str]:
     return _tuning
 
 
-# (built, dtype, d_head, bucket, mask, softcap) -> (built, config); `built` is kept so that the
-# id in the key can never belong to another object.
-_choices: dict[tuple, tuple[object, KernelConfig]] = {}
-
-
 def reload_tuning() -> dict[str, str]:
-    """Forget the cached tuning file (after writing a new one or changing the path) and the
-    choices made from it."""
+    """Forget the cached tuning file (after writing a new one or changing the path) and
+    recompute the extension's dispatch table from the new one."""
     global _tuning
     _tuning = None
-    _choices.clear()
     entries = tuning_entries()
     ops = sys.modules.get(f"{__package__}.ops")
     if ops is not None:  # the extension's dispatch table follows the new choices
@@ -123,23 +119,9 @@ def serves(cfg: KernelConfig, dtype: str, d_head: int, mask: bool, softcap: bool
             and (cfg.mask or not mask))
 
 
-def select(dtype: str, d_head: int, seqlen_q: int, built: tuple[KernelConfig, ...] | list,
+def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
            mask: bool = False, softcap: bool = False) -> KernelConfig:
-    """The config to run for this problem among the built ones. With a tuple of built configs
-    (what the API passes) the choice is remembered for the sequence bucket."""
-    bucket = seq_bucket(seqlen_q)
-    key = (id(built), dtype, d_head, bucket, mask, softcap)
-    hit = _choices.get(key)
-    if hit is not None and hit[0] is built:
-        return hit[1]
-    cfg = _choose(dtype, d_head, seqlen_q, built, mask, softcap)
-    if isinstance(built, tuple):
-        _choices[key] = (built, cfg)
-    return cfg
-
-
-def _choose(dtype: str, d_head: int, seqlen_q: int, built, mask: bool,
-            softcap: bool) -> KernelConfig:
+    """The config to run for this problem among the built ones."""
     by_name = {c.short: c for c in built}
     tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q, mask, softcap))
     if tuned is not None:
