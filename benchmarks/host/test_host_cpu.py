@@ -1,14 +1,16 @@
 """Host-only paths a CPU can time, without a GPU or the compiled extension.
 
-attention() itself cannot run here: after validating it asks the GPU for its compute
-capability (validation.check_capability) and then launches through the extension. So these
-time the functions it calls before that, by their names, on fake CUDA tensors
+attention() itself cannot run here: after its Python checks it calls the operator, whose CUDA
+implementation picks the kernel from the extension's dispatch table and launches. So these time
+the Python it runs before that, by name, on fake CUDA tensors
 (torch._subclasses.fake_tensor.FakeTensorMode: shapes, strides, dtype and a cuda device, no
 storage), which pass validation exactly as real CUDA tensors do:
 
-- validation.check_inputs(q, k, v) and check_scale (the checks of every call);
-- dispatch.select(dtype, d_head, seqlen_q, built) over the configs a gate build contains;
-- the two together, which is attention()'s host path up to the capability check and launch;
+- validation.check_inputs(q, k, v) (the tensor checks of every call);
+- every Python check of a call: check_inputs, check_scale, check_window, check_softcap,
+  check_no_grad and the canonical window: attention()'s host path up to the operator;
+- dispatch.select(dtype, d_head, seqlen_q, built) over the configs a gate build contains (run
+  once per process per (dtype, d_head, bucket, features) to fill the extension's table);
 - KernelConfig.parse(short), config_sets.resolve(spec), codegen.kernel_source(cfg).
 
 The problem is the GPU benchmark's tiny one: (batch, seq, heads, d_head) = (1, 128, 8, 64), bf16.
@@ -64,18 +66,22 @@ def test_dispatch_select(benchmark):
     assert cfg.dtype == "bf16" and cfg.d_head == 64
 
 
-@pytest.mark.benchmark(group="dispatch")
-def test_validate_and_dispatch(benchmark, fake_qkv):
-    """attention()'s host path before the capability check and the launch: check_inputs,
-    check_scale, dispatch.select."""
+@pytest.mark.benchmark(group="validation")
+def test_api_checks(benchmark, fake_qkv):
+    """attention()'s Python before the operator call: every check of a causal call."""
+    from flash_attention.masks import canonical_window
+
     q, k, v = fake_qkv
 
     def host_path():
         prob = validation.check_inputs(q, k, v)
         validation.check_scale(None, prob.d_head)
-        return dispatch.select(prob.dtype, prob.d_head, prob.seqlen_q, BUILT)
+        causal, window = validation.check_window(True, (-1, -1))
+        validation.check_softcap(0.0)
+        validation.check_no_grad(q, k, v)
+        return canonical_window(causal, window, prob.seqlen_q, prob.seqlen_k)
 
-    assert benchmark(host_path).d_head == 64
+    assert benchmark(host_path) == (-1, 0)
 
 
 @pytest.mark.benchmark(group="config")
