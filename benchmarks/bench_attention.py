@@ -241,3 +241,92 @@ class CausalAttention:
 
     track_ratio_to_sdpa_fa2.unit = "ratio"
 
+
+
+D256_CASE = Case("bf16", 256, 16, 4096)
+VARLEN_CASE = Case("bf16", 128, 16, 4096, causal=True)  # 16 sequences of varlen_lengths()
+
+
+def varlen_lengths(batch: int, seqlen: int) -> list[int]:
+    """Fixed pseudo-random lengths between seqlen / 4 and seqlen, the longest seqlen (the same
+    draws as the gate's varlen case)."""
+    import random
+
+    rng = random.Random(seqlen * 1000 + batch)
+    return [seqlen, *(rng.randint(seqlen // 4, seqlen) for _ in range(batch - 1))]
+
+
+def measure_varlen(case: Case, reps: int = 20) -> dict:
+    """{contender: median ms}: attention_varlen on a packed causal batch against SDPA FA2 on the
+    same sequences padded to the longest (what a caller without varlen would run)."""
+    import torch
+
+    import flash_attention as fa
+
+    if not hasattr(fa, "attention_varlen"):
+        raise NotImplementedError("this build has no varlen entry (attention_varlen)")
+    lengths = varlen_lengths(case.batch, case.seqlen)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+    shape = (case.batch, case.seqlen, case.heads, case.d_head)
+    padded = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
+    q, k, v = (torch.cat([t[b, :n] for b, n in enumerate(lengths)]) for t in padded)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    fns = contenders(*padded, None, names=("sdpa_fa2",), causal=case.causal)
+    fns["ours"] = lambda: fa.attention_varlen(q, k, v, cu, cu, case.seqlen, case.seqlen,
+                                              causal=case.causal)
+    if not torch.isfinite(fns["ours"]()).all():
+        raise RuntimeError("attention_varlen produced non-finite values")
+    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=3))
+            for name, fn in fns.items()}
+
+
+class FeatureAttention:
+    """One non-causal d_head 256 case (bf16 16 x 4096) against SDPA FA2, and one causal varlen
+    batch (bf16 d_head 128, 16 sequences of 1024-4096 tokens) against SDPA FA2 causal on the
+    same sequences padded to 4096."""
+
+    params = (["d256", "varlen_causal"],)
+    param_names = ["case"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        results = {}
+        d256 = measure([D256_CASE], ("ours", "sdpa_fa2"), reps=20)
+        results["d256"] = d256.get(D256_CASE.name, {"skip": d256.skipped.get(D256_CASE.name)})
+        try:
+            results["varlen_causal"] = measure_varlen(VARLEN_CASE)
+        except NotImplementedError as exc:
+            results["varlen_causal"] = {"skip": str(exc)}
+        return results
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, case):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        self.r = cache[case]
+        if "skip" in self.r:
+            raise NotImplementedError(self.r["skip"])
+
+    def track_ours_ms(self, cache, case):
+        return self.r["ours"]
+
+    track_ours_ms.unit = "ms"
+
+    def track_sdpa_fa2_ms(self, cache, case):
+        return self.r["sdpa_fa2"]
+
+    track_sdpa_fa2_ms.unit = "ms"
+
+    def track_ratio_to_sdpa_fa2(self, cache, case):
+        """Our time over SDPA FA2's in the same run (< 1: we are faster)."""
+        return self.r["ours"] / self.r["sdpa_fa2"]
+
+    track_ratio_to_sdpa_fa2.unit = "ratio"

@@ -5,7 +5,8 @@
 # Steps: build test toolkit sweep bench bench64 features prog sanitize debug asv calibrate hang
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
-#   features  causal table against SDPA FA2 causal, host cost per call, window, GQA
+#   features  causal table against SDPA FA2 causal, d_head 64/96/256 tables against SDPA FA2,
+#             host cost per call, window, GQA, varlen against a padded batch
 #   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
@@ -74,7 +75,9 @@ fi
 if step features; then
     run features python3 -m fa_tools bench --causal --json "$LOG_DIR/causal.json" \
         --md "$LOG_DIR/causal.md"
-    python3 ci/feature_probe.py >>"$LOG_DIR/features.log" 2>&1
+    run dheads python3 -m fa_tools bench --dtypes bf16 --d-heads 64,96,256 \
+        --json "$LOG_DIR/dheads.json" --md "$LOG_DIR/dheads.md"
+    run probe python3 ci/feature_probe.py
 fi
 if step bench64; then
     run bench64 python3 -m fa_tools bench --d-heads 64 --json "$LOG_DIR/bench64.json" \
@@ -85,7 +88,10 @@ if step prog; then
         --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
 if step sanitize; then
-    run sanitize python3 -m fa_tools sanitize ci default
+    # the ci set and one default kernel per new d_head shape (padded rows, 8 warps, d 32)
+    run sanitize python3 -m fa_tools sanitize ci bf16_d128_r128_c64_w4_fseqkvborm \
+        bf16_d96_r128_c64_w4_fseqkvbormt bf16_d256_r128_c64_w8_fseqkvbormt \
+        fp16_d32_r128_c64_w4_fseqkvborm
 fi
 if step debug; then
     for k in $(python3 -c 'import flash_attention as fa

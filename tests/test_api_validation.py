@@ -26,7 +26,9 @@ Q = (2, 16, 4, 64)
         (t(2, 16, 64), t(*Q), t(*Q), ValueError, "q must be 4-D"),
         (t(*Q, dtype=torch.float32), t(*Q), t(*Q), TypeError, "supported: torch.float16"),
         (t(*Q), t(*Q, dtype=torch.float16), t(*Q), TypeError, "share a dtype"),
-        (t(2, 16, 4, 96), t(2, 16, 4, 96), t(2, 16, 4, 96), ValueError, "d_head=96"),
+        (t(2, 16, 4, 100), t(2, 16, 4, 100), t(2, 16, 4, 100), ValueError,
+         "d_head=100 is not supported; supported: every multiple of 8 up to 256"),
+        (t(2, 16, 4, 264), t(2, 16, 4, 264), t(2, 16, 4, 264), ValueError, "d_head=264"),
         (t(*Q), t(2, 16, 4, 64), t(2, 17, 4, 64), ValueError, "same shape"),
         (t(*Q), t(3, 16, 4, 64), t(3, 16, 4, 64), ValueError, "batch of k/v"),
         (t(*Q), t(2, 16, 4, 128), t(2, 16, 4, 128), ValueError, "d_head of k/v"),
@@ -93,8 +95,11 @@ def test_config_not_built_or_mismatched(monkeypatch):
     kernel = fa.api._explicit_kernel
     with pytest.raises(ConfigError, match=r"not in this build.*FLASH_ATTENTION_KERNELS="):
         kernel("bf16_d64_r128_c64_w4_fseqkvbor", prob, False, False)
-    with pytest.raises(ConfigError, match="is for fp16 with d_head=64, but the inputs are bf16"):
+    with pytest.raises(ConfigError, match="is for fp16 with d_head up to 64, but the inputs are "
+                                          "bf16"):
         kernel("fp16_d64_r64_c64_w4_fseqkvbor", prob, False, False)
+    with pytest.raises(ConfigError, match="up to 32, but the inputs are bf16 with d_head=64"):
+        kernel("bf16_d32_r64_c64_w4_fseqkvbor", prob, False, False)
     with pytest.raises(ConfigError, match="has no masks"):
         kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, True, False)
     with pytest.raises(ConfigError, match="has no softcap"):

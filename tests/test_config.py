@@ -37,7 +37,9 @@ def test_short_form_example():
         ("fp32_d128_r128_c64_w4_f", "cannot parse"),
         ("bf16_d128_r128_c64_w4_fx", "cannot parse"),
         ("bf16_d128_r128_c64_w4_frs", "in that order"),
-        ("bf16_d96_r128_c64_w4_fqkv", "d_head must be one of"),
+        ("bf16_d80_r128_c64_w4_fqkv", "d_head must be one of"),
+        ("bf16_d256_r128_c64_w4_fqkv", "8 warps above d_head 128"),
+        ("bf16_d256_r128_c128_w8_fqkv", "shared memory"),
         ("bf16_d128_r32_c64_w4_fqkv", "B_r must be one of"),
         ("bf16_d128_r128_c48_w4_fqkv", "B_c must be one of"),
         ("bf16_d128_r128_c64_w2_fqkv", "warps must be one of"),
@@ -46,6 +48,18 @@ def test_short_form_example():
 def test_parse_errors(text, message):
     with pytest.raises(ConfigError, match=message):
         KernelConfig.parse(text)
+
+
+def test_d_head_variants_and_padding():
+    from flash_attention.config import D_HEADS, smem_d_head, variant_for
+
+    assert tuple(range(32, 257, 32)) == D_HEADS
+    assert [variant_for(d) for d in (8, 32, 40, 64, 72, 96, 136, 200, 256)] == [
+        32, 32, 64, 64, 96, 96, 160, 224, 256]
+    assert [variant_for(d) for d in (0, -8, 12, 100, 264)] == [None] * 5
+    # smem rows are whole 8-chunk swizzle groups: 96 pads to 128, 160..224 to 256.
+    assert [smem_d_head(d) for d in D_HEADS] == [64, 64, 128, 128, 256, 256, 256, 256]
+    assert KernelConfig.parse("bf16_d96_r128_c64_w4_fqkv").smem_bytes == (128 + 128) * 128 * 2
 
 
 def test_rows_per_warp_rule():
@@ -74,7 +88,7 @@ def test_register_budget_rule():
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        KernelConfig("fp8", 96, 64, 64, 4)
+        KernelConfig("fp8", 80, 64, 64, 4)
     assert "dtype" in str(info.value) and "d_head" in str(info.value)
 
 
@@ -98,7 +112,7 @@ def test_sets_sizes_and_content():
         assert any(not getattr(c, name) for c in CI), name
         assert any(getattr(c, name) for c in CI), name
     assert {c.dtype for c in CI} == {"fp16", "bf16"}
-    assert {c.d_head for c in CI} == {64, 128}
+    assert {c.d_head for c in CI} == {64, 128, 160}  # 160: a non-power-of-two, padded variant
     assert {c.block_c for c in CI} == {32, 64, 128}
     assert {c.warps for c in CI} == {4, 8}
     table = {short for rows in DEFAULT_TABLE.values() for _, short in rows}

@@ -99,6 +99,25 @@ def test_masked_kernel_matches_reference(cfg, shape, causal, window):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("below", [8, 24])
+def test_kernel_serves_smaller_d_head(cfg, below):
+    """A variant runs every smaller multiple of 8 (here 8 and 24 below it) in place: the
+    missing columns are zero-filled in smem and never stored."""
+    d_head = cfg.d_head - below
+    if d_head <= 0:
+        pytest.skip(f"no d_head {below} below variant {cfg.d_head}")
+    torch.manual_seed(d_head)
+    q, k, v = rand_inputs(2, 177, 177, 4, 4, d_head, TORCH_DTYPE[cfg.dtype], "packed")
+    # out as a view of a wider buffer: columns past d_head must stay untouched.
+    wide = torch.full((2, 177, 4, cfg.d_head + 8), 7.0, device="cuda", dtype=q.dtype)
+    out = wide[..., :d_head]
+    opts = {"causal": cfg.mask, **softcap_of(cfg)}
+    fa.attention(q, k, v, out=out, config=cfg, **opts)
+    check_against_reference(out, q, k, v, what=f"{cfg} d_head={d_head}", **opts)
+    assert torch.all(wide[..., d_head:] == 7.0), "a store went past d_head"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
 def test_kernel_strided_inputs(cfg, layout):
     torch.manual_seed(7)
@@ -113,7 +132,8 @@ def test_kernel_strided_inputs(cfg, layout):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d_head", [64, 128])
+# Every compiled variant, and d_heads between variants (40, 80, 200) that run on the next one.
+@pytest.mark.parametrize("d_head", [32, 40, 64, 80, 96, 128, 160, 192, 200, 224, 256])
 @pytest.mark.parametrize("seqlen", [1, 64, 500, 2048])
 @pytest.mark.parametrize("features", [{}, {"causal": True}, {"window_size": (256, 0)},
                                       {"softcap": 30.0}, {"causal": True, "softcap": 2.0}],

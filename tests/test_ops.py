@@ -52,7 +52,7 @@ def test_fake_tensors_trace_through_the_public_functions(mode):
 
 def test_strict_export_has_one_operator_call_and_no_break(mode):
     """torch.export with strict=True traces with dynamo, as torch.compile(fullgraph=True) does:
-    the whole function becomes one graph around one flash_attention.fwd call."""
+    the whole function becomes one graph around one flash_attention.attention call."""
     dtype, d, causal, softcap = built_feature_call()
 
     class Block(torch.nn.Module):
@@ -65,7 +65,7 @@ def test_strict_export_has_one_operator_call_and_no_break(mode):
         program = torch.export.export(Block(), (qkv,), strict=True)
     calls = [n for n in program.graph.nodes if n.op == "call_function"
              and "flash_attention" in str(n.target)]
-    assert len(calls) == 1 and str(calls[0].target) == "flash_attention.fwd.default"
+    assert len(calls) == 1 and str(calls[0].target) == "flash_attention.attention.default"
 
 
 def test_fake_implementation_refuses_what_the_build_cannot_run(mode):

@@ -1,7 +1,10 @@
-// The one translation unit that talks to torch. It registers the operator
+// The one translation unit that talks to torch. It registers the operators
+//   flash_attention::attention(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q,
+//       max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap, return_lse,
+//       kernel) -> (out, lse)         the whole call, fixed-length or varlen (the fast path)
 //   flash_attention::fwd(q, k, v, out!, lse!?, kernel, softmax_scale, window_left,
-//                        window_right, softcap) -> ()
-// (its CUDA kernel here; its fake implementation for tracing in flash_attention/ops.py), lists
+//       window_right, softcap) -> ()  into a given out
+// (CUDA kernels here; fake implementations for tracing in flash_attention/ops.py), lists
 // the kernels of this build (from the generated registry) and holds the dispatch table that
 // flash_attention.dispatch computes once per process: with kernel == "" the operator runs the
 // table's choice for (dtype, d_head, seqlen_q bucket, mask, softcap), a lookup with no Python
@@ -117,13 +120,21 @@ void set_dispatch(
     table.choices = std::move(choices);
 }
 
-// The table's kernel for a call, nullptr when it has none.
+// The d_head variant that serves d_head (config.variant_for): variants are the multiples of 32,
+// and a variant serves the multiples of 8 down to the variant below it.
+int64_t d_head_variant(int64_t d_head) {
+    return (d_head + 31) / 32 * 32;
+}
+
+// The table's kernel for a call, nullptr when it has none (the table is keyed by variant).
 const flash::KernelEntry* lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask,
                                  bool softcap) {
+    if (d_head <= 0 || d_head % 8 != 0)
+        return nullptr;
     DispatchTable& table = dispatch_table();
     const std::lock_guard<std::mutex> lock(table.mutex);
-    const auto it =
-        table.choices.find(choice_key(bf16, d_head, seq_bucket(seqlen_q), mask, softcap));
+    const auto it = table.choices.find(
+        choice_key(bf16, d_head_variant(d_head), seq_bucket(seqlen_q), mask, softcap));
     return it == table.choices.end() ? nullptr : it->second;
 }
 
@@ -133,97 +144,220 @@ std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, b
     return e == nullptr ? "" : e->name;
 }
 
-// ---- the operator -----------------------------------------------------------------------------
+// ---- the operators ----------------------------------------------------------------------------
 
-void check_bshd(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-    TORCH_CHECK(t.dim() == 4, name, " must be 4-D (batch, seq, heads, d_head), got ", t.dim(),
-                "-D");
-    TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dimension");
+// Errors raise the Python exception a user expects: TypeError for a wrong type or dtype,
+// ValueError for a wrong shape or value (TORCH_CHECK_TYPE / TORCH_CHECK_VALUE).
+
+void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* dims) {
+    TORCH_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got ", t.dim(),
+                      "-D");
+    TORCH_CHECK_VALUE(t.size(rank - 1) <= 1 || t.stride(rank - 1) == 1, name,
+                      " must have a contiguous last dimension (stride 1)");
 }
 
-// Runs a kernel on q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given,
-// lse (B, H, Sq) fp32 contiguous: kernel `name`, or with "" the dispatch table's choice.
-// window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
-// are -1. softcap: 0 off, else a kernel built for it.
-void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-              const std::optional<at::Tensor>& lse, c10::string_view name, double softmax_scale,
-              int64_t window_left, int64_t window_right, double softcap) {
-    check_bshd(q, "q");
-    const bool mask = window_left != -1 || window_right != -1;
-    const flash::KernelEntry* chosen = nullptr;
+// q (B, Sq, H, D) or varlen (total_q, H, D); the element type of q, k, v (and out).
+at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         bool varlen) {
+    const int64_t rank = varlen ? 3 : 4;
+    const char* dims = varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)";
+    check_rank(q, "q", rank, dims);
+    check_rank(k, "k", rank, dims);
+    check_rank(v, "v", rank, dims);
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
+                     "; supported: torch.float16, torch.bfloat16");
+    TORCH_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
+                     "q, k and v must share a dtype");
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
+                      " and ", v.sizes());
+    const int64_t D = q.size(rank - 1), H = q.size(rank - 2), Hk = k.size(rank - 2);
+    TORCH_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
+                      " is not supported; supported: every multiple of 8 up to 256");
+    TORCH_CHECK_VALUE(k.size(rank - 1) == D, "d_head of k/v (", k.size(rank - 1),
+                      ") differs from d_head of q (", D, ")");
+    TORCH_CHECK_VALUE((Hk == 0 && H == 0) || (Hk > 0 && H % Hk == 0), "heads of q (", H,
+                      ") must be a multiple of heads of k/v (", Hk, ")");
+    if (!varlen)
+        TORCH_CHECK_VALUE(k.size(0) == q.size(0), "batch of k/v (", k.size(0),
+                          ") differs from batch of q (", q.size(0), ")");
+    TORCH_CHECK_VALUE(q.is_cuda(), "q, k and v are on ", q.device(),
+                      "; flash_attention runs on CUDA tensors (use .cuda())");
+    TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
+                      "q, k and v must be on the same device");
+    return dtype;
+}
+
+// cu_seqlens: int32, 1-D, contiguous, on q's device, batch + 1 entries.
+void check_cu_seqlens_meta(const at::Tensor& cu, const char* name, const at::Device& device) {
+    TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, name, " must be int32 (torch.int32), got ",
+                     cu.scalar_type());
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, name,
+                      " must be 1-D with batch + 1 >= 2 entries, got shape ", cu.sizes());
+    TORCH_CHECK_VALUE(cu.device() == device, name, " must be on ", device, " (q's device), got ",
+                      cu.device());
+    TORCH_CHECK_VALUE(cu.is_contiguous(), name, " must be contiguous");
+}
+
+// The values of cu_seqlens, checked on the host before any launch: 0 first, non-decreasing,
+// `total` last, no sequence longer than max_seqlen. A device-to-host copy (it synchronises), so
+// a tensor already checked and not modified since (same TensorImpl, same version counter; the
+// cache holds a reference, so the object cannot be a new one at a recycled address) is not
+// read again: a model's layers reuse one cu_seqlens. During CUDA graph capture device memory
+// cannot be read; the kernel then clamps every offset into the tensors instead.
+struct CheckedSeqlens {
+    c10::intrusive_ptr<c10::TensorImpl> impl;
+    uint32_t version;
+    int64_t total, max_seqlen;
+};
+
+void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total,
+                             int64_t max_seqlen, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TORCH_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess,
+                "cudaStreamIsCapturing failed");
+    if (capture != cudaStreamCaptureStatusNone)
+        return;
+    static std::mutex mutex;
+    static std::vector<CheckedSeqlens> checked;  // the last few, most recent last
+    const uint32_t version = cu.unsafeGetTensorImpl()->version_counter().current_version();
+    {
+        const std::lock_guard<std::mutex> lock(mutex);
+        for (const CheckedSeqlens& c : checked)
+            if (c.impl.get() == cu.unsafeGetTensorImpl() && c.version == version &&
+                c.total == total && c.max_seqlen >= max_seqlen)
+                return;
+    }
+    const at::Tensor host = cu.to(at::kCPU);
+    const int32_t* values = host.data_ptr<int32_t>();
+    const int64_t n = host.numel();
+    TORCH_CHECK_VALUE(values[0] == 0, name, "[0] must be 0, got ", values[0]);
+    int64_t longest = 0;
+    for (int64_t i = 1; i < n; ++i) {
+        TORCH_CHECK_VALUE(values[i] >= values[i - 1], name, " must be non-decreasing: ", name, "[",
+                          i, "] = ", values[i], " < ", name, "[", i - 1, "] = ", values[i - 1]);
+        longest = std::max<int64_t>(longest, values[i] - values[i - 1]);
+    }
+    TORCH_CHECK_VALUE(values[n - 1] == total, name, "[-1] = ", values[n - 1],
+                      " must equal the number of tokens, ", total);
+    TORCH_CHECK_VALUE(longest <= max_seqlen, "a sequence of ", longest, " tokens is longer than ",
+                      name == std::string("cu_seqlens_q") ? "max_seqlen_q" : "max_seqlen_k", " = ",
+                      max_seqlen);
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (checked.size() >= 8)
+        checked.erase(checked.begin());
+    checked.push_back({cu.getIntrusivePtr(), version, total, longest});
+}
+
+struct Varlen {
+    const at::Tensor* cu_q = nullptr;
+    const at::Tensor* cu_k = nullptr;
+    int64_t max_q = 0, max_k = 0;
+};
+
+// The kernel for a call: `name`, or with "" the dispatch table's choice.
+const flash::KernelEntry& choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t d_head,
+                                        int64_t seqlen_q, bool mask, bool softcap) {
     if (name.empty()) {
-        TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-                    "q must be fp16 or bf16, got ", q.scalar_type());
-        chosen = lookup(q.scalar_type() == at::kBFloat16, q.size(3), q.size(1), mask, softcap > 0);
-        TORCH_CHECK(chosen != nullptr, "this build has no kernel for ", q.scalar_type(),
-                    " with d_head=", q.size(3), mask ? " with masks" : "",
-                    softcap > 0 ? " with a softcap" : "",
+        const flash::KernelEntry* chosen =
+            lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, softcap);
+        TORCH_CHECK(chosen != nullptr, "this build has no kernel for ", dtype,
+                    " with d_head=", d_head, mask ? " with masks" : "",
+                    softcap ? " with a softcap" : "",
                     " (or flash_attention has not set its dispatch table); rebuild with "
                     "FLASH_ATTENTION_KERNELS=default");
-    } else {
-        const auto& table = entries_by_name();
-        const auto it = table.find(std::string(name));
-        TORCH_CHECK(it != table.end(), "kernel ", name,
-                    " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
-                    " (comma-separate to add more)");
-        chosen = it->second;
+        return *chosen;
     }
-    const flash::KernelEntry& e = *chosen;
+    const auto& table = entries_by_name();
+    const auto it = table.find(std::string(name));
+    TORCH_CHECK(it != table.end(), "kernel ", name,
+                " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
+                " (comma-separate to add more)");
+    return *it->second;
+}
 
-    check_bshd(k, "k");
-    check_bshd(v, "v");
-    check_bshd(out, "out");
+// Runs q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given, lse (B, H, Sq)
+// fp32 contiguous; varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
+// window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
+// are -1. softcap: 0 off, else a kernel built for it.
+void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& out, const std::optional<at::Tensor>& lse, const Varlen& vl,
+                 c10::string_view name, double softmax_scale, int64_t window_left,
+                 int64_t window_right, double softcap) {
+    const bool varlen = vl.cu_q != nullptr;
+    const at::ScalarType dtype = check_qkv(q, k, v, varlen);
+    const int64_t rank = q.dim();
+    const int64_t D = q.size(rank - 1), H = q.size(rank - 2), Hk = k.size(rank - 2);
+    const int64_t B = varlen ? vl.cu_q->numel() - 1 : q.size(0);
+    const int64_t Sq = varlen ? vl.max_q : q.size(1), Sk = varlen ? vl.max_k : k.size(1);
+    const bool mask = window_left != -1 || window_right != -1;
+    const flash::KernelEntry& e = choose_kernel(name, dtype, D, Sq, mask, softcap > 0);
+
     const auto want = e.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
-    for (const at::Tensor* t : {&q, &k, &v, &out})
-        TORCH_CHECK(t->scalar_type() == want, "kernel ", e.name, " needs ", want, " tensors");
-    const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
-    const int64_t Sk = k.size(1), Hk = k.size(2);
-    TORCH_CHECK(D == e.d_head, "kernel ", e.name, " is for d_head=", e.d_head, ", got ", D);
-    TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape");
-    TORCH_CHECK(k.size(0) == B && k.size(3) == D, "k/v batch and d_head must match q");
-    TORCH_CHECK(Hk > 0 && H % Hk == 0, "heads of q (", H, ") must be a multiple of heads of k/v (",
-                Hk, ")");
-    TORCH_CHECK(out.sizes() == q.sizes(), "out must have the shape of q");
-    TORCH_CHECK(B <= 65535 && H <= 65535, "batch and heads must each be at most 65535");
-    TORCH_CHECK(Sq <= std::numeric_limits<int>::max() - e.block_m &&
-                    Sk <= std::numeric_limits<int>::max() - e.block_n,
-                "sequence lengths must be below 2^31");
-    TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
-                "softmax_scale must be finite and positive");
-    TORCH_CHECK(window_left >= -1 && window_right >= -1 &&
-                    window_left <= std::numeric_limits<int>::max() &&
-                    window_right <= std::numeric_limits<int>::max(),
-                "window sizes must be -1 (unbounded) or in [0, 2^31)");
-    TORCH_CHECK(e.mask || (window_left == -1 && window_right == -1), "kernel ", e.name,
-                " has no masks (config flag m): it cannot run causal or windowed attention");
-    TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0");
-    TORCH_CHECK(e.softcap == (softcap > 0), "kernel ", e.name,
-                e.softcap ? " applies a softcap: call it with softcap > 0"
-                          : " has no softcap (config flag t)");
+    TORCH_CHECK_TYPE(dtype == want, "kernel ", e.name, " needs ", want, " tensors");
+    TORCH_CHECK_VALUE(D <= e.d_head, "kernel ", e.name, " serves d_head multiples of 8 up to ",
+                      e.d_head, ", got ", D);
+    check_rank(out, "out", rank, "like q");
+    TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(),
+                      ", got ", out.sizes());
+    TORCH_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
+    TORCH_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
+                      ") must each be at most 65535");
+    TORCH_CHECK_VALUE(Sq <= std::numeric_limits<int>::max() - e.block_m &&
+                          Sk <= std::numeric_limits<int>::max() - e.block_n &&
+                          q.size(0) <= std::numeric_limits<int>::max() &&
+                          k.size(0) <= std::numeric_limits<int>::max(),
+                      "sequence lengths and token counts must be below 2^31");
+    TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0,
+                      "softmax_scale must be finite and positive, got ", softmax_scale);
+    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
+                          window_left <= std::numeric_limits<int>::max() &&
+                          window_right <= std::numeric_limits<int>::max(),
+                      "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    TORCH_CHECK_VALUE(e.mask || !mask, "kernel ", e.name,
+                      " has no masks (config flag m): it cannot run causal or windowed attention");
+    TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                      "softcap must be 0 (off) or finite and positive, got ", softcap);
+    TORCH_CHECK_VALUE(e.softcap == (softcap > 0), "kernel ", e.name,
+                      e.softcap ? " applies a softcap: call it with softcap > 0"
+                                : " has no softcap (config flag t)");
     const auto device = q.device();
-    for (const at::Tensor* t : {&k, &v, &out})
-        TORCH_CHECK(t->device() == device, "all tensors must be on the same device");
+    TORCH_CHECK_VALUE(out.device() == device, "out must be on ", device);
+    const int64_t lse_rows = varlen ? q.size(0) : Sq;
     if (lse) {
-        TORCH_CHECK(lse->device() == device && lse->scalar_type() == at::kFloat &&
-                        lse->is_contiguous() && lse->dim() == 3 && lse->size(0) == B &&
-                        lse->size(1) == H && lse->size(2) == Sq,
-                    "lse must be a contiguous fp32 (batch, heads, seqlen_q) tensor on q's device");
+        const bool shape_ok =
+            varlen
+                ? (lse->dim() == 2 && lse->size(0) == H && lse->size(1) == lse_rows)
+                : (lse->dim() == 3 && lse->size(0) == B && lse->size(1) == H && lse->size(2) == Sq);
+        TORCH_CHECK_VALUE(lse->device() == device && lse->scalar_type() == at::kFloat &&
+                              lse->is_contiguous() && shape_ok,
+                          "lse must be a contiguous fp32 ",
+                          varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)",
+                          " tensor on q's device");
     }
-    if (B == 0 || Sq == 0 || H == 0)
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    if (varlen) {
+        check_cu_seqlens_meta(*vl.cu_q, "cu_seqlens_q", device);
+        check_cu_seqlens_meta(*vl.cu_k, "cu_seqlens_k", device);
+        TORCH_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
+                          "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
+        TORCH_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
+        check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q.size(0), vl.max_q, stream);
+        check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k.size(0), vl.max_k, stream);
+    }
+    if (B == 0 || Sq == 0 || H == 0 || q.size(0) == 0)
         return;
-    if (Sk == 0) {  // no key for any row: out 0, LSE -inf
+    if (!varlen && Sk == 0) {  // no key for any row: out 0, LSE -inf
         out.zero_();
         if (lse)
             lse->fill_(-std::numeric_limits<float>::infinity());
         return;
     }
 
-    const c10::cuda::CUDAGuard guard(device);
     const cudaDeviceProp& prop = device_properties(device.index());
     TORCH_CHECK(prop.major >= 8,
-                "FlashAttention kernels need compute capability 8.0 or newer, "
-                "this GPU has ",
+                "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
                 prop.major, ".", prop.minor);
     TORCH_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
                 " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
@@ -235,33 +369,108 @@ void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     p.v = v.data_ptr();
     p.o = out.data_ptr();
     p.lse = lse ? lse->data_ptr<float>() : nullptr;
-    p.q_batch_stride = q.stride(0);
-    p.q_row_stride = q.stride(1);
-    p.q_head_stride = q.stride(2);
-    p.k_batch_stride = k.stride(0);
-    p.k_row_stride = k.stride(1);
-    p.k_head_stride = k.stride(2);
-    p.v_batch_stride = v.stride(0);
-    p.v_row_stride = v.stride(1);
-    p.v_head_stride = v.stride(2);
-    p.o_batch_stride = out.stride(0);
-    p.o_row_stride = out.stride(1);
-    p.o_head_stride = out.stride(2);
+    // Strides by role: (batch, row, head); varlen tensors have no batch dimension.
+    const int r = varlen ? 0 : 1;
+    p.q_batch_stride = varlen ? 0 : q.stride(0);
+    p.q_row_stride = q.stride(r);
+    p.q_head_stride = q.stride(r + 1);
+    p.k_batch_stride = varlen ? 0 : k.stride(0);
+    p.k_row_stride = k.stride(r);
+    p.k_head_stride = k.stride(r + 1);
+    p.v_batch_stride = varlen ? 0 : v.stride(0);
+    p.v_row_stride = v.stride(r);
+    p.v_head_stride = v.stride(r + 1);
+    p.o_batch_stride = varlen ? 0 : out.stride(0);
+    p.o_row_stride = out.stride(r);
+    p.o_head_stride = out.stride(r + 1);
+    p.lse_batch_stride = varlen ? 0 : H * Sq;
+    p.lse_head_stride = lse_rows;
     p.batch = static_cast<int>(B);
     p.heads = static_cast<int>(H);
     p.heads_per_kv = static_cast<int>(H / Hk);
     p.seqlen_q = static_cast<int>(Sq);
     p.seqlen_k = static_cast<int>(Sk);
+    p.d_head = static_cast<int>(D);
     // With a softcap, scores become softcap * tanh(scale * s / softcap): the kernel applies
     // scale / softcap inside the tanh and folds softcap into the exp2 scale.
     p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
     p.softcap_scale = static_cast<float>(softcap > 0 ? softmax_scale / softcap : 0.0);
     p.window_left = static_cast<int>(window_left);
     p.window_right = static_cast<int>(window_right);
+    if (varlen) {
+        p.cu_seqlens_q = vl.cu_q->data_ptr<int32_t>();
+        p.cu_seqlens_k = vl.cu_k->data_ptr<int32_t>();
+        p.total_q = static_cast<int>(q.size(0));
+        p.total_k = static_cast<int>(k.size(0));
+    }
 
-    const cudaError_t err = e.launch(p, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+    const cudaError_t err = e.launch(p, stream);
     TORCH_CHECK(err == cudaSuccess, "launch of kernel ", e.name,
                 " failed: ", cudaGetErrorString(err));
+}
+
+// flash_attention::fwd: fixed-length batches into a given out (and lse).
+void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const std::optional<at::Tensor>& lse, c10::string_view name, double softmax_scale,
+              int64_t window_left, int64_t window_right, double softcap) {
+    run_forward(q, k, v, out, lse, Varlen{}, name, softmax_scale, window_left, window_right,
+                softcap);
+}
+
+// (left, right) with causal folded in (right = 0) and every side that bounds nothing written as
+// -1; mirrors flash_attention.masks.canonical_window.
+std::pair<int64_t, int64_t> canonical_window(bool causal, int64_t left, int64_t right,
+                                             int64_t seqlen_q, int64_t seqlen_k) {
+    if (causal)
+        right = 0;
+    if (left >= seqlen_k)
+        left = -1;
+    if (right >= seqlen_q)
+        right = -1;
+    return {left, right};
+}
+
+// flash_attention::attention: the whole call in C++ (defaults, window, allocation, checks,
+// dispatch, launch), so the Python functions above it are a single operator call. Returns out
+// and lse; lse is empty unless return_lse. With cu_seqlens_q/k the batch is varlen.
+std::tuple<at::Tensor, at::Tensor> attention_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool return_lse,
+    c10::string_view kernel) {
+    TORCH_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                      "give both cu_seqlens_q and cu_seqlens_k, or neither");
+    const bool varlen = cu_seqlens_q.has_value();
+    Varlen vl;
+    if (varlen) {
+        vl.cu_q = &*cu_seqlens_q;
+        vl.cu_k = &*cu_seqlens_k;
+        vl.max_q = max_seqlen_q;
+        vl.max_k = max_seqlen_k;
+    }
+    check_rank(q, "q", varlen ? 3 : 4,
+               varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)");
+    const int64_t D = q.size(-1);
+    const int64_t Sq = varlen ? max_seqlen_q : q.size(1);
+    const int64_t Sk = varlen ? max_seqlen_k : (k.dim() == 4 ? k.size(1) : 0);
+    const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D > 0 ? D : 1));
+    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                      "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
+                      window_right, ")");
+    const auto [left, right] = canonical_window(causal, window_left, window_right, Sq, Sk);
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse;
+    if (return_lse) {
+        const auto lse_shape = varlen ? std::vector<int64_t>{q.size(1), q.size(0)}
+                                      : std::vector<int64_t>{q.size(0), q.size(2), q.size(1)};
+        lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
+    } else {
+        lse = at::empty({0}, q.options().dtype(at::kFloat));
+    }
+    run_forward(q, k, v, out, return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, vl,
+                kernel, scale, left, right, softcap);
+    return {out, lse};
 }
 
 }  // namespace
@@ -270,10 +479,16 @@ TORCH_LIBRARY(flash_attention, m) {
     m.def(
         "fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, str kernel, "
         "float softmax_scale, int window_left, int window_right, float softcap) -> ()");
+    m.def(
+        "attention(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, "
+        "int window_left, int window_right, float softcap, bool return_lse, str kernel) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
     m.impl("fwd", &fwd_cuda);
+    m.impl("attention", &attention_cuda);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -20,11 +20,13 @@ from .config_sets import SETS, resolve
 
 _LAZY = {
     "attention": "api",
+    "attention_varlen": "api",
     "forward": "api",
     "available_configs": "api",
     "flash_attn_func": "interface",
     "flash_attn_qkvpacked_func": "interface",
     "flash_attn_kvpacked_func": "interface",
+    "flash_attn_varlen_func": "interface",
     "attention_reference": "reference",
     "emulate_blocks": "reference",
     "ExtensionNotBuilt": "_extension",

@@ -1,10 +1,11 @@
-"""The Python API: attention(), forward() and available_configs().
+"""The Python API: attention(), attention_varlen(), forward() and available_configs().
 
-attention() checks its arguments in Python (clear errors, and the same checks run when
-torch.compile or torch.export trace it with fake tensors), then calls the operator
-``flash_attention::fwd`` (see ops.py), whose CUDA implementation picks the kernel from the
-dispatch table, checks the tensors again and launches. The code between the checks and the
-operator call is plain tensor metadata and allocation, so a compiled graph has no break.
+A call is one operator call, ``flash_attention::attention`` (see ops.py), whose CUDA
+implementation checks every argument, allocates the outputs, picks the kernel from the dispatch
+table and launches: no per-call Python work beyond the call itself. When it fails, the Python
+checks run to raise the error that names the argument (TypeError / ValueError); under
+torch.compile, torch.export or FakeTensorMode the same checks run in the operator's fake
+implementation, so tracing fails where running would, and the graph has no break.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .validation import (
     check_out,
     check_scale,
     check_softcap,
+    check_varlen_inputs,
     check_window,
 )
 
@@ -47,10 +49,10 @@ def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
                      softcap: bool) -> str:
     """The short form of a config the caller named, after checking it can serve the call."""
     cfg = _as_config(config)
-    if cfg.dtype != prob.dtype or cfg.d_head != prob.d_head:
+    if cfg.dtype != prob.dtype or cfg.d_head < prob.d_head:
         raise ConfigError(
-            f"config {cfg.short} is for {cfg.dtype} with d_head={cfg.d_head}, but the inputs "
-            f"are {prob.dtype} with d_head={prob.d_head}"
+            f"config {cfg.short} is for {cfg.dtype} with d_head up to {cfg.d_head}, but the "
+            f"inputs are {prob.dtype} with d_head={prob.d_head}"
         )
     if mask and not cfg.mask:
         raise ConfigError(f"config {cfg.short} has no masks (flag m): it cannot run causal or "
@@ -65,6 +67,20 @@ def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
             f"{BUILD_HINT}"
         )
     return cfg.short
+
+
+def _check_call(q: object, k: object, v: object, causal: object, window_size: object,
+                softcap: object, softmax_scale: object, out: object = None) -> Problem:
+    """Every check of a fixed-length call in Python, each error naming the argument."""
+    prob = check_inputs(q, k, v)
+    check_scale(softmax_scale, prob.d_head)
+    check_window(causal, window_size)
+    check_softcap(softcap)
+    if out is not None:
+        check_out(out, q)  # type: ignore[arg-type]
+    check_no_grad(q, k, v)  # type: ignore[arg-type]
+    ops.require()
+    return prob
 
 
 def attention(
@@ -84,7 +100,8 @@ def attention(
 
     q: (batch, seqlen_q, heads, d_head); k, v: (batch, seqlen_k, kv_heads, d_head) with
     heads % kv_heads == 0 (GQA/MQA: query head h reads kv head h // (heads // kv_heads)).
-    fp16 or bf16 CUDA tensors, d_head 64 or 128, any strides with a contiguous last dimension.
+    fp16 or bf16 CUDA tensors, d_head a multiple of 8 up to 256, any strides with a contiguous
+    last dimension.
 
     causal: query i sees keys j <= i + seqlen_k - seqlen_q (aligned bottom-right).
     window_size (left, right): query i sees keys in [i + seqlen_k - seqlen_q - left,
@@ -95,24 +112,100 @@ def attention(
     log-sum-exp of the scores, shape (batch, heads, seqlen_q). out, if given, receives the
     result. config picks a kernel (KernelConfig or short form); by default dispatch chooses.
     Forward only: inputs that require grad (with grad mode on) are refused.
+
+    The common call (no out, no config) is one operator call that checks everything in C++;
+    the Python checks run only when it fails (to raise the error that names the argument) and
+    when torch.compile traces the call.
     """
-    prob = check_inputs(q, k, v)
-    scale = check_scale(softmax_scale, prob.d_head)
-    causal, window = check_window(causal, window_size)
-    cap = check_softcap(softcap)
-    if out is not None:
-        check_out(out, q)
-    check_no_grad(q, k, v)
-    left, right = canonical_window(causal, window, prob.seqlen_q, prob.seqlen_k)
-    kernel = "" if config is None else _explicit_kernel(config, prob, (left, right) != (-1, -1),
-                                                         cap > 0)
-    ops.require()
+    if out is None and config is None and not torch.compiler.is_compiling():
+        try:
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad):
+                raise RuntimeError("inputs require grad")
+            o, lse = torch.ops.flash_attention.attention.default(
+                q, k, v, None, None, 0, 0, softmax_scale, causal, window_size[0],
+                window_size[1], softcap, return_lse, "")
+        except Exception:
+            _check_call(q, k, v, causal, window_size, softcap, softmax_scale)
+            raise  # the Python checks pass: the operator's own error stands
+        return (o, lse) if return_lse else o
+
+    prob = _check_call(q, k, v, causal, window_size, softcap, softmax_scale, out)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        kernel = "" if config is None else _explicit_kernel(
+            config, prob, masks_needed(causal, window_size, prob), softcap > 0)
+        o, lse = torch.ops.flash_attention.attention.default(
+            q, k, v, None, None, 0, 0, softmax_scale, causal, window_size[0], window_size[1],
+            float(softcap), return_lse, kernel)
+        return (o, lse) if return_lse else o
+    scale = check_scale(softmax_scale, prob.d_head)
+    left, right = canonical_window(causal, tuple(window_size), prob.seqlen_q, prob.seqlen_k)
+    kernel = "" if config is None else _explicit_kernel(config, prob, (left, right) != (-1, -1),
+                                                         softcap > 0)
     lse = (torch.empty((prob.batch, prob.heads, prob.seqlen_q), dtype=torch.float32,
                        device=q.device) if return_lse else None)
-    torch.ops.flash_attention.fwd(q, k, v, out, lse, kernel, scale, left, right, cap)
+    torch.ops.flash_attention.fwd(q, k, v, out, lse, kernel, scale, left, right, float(softcap))
     return (out, lse) if return_lse else out
+
+
+def masks_needed(causal: bool, window_size: tuple[int, int], prob: Problem) -> bool:
+    return canonical_window(causal, tuple(window_size), prob.seqlen_q,
+                            prob.seqlen_k) != (-1, -1)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """attention() over a packed batch of sequences of different lengths (varlen).
+
+    q: (total_q, heads, d_head), k, v: (total_k, kv_heads, d_head); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v
+    (int32 CUDA tensors of batch + 1 entries, 0 first, non-decreasing, the totals last);
+    max_seqlen_q/k: at least the longest sequence. Masks align per sequence (causal
+    bottom-right in each). Returns out (total_q, heads, d_head) and, with return_lse, lse
+    (heads, total_q) fp32. The values of cu_seqlens are checked before any launch (one
+    device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
+    where the kernel clamps offsets into the tensors instead).
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_size[0], window_size[1], softcap, return_lse, "")
+    if not torch.compiler.is_compiling():
+        try:
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad):
+                raise RuntimeError("inputs require grad")
+            o, lse = torch.ops.flash_attention.attention.default(*args)
+        except Exception:
+            _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, window_size, softcap, softmax_scale)
+            raise
+        return (o, lse) if return_lse else o
+    _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       window_size, softcap, softmax_scale)
+    o, lse = torch.ops.flash_attention.attention.default(*args)
+    return (o, lse) if return_lse else o
+
+
+def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       window_size, softcap, softmax_scale) -> None:
+    vp = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    check_scale(softmax_scale, vp.d_head)
+    check_window(causal, window_size)
+    check_softcap(softcap)
+    check_no_grad(q, k, v)
+    ops.require()
 
 
 def forward(

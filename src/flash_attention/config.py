@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 
 DTYPES = ("fp16", "bf16")
-D_HEADS = (64, 128)
+# Compiled d_head variants; a variant also serves every smaller d_head that is a multiple of 8
+# (see variant_for). Mirrors the static_asserts of FwdConfig.
+D_HEADS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_D_HEAD = D_HEADS[-1]
 BLOCK_R = (64, 128)
 BLOCK_C = (32, 64, 128)
 WARPS = (4, 8)
@@ -57,6 +60,20 @@ _SHORT_RE = re.compile(
 
 class ConfigError(ValueError):
     """A kernel config that cannot be built, or a short form that does not parse."""
+
+
+def variant_for(d_head: int) -> int | None:
+    """The compiled d_head variant that serves d_head (the smallest one not below it), or None
+    when d_head is not a positive multiple of 8 up to MAX_D_HEAD."""
+    if d_head <= 0 or d_head % 8 or d_head > MAX_D_HEAD:
+        return None
+    return next(v for v in D_HEADS if v >= d_head)
+
+
+def smem_d_head(d_head: int) -> int:
+    """Row width of the smem tiles: d_head rounded up to 64, 128 or 256 (whole 8-chunk swizzle
+    groups). Mirrors FwdConfig::kSmemDHead."""
+    return 64 if d_head <= 64 else (128 if d_head <= 128 else 256)
 
 
 @dataclass(frozen=True, order=True)
@@ -154,8 +171,9 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: one Q tile, one K tile, one V tile."""
-        return (self.block_r + 2 * self.block_c) * self.d_head * self.elem_bytes
+        """Dynamic shared memory: one Q tile, one K tile, one V tile, rows padded to
+        smem_d_head."""
+        return (self.block_r + 2 * self.block_c) * smem_d_head(self.d_head) * self.elem_bytes
 
     @property
     def accum_regs(self) -> int:
@@ -196,6 +214,15 @@ class KernelConfig:
                 "warp; each warp needs a multiple of 16 (one m16 MMA tile)"
             )
             return out
+        rows_per_pass = self.threads // (smem_d_head(self.d_head) // 8)
+        if rows_per_pass % 8:
+            out.append(
+                f"d_head={self.d_head} over {self.warps} warps copies {rows_per_pass} smem rows "
+                "per pass; the swizzled copy needs a multiple of 8 (use 8 warps above d_head 128)"
+            )
+        elif self.block_c % rows_per_pass or self.block_r % rows_per_pass:
+            out.append(f"B_r and B_c must be multiples of the {rows_per_pass} smem rows one copy "
+                       "pass covers")
         if self.double_buffer and not (self.slice_q or self.slice_k or self.slice_v):
             out.append("double_buffer needs at least one sliced operand (slice_q/k/v); "
                        "with whole-block fragments it would change nothing")

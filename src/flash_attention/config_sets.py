@@ -1,8 +1,8 @@
 """Named sets of kernel configs.
 
 - ``ci``: what CI builds (at most 6 kernels); together they switch every flag on and off at
-  least once (masks with both KV orders) and cover both dtypes, both d_heads, every B_c and both
-  warp counts.
+  least once (masks with both KV orders) and cover both dtypes, d_head 64, 128 and a padded
+  variant (160: smem rows of 256, 8 warps), every B_c and both warp counts.
 - ``default``: what dispatch uses (see :mod:`flash_attention.dispatch`).
 - ``tune``: the autotune space: every valid tile shape per dtype and d_head with all
   optimisations on, plus the resident-Q variant where it fits the register budget.
@@ -30,7 +30,7 @@ CI: tuple[KernelConfig, ...] = (
     P("fp16_d64_r64_c32_w4_fqkv"),  # plain: no swizzle, eager, double buffer, opt softmax, reverse
     P("bf16_d128_r64_c128_w4_fsekvom"),  # resident Q, forward iteration, no double buffer; masks
     P("bf16_d64_r128_c64_w8_fseqbrmt"),  # whole-block K, V, 8 warps, plain softmax; masks, softcap
-    P("fp16_d128_r128_c128_w8_fsqkvbo"),  # no eager prefetch, 8 warps, B_c = 128
+    P("fp16_d160_r128_c64_w8_fsqkvbo"),  # no eager prefetch; a padded d_head variant, 8 warps
 )
 
 

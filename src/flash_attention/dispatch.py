@@ -31,13 +31,23 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import ConfigError, KernelConfig
+from .config import D_HEADS, ConfigError, KernelConfig, variant_for
 
 log = logging.getLogger(__name__)
 
+# The long-sequence tile of each d_head variant: B_r=128, B_c=64; 4 warps up to d_head 128 (at
+# d_head 64 with Q resident in registers), 8 warps above (one m16 tile of rows per warp keeps
+# the O accumulators of d_head 256 at 128 registers, and the swizzled copy of a 256-wide row
+# needs 256 threads). All spill-free on sm_80 and sm_90.
+_LONG = {32: "r128_c64_w4_fseqkvbor", 64: "r128_c64_w4_fsekvbor", 96: "r128_c64_w4_fseqkvbor",
+         128: "r128_c64_w4_fseqkvbor", 160: "r128_c64_w8_fseqkvbor",
+         192: "r128_c64_w8_fseqkvbor", 224: "r128_c64_w8_fseqkvbor",
+         256: "r128_c64_w8_fseqkvbor"}
+
+
 def _rows(dtype: str, d: int, features: str) -> list[tuple[int | None, str]]:
-    long = f"{dtype}_d{d}_r128_c64_w4_{'fseqkvbor' if d == 128 else 'fsekvbor'}{features}"
-    if "t" in features:  # softcap: the long-sequence tile serves every length
+    long = f"{dtype}_d{d}_{_LONG[d]}{features}"
+    if "t" in features or d > 128:  # softcap, and the 8-warp variants: one tile for all lengths
         return [(None, long)]
     return [(64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor{features}"), (None, long)]
 
@@ -45,11 +55,11 @@ def _rows(dtype: str, d: int, features: str) -> list[tuple[int | None, str]]:
 # Config flag letters of each (mask, softcap) feature set.
 FEATURES = {(False, False): "", (True, False): "m", (False, True): "t", (True, True): "mt"}
 
-# (dtype, d_head, mask, softcap) -> [(largest seqlen_q it serves or None for the rest, config)]
+# (dtype, d_head variant, mask, softcap) -> [(largest seqlen_q it serves or None, config)]
 DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] = {
     (dtype, d, mask, softcap): _rows(dtype, d, letters)
     for dtype in ("fp16", "bf16")
-    for d in (64, 128)
+    for d in D_HEADS
     for (mask, softcap), letters in FEATURES.items()
 }
 
@@ -114,14 +124,21 @@ def reload_tuning() -> dict[str, str]:
 
 
 def serves(cfg: KernelConfig, dtype: str, d_head: int, mask: bool, softcap: bool) -> bool:
-    """Can cfg run this call? Masks serve unmasked calls too; a softcap kernel only softcap."""
-    return (cfg.dtype == dtype and cfg.d_head == d_head and cfg.softcap == softcap
+    """Is cfg dispatch's kind of kernel for this call? Its d_head is the call's variant (a
+    larger variant would run it too, but slower); masks serve unmasked calls too; a softcap
+    kernel only softcap calls."""
+    return (cfg.dtype == dtype and cfg.d_head == variant_for(d_head) and cfg.softcap == softcap
             and (cfg.mask or not mask))
 
 
 def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
            mask: bool = False, softcap: bool = False) -> KernelConfig:
-    """The config to run for this problem among the built ones."""
+    """The config to run for this problem among the built ones (d_head: the call's; the
+    table is by variant)."""
+    variant = variant_for(d_head)
+    if variant is None:
+        raise ConfigError(f"d_head={d_head} is not a multiple of 8 up to {D_HEADS[-1]}")
+    d_head = variant
     by_name = {c.short: c for c in built}
     tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q, mask, softcap))
     if tuned is not None:

@@ -4,20 +4,23 @@ conventions of ``flash_attn`` (v2), on this package's forward kernels.
     from flash_attention.interface import flash_attn_func        # instead of flash_attn's
 
 Supported as in flash_attn: softmax_scale, causal (aligned bottom-right), window_size,
-softcap, GQA/MQA, return_attn_probs (returns out, softmax_lse, None: no attention matrix is
-ever materialised). Not supported, refused with an error naming the argument rather than
-silently ignored: dropout_p > 0, alibi_slopes, and a backward pass (inputs that require grad
-with grad mode on). ``deterministic`` is accepted: the forward pass is deterministic anyway.
+softcap, GQA/MQA, varlen (packed) batches, return_attn_probs (returns out, softmax_lse, None:
+no attention matrix is ever materialised). Not supported, refused with an error naming the
+argument rather than silently ignored: dropout_p > 0, alibi_slopes, block_table (paged KV),
+and a backward pass (inputs that require grad with grad mode on). ``deterministic`` is
+accepted: the forward pass is deterministic anyway.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .api import attention
+from .api import attention, attention_varlen
 
 
-def _check_unsupported(dropout_p: float, alibi_slopes: object) -> None:
+def _check_unsupported(dropout_p: float, alibi_slopes: object, block_table: object = None) -> None:
+    if block_table is not None:
+        raise NotImplementedError("block_table: flash_attention has no paged KV cache; pass None")
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"dropout_p={dropout_p}: flash_attention has no dropout (forward inference only); "
@@ -90,3 +93,37 @@ def flash_attn_kvpacked_func(
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+):
+    """q: (total_q, heads, d_head); k, v: (total_k, kv_heads, d_head); cu_seqlens_q/k: int32
+    (batch + 1,) offsets of the sequences; max_seqlen_q/k: the longest of each. Returns out
+    (total_q, heads, d_head), or with return_attn_probs (out, softmax_lse (heads, total_q)
+    fp32, None). Masks align per sequence."""
+    _check_unsupported(dropout_p, alibi_slopes, block_table)
+    if return_attn_probs:
+        out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=causal, window_size=window_size,
+                                    softcap=softcap, softmax_scale=softmax_scale,
+                                    return_lse=True)
+        return out, lse, None
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal=causal, window_size=window_size, softcap=softcap,
+                            softmax_scale=softmax_scale)

@@ -1,15 +1,22 @@
-"""The torch operator ``flash_attention::fwd`` and what it needs from Python.
+"""The torch operators ``flash_attention::attention`` and ``flash_attention::fwd`` and what they
+need from Python.
 
-The operator is defined and implemented for CUDA in the extension (src/csrc/binding.cpp):
+Both are defined and implemented for CUDA in the extension (src/csrc/binding.cpp):
 
+    attention(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,
+              int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal,
+              int window_left, int window_right, float softcap, bool return_lse, str kernel)
+              -> (Tensor out, Tensor lse)
     fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!)? lse, str kernel,
         float softmax_scale, int window_left, int window_right, float softcap) -> ()
 
-It writes out (and lse) in place; with ``kernel=""`` it runs the kernel of a dispatch table
-that :func:`load` computes once per process from :mod:`flash_attention.dispatch` (and that
-``dispatch.reload_tuning()`` recomputes), so the call path has no Python after the API's
-checks. Here it gets its fake (meta) implementation, so ``torch.compile``, ``torch.export`` and
-``FakeTensorMode`` trace it without a GPU, and the set of built kernels is read once.
+``attention`` is the whole call in C++ (default scale, window, allocation, every check,
+dispatch, launch; lse is empty unless return_lse; with cu_seqlens a varlen batch), so the
+public functions are one operator call; ``fwd`` writes into a given out. With ``kernel=""``
+both run the kernel of a dispatch table that :func:`load` computes once per process from
+:mod:`flash_attention.dispatch` (``dispatch.reload_tuning()`` recomputes it). Here they get
+their fake (meta) implementations, which run the Python checks, so ``torch.compile``,
+``torch.export`` and ``FakeTensorMode`` trace them without a GPU and fail where running would.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def load() -> bool:
     BUILT = tuple(KernelConfig.parse(entry["name"]) for entry in ext.kernels())
     BUILT_NAMES = frozenset(c.short for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
+    torch.library.register_fake("flash_attention::attention")(_attention_fake)
     LOADED = True
     refresh_dispatch()
     return True
@@ -75,19 +83,49 @@ def dispatch_rows(built: tuple[KernelConfig, ...]) -> list[tuple[str, int, int, 
     return rows
 
 
+def _check_kernel(q, kernel: str, seqlen_q, mask: bool, softcap: float) -> None:
+    """The kernel must be in this build, or the dispatch table must have one for the call."""
+    if kernel and kernel not in BUILT_NAMES:
+        raise RuntimeError(f"kernel {kernel} is not in this build")
+    static = all(isinstance(n, int) for n in q.shape) and isinstance(seqlen_q, int)
+    if not kernel and static and q.dtype in (torch.float16, torch.bfloat16):  # else: at run time
+        dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+        if not extension().choice(dtype, q.shape[-1], seqlen_q, mask, softcap > 0):
+            raise RuntimeError(
+                f"this build has no kernel for {dtype} with d_head={q.shape[-1]}"
+                + (" with masks" if mask else "") + (" with a softcap" if softcap > 0 else "")
+                + "; rebuild with FLASH_ATTENTION_KERNELS=default")
+
+
 def _fwd_fake(q, k, v, out, lse, kernel, softmax_scale, window_left, window_right, softcap):
     """The operator returns nothing and writes out and lse in place, so there is no shape to
     produce; what can be known without a GPU is checked, so that tracing fails where running
-    would: the kernel must be in this build or the dispatch table must have one."""
-    mask = window_left != -1 or window_right != -1
-    if kernel and kernel not in BUILT_NAMES:
-        raise RuntimeError(f"kernel {kernel} is not in this build")
-    static = all(isinstance(n, int) for n in q.shape)  # symbolic shapes: checked at run time
-    if not kernel and static and q.dtype in (torch.float16, torch.bfloat16):
-        dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-        if not extension().choice(dtype, q.shape[3], q.shape[1], mask, softcap > 0):
-            raise RuntimeError(
-                f"this build has no kernel for {dtype} with d_head={q.shape[3]}"
-                + (" with masks" if mask else "") + (" with a softcap" if softcap > 0 else "")
-                + "; rebuild with FLASH_ATTENTION_KERNELS=default")
+    would."""
+    _check_kernel(q, kernel, q.shape[1], window_left != -1 or window_right != -1, softcap)
     return None
+
+
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_left, window_right, softcap, return_lse,
+                    kernel):
+    """out like q and lse ((batch, heads, seqlen_q), varlen (heads, total_q), or empty), after
+    the checks the Python API would run."""
+    from . import masks, validation
+
+    validation.check_scale(softmax_scale, 1)  # checked only: the value matters on the GPU
+    causal, window = validation.check_window(causal, (window_left, window_right))
+    validation.check_softcap(softcap)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        prob = validation.check_inputs(q, k, v)
+        seqlen_q, seqlen_k = prob.seqlen_q, prob.seqlen_k
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        vp = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k)
+        seqlen_q, seqlen_k = vp.max_seqlen_q, vp.max_seqlen_k
+        lse_shape = (q.shape[1], q.shape[0])
+    left, right = masks.canonical_window(causal, window, seqlen_q, seqlen_k)
+    _check_kernel(q, kernel, seqlen_q, (left, right) != (-1, -1), softcap)
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
+    return out, lse

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import D_HEADS
+from .config import D_HEADS, MAX_D_HEAD, variant_for
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MAX_GRID_YZ = 65535  # batch and heads map to grid dimensions z and y
@@ -53,9 +53,11 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, seqlen_q, heads, d_head = q.shape
-    if d_head not in D_HEADS:
+    if variant_for(d_head) is None:
         raise ValueError(
-            f"d_head={d_head} is not supported; supported: {', '.join(map(str, D_HEADS))}"
+            f"d_head={d_head} is not supported; supported: every multiple of 8 up to "
+            f"{MAX_D_HEAD} (compiled variants {', '.join(map(str, D_HEADS))}; a d_head between "
+            "two runs on the larger one)"
         )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
@@ -155,3 +157,73 @@ def check_softcap(softcap: object) -> float:
         raise ValueError(f"softcap must be 0 (off) or finite and positive, got {softcap}")
     return value
 
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """The shape facts of a validated varlen call (values of cu_seqlens are checked by the
+    operator, which reads them)."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    heads: int
+    kv_heads: int
+    d_head: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    dtype: str
+    device: torch.device
+
+
+def _check_packed(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D (total_tokens, heads, d_head) for varlen, got "
+                         f"shape {tuple(t.shape)}")
+    return t
+
+
+def _check_cu_seqlens(cu: object, name: str, device: torch.device) -> int:
+    """Metadata of cu_seqlens (int32, 1-D, >= 2 entries, contiguous, on q's device); returns the
+    batch size."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (torch.int32), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device} (q's device), got {cu.device}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return cu.shape[0] - 1
+
+
+def check_varlen_inputs(q: object, k: object, v: object, cu_seqlens_q: object,
+                        cu_seqlens_k: object, max_seqlen_q: object,
+                        max_seqlen_k: object) -> VarlenProblem:
+    """Everything about a varlen call that metadata shows; the operator checks the values of
+    cu_seqlens (0 first, non-decreasing, total last, no sequence over max_seqlen) before any
+    launch."""
+    q = _check_packed(q, "q")
+    k = _check_packed(k, "k")
+    v = _check_packed(v, "v")
+    # The same dtype, d_head, heads, stride and device rules as fixed-length batches.
+    prob = check_inputs(q[None], k[None], v[None])
+    batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", prob.device)
+    if _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", prob.device) != batch:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         f"got {batch + 1} and {cu_seqlens_k.shape[0]}")  # type: ignore[union-attr]
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"batch ({batch}) must be at most {MAX_GRID_YZ}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value <= MAX_SEQLEN:
+            raise ValueError(f"{name} must be in [0, {MAX_SEQLEN}], got {value}")
+    return VarlenProblem(batch, q.shape[0], k.shape[0], prob.heads, prob.kv_heads, prob.d_head,
+                         int(max_seqlen_q), int(max_seqlen_k),  # type: ignore[arg-type]
+                         prob.dtype, prob.device)

@@ -16,9 +16,14 @@ template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kWarps_, bool kSw
 struct FwdConfig {
     using Elem = Elem_;
 
-    static constexpr int kDHead = kDHead_;  // d_head
-    static constexpr int kBr = kBr_;        // B_r: query rows per CTA
-    static constexpr int kBc = kBc_;        // B_c: key/value rows per iteration
+    // d_head of this variant (a multiple of 32); it also serves every smaller d_head that is a
+    // multiple of 8 (FwdParams::d_head), with the missing columns zero-filled in smem.
+    static constexpr int kDHead = kDHead_;
+    // Row width of the smem tiles: d_head rounded up to 64, 128 or 256 so that each row is a
+    // whole number of 8-chunk swizzle groups (the XOR swizzle permutes chunks within 8).
+    static constexpr int kSmemDHead = kDHead <= 64 ? 64 : (kDHead <= 128 ? 128 : 256);
+    static constexpr int kBr = kBr_;  // B_r: query rows per CTA
+    static constexpr int kBc = kBc_;  // B_c: key/value rows per iteration
     static constexpr int kWarps = kWarps_;
 
     static constexpr bool kSwizzle = kSwizzle_;  // XOR-swizzle 16-byte smem chunks by row
@@ -43,11 +48,12 @@ struct FwdConfig {
     static constexpr int kNTilesO = kDHead / 8;        // n8 tiles of O per warp
     static constexpr int kStepsPV = kBc / 16;          // k16 steps of P V (slices of B_c)
 
-    static constexpr int kChunkElems = 16 / sizeof(Elem);  // elements per 16-byte chunk
-    static constexpr int kChunksPerRow = kDHead / kChunkElems;
+    static constexpr int kChunkElems = 16 / sizeof(Elem);           // elements per 16-byte chunk
+    static constexpr int kChunksPerRow = kSmemDHead / kChunkElems;  // smem row stride in chunks
+    static constexpr int kDataChunks = kDHead / kChunkElems;        // chunks the MMAs read
 
-    static constexpr int kQTileElems = kBr * kDHead;
-    static constexpr int kKVTileElems = kBc * kDHead;
+    static constexpr int kQTileElems = kBr * kSmemDHead;
+    static constexpr int kKVTileElems = kBc * kSmemDHead;
     static constexpr int kSmemBytes = (kQTileElems + 2 * kKVTileElems) * int(sizeof(Elem));
 
     // 32-bit registers per thread that must be live together: the fp32 accumulators of S and O,
@@ -59,11 +65,15 @@ struct FwdConfig {
     static constexpr int kFragRegBudget = 224;
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
-    static_assert(kDHead == 64 || kDHead == 128, "d_head must be 64 or 128");
+    static_assert(kDHead % 32 == 0 && kDHead >= 32 && kDHead <= 256,
+                  "d_head variants are multiples of 32 from 32 to 256");
     static_assert(kBr == 64 || kBr == 128, "B_r must be 64 or 128");
     static_assert(kBc == 32 || kBc == 64 || kBc == 128, "B_c must be 32, 64 or 128");
     static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps");
     static_assert(kRowsPerWarp % 16 == 0, "each warp needs a whole number of 16-row MMA tiles");
+    static_assert((kThreads / kChunksPerRow) % 8 == 0,
+                  "a tile copy pass must cover a multiple of 8 whole smem rows (8 warps for "
+                  "d_head > 128)");
     static_assert((kBc * kChunksPerRow) % kThreads == 0, "K/V tile copy must split evenly");
     static_assert((kBr * kChunksPerRow) % kThreads == 0, "Q tile copy must split evenly");
     static_assert(!kDoubleBuffer || kSliceQ || kSliceK || kSliceV,

@@ -9,6 +9,9 @@
 // then O / l is written once, with LSE = m + log(l) if requested. With kMask only the KV blocks
 // some row of the CTA can see are visited, and CTAs take query blocks from the last (the most
 // keys under a causal mask) to the first, so the longest finish first.
+//
+// Varlen batches (FwdParams::cu_seqlens_q set) run the same code: a CTA finds its sequence's
+// rows and lengths first (SeqSpan) and leaves at once when its query block is past them.
 #pragma once
 
 #include <cstdint>
@@ -21,13 +24,37 @@
 
 namespace flash {
 
+// This CTA's sequence: where its rows start in q/o and k/v, and its lengths. Varlen offsets are
+// clamped into [0, total] (they are checked on the host, except during CUDA graph capture when
+// they cannot be read), so no offset can address outside the tensors.
+struct SeqSpan {
+    int64_t q_start, k_start;
+    int seqlen_q, seqlen_k;
+};
+
+__device__ __forceinline__ int clamp_to(int x, int hi) {
+    return x < 0 ? 0 : (x > hi ? hi : x);
+}
+
+__device__ __forceinline__ SeqSpan seq_span(const FwdParams& p, int batch) {
+    if (p.cu_seqlens_q == nullptr)
+        return SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int q0 = clamp_to(p.cu_seqlens_q[batch], p.total_q);
+    const int q1 = clamp_to(p.cu_seqlens_q[batch + 1], p.total_q);
+    const int k0 = clamp_to(p.cu_seqlens_k[batch], p.total_k);
+    const int k1 = clamp_to(p.cu_seqlens_k[batch + 1], p.total_k);
+    return SeqSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
+}
+
 template <class Cfg>
 struct ForwardCta {
     using Elem = typename Cfg::Elem;
 
     const FwdParams& p;
+    const int seqlen_k;  // of this CTA's sequence (seqlen_q is read again at the end: one
+                         // register less across the KV loop)
     const int lane, warp_row0;
-    const int q_row0;    // first query row of this CTA
+    const int q_row0;    // first query row of this CTA in its sequence
     const KvBlocks kv;   // kMask: the KV blocks this CTA visits and the ones it masks
     const int n_blocks;  // KV blocks this CTA visits: ceil(seqlen_k / B_c) without kMask
     const uint32_t sQ, sK, sV;
@@ -43,31 +70,40 @@ struct ForwardCta {
     OnlineSoftmax<Cfg> softmax;
     QBuffer<Cfg> qbuf;
 
-    __device__ __forceinline__ ForwardCta(const FwdParams& params, unsigned char* smem)
+    __device__ __forceinline__ ForwardCta(const FwdParams& params, const SeqSpan& span, int q_block,
+                                          unsigned char* smem)
         : p(params),
+          seqlen_k(span.seqlen_k),
           lane(threadIdx.x % 32),
           warp_row0((threadIdx.x / 32) * Cfg::kRowsPerWarp),
-          q_row0((Cfg::kMask ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * Cfg::kBr),
-          kv(Cfg::kMask ? window_blocks<Cfg::kBr, Cfg::kBc>(params, q_row0) : KvBlocks{}),
-          n_blocks(Cfg::kMask ? kv.count() : (params.seqlen_k + Cfg::kBc - 1) / Cfg::kBc),
+          q_row0(q_block * Cfg::kBr),
+          kv(Cfg::kMask ? window_blocks<Cfg::kBr, Cfg::kBc>(params, span.seqlen_q, span.seqlen_k,
+                                                            q_block * Cfg::kBr)
+                        : KvBlocks{}),
+          // Without masks at least one block, even with no key (a varlen sequence): its keys
+          // are all masked as the tail, so O = 0 and LSE = -inf with no path of their own.
+          n_blocks(Cfg::kMask
+                       ? kv.count()
+                       : (span.seqlen_k > 0 ? (span.seqlen_k + Cfg::kBc - 1) / Cfg::kBc : 1)),
           sQ(smem_addr(smem)),
           sK(sQ + Cfg::kQTileElems * sizeof(Elem)),
           sV(sK + Cfg::kKVTileElems * sizeof(Elem)),
-          q_copy(threadIdx.x, params.q_row_stride),
-          k_copy(threadIdx.x, params.k_row_stride),
-          v_copy(threadIdx.x, params.v_row_stride),
+          q_copy(threadIdx.x, params.q_row_stride, params.d_head),
+          k_copy(threadIdx.x, params.k_row_stride, params.d_head),
+          v_copy(threadIdx.x, params.v_row_stride, params.d_head),
           q_at(q_addr<Cfg>(sQ, warp_row0, lane)),
           k_at(k_addr<Cfg>(sK, lane)),
           v_at(v_addr<Cfg>(sV, lane)) {
         const int64_t batch = blockIdx.z, head = blockIdx.y;
         // 32-bit division: a 64-bit one compiles to a call of a slow subroutine.
         const int64_t kv_head = static_cast<int>(blockIdx.y) / params.heads_per_kv;
+        const int64_t q_row = span.q_start + q_row0;
         q = static_cast<const Elem*>(params.q) + batch * params.q_batch_stride +
-            head * params.q_head_stride + q_row0 * params.q_row_stride;
+            head * params.q_head_stride + q_row * params.q_row_stride;
         k = static_cast<const Elem*>(params.k) + batch * params.k_batch_stride +
-            kv_head * params.k_head_stride;
+            kv_head * params.k_head_stride + span.k_start * params.k_row_stride;
         v = static_cast<const Elem*>(params.v) + batch * params.v_batch_stride +
-            kv_head * params.v_head_stride;
+            kv_head * params.v_head_stride + span.k_start * params.v_row_stride;
     }
 
     __device__ __forceinline__ int kv_block(int i) const {
@@ -76,14 +112,15 @@ struct ForwardCta {
         return Cfg::kReverseKV ? n_blocks - 1 - i : i;
     }
 
-    __device__ __forceinline__ void copy_q() { q_copy.issue(sQ, q, p.seqlen_q - q_row0); }
+    __device__ __forceinline__ int seqlen_q() const { return seq_span(p, blockIdx.z).seqlen_q; }
+    __device__ __forceinline__ void copy_q() { q_copy.issue(sQ, q, seqlen_q() - q_row0); }
     __device__ __forceinline__ void copy_k(int j) {
         const int row0 = j * Cfg::kBc;
-        k_copy.issue(sK, k + row0 * p.k_row_stride, p.seqlen_k - row0);
+        k_copy.issue(sK, k + row0 * p.k_row_stride, seqlen_k - row0);
     }
     __device__ __forceinline__ void copy_v(int j) {
         const int row0 = j * Cfg::kBc;
-        v_copy.issue(sV, v + row0 * p.v_row_stride, p.seqlen_k - row0);
+        v_copy.issue(sV, v + row0 * p.v_row_stride, seqlen_k - row0);
     }
 
     // S = Q K_j^T; Q has landed and sK holds K_j. Resident Q fragments load on the first block.
@@ -106,10 +143,13 @@ struct ForwardCta {
         if constexpr (Cfg::kSoftcap)
             OnlineSoftmax<Cfg>::softcap(S, p.softcap_scale);
         if constexpr (Cfg::kMask) {
-            if (kv.needs_mask(j))  // uniform over the CTA: blocks seen whole pay nothing
-                WindowMask<Cfg>(p, q_row0, warp_row0, lane).apply(S, kv_col0, p);
-        } else if (kv_col0 + Cfg::kBc > p.seqlen_k) {
-            OnlineSoftmax<Cfg>::mask_tail(S, kv_col0, p.seqlen_k, lane);
+            if (kv.needs_mask(j)) {  // uniform over the CTA: blocks seen whole pay nothing
+                const SeqSpan span = seq_span(p, blockIdx.z);
+                WindowMask<Cfg>(span.seqlen_q, span.seqlen_k, q_row0, warp_row0, lane)
+                    .apply(S, kv_col0, span.seqlen_k, p);
+            }
+        } else if (kv_col0 + Cfg::kBc > seqlen_k) {
+            OnlineSoftmax<Cfg>::mask_tail(S, kv_col0, seqlen_k, lane);
         }
         softmax.template update<kFirst>(S, O, p.scale_log2);
     }
@@ -205,7 +245,13 @@ struct ForwardCta {
     // are 16-byte and coalesced.
     __device__ __forceinline__ void write_output(unsigned char* smem,
                                                  const float (&lse)[Cfg::kMTiles][2]) {
-        const int q_valid = p.seqlen_q - q_row0;
+        const SeqSpan span = seq_span(p, blockIdx.z);
+        const int q_valid = span.seqlen_q - q_row0;
+        const int64_t q_row = span.q_start + q_row0;
+        const int64_t batch = blockIdx.z, head = blockIdx.y;
+        float* lse_out = p.lse == nullptr ? nullptr
+                                          : p.lse + batch * p.lse_batch_stride +
+                                                head * p.lse_head_stride + q_row;
 #pragma unroll
         for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
@@ -217,16 +263,14 @@ struct ForwardCta {
                     *reinterpret_cast<uint32_t*>(smem + tile_offset<Cfg>(row, nt) +
                                                  (lane % 4) * 4) = packed;
                 }
-                if (p.lse != nullptr && lane % 4 == 0 && row < q_valid) {
-                    const int64_t bh = int64_t(blockIdx.z) * p.heads + blockIdx.y;
-                    p.lse[bh * p.seqlen_q + q_row0 + row] = lse[mt][h];
-                }
+                if (lse_out != nullptr && lane % 4 == 0 && row < q_valid)
+                    lse_out[row] = lse[mt][h];
             }
         __syncwarp();  // this warp's O rows are in smem
-        Elem* o = static_cast<Elem*>(p.o) + int64_t(blockIdx.z) * p.o_batch_stride +
-                  int64_t(blockIdx.y) * p.o_head_stride +
-                  int64_t(q_row0 + warp_row0) * p.o_row_stride;
-        store_warp_rows<Cfg>(smem, warp_row0, o, p.o_row_stride, q_valid - warp_row0, lane);
+        Elem* o = static_cast<Elem*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                  (q_row + warp_row0) * p.o_row_stride;
+        store_warp_rows<Cfg>(smem, warp_row0, o, p.o_row_stride, q_valid - warp_row0, p.d_head,
+                             lane);
     }
 };
 
@@ -236,7 +280,13 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
-    ForwardCta<Cfg> cta(params, smem);
+    const SeqSpan span = seq_span(params, blockIdx.z);
+    // With masks, query blocks run from the last (the most keys under a causal mask) down.
+    const int q_blocks = (span.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
+    const int q_block = Cfg::kMask ? q_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
+    if (q_block < 0 || q_block >= q_blocks)
+        return;  // past this sequence (varlen: the grid covers the longest)
+    ForwardCta<Cfg> cta(params, span, q_block, smem);
     cta.run(smem);
 }
 

@@ -29,16 +29,18 @@ struct KvBlocks {
 };
 
 // 64-bit arithmetic: row + off spans up to 2^32.
+// seqlen_q/k: of this CTA's sequence.
 template <int kBr, int kBc>
-__device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int q_row0) {
-    const int64_t off = int64_t(p.seqlen_k) - p.seqlen_q;
+__device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int seqlen_q, int seqlen_k,
+                                                  int q_row0) {
+    const int64_t off = int64_t(seqlen_k) - seqlen_q;
     const int64_t row_first = q_row0;
-    const int64_t row_last = (q_row0 + kBr < p.seqlen_q ? q_row0 + kBr : p.seqlen_q) - 1;
+    const int64_t row_last = (q_row0 + kBr < seqlen_q ? q_row0 + kBr : seqlen_q) - 1;
     const bool left_open = p.window_left < 0, right_open = p.window_right < 0;
     int64_t key_lo = left_open ? 0 : row_first + off - p.window_left;
-    int64_t key_hi = right_open ? p.seqlen_k - 1 : row_last + off + p.window_right;
+    int64_t key_hi = right_open ? seqlen_k - 1 : row_last + off + p.window_right;
     key_lo = key_lo > 0 ? key_lo : 0;
-    key_hi = key_hi < p.seqlen_k - 1 ? key_hi : p.seqlen_k - 1;
+    key_hi = key_hi < seqlen_k - 1 ? key_hi : seqlen_k - 1;
     KvBlocks b{0, -1, 0, -1};
     if (key_hi < key_lo)
         return b;  // no row of this block sees any key
@@ -49,8 +51,8 @@ __device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int q_row0
     int64_t full_first = left_open ? b.first : -floor_div(-(row_last + off - p.window_left), kBc);
     int64_t full_last =
         right_open ? b.last : floor_div(row_first + off + p.window_right - kBc + 1, kBc);
-    if (full_last > p.seqlen_k / kBc - 1)
-        full_last = p.seqlen_k / kBc - 1;
+    if (full_last > seqlen_k / kBc - 1)
+        full_last = seqlen_k / kBc - 1;
     b.full_first = static_cast<int>(full_first > b.first ? full_first : b.first);
     b.full_last = static_cast<int>(full_last < b.last ? full_last : b.last);
     return b;
@@ -70,14 +72,16 @@ struct WindowMask {
     int diag;       // c - r of that element
     int64_t diag0;  // q_row0 + seqlen_k - seqlen_q
 
-    __device__ __forceinline__ WindowMask(const FwdParams& p, int q_row0, int warp_row0, int lane)
+    // seqlen_q/k: of this CTA's sequence.
+    __device__ __forceinline__ WindowMask(int seqlen_q, int seqlen_k, int q_row0, int warp_row0,
+                                          int lane)
         : col0(2 * (lane % 4)),
           diag(2 * (lane % 4) - lane / 4 - warp_row0),
-          diag0(int64_t(q_row0) + p.seqlen_k - p.seqlen_q) {}
+          diag0(int64_t(q_row0) + seqlen_k - seqlen_q) {}
 
     // Scores of block kv_col0 that no row may see (outside the window or past seqlen_k) -> -inf.
     template <int kMT, int kNS>
-    __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0,
+    __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0, int seqlen_k,
                                           const FwdParams& p) const {
         // Visible iff -left <= (c - r) + base <= right: bounds on c - r, clamped to 32 bits.
         const int64_t base = int64_t(kv_col0) - diag0;
@@ -85,7 +89,7 @@ struct WindowMask {
         const int64_t hi = p.window_right < 0 ? kBig : p.window_right - base;
         const int lo32 = static_cast<int>(lo < -kBig ? -kBig : (lo > kBig ? kBig : lo));
         const int hi32 = static_cast<int>(hi < -kBig ? -kBig : (hi > kBig ? kBig : hi));
-        const int cols = p.seqlen_k - kv_col0;  // valid key columns of this block
+        const int cols = seqlen_k - kv_col0;  // valid key columns of this block
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

@@ -13,11 +13,16 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy; when !valid nothing is read and the 16 smem bytes are zero-filled.
+// 16-byte async copy; when !valid nothing is read and the 16 smem bytes are zero-filled. The
+// ignore-src predicate form keeps the condition in a predicate register, not a source-size GPR.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
+    asm volatile(
+        "{\n"
+        ".reg .pred ignore;\n"
+        "setp.eq.u32 ignore, %2, 0;\n"
+        "cp.async.cg.shared.global [%0], [%1], 16, ignore;\n"
+        "}\n" ::"r"(dst),
+        "l"(src), "r"(static_cast<uint32_t>(valid)));
 }
 
 // 16-byte async copy of a chunk known to be inside the tensor (no source-size operand).

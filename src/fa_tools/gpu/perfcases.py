@@ -19,22 +19,36 @@ class Case:
     seqlen: int
     heads: int = 16
     causal: bool = False
+    varlen: bool = False  # a packed batch of `batch` sequences of varlen_lengths() tokens
 
     @property
     def name(self) -> str:
         return (f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
-                + ("_causal" if self.causal else ""))
+                + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else ""))
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, d 64,
-# and causal d 128 (against SDPA FA2 causal).
+def varlen_lengths(case: Case) -> list[int]:
+    """The sequence lengths of a varlen case: fixed pseudo-random draws between a quarter of
+    seqlen and seqlen (the longest is seqlen), the same in every process."""
+    import random
+
+    rng = random.Random(case.seqlen * 1000 + case.batch)
+    lengths = [rng.randint(case.seqlen // 4, case.seqlen) for _ in range(case.batch - 1)]
+    return [case.seqlen, *lengths]
+
+
+# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, d 64
+# and 256, causal d 128 (against SDPA FA2 causal) and a causal varlen batch (against SDPA FA2 on
+# the same sequences padded to the longest).
 GATE_CASES = tuple(
     [Case(dt, 128, b, s) for dt in ("bf16", "fp16")
      for b, s in ((16, 1024), (16, 4096), (4, 16384))]
-    + [Case("bf16", 64, 16, 4096), Case("bf16", 128, 16, 4096, causal=True)]
+    + [Case("bf16", 64, 16, 4096), Case("bf16", 256, 16, 4096),
+       Case("bf16", 128, 16, 4096, causal=True),
+       Case("bf16", 128, 16, 4096, causal=True, varlen=True)]
 )
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
@@ -64,17 +78,27 @@ def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
-def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False) -> dict:
+def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
+               varlen=None) -> dict:
     """Zero-argument callables, one per contender, on the same inputs: attention() (the given
     config, else dispatch) writing into out, and SDPA restricted to one backend on the
     (B, H, S, D) view of the same tensors, causal or not. A backend that cannot run the shape is
     left out. (Without causal, attention() is called exactly as before the argument existed, so
-    a base from then runs.)"""
+    a base from then runs.) varlen: (cu_seqlens, max_seqlen, (qp, kp, vp)): ours runs
+    attention_varlen on the packed q, k, v, the peers on the padded qp, kp, vp."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flash_attention as fa
 
+    if varlen is not None:
+        cu, max_len, padded = varlen
+        fns = contenders(*padded, None, names=tuple(n for n in names if n != "ours"),
+                         causal=causal)
+        if "ours" in names:
+            fns["ours"] = lambda: fa.attention_varlen(q, k, v, cu, cu, max_len, max_len,
+                                                      causal=causal)
+        return fns
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -103,12 +127,15 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False
 
 @dataclass
 class Inputs:
-    """Random q, k, v of a case (BSHD) and the output buffer attention() writes into."""
+    """Random q, k, v of a case (BSHD) and the output buffer attention() writes into; for a
+    varlen case q, k, v are packed (total, H, D), and `varlen` holds cu_seqlens, the longest
+    length and the same tokens padded to it (B, S, H, D) for the peers."""
 
     q: object
     k: object
     v: object
     out: object
+    varlen: tuple | None = None
 
     @classmethod
     def make(cls, case: Case) -> Inputs:
@@ -117,7 +144,15 @@ class Inputs:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
         shape = (case.batch, case.seqlen, case.heads, case.d_head)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
-        return cls(q, k, v, torch.empty_like(q))
+        if not case.varlen:
+            return cls(q, k, v, torch.empty_like(q))
+        lengths = varlen_lengths(case)
+        packed = [torch.cat([t[b, :n] for b, n in enumerate(lengths)]) for t in (q, k, v)]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+        return cls(*packed, torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)))
 
 
 def _cycles_per_ms() -> float:
@@ -157,13 +192,14 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     import torch
 
     fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
-                     causal=case.causal)
+                     causal=case.causal, varlen=inputs.varlen)
     missing = set(contenders_) - set(fns)
     if missing:
         raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
     inputs.out.fill_(float("nan"))
-    fns["ours"]()
-    if not torch.isfinite(inputs.out).all():
+    result = fns["ours"]()
+    out = inputs.out if inputs.varlen is None else result  # varlen returns its output
+    if not torch.isfinite(out).all():
         raise RuntimeError(f"{case.name}: attention() produced non-finite values")
     if slowdown > 0:
         fns["ours"] = planted_slowdown(fns["ours"], slowdown, reps)

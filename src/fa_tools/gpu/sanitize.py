@@ -1,6 +1,6 @@
 """compute-sanitizer (memcheck, racecheck, synccheck) over small runs of chosen configs,
-including tail shapes (and, for kernels with masks, causal and window calls), with a summary of
-errors per tool. GPU only."""
+including tail shapes (and, for kernels with masks, causal and window calls), a d_head below
+the variant's and a varlen batch, with a summary of errors per tool. GPU only."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ for name in sys.argv[1:]:
         for causal, window in masks:
             fa.attention(q, k, v, config=cfg, return_lse=True, causal=causal,
                          window_size=window, softcap=softcap)
+    # a smaller d_head on this variant (zero-filled columns), and a varlen batch with
+    # sequences of 0, 1 and tail lengths (keys of another length than queries)
+    q = torch.randn(1, 77, 2, cfg.d_head - 8, device="cuda", dtype=dt)
+    fa.attention(q, q, q, config=cfg, causal=cfg.mask, softcap=softcap)
+    if hasattr(torch.ops.flash_attention, "attention"):
+        lq, lk = [0, 1, 77, 131], [5, 0, 130, 64]
+        cu_q, cu_k = (torch.tensor([0] + [sum(n[:i + 1]) for i in range(len(n))],
+                                   dtype=torch.int32, device="cuda") for n in (lq, lk))
+        qv = torch.randn(sum(lq), 2, cfg.d_head, device="cuda", dtype=dt)
+        kv = torch.randn(sum(lk), 2, cfg.d_head, device="cuda", dtype=dt)
+        torch.ops.flash_attention.attention(qv, kv, kv, cu_q, cu_k, max(lq), max(lk), None,
+                                            cfg.mask, -1, -1, softcap, True, name)
 torch.cuda.synchronize()
 print("ran", len(sys.argv) - 1, "configs")
 """
