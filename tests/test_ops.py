@@ -14,6 +14,7 @@ from flash_attention.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
 )
 
 
@@ -111,3 +112,61 @@ def test_packed_layouts_are_checked():
         flash_attn_qkvpacked_func(torch.zeros(1, 4, 2, 4, 64))
     with pytest.raises(ValueError, match=r"kv must be a 5-D tensor \(batch, seqlen_k, 2"):
         flash_attn_kvpacked_func(torch.zeros(1, 4, 4, 64), torch.zeros(1, 4, 3, 4, 64))
+
+
+def test_varlen_traces_with_fake_tensors(mode):
+    dtype, d, causal, softcap = built_feature_call()
+    q = fake(mode, 300, 4, d, dtype=dtype)
+    kv = fake(mode, 280, 2, d, dtype=dtype)
+    cu_q, cu_k = fake(mode, 4, dtype=torch.int32), fake(mode, 4, dtype=torch.int32)
+    with mode:
+        out, lse, none = flash_attn_varlen_func(q, kv, kv, cu_q, cu_k, 200, 150, causal=causal,
+                                                softcap=softcap, return_attn_probs=True)
+    assert isinstance(out, FakeTensor) and out.shape == q.shape and none is None
+    assert lse.shape == (4, 300) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    ({"cu_seqlens_q": ("cpu", torch.int32, 4)}, ValueError, "cu_seqlens_q must be on cuda"),
+    ({"cu_seqlens_k": ("cuda", torch.int64, 4)}, TypeError, "cu_seqlens_k must be int32"),
+    ({"cu_seqlens_k": ("cuda", torch.int32, 5)}, ValueError, "same length"),
+    ({"cu_seqlens_q": ("cuda", torch.int32, 1)}, ValueError, "batch \\+ 1 >= 2 entries"),
+    ({"max_seqlen_q": -1}, ValueError, "max_seqlen_q must be in"),
+    ({"max_seqlen_k": 2.0}, TypeError, "max_seqlen_k must be an int"),
+    ({"q": (300, 4, 100)}, ValueError, "d_head=100 is not supported"),
+    ({"q": (1, 300, 4, 64)}, ValueError, "q must be 3-D \\(total_tokens"),
+])
+def test_varlen_metadata_errors_before_any_launch(mode, change, exc, match):
+    """Checks of everything but the values of cu_seqlens (the operator reads those), on fake
+    CUDA tensors: they run the same on a machine without a GPU."""
+    args = {"q": (300, 4, 64), "cu_seqlens_q": ("cuda", torch.int32, 4),
+            "cu_seqlens_k": ("cuda", torch.int32, 4), "max_seqlen_q": 200, "max_seqlen_k": 150}
+    args.update(change)
+    with mode:
+        q = torch.empty(*args["q"], dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(280, 2, 64, dtype=torch.bfloat16, device="cuda")
+        cu = {name: torch.zeros(n, dtype=dt, device=dev)
+              for name in ("cu_seqlens_q", "cu_seqlens_k")
+              for dev, dt, n in [args[name]]}
+        with pytest.raises(exc, match=match):
+            flash_attn_varlen_func(q, kv, kv, cu["cu_seqlens_q"], cu["cu_seqlens_k"],
+                                   args["max_seqlen_q"], args["max_seqlen_k"])
+
+
+def test_schema_coercions_take_the_checked_path(mode):
+    """causal=1 is refused (not coerced to True), a window_size list is accepted."""
+    q = fake(mode, 1, 64, 2, 64)
+    with mode, pytest.raises(TypeError, match="causal must be a bool"):
+        fa.attention(q, q, q, causal=1)
+    dtype, d, causal, _ = built_feature_call()
+    if causal:
+        q = fake(mode, 1, 64, 2, d, dtype=dtype)
+        with mode:
+            assert fa.attention(q, q, q, window_size=[8, 0]).shape == q.shape
+
+
+def test_block_table_is_refused():
+    q = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, block_table=cu)

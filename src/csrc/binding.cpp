@@ -201,12 +201,14 @@ void check_cu_seqlens_meta(const at::Tensor& cu, const char* name, const at::Dev
 
 // The values of cu_seqlens, checked on the host before any launch: 0 first, non-decreasing,
 // `total` last, no sequence longer than max_seqlen. A device-to-host copy (it synchronises), so
-// a tensor already checked and not modified since (same TensorImpl, same version counter; the
-// cache holds a reference, so the object cannot be a new one at a recycled address) is not
-// read again: a model's layers reuse one cu_seqlens. During CUDA graph capture device memory
-// cannot be read; the kernel then clamps every offset into the tensors instead.
+// a tensor already checked and not modified since (same TensorImpl, same version counter) is not
+// read again: a model's layers reuse one cu_seqlens. The cache holds weak references: they keep
+// a dead TensorImpl's memory from being reused by a new tensor (so an address match is the same
+// object) without keeping it alive, whose last release would run Python code without the GIL.
+// During CUDA graph capture device memory cannot be read; the kernel then clamps every offset
+// into the tensors instead.
 struct CheckedSeqlens {
-    c10::intrusive_ptr<c10::TensorImpl> impl;
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
     uint32_t version;
     int64_t total, max_seqlen;
 };
@@ -224,8 +226,8 @@ void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t tot
     {
         const std::lock_guard<std::mutex> lock(mutex);
         for (const CheckedSeqlens& c : checked)
-            if (c.impl.get() == cu.unsafeGetTensorImpl() && c.version == version &&
-                c.total == total && c.max_seqlen >= max_seqlen)
+            if (c.impl._unsafe_get_target() == cu.unsafeGetTensorImpl() && c.version == version &&
+                c.total == total && c.max_seqlen <= max_seqlen)
                 return;
     }
     const at::Tensor host = cu.to(at::kCPU);
@@ -246,7 +248,8 @@ void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t tot
     const std::lock_guard<std::mutex> lock(mutex);
     if (checked.size() >= 8)
         checked.erase(checked.begin());
-    checked.push_back({cu.getIntrusivePtr(), version, total, longest});
+    checked.push_back(
+        {c10::weak_intrusive_ptr<c10::TensorImpl>(cu.getIntrusivePtr()), version, total, longest});
 }
 
 struct Varlen {

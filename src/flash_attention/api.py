@@ -69,6 +69,10 @@ def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
     return cfg.short
 
 
+class _Checked(Exception):
+    """Leave the fast path for the checked one (which raises the error that applies)."""
+
+
 def _check_call(q: object, k: object, v: object, causal: object, window_size: object,
                 softcap: object, softmax_scale: object, out: object = None) -> Problem:
     """Every check of a fixed-length call in Python, each error naming the argument."""
@@ -117,26 +121,34 @@ def attention(
     the Python checks run only when it fails (to raise the error that names the argument) and
     when torch.compile traces the call.
     """
-    if out is None and config is None and not torch.compiler.is_compiling():
+    if (out is None and config is None and type(causal) is bool
+            and type(window_size) is tuple and len(window_size) == 2
+            and not torch.compiler.is_compiling()):
         try:
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad):
-                raise RuntimeError("inputs require grad")
+                raise _Checked
             o, lse = torch.ops.flash_attention.attention.default(
                 q, k, v, None, None, 0, 0, softmax_scale, causal, window_size[0],
                 window_size[1], softcap, return_lse, "")
+        except _Checked:
+            pass
         except Exception:
             _check_call(q, k, v, causal, window_size, softcap, softmax_scale)
             raise  # the Python checks pass: the operator's own error stands
-        return (o, lse) if return_lse else o
+        else:
+            return (o, lse) if return_lse else o
 
+    # The checked path: everything in Python first (also what the operator's schema would
+    # coerce, such as an int for causal), then the operator.
     prob = _check_call(q, k, v, causal, window_size, softcap, softmax_scale, out)
     if out is None:
         kernel = "" if config is None else _explicit_kernel(
             config, prob, masks_needed(causal, window_size, prob), softcap > 0)
+        left, right = window_size
         o, lse = torch.ops.flash_attention.attention.default(
-            q, k, v, None, None, 0, 0, softmax_scale, causal, window_size[0], window_size[1],
-            float(softcap), return_lse, kernel)
+            q, k, v, None, None, 0, 0, softmax_scale, causal, left, right, float(softcap),
+            return_lse, kernel)
         return (o, lse) if return_lse else o
     scale = check_scale(softmax_scale, prob.d_head)
     left, right = canonical_window(causal, tuple(window_size), prob.seqlen_q, prob.seqlen_k)
@@ -179,22 +191,29 @@ def attention_varlen(
     device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
     where the kernel clamps offsets into the tensors instead).
     """
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, window_size[0], window_size[1], softcap, return_lse, "")
-    if not torch.compiler.is_compiling():
+    if (type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
+            and not torch.compiler.is_compiling()):
         try:
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad):
-                raise RuntimeError("inputs require grad")
-            o, lse = torch.ops.flash_attention.attention.default(*args)
+                raise _Checked
+            o, lse = torch.ops.flash_attention.attention.default(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                causal, window_size[0], window_size[1], softcap, return_lse, "")
+        except _Checked:
+            pass
         except Exception:
             _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, window_size, softcap, softmax_scale)
             raise
-        return (o, lse) if return_lse else o
+        else:
+            return (o, lse) if return_lse else o
     _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        window_size, softcap, softmax_scale)
-    o, lse = torch.ops.flash_attention.attention.default(*args)
+    left, right = window_size
+    o, lse = torch.ops.flash_attention.attention.default(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        left, right, float(softcap), return_lse, "")
     return (o, lse) if return_lse else o
 
 
