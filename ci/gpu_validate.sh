@@ -88,10 +88,12 @@ if step prog; then
         --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
 if step sanitize; then
-    # the ci set and one default kernel per new d_head shape (padded rows, 8 warps, d 32)
-    run sanitize python3 -m fa_tools sanitize ci bf16_d128_r128_c64_w4_fseqkvborm \
+    # SANITIZE: by default the ci set and one default kernel per new d_head shape (padded
+    # rows, 8 warps, d 32); each run also covers a smaller d_head and a varlen batch
+    # shellcheck disable=SC2086
+    run sanitize python3 -m fa_tools sanitize ${SANITIZE:-ci bf16_d128_r128_c64_w4_fseqkvborm \
         bf16_d96_r128_c64_w4_fseqkvbormt bf16_d256_r128_c64_w8_fseqkvbormt \
-        fp16_d32_r128_c64_w4_fseqkvborm
+        fp16_d32_r128_c64_w4_fseqkvborm}
 fi
 if step debug; then
     for k in $(python3 -c 'import flash_attention as fa

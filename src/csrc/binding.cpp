@@ -16,16 +16,70 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #include "registry.h"
 
 namespace {
+
+// Error messages are built here, numbers with std::to_string, and handed to TORCH_CHECK as one
+// string: formatting a number through an ostream (what TORCH_CHECK does with its arguments)
+// crashed inside this extension in a torch 2.11 process on the GPU machine, while strings were
+// fine. FA_CHECK* take TORCH_CHECK*'s arguments and are evaluated only on failure.
+void append(std::string& out, const char* s) {
+    out += s;
+}
+void append(std::string& out, const std::string& s) {
+    out += s;
+}
+void append(std::string& out, c10::string_view s) {
+    out.append(s.data(), s.size());
+}
+void append(std::string& out, char c) {
+    out += c;
+}
+void append(std::string& out, bool b) {
+    out += b ? "true" : "false";
+}
+void append(std::string& out, at::ScalarType t) {
+    out += c10::toString(t);
+}
+void append(std::string& out, const c10::Device& d) {
+    out += d.str();
+}
+void append(std::string& out, double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    out += buf;
+}
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+void append(std::string& out, T v) {
+    out += std::to_string(v);
+}
+void append(std::string& out, at::IntArrayRef sizes) {
+    out += '[';
+    for (size_t i = 0; i < sizes.size(); ++i)
+        out += (i ? ", " : "") + std::to_string(sizes[i]);
+    out += ']';
+}
+
+template <typename... Args>
+std::string message(const Args&... args) {
+    std::string out;
+    (append(out, args), ...);
+    return out;
+}
+
+#define FA_CHECK(cond, ...) TORCH_CHECK(cond, message(__VA_ARGS__))
+#define FA_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, message(__VA_ARGS__))
+#define FA_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, message(__VA_ARGS__))
 
 const std::unordered_map<std::string, const flash::KernelEntry*>& entries_by_name() {
     static const auto table = [] {
@@ -70,8 +124,7 @@ const cudaDeviceProp& device_properties(int device) {
     if (it == cache.end()) {
         cudaDeviceProp prop{};
         const cudaError_t err = cudaGetDeviceProperties(&prop, device);
-        TORCH_CHECK(err == cudaSuccess,
-                    "cudaGetDeviceProperties failed: ", cudaGetErrorString(err));
+        FA_CHECK(err == cudaSuccess, "cudaGetDeviceProperties failed: ", cudaGetErrorString(err));
         it = cache.emplace(device, prop).first;
     }
     return it->second;
@@ -110,9 +163,9 @@ void set_dispatch(
     const auto& by_name = entries_by_name();
     for (const auto& [dtype, d_head, bucket, mask, softcap, name] : rows) {
         const auto it = by_name.find(name);
-        TORCH_CHECK(it != by_name.end(), "dispatch table names kernel ", name,
-                    ", which is not in this build");
-        TORCH_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
+        FA_CHECK(it != by_name.end(), "dispatch table names kernel ", name,
+                 ", which is not in this build");
+        FA_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
         choices[choice_key(dtype == "bf16", d_head, bucket, mask, softcap)] = it->second;
     }
     DispatchTable& table = dispatch_table();
@@ -150,10 +203,9 @@ std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, b
 // ValueError for a wrong shape or value (TORCH_CHECK_TYPE / TORCH_CHECK_VALUE).
 
 void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* dims) {
-    TORCH_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got ", t.dim(),
-                      "-D");
-    TORCH_CHECK_VALUE(t.size(rank - 1) <= 1 || t.stride(rank - 1) == 1, name,
-                      " must have a contiguous last dimension (stride 1)");
+    FA_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got ", t.dim(), "-D");
+    FA_CHECK_VALUE(t.size(rank - 1) <= 1 || t.stride(rank - 1) == 1, name,
+                   " must have a contiguous last dimension (stride 1)");
 }
 
 // q (B, Sq, H, D) or varlen (total_q, H, D); the element type of q, k, v (and out).
@@ -165,38 +217,38 @@ at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Ten
     check_rank(k, "k", rank, dims);
     check_rank(v, "v", rank, dims);
     const auto dtype = q.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
-                     "; supported: torch.float16, torch.bfloat16");
-    TORCH_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
-                     "q, k and v must share a dtype");
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
-                      " and ", v.sizes());
+    FA_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
+                  "; supported: torch.float16, torch.bfloat16");
+    FA_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
+                  "q, k and v must share a dtype");
+    FA_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
+                   " and ", v.sizes());
     const int64_t D = q.size(rank - 1), H = q.size(rank - 2), Hk = k.size(rank - 2);
-    TORCH_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
-                      " is not supported; supported: every multiple of 8 up to 256");
-    TORCH_CHECK_VALUE(k.size(rank - 1) == D, "d_head of k/v (", k.size(rank - 1),
-                      ") differs from d_head of q (", D, ")");
-    TORCH_CHECK_VALUE((Hk == 0 && H == 0) || (Hk > 0 && H % Hk == 0), "heads of q (", H,
-                      ") must be a multiple of heads of k/v (", Hk, ")");
+    FA_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
+                   " is not supported; supported: every multiple of 8 up to 256");
+    FA_CHECK_VALUE(k.size(rank - 1) == D, "d_head of k/v (", k.size(rank - 1),
+                   ") differs from d_head of q (", D, ")");
+    FA_CHECK_VALUE((Hk == 0 && H == 0) || (Hk > 0 && H % Hk == 0), "heads of q (", H,
+                   ") must be a multiple of heads of k/v (", Hk, ")");
     if (!varlen)
-        TORCH_CHECK_VALUE(k.size(0) == q.size(0), "batch of k/v (", k.size(0),
-                          ") differs from batch of q (", q.size(0), ")");
-    TORCH_CHECK_VALUE(q.is_cuda(), "q, k and v are on ", q.device(),
-                      "; flash_attention runs on CUDA tensors (use .cuda())");
-    TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
-                      "q, k and v must be on the same device");
+        FA_CHECK_VALUE(k.size(0) == q.size(0), "batch of k/v (", k.size(0),
+                       ") differs from batch of q (", q.size(0), ")");
+    FA_CHECK_VALUE(q.is_cuda(), "q, k and v are on ", q.device(),
+                   "; flash_attention runs on CUDA tensors (use .cuda())");
+    FA_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
+                   "q, k and v must be on the same device");
     return dtype;
 }
 
 // cu_seqlens: int32, 1-D, contiguous, on q's device, batch + 1 entries.
 void check_cu_seqlens_meta(const at::Tensor& cu, const char* name, const at::Device& device) {
-    TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, name, " must be int32 (torch.int32), got ",
-                     cu.scalar_type());
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, name,
-                      " must be 1-D with batch + 1 >= 2 entries, got shape ", cu.sizes());
-    TORCH_CHECK_VALUE(cu.device() == device, name, " must be on ", device, " (q's device), got ",
-                      cu.device());
-    TORCH_CHECK_VALUE(cu.is_contiguous(), name, " must be contiguous");
+    FA_CHECK_TYPE(cu.scalar_type() == at::kInt, name, " must be int32 (torch.int32), got ",
+                  cu.scalar_type());
+    FA_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, name,
+                   " must be 1-D with batch + 1 >= 2 entries, got shape ", cu.sizes());
+    FA_CHECK_VALUE(cu.device() == device, name, " must be on ", device, " (q's device), got ",
+                   cu.device());
+    FA_CHECK_VALUE(cu.is_contiguous(), name, " must be contiguous");
 }
 
 // The values of cu_seqlens, checked on the host before any launch: 0 first, non-decreasing,
@@ -216,8 +268,8 @@ struct CheckedSeqlens {
 void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total,
                              int64_t max_seqlen, cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    TORCH_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess,
-                "cudaStreamIsCapturing failed");
+    FA_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess,
+             "cudaStreamIsCapturing failed");
     if (capture != cudaStreamCaptureStatusNone)
         return;
     static std::mutex mutex;
@@ -233,18 +285,18 @@ void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t tot
     const at::Tensor host = cu.to(at::kCPU);
     const int32_t* values = host.data_ptr<int32_t>();
     const int64_t n = host.numel();
-    TORCH_CHECK_VALUE(values[0] == 0, name, "[0] must be 0, got ", values[0]);
+    FA_CHECK_VALUE(values[0] == 0, name, "[0] must be 0, got ", values[0]);
     int64_t longest = 0;
     for (int64_t i = 1; i < n; ++i) {
-        TORCH_CHECK_VALUE(values[i] >= values[i - 1], name, " must be non-decreasing: ", name, "[",
-                          i, "] = ", values[i], " < ", name, "[", i - 1, "] = ", values[i - 1]);
+        FA_CHECK_VALUE(values[i] >= values[i - 1], name, " must be non-decreasing: ", name, "[", i,
+                       "] = ", values[i], " < ", name, "[", i - 1, "] = ", values[i - 1]);
         longest = std::max<int64_t>(longest, values[i] - values[i - 1]);
     }
-    TORCH_CHECK_VALUE(values[n - 1] == total, name, "[-1] = ", values[n - 1],
-                      " must equal the number of tokens, ", total);
-    TORCH_CHECK_VALUE(longest <= max_seqlen, "a sequence of ", longest, " tokens is longer than ",
-                      name == std::string("cu_seqlens_q") ? "max_seqlen_q" : "max_seqlen_k", " = ",
-                      max_seqlen);
+    FA_CHECK_VALUE(values[n - 1] == total, name, "[-1] = ", values[n - 1],
+                   " must equal the number of tokens, ", total);
+    FA_CHECK_VALUE(longest <= max_seqlen, "a sequence of ", longest, " tokens is longer than ",
+                   name == std::string("cu_seqlens_q") ? "max_seqlen_q" : "max_seqlen_k", " = ",
+                   max_seqlen);
     const std::lock_guard<std::mutex> lock(mutex);
     if (checked.size() >= 8)
         checked.erase(checked.begin());
@@ -264,18 +316,17 @@ const flash::KernelEntry& choose_kernel(c10::string_view name, at::ScalarType dt
     if (name.empty()) {
         const flash::KernelEntry* chosen =
             lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, softcap);
-        TORCH_CHECK(chosen != nullptr, "this build has no kernel for ", dtype,
-                    " with d_head=", d_head, mask ? " with masks" : "",
-                    softcap ? " with a softcap" : "",
-                    " (or flash_attention has not set its dispatch table); rebuild with "
-                    "FLASH_ATTENTION_KERNELS=default");
+        FA_CHECK(chosen != nullptr, "this build has no kernel for ", dtype, " with d_head=", d_head,
+                 mask ? " with masks" : "", softcap ? " with a softcap" : "",
+                 " (or flash_attention has not set its dispatch table); rebuild with "
+                 "FLASH_ATTENTION_KERNELS=default");
         return *chosen;
     }
     const auto& table = entries_by_name();
     const auto it = table.find(std::string(name));
-    TORCH_CHECK(it != table.end(), "kernel ", name,
-                " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
-                " (comma-separate to add more)");
+    FA_CHECK(it != table.end(), "kernel ", name,
+             " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
+             " (comma-separate to add more)");
     return *it->second;
 }
 
@@ -297,55 +348,55 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const flash::KernelEntry& e = choose_kernel(name, dtype, D, Sq, mask, softcap > 0);
 
     const auto want = e.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
-    TORCH_CHECK_TYPE(dtype == want, "kernel ", e.name, " needs ", want, " tensors");
-    TORCH_CHECK_VALUE(D <= e.d_head, "kernel ", e.name, " serves d_head multiples of 8 up to ",
-                      e.d_head, ", got ", D);
+    FA_CHECK_TYPE(dtype == want, "kernel ", e.name, " needs ", want, " tensors");
+    FA_CHECK_VALUE(D <= e.d_head, "kernel ", e.name, " serves d_head multiples of 8 up to ",
+                   e.d_head, ", got ", D);
     check_rank(out, "out", rank, "like q");
-    TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(),
-                      ", got ", out.sizes());
-    TORCH_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
-    TORCH_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
-                      ") must each be at most 65535");
-    TORCH_CHECK_VALUE(Sq <= std::numeric_limits<int>::max() - e.block_m &&
-                          Sk <= std::numeric_limits<int>::max() - e.block_n &&
-                          q.size(0) <= std::numeric_limits<int>::max() &&
-                          k.size(0) <= std::numeric_limits<int>::max(),
-                      "sequence lengths and token counts must be below 2^31");
-    TORCH_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0,
-                      "softmax_scale must be finite and positive, got ", softmax_scale);
-    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
-                          window_left <= std::numeric_limits<int>::max() &&
-                          window_right <= std::numeric_limits<int>::max(),
-                      "window sizes must be -1 (unbounded) or in [0, 2^31)");
-    TORCH_CHECK_VALUE(e.mask || !mask, "kernel ", e.name,
-                      " has no masks (config flag m): it cannot run causal or windowed attention");
-    TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
-                      "softcap must be 0 (off) or finite and positive, got ", softcap);
-    TORCH_CHECK_VALUE(e.softcap == (softcap > 0), "kernel ", e.name,
-                      e.softcap ? " applies a softcap: call it with softcap > 0"
-                                : " has no softcap (config flag t)");
+    FA_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(), ", got ",
+                   out.sizes());
+    FA_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
+    FA_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
+                   ") must each be at most 65535");
+    FA_CHECK_VALUE(Sq <= std::numeric_limits<int>::max() - e.block_m &&
+                       Sk <= std::numeric_limits<int>::max() - e.block_n &&
+                       q.size(0) <= std::numeric_limits<int>::max() &&
+                       k.size(0) <= std::numeric_limits<int>::max(),
+                   "sequence lengths and token counts must be below 2^31");
+    FA_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0,
+                   "softmax_scale must be finite and positive, got ", softmax_scale);
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
+                       window_left <= std::numeric_limits<int>::max() &&
+                       window_right <= std::numeric_limits<int>::max(),
+                   "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    FA_CHECK_VALUE(e.mask || !mask, "kernel ", e.name,
+                   " has no masks (config flag m): it cannot run causal or windowed attention");
+    FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                   "softcap must be 0 (off) or finite and positive, got ", softcap);
+    FA_CHECK_VALUE(e.softcap == (softcap > 0), "kernel ", e.name,
+                   e.softcap ? " applies a softcap: call it with softcap > 0"
+                             : " has no softcap (config flag t)");
     const auto device = q.device();
-    TORCH_CHECK_VALUE(out.device() == device, "out must be on ", device);
+    FA_CHECK_VALUE(out.device() == device, "out must be on ", device);
     const int64_t lse_rows = varlen ? q.size(0) : Sq;
     if (lse) {
         const bool shape_ok =
             varlen
                 ? (lse->dim() == 2 && lse->size(0) == H && lse->size(1) == lse_rows)
                 : (lse->dim() == 3 && lse->size(0) == B && lse->size(1) == H && lse->size(2) == Sq);
-        TORCH_CHECK_VALUE(lse->device() == device && lse->scalar_type() == at::kFloat &&
-                              lse->is_contiguous() && shape_ok,
-                          "lse must be a contiguous fp32 ",
-                          varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)",
-                          " tensor on q's device");
+        FA_CHECK_VALUE(lse->device() == device && lse->scalar_type() == at::kFloat &&
+                           lse->is_contiguous() && shape_ok,
+                       "lse must be a contiguous fp32 ",
+                       varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)",
+                       " tensor on q's device");
     }
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
     if (varlen) {
         check_cu_seqlens_meta(*vl.cu_q, "cu_seqlens_q", device);
         check_cu_seqlens_meta(*vl.cu_k, "cu_seqlens_k", device);
-        TORCH_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
-                          "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
-        TORCH_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
+        FA_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
+                       "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
+        FA_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
         check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q.size(0), vl.max_q, stream);
         check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k.size(0), vl.max_k, stream);
     }
@@ -359,12 +410,12 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
 
     const cudaDeviceProp& prop = device_properties(device.index());
-    TORCH_CHECK(prop.major >= 8,
-                "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
-                prop.major, ".", prop.minor);
-    TORCH_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
-                " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
-                prop.sharedMemPerBlockOptin);
+    FA_CHECK(prop.major >= 8,
+             "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
+             prop.major, ".", prop.minor);
+    FA_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
+             " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
+             prop.sharedMemPerBlockOptin);
 
     flash::FwdParams p{};
     p.q = q.data_ptr();
@@ -408,8 +459,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
 
     const cudaError_t err = e.launch(p, stream);
-    TORCH_CHECK(err == cudaSuccess, "launch of kernel ", e.name,
-                " failed: ", cudaGetErrorString(err));
+    FA_CHECK(err == cudaSuccess, "launch of kernel ", e.name, " failed: ", cudaGetErrorString(err));
 }
 
 // flash_attention::fwd: fixed-length batches into a given out (and lse).
@@ -442,8 +492,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, bool return_lse,
     c10::string_view kernel) {
-    TORCH_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
-                      "give both cu_seqlens_q and cu_seqlens_k, or neither");
+    FA_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                   "give both cu_seqlens_q and cu_seqlens_k, or neither");
     const bool varlen = cu_seqlens_q.has_value();
     Varlen vl;
     if (varlen) {
@@ -458,9 +508,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     const int64_t Sq = varlen ? max_seqlen_q : q.size(1);
     const int64_t Sk = varlen ? max_seqlen_k : (k.dim() == 4 ? k.size(1) : 0);
     const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D > 0 ? D : 1));
-    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
-                      "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
-                      window_right, ")");
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                   "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
+                   window_right, ")");
     const auto [left, right] = canonical_window(causal, window_left, window_right, Sq, Sk);
     at::Tensor out = at::empty(q.sizes(), q.options());
     at::Tensor lse;
