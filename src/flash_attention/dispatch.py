@@ -4,13 +4,16 @@ dtype and d_head that has the features the call needs (a kernel with masks also 
 calls; a softcap kernel serves only softcap calls).
 
 Features: ``mask`` (causal or a sliding window), ``softcap``. The default table has, per dtype
-and d_head, the plain kernels, the same tiles with masks, and the long-sequence tile with a
-softcap, with and without masks.
+and d_head variant (32, 64, ..., 256; a call's d_head maps to the smallest variant not below
+it), the plain kernels, the same tiles with masks, and the long-sequence tile with a softcap,
+with and without masks.
 
-The default table comes from a sweep of the tune set on an H200 (docs/results.md): B_r=128
-with 4 warps and B_c=64 win at every measured length. At d_head 64 the table keeps Q resident
-in registers (no slice_q): 314 TFLOP/s against 316 for B_c=128, which spills 16 bytes; default
-kernels must not spill. Very short query sequences (<= 64 rows) use B_r=64.
+The d_head 64 and 128 tiles come from a sweep of the tune set on an H200 (docs/results.md):
+B_r=128 with 4 warps and B_c=64 win at every measured length. At d_head 64 the table keeps Q
+resident in registers (no slice_q): 314 TFLOP/s against 316 for B_c=128, which spills 16 bytes;
+default kernels must not spill. Very short query sequences (<= 64 rows) use B_r=64. The other
+variants use the first spill-free tile of the same shape (8 warps above d_head 128), not yet
+swept: on an H100 d_head 96 runs at 0.93-0.99x and 256 at 0.82-0.95x SDPA FA2.
 
 The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
 ``{"version": 1, "device": "...", "entries": {"bf16/d128/q4096": "<short form>", ...}}`` where
