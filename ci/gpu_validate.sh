@@ -2,9 +2,12 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test toolkit sweep bench bench64 features prog sanitize debug asv calibrate hang
+# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune sanitize debug
+#        asv calibrate hang
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
+#             d_head 128 table against SDPA FA2/cuDNN and a cuBLAS GEMM
 #   features  causal table against SDPA FA2 causal, d_head 64/96/256 tables against SDPA FA2,
 #             host cost per call, window, GQA, varlen against a padded batch
 #   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
@@ -87,6 +90,27 @@ if step prog; then
     run prog python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 --configs prog \
         --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
+if step hopper; then
+    # The sm90 kernels alone first (a deadlocked pipeline ends in the timeout, not the job
+    # limit), then the progression and the dispatched table against cuDNN and cuBLAS.
+    run hopper_smoke timeout 120 python3 -m pytest -q -p no:cacheprovider -x \
+        tests/test_gpu_kernels.py -k "sm90 and 2x128x128x4x4"
+    run hopper_tests timeout 300 python3 -m pytest -q -p no:cacheprovider -x \
+        tests/test_gpu_kernels.py -k "sm90 or dispatched"
+    run hopper_prog timeout 120 python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 \
+        --configs sm90prog --json "$LOG_DIR/hopper_prog.json" --md "$LOG_DIR/hopper_prog.md"
+    run hopper_bench timeout 200 python3 -m fa_tools bench --gemm \
+        --json "$LOG_DIR/hopper_bench.json" --md "$LOG_DIR/hopper_bench.md"
+    run hopper_causal timeout 200 python3 -m fa_tools bench --causal \
+        --json "$LOG_DIR/hopper_causal.json" --md "$LOG_DIR/hopper_causal.md"
+    run hopper_dheads timeout 200 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,256 \
+        --json "$LOG_DIR/hopper_dheads.json" --md "$LOG_DIR/hopper_dheads.md"
+fi
+if step hopper-tune; then  # needs the sm90tune set in the build
+    run hopper_tune timeout 400 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,128,256 \
+        --shapes 16x4096 --configs sm90tune --json "$LOG_DIR/hopper_tune.json" \
+        --md "$LOG_DIR/hopper_tune.md"
+fi
 if step sanitize; then
     # SANITIZE: by default the ci set and one default kernel per new d_head shape (padded
     # rows, 8 warps, d 32); each run also covers a smaller d_head and a varlen batch
@@ -146,8 +170,8 @@ workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh cl
         # H200 and nothing measurable on an H100.)
         sed -i -e 's|cp_async_wait<1>();  // Q (first|cp_async_wait<0>();  // Q (first|' \
             -e 's|cp_async_wait<1>();  // V_j has landed|cp_async_wait<0>();  // V_j has landed|' \
-            src/csrc/kernel/forward_kernel.cuh
-        [ "$(grep -c 'cp_async_wait<1>' src/csrc/kernel/forward_kernel.cuh)" = 0 ] || return 3
+            src/csrc/sm80/forward_kernel.cuh
+        [ "$(grep -c 'cp_async_wait<1>' src/csrc/sm80/forward_kernel.cuh)" = 0 ] || return 3
         git commit -qam "planted: strict cp.async waits (no K/V copy overlaps compute)" || return 3
     fi
     export FA_OFFLINE=1 GATE_BASE=origin/main FA_GATE_CACHE=/tmp/fa-gate-cache

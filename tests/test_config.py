@@ -8,17 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from flash_attention.config import FLAGS, ConfigError, KernelConfig
-from flash_attention.config_sets import CI, DEFAULT, PROG, PROG_STEPS, SETS, TUNE, resolve
-from flash_attention.dispatch import DEFAULT_TABLE
+from flash_attention.config import FLAGS, ConfigError, KernelConfig, parse_config
+from flash_attention.config_sets import (
+    CI,
+    DEFAULT,
+    PROG,
+    PROG_STEPS,
+    SETS,
+    SM90_PROG_STEPS,
+    TUNE,
+    resolve,
+)
+from flash_attention.config_sm90 import Sm90Config
+from flash_attention.dispatch import DEFAULT_TABLE, SM90_TABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("cfg", SETS["all"], ids=str)
 def test_short_form_round_trip(cfg):
-    assert KernelConfig.parse(cfg.short) == cfg
-    assert KernelConfig.parse(cfg.short).short == cfg.short
+    assert parse_config(cfg.short) == cfg
+    assert parse_config(cfg.short).short == cfg.short
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.short), "short form must be a C identifier"
 
 
@@ -107,19 +117,52 @@ def test_derived_sizes():
 
 
 def test_sets_sizes_and_content():
-    assert 1 <= len(CI) <= 6
+    sm80 = [c for c in CI if c.family == "sm80"]
+    sm90 = [c for c in CI if c.family == "sm90"]
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 1  # CI builds one Hopper kernel for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
-        assert any(not getattr(c, name) for c in CI), name
-        assert any(getattr(c, name) for c in CI), name
-    assert {c.dtype for c in CI} == {"fp16", "bf16"}
-    assert {c.d_head for c in CI} == {64, 128, 160}  # 160: a non-power-of-two, padded variant
-    assert {c.block_c for c in CI} == {32, 64, 128}
-    assert {c.warps for c in CI} == {4, 8}
+        assert any(not getattr(c, name) for c in sm80), name
+        assert any(getattr(c, name) for c in sm80), name
+    assert {c.dtype for c in sm80} == {"fp16", "bf16"}
+    assert {c.d_head for c in sm80} == {64, 128, 160}  # 160: a non-power-of-two, padded variant
+    assert {c.block_c for c in sm80} == {32, 64, 128}
+    assert {c.warps for c in sm80} == {4, 8}
+    assert sm90[0].mask and sm90[0].warp_spec and sm90[0].pingpong  # every technique, masks
     table = {short for rows in DEFAULT_TABLE.values() for _, short in rows}
-    assert {c.short for c in DEFAULT} == table
+    assert {c.short for c in DEFAULT} == table | set(SM90_TABLE.values())
     assert len(TUNE) == len(set(TUNE)) and len(TUNE) > len(DEFAULT)
     # The tune space holds every default tile; the features (masks, softcap) ride on a tile.
-    assert {c.replace(mask=False, softcap=False) for c in DEFAULT} <= set(TUNE)
+    assert {c.replace(mask=False, softcap=False) for c in DEFAULT if c.family == "sm80"} <= set(
+        TUNE)
+
+
+def test_sm90_configs_round_trip_and_rules():
+    cfg = Sm90Config("bf16", 128, 128, 2, 2)
+    assert cfg.short == "sm90_bf16_d128_c128_g2_s2_fwpoe" and cfg.block_r == 128
+    assert parse_config(cfg.short) == cfg and cfg.threads == 384
+    assert cfg.replace(warp_spec=False, pingpong=False).threads == 256
+    for text, message in [
+        ("sm90_bf16_d96_c128_g2_s2_f", "d_head must be one of"),
+        ("sm90_bf16_d128_c80_g2_s2_f", "B_c must be one of"),
+        ("sm90_bf16_d128_c128_g1_s2_fwp", "pingpong needs two consumer warpgroups"),
+        ("sm90_bf16_d256_c192_g2_s2_fw", "registers"),
+        ("sm90_bf16_d256_c128_g2_s3_fw", "shared memory"),
+        ("sm90_bf16_d128_c128_g2_s2_fpw", "in that order"),
+        ("sm90_bf16_d128_r128_c128", "cannot parse"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(text)
+    # The C++ template holds the same rules.
+    text = (ROOT / "src/csrc/sm90/config.cuh").read_text()
+    assert "static_assert(!kPingPong || (kConsumerWGs == 2 && kWarpSpec)" in text
+
+
+def test_sm90_progression_adds_one_technique_per_step():
+    assert [s.step for s in SM90_PROG_STEPS] == list(range(1, 7))
+    for before, after in itertools.pairwise(SM90_PROG_STEPS):
+        changed = {f for f in ("stages", "warp_spec", "pingpong", "overlap", "tma_store")
+                   if getattr(before.config, f) != getattr(after.config, f)}
+        assert len(changed) == 1, (before.step, after.step, changed)
 
 
 def test_prog_steps():
@@ -144,7 +187,7 @@ def test_resolve():
 def test_flag_order_matches_cpp_template():
     """The generated template arguments follow FLAGS; config.cuh must list its bool parameters
     in the same order."""
-    text = (ROOT / "src/csrc/kernel/config.cuh").read_text()
+    text = (ROOT / "src/csrc/sm80/config.cuh").read_text()
     params = re.search(r"template <(typename Elem_.*?)>\s*struct FwdConfig", text, re.S)[1]
     bools = re.findall(r"bool k(\w+)_", params)
     expected = ["".join(p.title() for p in name.split("_")) for name in FLAGS]

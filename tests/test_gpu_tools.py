@@ -37,7 +37,7 @@ def test_debug_reports_a_planted_mismatch(require_extension, monkeypatch):
 
     monkeypatch.setattr(fa, "attention", wrong)
     kernel = fa.available_configs()[0].short
-    cfg = fa.KernelConfig.parse(kernel)
+    cfg = fa.parse_config(kernel)
     _, m = debug.run(kernel, batch=1, seqlen_q=100, seqlen_k=150, heads=2)
     assert m is not None and (m.batch, m.head) == (0, 1)
     assert m.q_block * cfg.block_r + m.row == 70

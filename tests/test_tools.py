@@ -13,6 +13,7 @@ import pytest
 
 import flash_attention as fa
 from fa_tools.analysis import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
+from fa_tools.analysis.kernel_names import archs_of
 from fa_tools.cli import main as cli
 from fa_tools.gate import ratchet
 
@@ -44,9 +45,10 @@ def test_resource_report_covers_every_built_kernel_and_arch(built):
     _, info = built
     records = ptxas_report.load(binaries.ptxas_log_path())
     got = {(r.kernel, r.arch) for r in records}
-    assert got == {(k, a) for k in info["configs"] for a in info["archs"]}
+    assert got == {(k, a) for k in info["configs"]
+                   for a in archs_of(fa.parse_config(k), info["archs"])}
     for r in records:
-        cfg = fa.KernelConfig.parse(r.kernel)
+        cfg = fa.parse_config(r.kernel)
         assert 0 < r.registers <= 255 and r.barriers >= 1
         assert r.dynamic_smem == cfg.smem_bytes
         assert r.ctas_per_sm >= 1 and r.warps_per_sm == r.ctas_per_sm * cfg.warps
@@ -99,11 +101,17 @@ def test_mma_count_matches_tile_shapes(built):
     (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further."""
     binary, info = built
     for short in info["configs"]:
-        cfg = fa.KernelConfig.parse(short)
-        for arch in info["archs"]:
+        cfg = fa.parse_config(short)
+        for arch in archs_of(cfg, info["archs"]):
             hist = opcodes.histogram(short, arch, sass.instructions(binary, short, arch))
             assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), (short, arch)
-            assert set(hist.base) >= {"HMMA", "LDSM", "LDGSTS", "MUFU", "BAR"}
+            if cfg.family == "sm90":  # wgmma, TMA, mbarriers; setmaxnreg with a producer
+                assert set(hist.base) >= {"HGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
+                assert "HMMA" not in hist.base and "LDGSTS" not in hist.base
+                assert (hist.categories["setmaxnreg"] > 0) == cfg.warp_spec, short
+                assert (hist.base.get("UTMASTG", 0) > 0) == cfg.tma_store, short
+            else:
+                assert set(hist.base) >= {"HMMA", "LDSM", "LDGSTS", "MUFU", "BAR"}
 
 
 def test_no_local_memory_when_spill_free(built):

@@ -109,6 +109,7 @@ py::list list_kernels() {
         d["smem_bytes"] = e.smem_bytes;
         d["mask"] = e.mask;
         d["softcap"] = e.softcap;
+        d["arch"] = e.arch;
         out.append(d);
     }
     return out;
@@ -146,9 +147,16 @@ uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask, bool s
            (uint64_t(mask) << 1) | uint64_t(softcap);
 }
 
+// A row's kernel and its fallback: an sm80-family kernel that runs wherever the kernel (a Hopper
+// one) cannot; the same entry when the kernel is an sm80 one.
+struct Choice {
+    const flash::KernelEntry* kernel;
+    const flash::KernelEntry* fallback;
+};
+
 struct DispatchTable {
     std::mutex mutex;
-    std::unordered_map<uint64_t, const flash::KernelEntry*> choices;
+    std::unordered_map<uint64_t, Choice> choices;
 };
 
 DispatchTable& dispatch_table() {
@@ -156,17 +164,21 @@ DispatchTable& dispatch_table() {
     return table;
 }
 
-// Replaces the table: rows (dtype, d_head, bucket, mask, softcap, kernel name).
-void set_dispatch(
-    const std::vector<std::tuple<std::string, int64_t, int64_t, bool, bool, std::string>>& rows) {
-    std::unordered_map<uint64_t, const flash::KernelEntry*> choices;
+// Replaces the table: rows (dtype, d_head, bucket, mask, softcap, kernel name, fallback name).
+void set_dispatch(const std::vector<std::tuple<std::string, int64_t, int64_t, bool, bool,
+                                               std::string, std::string>>& rows) {
+    std::unordered_map<uint64_t, Choice> choices;
     const auto& by_name = entries_by_name();
-    for (const auto& [dtype, d_head, bucket, mask, softcap, name] : rows) {
+    for (const auto& [dtype, d_head, bucket, mask, softcap, name, fallback] : rows) {
         const auto it = by_name.find(name);
-        FA_CHECK(it != by_name.end(), "dispatch table names kernel ", name,
-                 ", which is not in this build");
+        const auto fb = by_name.find(fallback);
+        FA_CHECK(it != by_name.end() && fb != by_name.end(), "dispatch table names kernel ",
+                 it == by_name.end() ? name : fallback, ", which is not in this build");
+        FA_CHECK(fb->second->arch == 80, "dispatch table: fallback ", fallback,
+                 " is not an sm80-family kernel");
         FA_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
-        choices[choice_key(dtype == "bf16", d_head, bucket, mask, softcap)] = it->second;
+        choices[choice_key(dtype == "bf16", d_head, bucket, mask, softcap)] =
+            Choice{it->second, fb->second};
     }
     DispatchTable& table = dispatch_table();
     const std::lock_guard<std::mutex> lock(table.mutex);
@@ -179,22 +191,45 @@ int64_t d_head_variant(int64_t d_head) {
     return (d_head + 31) / 32 * 32;
 }
 
-// The table's kernel for a call, nullptr when it has none (the table is keyed by variant).
-const flash::KernelEntry* lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask,
-                                 bool softcap) {
+// The table's choice for a call, {nullptr, nullptr} when it has none (keyed by variant).
+Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool softcap) {
     if (d_head <= 0 || d_head % 8 != 0)
-        return nullptr;
+        return Choice{nullptr, nullptr};
     DispatchTable& table = dispatch_table();
     const std::lock_guard<std::mutex> lock(table.mutex);
     const auto it = table.choices.find(
         choice_key(bf16, d_head_variant(d_head), seq_bucket(seqlen_q), mask, softcap));
-    return it == table.choices.end() ? nullptr : it->second;
+    return it == table.choices.end() ? Choice{nullptr, nullptr} : it->second;
 }
 
+// The table's kernel for a call ('' if none), before the run-time fallback (sm90_unfit).
 std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, bool mask,
                    bool softcap) {
-    const flash::KernelEntry* e = lookup(dtype == "bf16", d_head, seqlen_q, mask, softcap);
+    const flash::KernelEntry* e = lookup(dtype == "bf16", d_head, seqlen_q, mask, softcap).kernel;
     return e == nullptr ? "" : e->name;
+}
+
+// Why a Hopper (sm_90a) kernel cannot run this call, or nullptr when it can: the GPU must be
+// sm_90, the batch fixed-length, and every tensor addressable by TMA (16-byte aligned base,
+// strides of the dimensions it steps over multiples of 16 bytes).
+const char* sm90_unfit(const cudaDeviceProp& prop, bool varlen,
+                       std::initializer_list<const at::Tensor*> tensors) {
+    if (prop.major != 9 || prop.minor != 0)
+        return "the GPU is not sm_90";
+    if (varlen)
+        return "varlen batches run on the sm80-family kernels";
+    for (const at::Tensor* t : tensors) {
+        if (t->dim() != 4)
+            return "not a (batch, seqlen, heads, d_head) tensor";
+        if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0)
+            return "a tensor's data is not 16-byte aligned";
+        for (int64_t d = 0; d < 3; ++d)
+            if (t->size(d) > 1 && (t->stride(d) * t->element_size()) % 16 != 0)
+                return "a tensor stride is not a multiple of 16 bytes";
+        if (t->size(1) == 0)
+            return "an empty sequence";
+    }
+    return nullptr;
 }
 
 // ---- the operators ----------------------------------------------------------------------------
@@ -310,24 +345,24 @@ struct Varlen {
     int64_t max_q = 0, max_k = 0;
 };
 
-// The kernel for a call: `name`, or with "" the dispatch table's choice.
-const flash::KernelEntry& choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t d_head,
-                                        int64_t seqlen_q, bool mask, bool softcap) {
+// The kernel for a call: `name`, or with "" the dispatch table's choice (with its fallback).
+Choice choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t d_head, int64_t seqlen_q,
+                     bool mask, bool softcap) {
     if (name.empty()) {
-        const flash::KernelEntry* chosen =
-            lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, softcap);
-        FA_CHECK(chosen != nullptr, "this build has no kernel for ", dtype, " with d_head=", d_head,
-                 mask ? " with masks" : "", softcap ? " with a softcap" : "",
+        const Choice chosen = lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, softcap);
+        FA_CHECK(chosen.kernel != nullptr, "this build has no kernel for ", dtype,
+                 " with d_head=", d_head, mask ? " with masks" : "",
+                 softcap ? " with a softcap" : "",
                  " (or flash_attention has not set its dispatch table); rebuild with "
                  "FLASH_ATTENTION_KERNELS=default");
-        return *chosen;
+        return chosen;
     }
     const auto& table = entries_by_name();
     const auto it = table.find(std::string(name));
     FA_CHECK(it != table.end(), "kernel ", name,
              " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=", name,
              " (comma-separate to add more)");
-    return *it->second;
+    return Choice{it->second, nullptr};
 }
 
 // Runs q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given, lse (B, H, Sq)
@@ -345,7 +380,18 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t B = varlen ? vl.cu_q->numel() - 1 : q.size(0);
     const int64_t Sq = varlen ? vl.max_q : q.size(1), Sk = varlen ? vl.max_k : k.size(1);
     const bool mask = window_left != -1 || window_right != -1;
-    const flash::KernelEntry& e = choose_kernel(name, dtype, D, Sq, mask, softcap > 0);
+    const Choice chosen = choose_kernel(name, dtype, D, Sq, mask, softcap > 0);
+    const auto device = q.device();
+    const cudaDeviceProp& prop = device_properties(device.index());
+    const flash::KernelEntry* pick = chosen.kernel;
+    if (pick->arch == 90) {
+        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &out})) {
+            FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
+                     " (sm_90a) cannot run this call: ", why);
+            pick = chosen.fallback;
+        }
+    }
+    const flash::KernelEntry& e = *pick;
 
     const auto want = e.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
     FA_CHECK_TYPE(dtype == want, "kernel ", e.name, " needs ", want, " tensors");
@@ -375,7 +421,6 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     FA_CHECK_VALUE(e.softcap == (softcap > 0), "kernel ", e.name,
                    e.softcap ? " applies a softcap: call it with softcap > 0"
                              : " has no softcap (config flag t)");
-    const auto device = q.device();
     FA_CHECK_VALUE(out.device() == device, "out must be on ", device);
     const int64_t lse_rows = varlen ? q.size(0) : Sq;
     if (lse) {
@@ -409,7 +454,6 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         return;
     }
 
-    const cudaDeviceProp& prop = device_properties(device.index());
     FA_CHECK(prop.major >= 8,
              "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
              prop.major, ".", prop.minor);
@@ -460,6 +504,21 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
     const cudaError_t err = e.launch(p, stream);
     FA_CHECK(err == cudaSuccess, "launch of kernel ", e.name, " failed: ", cudaGetErrorString(err));
+}
+
+// What dispatch runs for a fixed-length call and why (for debug logging): the table's kernel,
+// or its fallback with the reason the Hopper kernel cannot run the call.
+std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool mask,
+                    bool softcap) {
+    const int64_t D = q.size(-1);
+    const Choice c = lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, softcap);
+    if (c.kernel == nullptr)
+        return "no kernel in the dispatch table";
+    if (c.kernel->arch != 90)
+        return c.kernel->name;
+    const char* why = sm90_unfit(device_properties(q.device().index()), false, {&q, &k, &v});
+    return why == nullptr ? std::string(c.kernel->name)
+                          : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")");
 }
 
 // flash_attention::fwd: fixed-length batches into a given out (and lse).
@@ -548,7 +607,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention-2 forward kernels (see flash_attention for the Python API)";
     m.def("kernels", &list_kernels, "the kernels of this build, in config-set order");
     m.def("set_dispatch", &set_dispatch,
-          "replace the dispatch table: rows (dtype, d_head, bucket, mask, softcap, kernel)");
+          "replace the dispatch table: rows (dtype, d_head, bucket, mask, softcap, kernel, "
+          "fallback)");
+    m.def("explain", &explain, "the kernel a fixed-length call runs, and why not a Hopper one");
     m.def("choice", &choice, "the dispatch table's kernel for a call ('' if none)",
           py::arg("dtype"), py::arg("d_head"), py::arg("seqlen_q"), py::arg("mask"),
           py::arg("softcap"));

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kernel/params.h"
+#include "common/params.h"
 
 namespace flash {
 
@@ -24,6 +24,9 @@ struct KernelEntry {
     bool mask;     // serves causal / sliding-window masks (window_left/right of FwdParams)
     bool softcap;  // applies FwdParams::softcap_scale (and serves only softcap > 0)
     LaunchFn launch;
+    // 80: an sm_80-family kernel (runs on sm_80 and newer); 90: an sm_90a kernel (Hopper only;
+    // TMA-compatible fixed-length calls, see tma_compatible in the binding).
+    int arch;
 };
 
 // Defined in the generated registry.cu: every kernel of this build, in config-set order.

@@ -5,7 +5,8 @@
     out = fa.attention(q, k, v, causal=True)         # or window_size=(left, right), softcap=c
     out, lse = fa.attention(q, k, v, return_lse=True)
     from flash_attention.interface import flash_attn_func   # flash_attn's API
-    fa.forward("bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)
+    fa.forward("bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)   # a named kernel (sm80 family)
+    fa.forward("sm90_bf16_d128_c128_g2_s2_fwpoe", q, k, v)    # a Hopper one (sm_90a)
     fa.available_configs()
 
 Importing works without the compiled extension (a call then says how to build it) and without
@@ -15,8 +16,9 @@ and the torch-facing names below load on first use.
 
 from importlib import import_module
 
-from .config import ConfigError, KernelConfig
+from .config import ConfigError, KernelConfig, parse_config
 from .config_sets import SETS, resolve
+from .config_sm90 import Sm90Config
 
 _LAZY = {
     "attention": "api",
@@ -36,7 +38,7 @@ _LAZY = {
     "api": None,
 }
 
-__all__ = ["SETS", "ConfigError", "KernelConfig", "resolve", *_LAZY]
+__all__ = ["SETS", "ConfigError", "KernelConfig", "Sm90Config", "parse_config", "resolve", *_LAZY]
 
 
 def __getattr__(name: str):

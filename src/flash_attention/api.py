@@ -10,11 +10,14 @@ implementation, so tracing fails where running would, and the graph has no break
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import ops
 from ._extension import BUILD_HINT
-from .config import ConfigError, KernelConfig
+from .config import ConfigError, KernelConfig, parse_config
+from .config_sm90 import Sm90Config
 from .masks import canonical_window
 from .validation import (
     Problem,
@@ -28,6 +31,7 @@ from .validation import (
 )
 
 ops.load()
+log = logging.getLogger(__name__)
 
 
 def available_configs() -> list[KernelConfig]:
@@ -36,12 +40,12 @@ def available_configs() -> list[KernelConfig]:
     return list(ops.BUILT)
 
 
-def _as_config(config: KernelConfig | str) -> KernelConfig:
-    if isinstance(config, KernelConfig):
+def _as_config(config: KernelConfig | Sm90Config | str) -> KernelConfig | Sm90Config:
+    if isinstance(config, (KernelConfig, Sm90Config)):
         return config
     if isinstance(config, str):
-        return KernelConfig.parse(config)
-    raise TypeError(f"config must be a KernelConfig or a short form string, got "
+        return parse_config(config)
+    raise TypeError(f"config must be a KernelConfig, an Sm90Config or a short form string, got "
                     f"{type(config).__name__}")
 
 
@@ -137,6 +141,8 @@ def attention(
             _check_call(q, k, v, causal, window_size, softcap, softmax_scale)
             raise  # the Python checks pass: the operator's own error stands
         else:
+            if log.isEnabledFor(logging.DEBUG):
+                _log_choice(q, k, v, causal or tuple(window_size) != (-1, -1), softcap)
             return (o, lse) if return_lse else o
 
     # The checked path: everything in Python first (also what the operator's schema would
@@ -158,6 +164,13 @@ def attention(
                        device=q.device) if return_lse else None)
     torch.ops.flash_attention.fwd(q, k, v, out, lse, kernel, scale, left, right, float(softcap))
     return (out, lse) if return_lse else out
+
+
+def _log_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bool,
+                softcap: float) -> None:
+    """Debug log of the kernel dispatch ran, with the reason when a Hopper kernel fell back."""
+    log.debug("attention %s %s: %s", q.dtype, tuple(q.shape),
+              ops.extension().explain(q, k, v, mask, softcap > 0))
 
 
 def masks_needed(causal: bool, window_size: tuple[int, int], prob: Problem) -> bool:

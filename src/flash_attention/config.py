@@ -1,7 +1,7 @@
 """Kernel configs: the single source of truth for what a kernel is.
 
 A :class:`KernelConfig` names one instantiation of the C++ template ``flash::FwdConfig``
-(src/csrc/kernel/config.cuh). Code generation, dispatch, tests and the tools all start from
+(src/csrc/sm80/config.cuh). Code generation, dispatch, tests and the tools all start from
 it. Its short form (``bf16_d128_r128_c64_w4_fseqkvbor``) parses back to the same config and
 doubles as the kernel's name in the build, the registry and every report.
 
@@ -96,6 +96,8 @@ class KernelConfig:
     reverse_kv: bool = True
     mask: bool = False
     softcap: bool = False
+
+    family = "sm80"  # the kernel family (sm80: mma.sync, cp.async; runs on sm_80 and newer)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -272,3 +274,12 @@ class KernelConfig:
             f"flags={','.join(on) or 'none'}"
         )
 
+
+
+def parse_config(text: str):  # -> KernelConfig | config_sm90.Sm90Config
+    """Parse the short form of a config of either family (``sm90_...`` is a Hopper one)."""
+    if text.strip().startswith("sm90_"):
+        from .config_sm90 import Sm90Config
+
+        return Sm90Config.parse(text)
+    return KernelConfig.parse(text)

@@ -19,8 +19,20 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 
-from .config import BLOCK_C, BLOCK_R, D_HEADS, DTYPES, WARPS, ConfigError, KernelConfig
-from .dispatch import DEFAULT_TABLE
+from .config import (
+    BLOCK_C,
+    BLOCK_R,
+    D_HEADS,
+    DTYPES,
+    WARPS,
+    ConfigError,
+    KernelConfig,
+    parse_config,
+)
+from .config_sm90 import BLOCK_C as SM90_BLOCK_C
+from .config_sm90 import D_HEADS as SM90_D_HEADS
+from .config_sm90 import Sm90Config
+from .dispatch import DEFAULT_TABLE, SM90_TABLE
 
 P = KernelConfig.parse
 
@@ -31,6 +43,7 @@ CI: tuple[KernelConfig, ...] = (
     P("bf16_d128_r64_c128_w4_fsekvom"),  # resident Q, forward iteration, no double buffer; masks
     P("bf16_d64_r128_c64_w8_fseqbrmt"),  # whole-block K, V, 8 warps, plain softmax; masks, softcap
     P("fp16_d160_r128_c64_w8_fsqkvbo"),  # no eager prefetch; a padded d_head variant, 8 warps
+    parse_config("sm90_bf16_d128_c128_g2_s2_fwpoem"),  # Hopper: every technique, masks
 )
 
 
@@ -38,8 +51,9 @@ def _unique(configs: list[KernelConfig] | tuple[KernelConfig, ...]) -> tuple[Ker
     return tuple(dict.fromkeys(configs))
 
 
-DEFAULT: tuple[KernelConfig, ...] = _unique(
+DEFAULT: tuple[KernelConfig | Sm90Config, ...] = _unique(
     [P(short) for rows in DEFAULT_TABLE.values() for _, short in rows]
+    + [Sm90Config.parse(short) for short in SM90_TABLE.values()]
 )
 
 
@@ -88,11 +102,47 @@ PROG_STEPS: tuple[ProgStep, ...] = (
 
 PROG: tuple[KernelConfig, ...] = _unique([s.config for s in PROG_STEPS])
 
+S9 = Sm90Config.parse
+
+# The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
+# B_c 128: each step adds one technique flag.
+SM90_PROG_STEPS: tuple[ProgStep, ...] = (
+    ProgStep(1, "wgmma + TMA, one K/V stage, no warp roles", S9("sm90_bf16_d128_c128_g2_s1_f")),
+    ProgStep(2, "+ 2-stage K/V pipeline", S9("sm90_bf16_d128_c128_g2_s2_f")),
+    ProgStep(3, "+ producer warpgroup, setmaxnreg", S9("sm90_bf16_d128_c128_g2_s2_fw")),
+    ProgStep(4, "+ ping-pong between consumer warpgroups", S9("sm90_bf16_d128_c128_g2_s2_fwp")),
+    ProgStep(5, "+ softmax overlapped with P V in a warpgroup",
+             S9("sm90_bf16_d128_c128_g2_s2_fwpo")),
+    ProgStep(6, "+ epilogue through smem and a TMA store", S9("sm90_bf16_d128_c128_g2_s2_fwpoe")),
+)
+SM90_PROG: tuple[Sm90Config, ...] = _unique([s.config for s in SM90_PROG_STEPS])
+
+
+def _sm90_tune_space() -> tuple[Sm90Config, ...]:
+    """Hopper tiles per dtype and d_head: every valid (B_c, consumer warpgroups, stages) with
+    warp specialisation and the epilogue; each plain, with ping-pong and overlap, with overlap
+    alone, and on a persistent grid with and without overlap."""
+    combos = ((False, False, False), (True, True, False), (False, True, False),
+              (False, False, True), (False, True, True))
+    out: list[Sm90Config] = []
+    for dtype, d, bc, wgs, stages in itertools.product(DTYPES, SM90_D_HEADS, SM90_BLOCK_C,
+                                                      (2, 3), (2, 3)):
+        for pingpong, overlap, persistent in combos:
+            with contextlib.suppress(ConfigError):
+                out.append(Sm90Config(dtype, d, bc, wgs, stages, pingpong=pingpong,
+                                      overlap=overlap, persistent=persistent))
+    return tuple(out)
+
+
+SM90_TUNE: tuple[Sm90Config, ...] = _sm90_tune_space()
+
 SETS: dict[str, tuple[KernelConfig, ...]] = {
     "ci": CI,
     "default": DEFAULT,
     "tune": TUNE,
     "prog": PROG,
+    "sm90prog": SM90_PROG,
+    "sm90tune": SM90_TUNE,
 }
 SETS["all"] = _unique(list(itertools.chain.from_iterable(SETS.values())))
 
@@ -110,7 +160,7 @@ def resolve(spec: str) -> tuple[KernelConfig, ...]:
             out.extend(SETS[item])
         else:
             try:
-                out.append(KernelConfig.parse(item))
+                out.append(parse_config(item))
             except ConfigError as exc:
                 raise ConfigError(f"{exc}; or name a set: {', '.join(SETS)}") from None
     return _unique(out)

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import D_HEADS, ConfigError, KernelConfig, variant_for
+from .config_sm90 import D_HEADS as SM90_D_HEADS
+from .config_sm90 import Sm90Config
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,28 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
     for dtype in ("fp16", "bf16")
     for d in D_HEADS
     for (mask, softcap), letters in FEATURES.items()
+}
+
+# Hopper (sm_90a) kernels: (dtype, d_head variant of the call, mask, softcap) -> config. The
+# binding runs them on sm_90 GPUs for fixed-length calls whose tensors TMA can address (16-byte
+# aligned, strides multiples of 8 elements) and otherwise the sm80 choice of the same row.
+# Tiles from a sweep of the sm90tune set on an H100 (bf16, docs/results.md, 2026-11-23): a
+# producer warpgroup and the TMA-store epilogue everywhere; ping-pong and intra-warpgroup
+# overlap measured 3-5% slower at every tile, so they stay off. A persistent grid gains 5-7% at
+# d_head 64 (B_r = 192, 3 consumer warpgroups) and 1% at 128 over 2048-8192, but loses 5-8%
+# under causal masks (static round-robin of uneven tiles): masked kernels are not persistent.
+# d_head 256 has no room for the persistent grid's O buffer.
+_SM90_PLAIN = {64: "c96_g3_s3_fwes", 128: "c128_g2_s2_fwes", 256: "c64_g2_s2_fwe"}
+_SM90_MASKED = {64: "c96_g3_s3_fwem", 128: "c128_g2_s2_fwem", 256: "c64_g2_s2_fwem"}
+# The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
+# TMA, never stored): 32 on 64, 96 on 128, 160-224 on 256.
+_SM90_OF_VARIANT = {32: 64, 64: 64, 96: 128, 128: 128, 160: 256, 192: 256, 224: 256, 256: 256}
+SM90_TABLE: dict[tuple[str, int, bool, bool], str] = {
+    (dtype, d, mask, False):
+        f"sm90_{dtype}_d{hd}_{(_SM90_MASKED if mask else _SM90_PLAIN)[hd]}"
+    for dtype in ("fp16", "bf16")
+    for d, hd in _SM90_OF_VARIANT.items()
+    for mask in (False, True)
 }
 
 MIN_BUCKET, MAX_BUCKET = 64, 16384
@@ -126,22 +150,52 @@ def reload_tuning() -> dict[str, str]:
     return entries
 
 
-def serves(cfg: KernelConfig, dtype: str, d_head: int, mask: bool, softcap: bool) -> bool:
+def sm90_variant_for(d_head: int) -> int | None:
+    """The Hopper d_head variant that serves d_head (64, 128 or 256), or None."""
+    if variant_for(d_head) is None:
+        return None
+    return next(v for v in SM90_D_HEADS if v >= d_head)
+
+
+def serves(cfg: KernelConfig | Sm90Config, dtype: str, d_head: int, mask: bool,
+           softcap: bool) -> bool:
     """Is cfg dispatch's kind of kernel for this call? Its d_head is the call's variant (a
     larger variant would run it too, but slower); masks serve unmasked calls too; a softcap
     kernel only softcap calls."""
-    return (cfg.dtype == dtype and cfg.d_head == variant_for(d_head) and cfg.softcap == softcap
+    variant = sm90_variant_for(d_head) if cfg.family == "sm90" else variant_for(d_head)
+    return (cfg.dtype == dtype and cfg.d_head == variant and cfg.softcap == softcap
             and (cfg.mask or not mask))
 
 
-def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
+def select_sm90(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig | Sm90Config],
+                mask: bool = False, softcap: bool = False) -> Sm90Config | None:
+    """The Hopper kernel for this problem among the built ones (a tuned one first, then
+    SM90_TABLE), or None: the sm80 choice runs everywhere then."""
+    by_name = {c.short: c for c in built if c.family == "sm90"}
+    if not by_name:
+        return None
+    variant = variant_for(d_head) or d_head
+    tuned = tuning_entries().get(tuning_key(dtype, variant, seqlen_q, mask, softcap))
+    if tuned is not None:
+        if tuned in by_name and serves(by_name[tuned], dtype, d_head, mask, softcap):
+            return by_name[tuned]
+        if not tuned.startswith("sm90_"):
+            return None  # the tuning file chose an sm80 kernel for this row
+    short = SM90_TABLE.get((dtype, variant, mask, softcap))
+    cfg = by_name.get(short) if short else None
+    return cfg if cfg is not None and serves(cfg, dtype, d_head, mask, softcap) else None
+
+
+def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig | Sm90Config],
            mask: bool = False, softcap: bool = False) -> KernelConfig:
-    """The config to run for this problem among the built ones (d_head: the call's; the
-    table is by variant)."""
+    """The sm80-family config to run for this problem among the built ones (d_head: the
+    call's; the table is by variant): what runs on any GPU, and the fallback of a Hopper
+    kernel (select_sm90)."""
     variant = variant_for(d_head)
     if variant is None:
         raise ConfigError(f"d_head={d_head} is not a multiple of 8 up to {D_HEADS[-1]}")
     d_head = variant
+    built = [c for c in built if c.family == "sm80"]
     by_name = {c.short: c for c in built}
     tuned = tuning_entries().get(tuning_key(dtype, d_head, seqlen_q, mask, softcap))
     if tuned is not None:

@@ -4,7 +4,7 @@ Query i sees key j iff ``i + off - left <= j <= i + off + right`` with ``off = s
 seqlen_q`` (the diagonal aligned bottom-right), each side unbounded when its window is -1.
 ``causal=True`` sets right = 0. A row that sees no key gives output 0 and LSE -inf.
 
-:func:`kv_blocks` mirrors ``flash::window_blocks`` (src/csrc/kernel/mask.cuh): which KV blocks a
+:func:`kv_blocks` mirrors ``flash::window_blocks`` (src/csrc/common/mask.cuh): which KV blocks a
 query block visits and which of them need masking; :func:`block_mask` mirrors
 ``flash::WindowMask``: the element mask of one such block, as a range of column - row. The block
 emulation uses both, and the tests check them against the element-wise rule, so the kernel's

@@ -123,6 +123,37 @@ class Compile:
         return out
 
 
+# A generated source whose first lines carry this marker holds an sm_90a kernel (wgmma,
+# setmaxnreg): it compiles for that target alone, whatever the build's architecture list.
+ARCH_MARKER = "// fa-arch: sm_90a"
+_GENCODE = re.compile(r"^(-gencode|--generate-code)(=.*)?$")
+
+
+def arch_override(args: list[str], source: str) -> list[str]:
+    """The command line with its -gencode flags replaced by sm_90a for a marked source."""
+    try:
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return args
+    if ARCH_MARKER not in head:
+        return args
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        m = _GENCODE.match(arg)
+        if m:
+            skip = m[2] is None  # "-gencode VALUE": drop the value too
+            continue
+        if arg.startswith(("-arch=", "--gpu-architecture=", "-code=", "--gpu-code=")):
+            continue
+        out.append(arg)
+    return [*out, "-gencode=arch=compute_90a,code=sm_90a"]
+
+
 def project_headers(source: Path, include_dirs: list[Path]) -> list[Path]:
     """Every file `#include "..."` can reach from source (through the including file's
     directory and the -I directories), regardless of preprocessor conditions, sorted."""
@@ -350,6 +381,9 @@ def main(argv: list[str]) -> int:
     else:
         compiler, args = [_real_nvcc()], argv
     comp = Compile.parse(args)
+    if comp is not None and compiler == [_real_nvcc()]:
+        args = arch_override(args, comp.source)
+        comp = Compile.parse(args)
     root = cache_dir()
     if comp is None or root is None:
         return run_compiler(compiler, args, comp.obj if comp else _option_value(args, "-o"))[0]

@@ -27,11 +27,12 @@ import torch
 
 from . import dispatch
 from ._extension import ExtensionNotBuilt, extension
-from .config import ConfigError, KernelConfig
+from .config import ConfigError, KernelConfig, parse_config
+from .config_sm90 import Sm90Config
 
 log = logging.getLogger(__name__)
 
-BUILT: tuple[KernelConfig, ...] = ()  # the kernels of this build, in build order
+BUILT: tuple[KernelConfig | Sm90Config, ...] = ()  # the kernels of this build, in build order
 BUILT_NAMES: frozenset[str] = frozenset()
 LOADED = False  # the extension is loaded and the operator registered
 LOAD_ERROR: str | None = None
@@ -48,7 +49,7 @@ def load() -> bool:
     except ExtensionNotBuilt as exc:
         LOAD_ERROR = str(exc)
         return False
-    BUILT = tuple(KernelConfig.parse(entry["name"]) for entry in ext.kernels())
+    BUILT = tuple(parse_config(entry["name"]) for entry in ext.kernels())
     BUILT_NAMES = frozenset(c.short for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention::attention")(_attention_fake)
@@ -69,7 +70,12 @@ def refresh_dispatch() -> None:
         extension().set_dispatch(dispatch_rows(BUILT))
 
 
-def dispatch_rows(built: tuple[KernelConfig, ...]) -> list[tuple[str, int, int, bool, bool, str]]:
+def dispatch_rows(
+        built: tuple[KernelConfig | Sm90Config, ...]
+) -> list[tuple[str, int, int, bool, bool, str, str]]:
+    """Rows (dtype, d_head variant, bucket, mask, softcap, kernel, fallback): the fallback
+    (an sm80-family kernel) runs where the kernel (a Hopper one) cannot; else both are the
+    same."""
     rows = []
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built):
         for bucket in dispatch.BUCKETS:
@@ -78,7 +84,8 @@ def dispatch_rows(built: tuple[KernelConfig, ...]) -> list[tuple[str, int, int, 
                     cfg = dispatch.select(dtype, d_head, bucket, built, mask, softcap)
                 except ConfigError:
                     continue
-                rows.append((dtype, d_head, bucket, mask, softcap, cfg.short))
+                fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap) or cfg
+                rows.append((dtype, d_head, bucket, mask, softcap, fast.short, cfg.short))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

@@ -63,6 +63,8 @@ def _find(binary: Path, kernel: str, arch: str, suffix: str, members: list[Membe
     if not mine:
         raise ToolError(f"kernel {kernel} is not in {binary.name}; it has: "
                         f"{', '.join(sorted({m.kernel for m in members})) or 'none'}")
+    if arch == "90" and kernel.startswith("sm90_"):
+        arch = "90a"  # Hopper-family kernels exist as sm_90a code only: sm_90 names the GPU
     match = [m for m in mine if m.arch == arch]
     if not match:
         what = "PTX" if suffix == "ptx" else "code"

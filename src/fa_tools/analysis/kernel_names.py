@@ -1,6 +1,8 @@
 """Kernel symbol names <-> config short forms. The kernels are instantiations of
-flash::fwd_kernel<flash::FwdConfig<Elem, D, B_r, B_c, warps, flags...>>; their mangled names
-carry every template argument, so any ptxas or disassembler output can be named by config."""
+flash::fwd_kernel<flash::FwdConfig<Elem, D, B_r, B_c, warps, flags...>> (sm80 family) and
+flash::sm90::fwd_sm90_kernel<flash::sm90::Sm90Config<Elem, D, B_c, WGs, stages, flags...>>
+(sm90 family); their mangled names carry every template argument, so any ptxas or disassembler
+output can be named by config."""
 
 from __future__ import annotations
 
@@ -8,20 +10,39 @@ import re
 
 from flash_attention.codegen import ELEM_TYPES
 from flash_attention.config import FLAGS, KernelConfig
+from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
+from flash_attention.config_sm90 import Sm90Config
 
 _ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
 _MANGLED = re.compile(
     r"_ZN5flash10fwd_kernelINS_9FwdConfigI(?P<elem>6__half|13__nv_bfloat16)"
     r"Li(?P<d>\d+)ELi(?P<br>\d+)ELi(?P<bc>\d+)ELi(?P<w>\d+)E(?P<flags>(?:Lb[01]E)+)EEEEvNS_9FwdParamsE"
 )
+_MANGLED_SM90 = re.compile(
+    r"_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI(?P<elem>6__half|13__nv_bfloat16)"
+    r"Li(?P<d>\d+)ELi(?P<bc>\d+)ELi(?P<wgs>\d+)ELi(?P<stages>\d+)E(?P<flags>(?:Lb[01]E)+)"
+    r"EEEEvNS0_10Sm90ParamsE"
+)
 assert set(_ELEM.values()) == set(ELEM_TYPES)
 
 
-def config_of(mangled: str) -> KernelConfig | None:
-    """The config of a mangled fwd_kernel symbol, None for any other symbol."""
-    m = _MANGLED.search(mangled)
+def _sm90_config_of(mangled: str) -> Sm90Config | None:
+    m = _MANGLED_SM90.search(mangled)
     if m is None:
         return None
+    bits = re.findall(r"Lb([01])E", m["flags"])
+    if len(bits) != len(SM90_FLAGS):
+        return None
+    flags = {name: bit == "1" for name, bit in zip(SM90_FLAGS, bits)}
+    return Sm90Config(_ELEM[m["elem"]], int(m["d"]), int(m["bc"]), int(m["wgs"]),
+                      int(m["stages"]), **flags)
+
+
+def config_of(mangled: str) -> KernelConfig | Sm90Config | None:
+    """The config of a mangled kernel symbol of either family, None for any other symbol."""
+    m = _MANGLED.search(mangled)
+    if m is None:
+        return _sm90_config_of(mangled)
     bits = re.findall(r"Lb([01])E", m["flags"])
     if len(bits) != len(FLAGS):
         return None
@@ -29,3 +50,9 @@ def config_of(mangled: str) -> KernelConfig | None:
     return KernelConfig(_ELEM[m["elem"]], int(m["d"]), int(m["br"]), int(m["bc"]), int(m["w"]),
                         **flags)
 
+
+
+def archs_of(cfg: KernelConfig | Sm90Config, build_archs: list[str]) -> list[str]:
+    """The architectures a build holds code of cfg for: an sm90 kernel compiles for sm_90a
+    alone (whatever the build's list), an sm80 one for each of the build's."""
+    return ["90a"] if cfg.family == "sm90" else [str(a) for a in build_archs]

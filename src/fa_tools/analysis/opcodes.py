@@ -10,10 +10,16 @@ from .sass import Instruction
 
 # Category of each base opcode (the part before the first dot). Order is the report order.
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    "tensor_mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "BMMA", "DMMA", "WARPGROUP"),
+    # mma.sync (HMMA) and wgmma (HGMMA) alike: the matrix instructions of either family.
+    "tensor_mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "BMMA", "DMMA"),
     "ldmatrix": ("LDSM", "STSM"),
-    "async_copy": ("LDGSTS", "LDGDEPBAR", "DEPBAR", "UBLKCP", "UTMALDG", "UTMASTG", "UTMACCTL",
-                   "SYNCS"),
+    "async_copy": ("LDGSTS", "LDGDEPBAR", "DEPBAR"),
+    # Hopper: TMA bulk tensor copies and their prefetch/control, mbarrier operations, the wgmma
+    # fences and waits, setmaxnreg.
+    "tma": ("UTMALDG", "UTMASTG", "UBLKCP", "UTMACCTL", "UTMAPF"),
+    "mbarrier": ("SYNCS",),
+    "wgmma_sync": ("WARPGROUP",),
+    "setmaxnreg": ("USETMAXREG",),
     "global_load": ("LDG",),
     "global_store": ("STG", "RED", "ATOMG"),
     "shared_load": ("LDS",),
@@ -77,9 +83,13 @@ def histogram(kernel: str, arch: str, instrs: list[Instruction],
 
 
 def expected_mma_count(cfg) -> int:
-    """mma.sync m16n8k16 instructions a config's kernel body holds: per KV block each warp
-    issues m_tiles x (B_c/8 x d/16) for S = Q K^T and m_tiles x (d/8 x B_c/16) for O += P V;
-    the optimised softmax peels the first block, so its body is emitted twice."""
+    """Matrix instructions a config's kernel body holds. sm80: mma.sync m16n8k16, per KV block
+    each warp issues m_tiles x (B_c/8 x d/16) for S = Q K^T and m_tiles x (d/8 x B_c/16) for
+    O += P V; the optimised softmax peels the first block, so its body is emitted twice. sm90:
+    wgmma m64nNk16, d/16 for S and B_c/16 for O += P V, each at two sites (the peeled first S
+    and the last P V outside the loop, both inside it)."""
+    if cfg.family == "sm90":
+        return 2 * (cfg.d_head // 16 + cfg.block_c // 16)
     per_block = cfg.m_tiles * ((cfg.block_c // 8) * (cfg.d_head // 16)
                                + (cfg.d_head // 8) * (cfg.block_c // 16))
     return per_block * (2 if cfg.opt_softmax else 1)

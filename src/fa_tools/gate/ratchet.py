@@ -14,6 +14,7 @@ import yaml
 
 from ..analysis import opcodes, ptxas_report, sass
 from ..analysis.binaries import tool_version, tools_in_use
+from ..analysis.kernel_names import archs_of
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,14 @@ def describe_toolchain(tools: dict[str, str]) -> str:
 
 def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Path
                     ) -> dict[str, dict[str, dict[str, int]]]:
-    """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build."""
+    """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build (an
+    sm90 kernel under 90a, whatever `archs` says)."""
+    from flash_attention.config import parse_config
+
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
     out: dict[str, dict[str, dict[str, int]]] = {}
     for kernel in kernels:
-        for arch in archs:
+        for arch in archs_of(parse_config(kernel), archs):
             rec = records.get((kernel, arch))
             if rec is None:
                 continue
@@ -72,6 +76,8 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
                 "sass_local_memory": hist.categories["local_memory"],
                 "sass_int_address": hist.categories["int_address"],
                 "sass_tensor_mma": hist.categories["tensor_mma"],
+                **({"sass_tma": hist.categories["tma"],
+                    "sass_setmaxnreg": hist.categories["setmaxnreg"]} if arch == "90a" else {}),
             }
     return out
 
@@ -114,6 +120,8 @@ def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
                 continue
             for metric, rule in rules.items():
                 b, c = old.get(metric), new.get(metric)
+                if b is None and c is None:
+                    continue  # a metric of the other family (TMA, setmaxnreg: sm_90a only)
                 if b is None or c is None:
                     findings.append(Finding(kernel, arch, metric, b, c, "unpinned",
                                             "metric not pinned: rebaseline"))

@@ -95,10 +95,10 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
         for name, fn in fns.items():
             samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
-    chosen = config or fa.dispatch.select(dtype, d_head, seqlen, fa.available_configs(),
-                                          mask=causal)
+    # What ran: the named config, or dispatch's choice after its run-time fallback.
+    chosen = config.short if config else fa.ops.extension().explain(q, k, v, causal, False)
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
-           "causal": causal, "config": chosen.short if hasattr(chosen, "short") else str(chosen)}
+           "causal": causal, "config": chosen}
     for name in ("ours", *PEERS):
         got = samples.get(name)
         row[f"{name}_ms"] = statistics.median(got) if got else None
@@ -111,6 +111,22 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head, batch, seqlen,
              row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
     return row
+
+
+def gemm_tflops(n: int = 8192, reps: int = 10, rounds: int = 3) -> dict:
+    """cuBLAS bf16 GEMM n^3 through torch.matmul: the tensor-core rate of this GPU, measured in
+    the same run as the attention rows (median and spread over the samples)."""
+    import torch
+
+    from .perfcases import time_cuda_ms
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    samples: list[float] = []
+    for _ in range(rounds):
+        samples += time_cuda_ms(lambda: torch.matmul(a, b), reps=reps, warmup=3)
+    flops = 2 * n**3
+    return {"n": n, "tflops": flops / statistics.median(samples) / 1e9,
+            "tflops_min": flops / max(samples) / 1e9, "tflops_max": flops / min(samples) / 1e9}
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -156,9 +172,18 @@ def command(args: argparse.Namespace) -> int:
                parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds,
                args.causal)
     table = markdown(rows, env)
+    gemm = None
+    if args.gemm:
+        gemm = gemm_tflops()
+        table += (f"\ncuBLAS bf16 GEMM {gemm['n']}^3 in the same run: {gemm['tflops']:.1f} "
+                  f"TFLOP/s (samples {gemm['tflops_min']:.1f}-{gemm['tflops_max']:.1f}); "
+                  "ours / GEMM: "
+                  + ", ".join(f"{r['batch']}x{r['seqlen']} {r['ours_tflops'] / gemm['tflops']:.2f}"
+                              for r in rows) + "\n")
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"env": env, "rows": rows, "gemm": gemm}, indent=1)
+                             + "\n")
     if args.md:
         args.md.write_text(table)
     return 0
@@ -179,6 +204,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--causal", action="store_true",
                    help="causal attention for all contenders (TFLOP/s from halved FLOPs)")
+    p.add_argument("--gemm", action="store_true",
+                   help="also time a cuBLAS bf16 GEMM 8192^3 (the GPU's tensor-core rate)")
     p.add_argument("--json", type=Path, help="write all numbers here")
     p.add_argument("--md", type=Path, help="write the markdown table here")
     p.set_defaults(func=command)

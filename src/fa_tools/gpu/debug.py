@@ -31,15 +31,16 @@ def run(config: str, batch: int = 1, seqlen_q: int = 200, seqlen_k: int = 300, h
 
     import flash_attention as fa
 
-    cfg = fa.KernelConfig.parse(config)
+    cfg = fa.parse_config(config)
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(batch, s, heads, cfg.d_head, device="cuda", dtype=dt, generator=gen)
                for s in (seqlen_q, seqlen_k, seqlen_k))
     features = {"causal": cfg.mask, "softcap": 1.5 if cfg.softcap else 0.0}
     out, lse = fa.attention(q, k, v, config=cfg, return_lse=True, **features)
-    emu = fa.emulate_blocks(q, k, v, cfg.block_r, cfg.block_c, cfg.reverse_kv, trace=True,
-                            **features)
+    # The sm90 family always visits KV blocks from the last to the first.
+    reverse = cfg.reverse_kv if cfg.family == "sm80" else True
+    emu = fa.emulate_blocks(q, k, v, cfg.block_r, cfg.block_c, reverse, trace=True, **features)
     tol = TOLERANCE[cfg.dtype]
     rows = 0
     for b in range(batch):

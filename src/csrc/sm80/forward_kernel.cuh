@@ -16,9 +16,9 @@
 
 #include <cstdint>
 
+#include "../common/mask.cuh"
+#include "../common/params.h"
 #include "gemm.cuh"
-#include "mask.cuh"
-#include "params.h"
 #include "smem_tile.cuh"
 #include "softmax.cuh"
 

@@ -8,10 +8,10 @@
 
 #include <cuda_runtime.h>
 
+#include "../common/params.h"
 #include "../registry.h"
 #include "config.cuh"
 #include "forward_kernel.cuh"
-#include "params.h"
 
 namespace flash {
 
@@ -49,7 +49,8 @@ constexpr KernelEntry make_entry(const char* name) {
                        Cfg::kSmemBytes,
                        Cfg::kMask,
                        Cfg::kSoftcap,
-                       &launch_fwd<Cfg>};
+                       &launch_fwd<Cfg>,
+                       /*arch=*/80};
 }
 
 }  // namespace flash

@@ -1,0 +1,83 @@
+// The compile-time config of a Hopper (sm_90a) forward kernel: the single C++ description of one
+// instantiation. flash_attention.config.Sm90Config holds the same fields and rules; one flag per
+// technique, so each step of the progression is a config and the SASS shows the difference.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash::sm90 {
+
+template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
+          bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kMask_,
+          bool kSoftcap_>
+struct Sm90Config {
+    using Elem = Elem_;
+
+    static constexpr int kDHead = kDHead_;  // 64, 128 or 256; serves multiples of 8 up to it
+    static constexpr int kBc = kBc_;        // B_c: key/value rows per stage
+    static constexpr int kConsumerWGs = kConsumerWGs_;  // warpgroups of 64 query rows each
+    static constexpr int kBr = 64 * kConsumerWGs;       // B_r: query rows per CTA
+    static constexpr int kStages = kStages_;            // K/V shared-memory stages
+    // A producer warpgroup issues the TMA copies and gives its registers to the consumers
+    // (setmaxnreg); without it, consumer thread 0 issues them between its own GEMMs.
+    static constexpr bool kWarpSpec = kWarpSpec_;
+    // The two consumer warpgroups take turns issuing GEMMs (named barriers), so that one's
+    // softmax runs while the other's GEMMs keep the tensor cores busy.
+    static constexpr bool kPingPong = kPingPong_;
+    // Inside a warpgroup: the softmax of block j runs while P V_{j-1} is still on the tensor
+    // cores (O is rescaled only after it lands).
+    static constexpr bool kOverlap = kOverlap_;
+    // O leaves through shared memory and a TMA store per warpgroup (else 4-byte stores from
+    // registers).
+    static constexpr bool kTmaStore = kTmaStore_;
+    // A persistent grid (one CTA per SM looping over tiles): the producer loads the next tile's
+    // Q and K/V while the consumers finish the current one; O leaves through its own buffer.
+    static constexpr bool kPersistent = kPersistent_;
+    static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
+    static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
+
+    static constexpr int kProducerWGs = kWarpSpec ? 1 : 0;
+    static constexpr int kThreads = 128 * (kConsumerWGs + kProducerWGs);
+    static constexpr int kConsumerThreads = 128 * kConsumerWGs;
+    static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+    // Registers after setmaxnreg: the producer keeps few, the consumers take the rest
+    // (65536 per SM, one CTA per SM).
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+
+    // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
+    // the row-wise softmax and masks of the sm_80 kernels apply: these name it in their terms.
+    static constexpr int kMTiles = 1;
+    static constexpr int kNTilesS = kBc / 8;
+    static constexpr int kNTilesO = kDHead / 8;
+    static constexpr bool kOptSoftmax = true;
+
+    // Shared memory: tiles of 64-column panels (128 bytes per row, the 128-byte swizzle's width),
+    // each panel rows x 128 bytes; Q, then K and V per stage, then the mbarriers.
+    static constexpr int kPanels = kDHead / 64;
+    static constexpr int kPanelCols = 64;
+    static constexpr int kQBytes = kBr * kDHead * 2;
+    static constexpr int kKVBytes = kBc * kDHead * 2;
+    static constexpr int kOBytes = kPersistent ? kBr * kDHead * 2 : 0;  // else O reuses sQ
+    static constexpr int kBarrierBytes = 1024;
+    // + 1024: the dynamic smem base is rounded up to the 1024-byte swizzle period.
+    static constexpr int kSmemBytes =
+        kQBytes + 2 * kStages * kKVBytes + kOBytes + kBarrierBytes + 1024;
+
+    static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
+    static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");
+    static_assert(kBc == 64 || kBc == 96 || kBc == 128 || kBc == 176 || kBc == 192,
+                  "B_c must be a wgmma N the kernels instantiate: 64, 96, 128, 176 or 192");
+    static_assert(kConsumerWGs == 1 || kConsumerWGs == 2 || kConsumerWGs == 3,
+                  "1 to 3 consumer warpgroups");
+    static_assert(kStages >= 1 && kStages <= 4, "1 to 4 K/V stages");
+    static_assert(!kPingPong || (kConsumerWGs == 2 && kWarpSpec),
+                  "ping-pong needs two consumer warpgroups and a producer");
+    static_assert(!kPersistent || (kWarpSpec && kTmaStore && !kPingPong),
+                  "the persistent grid needs the producer and the TMA-store epilogue (and no "
+                  "ping-pong)");
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
+};
+
+}  // namespace flash::sm90

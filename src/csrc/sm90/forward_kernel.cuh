@@ -1,0 +1,581 @@
+// FlashAttention forward on Hopper: TMA copies into 128-byte-swizzled shared memory completing on
+// mbarriers, wgmma for S = Q K^T (both operands in shared memory) and O += P V (P from
+// registers), a K/V pipeline of kStages stages, and optionally a producer warpgroup with
+// setmaxnreg, ping-pong between the consumer warpgroups, softmax overlapped with P V, and an
+// epilogue through shared memory and a TMA store.
+//
+// One CTA owns B_r = 64 x kConsumerWGs query rows of one (batch, head); consumer warpgroup g owns
+// rows 64g .. 64g + 63 end to end. Per KV block j (from the last to the first):
+//   S_j = Q K_j^T -> softcap -> mask (key tail; window edges with kMask) -> online softmax
+//   O += P_j V_j
+// issued as [P_{j-1} V_{j-1}, S_j] in one batch so that the tensor cores never wait on a
+// warpgroup's softmax when there is work of the other one to do.
+//
+// Pipeline: barriers k_full/v_full[s] complete when the TMA copies of stage s have landed (the
+// producer arrives once with the byte count); k_empty/v_empty[s] complete when every consumer
+// warp has finished the GEMM reading that stage. Use u of stage s waits for phase parity u & 1.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/mask.cuh"
+#include "../common/numeric.cuh"
+#include "../common/params.h"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+namespace flash::sm90 {
+
+struct Sm90Params {
+    FwdParams p;
+    // 4-D maps (d_head, seqlen, heads, batch): Q and O boxes are 64 columns x B_r (Q) or 64 (O,
+    // one warpgroup's rows) rows, K and V 64 columns x B_c rows; all 128-byte swizzled.
+    CUtensorMap tma_q, tma_k, tma_v, tma_o;
+};
+
+template <class Cfg>
+struct Smem {
+    static constexpr uint32_t kQ = 0;
+    static constexpr uint32_t kK = kQ + Cfg::kQBytes;
+    static constexpr uint32_t kV = kK + Cfg::kStages * Cfg::kKVBytes;
+    static constexpr uint32_t kO = kV + Cfg::kStages * Cfg::kKVBytes;
+    static constexpr uint32_t kBarriers = kO + Cfg::kOBytes;
+
+    unsigned char* base;  // 1024-byte aligned
+
+    __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
+    __device__ __forceinline__ unsigned char* k(int s) const {
+        return base + kK + s * Cfg::kKVBytes;
+    }
+    __device__ __forceinline__ unsigned char* v(int s) const {
+        return base + kV + s * Cfg::kKVBytes;
+    }
+    // O staging of the epilogue: its own buffer on a persistent grid, else sQ (free by then).
+    __device__ __forceinline__ unsigned char* o() const {
+        return Cfg::kPersistent ? base + kO : base + kQ;
+    }
+    __device__ __forceinline__ uint64_t* bar(int i) const {
+        return reinterpret_cast<uint64_t*>(base + kBarriers) + i;
+    }
+    __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
+    __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(1 + s); }
+    __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(1 + Cfg::kStages + s); }
+    __device__ __forceinline__ uint64_t* k_empty(int s) const {
+        return bar(1 + 2 * Cfg::kStages + s);
+    }
+    __device__ __forceinline__ uint64_t* v_empty(int s) const {
+        return bar(1 + 3 * Cfg::kStages + s);
+    }
+    // Persistent grid: sQ is free for the next tile once every consumer warp has finished its
+    // last S GEMM of the current one.
+    __device__ __forceinline__ uint64_t* q_empty() const { return bar(1 + 4 * Cfg::kStages); }
+    static constexpr int kBarrierCount = 2 + 4 * Cfg::kStages;
+    static_assert(kBarrierCount * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+};
+
+// One tile of work: a query block of one (batch, head), and the KV blocks it visits. Tiles are
+// numbered query block fastest (neighbouring tiles share K and V in L2).
+template <class Cfg>
+struct Work {
+    int q_block, head, kv_head, batch;
+    int q_row0;  // first query row of the tile
+    KvBlocks kv;
+    int n_blocks;
+
+    __device__ __forceinline__ static int q_blocks(const FwdParams& p) {
+        return (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
+    }
+    __device__ __forceinline__ static int tiles(const FwdParams& p) {
+        return q_blocks(p) * p.heads * p.batch;
+    }
+
+    __device__ __forceinline__ Work(const FwdParams& p, int tile) {
+        const int qb = q_blocks(p);
+        const int rest = tile / qb;
+        // With masks, query blocks run from the last (the most keys under a causal mask) down.
+        q_block = Cfg::kMask ? qb - 1 - tile % qb : tile % qb;
+        head = rest % p.heads;
+        kv_head = head / p.heads_per_kv;
+        batch = rest / p.heads;
+        q_row0 = q_block * Cfg::kBr;
+        if constexpr (Cfg::kMask) {
+            kv = window_blocks<Cfg::kBr, Cfg::kBc>(p, p.seqlen_q, p.seqlen_k, q_row0);
+            n_blocks = kv.count();
+        } else {
+            kv = KvBlocks{0, (p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc - 1, 0, 0};
+            n_blocks = kv.last + 1;
+        }
+    }
+    // Visit order: last block first (with a causal mask it holds the diagonal, so the row
+    // maxima are known early).
+    __device__ __forceinline__ int block(int i) const { return kv.last - i; }
+    __device__ __forceinline__ bool needs_mask(int j, int seqlen_k) const {
+        if constexpr (Cfg::kMask)
+            return kv.needs_mask(j);
+        return (j + 1) * Cfg::kBc > seqlen_k;
+    }
+};
+
+// The TMA side: copies of Q and of the K/V blocks into their stages. K/V blocks are numbered
+// across the CTA's tiles (g): block g goes to stage g % kStages, its use g / kStages of it.
+template <class Cfg>
+struct Loader {
+    const Sm90Params& prm;
+    const Smem<Cfg>& sm;
+
+    // Q of tile use u (the CTA's u-th tile with work), once the previous tile's S GEMMs are done.
+    __device__ __forceinline__ void load_q(const Work<Cfg>& w, int u) const {
+        if (Cfg::kPersistent && u > 0)
+            mbar_wait(sm.q_empty(), (u - 1) & 1);
+        mbar_arrive_expect_tx(sm.q_full(), Cfg::kQBytes);
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c)
+            tma_load_4d(sm.q() + c * Cfg::kBr * 128, &prm.tma_q, sm.q_full(), c * 64, w.q_row0,
+                        w.head, w.batch);
+    }
+    // Block i of the tile's visit order, pipeline block g, once its stage is released.
+    __device__ __forceinline__ void load_k(const Work<Cfg>& w, int i, int g) const {
+        const int s = g % Cfg::kStages, use = g / Cfg::kStages;
+        if (use > 0)
+            mbar_wait(sm.k_empty(s), (use - 1) & 1);
+        mbar_arrive_expect_tx(sm.k_full(s), Cfg::kKVBytes);
+        const int row0 = w.block(i) * Cfg::kBc;
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c)
+            tma_load_4d(sm.k(s) + c * Cfg::kBc * 128, &prm.tma_k, sm.k_full(s), c * 64, row0,
+                        w.kv_head, w.batch);
+    }
+    __device__ __forceinline__ void load_v(const Work<Cfg>& w, int i, int g) const {
+        const int s = g % Cfg::kStages, use = g / Cfg::kStages;
+        if (use > 0)
+            mbar_wait(sm.v_empty(s), (use - 1) & 1);
+        mbar_arrive_expect_tx(sm.v_full(s), Cfg::kKVBytes);
+        const int row0 = w.block(i) * Cfg::kBc;
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c)
+            tma_load_4d(sm.v(s) + c * Cfg::kBc * 128, &prm.tma_v, sm.v_full(s), c * 64, row0,
+                        w.kv_head, w.batch);
+    }
+};
+
+// Online softmax of one warpgroup's rows, split so that O can be rescaled after P V_{j-1} has
+// landed: scores() turns S into P and returns the rescale factors, rescale() applies them.
+// Thread rows: lane / 4 and lane / 4 + 8 of its warp's 16; a row's quad holds its columns.
+template <class Cfg>
+struct Softmax {
+    float m[2];  // running max, raw score units (scaled inside the exp2 FMA)
+    float l[2];  // this thread's share of the running sum
+
+    __device__ __forceinline__ void init() {
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+    }
+
+    template <bool kFirst>
+    __device__ __forceinline__ void scores(float (&S)[Cfg::kNTilesS][4], float scale_log2,
+                                           float (&corr)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[h];
+#pragma unroll
+            for (int t = 0; t < Cfg::kNTilesS; ++t)
+                mx = fmaxf(mx, fmaxf(S[t][2 * h], S[t][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row with no finite score yet keeps offset 0: exp2(-inf) = 0, never NaN.
+            const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;
+            corr[h] = (kFirst || mx == -INFINITY) ? 1.f : fast_exp2((m[h] - mx) * scale_log2);
+            m[h] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int t = 0; t < Cfg::kNTilesS; ++t)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    S[t][e] = fast_exp2(fmaf(S[t][e], scale_log2, -offset));
+                    sum += S[t][e];
+                }
+            l[h] = kFirst ? sum : l[h] * corr[h] + sum;
+        }
+    }
+
+    __device__ __forceinline__ static void rescale(float (&O)[Cfg::kNTilesO][4],
+                                                   const float (&corr)[2]) {
+#pragma unroll
+        for (int t = 0; t < Cfg::kNTilesO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                O[t][e] *= corr[e / 2];
+    }
+
+    // O /= l; LSE (natural log) per row; a row with no key gives O = 0 and LSE = -inf.
+    __device__ __forceinline__ void finalize(float (&O)[Cfg::kNTilesO][4], float (&lse)[2],
+                                             float scale_log2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[h];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+            for (int t = 0; t < Cfg::kNTilesO; ++t) {
+                O[t][2 * h] *= inv;
+                O[t][2 * h + 1] *= inv;
+            }
+            lse[h] =
+                sum > 0.f ? (m[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        }
+    }
+};
+
+// One consumer warpgroup: its 64 query rows through every KV block.
+template <class Cfg>
+struct Consumer {
+    using Elem = typename Cfg::Elem;
+    static constexpr int kNS = Cfg::kNTilesS, kNO = Cfg::kNTilesO;
+    static constexpr int kStepsQK = Cfg::kDHead / 16, kStepsPV = Cfg::kBc / 16;
+
+    const Sm90Params& prm;
+    const Smem<Cfg>& sm;
+    const Loader<Cfg>& loader;
+    const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
+    const Work<Cfg>* work = nullptr;  // the current tile
+    int g0 = 0;                       // pipeline number of the tile's first K/V block
+
+    float O[kNO][4];
+    float S[kNS][4];
+    uint32_t P[kStepsPV][4];  // P of the previous block as wgmma A fragments
+    Softmax<Cfg> softmax;
+
+    // ---- GEMMs --------------------------------------------------------------------------------
+
+    // S = Q K_i^T, K-major operands: Q rows of this warpgroup and K_i rows, 16 columns of d per
+    // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel).
+    __device__ __forceinline__ void issue_qk(int s) {
+        const uint32_t q0 = smem_u32(sm.q()) + wg * 64 * 128;
+        const uint32_t k0 = smem_u32(sm.k(s));
+#pragma unroll
+        for (int kk = 0; kk < kStepsQK; ++kk) {
+            const uint32_t step = (kk % 4) * 32;  // bytes into the 128-byte row
+            const uint64_t a = desc_sw128(q0 + (kk / 4) * Cfg::kBr * 128 + step, 16, 1024);
+            const uint64_t b = desc_sw128(k0 + (kk / 4) * Cfg::kBc * 128 + step, 16, 1024);
+            Wgmma<Cfg::kBc, Elem>::ss(S, a, b, kk > 0 ? 1u : 0u);
+        }
+    }
+
+    // O += P V_i: B is V (kv rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
+    // panels B_c x 128 bytes apart (LBO); 16 kv rows per instruction.
+    __device__ __forceinline__ void issue_pv(int s) {
+        const uint32_t v0 = smem_u32(sm.v(s));
+#pragma unroll
+        for (int kk = 0; kk < kStepsPV; ++kk) {
+            const uint64_t b = desc_sw128(v0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+            Wgmma<Cfg::kDHead, Elem>::rs(O, P[kk], b, 1u);
+        }
+    }
+
+    // P (fp32 accumulators of S) -> 16-bit A fragments: n8 tiles 2kk and 2kk + 1 of S are the
+    // k16 step kk of P V.
+    __device__ __forceinline__ void convert_p() {
+#pragma unroll
+        for (int kk = 0; kk < kStepsPV; ++kk) {
+            P[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
+            P[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
+            P[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+            P[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+        }
+    }
+
+    // ---- turns (ping-pong) and stage release --------------------------------------------------
+
+    __device__ __forceinline__ void wait_turn() const {
+        if constexpr (Cfg::kPingPong)
+            named_sync(1 + wg, 2 * 128);
+    }
+    __device__ __forceinline__ void pass_turn() const {
+        if constexpr (Cfg::kPingPong)
+            named_arrive(1 + (1 - wg), 2 * 128);
+    }
+    // Every consumer warp arrives once: the stage's GEMM reads are complete.
+    __device__ __forceinline__ void release(uint64_t* bar) const {
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(bar);
+    }
+    // Without a producer warpgroup, consumer thread 0 refills the stage it just released.
+    __device__ __forceinline__ bool refills() const { return !Cfg::kWarpSpec && threadIdx.x == 0; }
+
+    // S_i -> P_i: softcap, masks, softmax (corr: O's rescale factors for this block).
+    template <bool kFirst>
+    __device__ __forceinline__ void softmax_block(int i, float (&corr)[2]) {
+        const FwdParams& p = prm.p;
+        const Work<Cfg>& w = *work;
+        const int j = w.block(i);
+        if constexpr (Cfg::kSoftcap) {
+#pragma unroll
+            for (int t = 0; t < kNS; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    S[t][e] = tanh_fast(S[t][e] * p.softcap_scale);
+        }
+        if (w.needs_mask(j, p.seqlen_k)) {
+            float (&S3)[1][kNS][4] = reinterpret_cast<float (&)[1][kNS][4]>(S);
+            WindowMask<Cfg>(p.seqlen_q, p.seqlen_k, w.q_row0, warp * 16, lane)
+                .apply(S3, j * Cfg::kBc, p.seqlen_k, p);
+        }
+        softmax.template scores<kFirst>(S, p.scale_log2, corr);
+    }
+
+    __device__ __forceinline__ static int stage(int g) { return g % Cfg::kStages; }
+    __device__ __forceinline__ static uint32_t phase(int g) { return (g / Cfg::kStages) & 1; }
+
+    // One tile: q_use counts the CTA's tiles with work before it (sQ phases), g0 its first
+    // pipeline block.
+    __device__ __forceinline__ void run(const Work<Cfg>& w, int q_use, int g) {
+        work = &w;
+        g0 = g;
+#pragma unroll
+        for (int t = 0; t < kNO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                O[t][e] = 0.f;
+        softmax.init();
+        const int n = w.n_blocks;
+        if constexpr (Cfg::kPingPong) {
+            if (wg == 1)
+                named_arrive(1, 2 * 128);  // warpgroup 0 takes the first turn of the tile
+        }
+        if (n > 0) {
+            mbar_wait(sm.q_full(), q_use & 1);
+            // Block 0: S_0 alone.
+            mbar_wait(sm.k_full(stage(g0)), phase(g0));
+            wait_turn();
+            wgmma_fence();
+            issue_qk(stage(g0));
+            wgmma_commit();
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(S);
+            release(sm.k_empty(stage(g0)));
+            if (n == 1)
+                release_q();
+            if (refills() && Cfg::kStages < n)
+                loader.load_k(w, Cfg::kStages, g0 + Cfg::kStages);
+            float corr[2];
+            softmax_block<true>(0, corr);
+            convert_p();
+            for (int i = 1; i < n; ++i)
+                step(i);
+            // P_{n-1} V_{n-1}.
+            const int gl = g0 + n - 1;
+            mbar_wait(sm.v_full(stage(gl)), phase(gl));
+            wait_turn();
+            wgmma_fence();
+            issue_pv(stage(gl));
+            wgmma_commit();
+            pass_turn();
+            wgmma_wait<0>();
+            fence_regs(O);
+            release(sm.v_empty(stage(gl)));
+        }
+        if constexpr (Cfg::kPingPong) {
+            if (wg == 0)
+                named_sync(1, 2 * 128);  // the turn warpgroup 1 passed last; nothing waits on it
+        }
+        float lse[2];
+        softmax.finalize(O, lse, prm.p.scale_log2);
+        write_output(lse);
+    }
+
+    // Persistent grid: this warp's S GEMMs of the tile are done; sQ may take the next Q.
+    __device__ __forceinline__ void release_q() const {
+        if constexpr (Cfg::kPersistent)
+            release(sm.q_empty());
+    }
+
+    // Block i >= 1: [P_{i-1} V_{i-1}, S_i] on the tensor cores, then softmax of S_i.
+    __device__ __forceinline__ void step(int i) {
+        const int g = g0 + i, s = stage(g), sp = stage(g - 1);
+        mbar_wait(sm.k_full(s), phase(g));
+        mbar_wait(sm.v_full(sp), phase(g - 1));
+        wait_turn();
+        wgmma_fence();
+        issue_qk(s);
+        wgmma_commit();
+        issue_pv(sp);
+        wgmma_commit();
+        pass_turn();
+        const int n = work->n_blocks;
+        float corr[2];
+        if constexpr (Cfg::kOverlap) {
+            wgmma_wait<1>();  // S_i has landed; P_{i-1} V_{i-1} may still run
+            fence_regs(S);
+            release(sm.k_empty(s));
+            if (i == n - 1)
+                release_q();
+            softmax_block<false>(i, corr);
+            wgmma_wait<0>();
+            fence_regs(O);
+            release(sm.v_empty(sp));
+        } else {
+            wgmma_wait<0>();
+            fence_regs(S);
+            fence_regs(O);
+            release(sm.k_empty(s));
+            release(sm.v_empty(sp));
+            if (i == n - 1)
+                release_q();
+            softmax_block<false>(i, corr);
+        }
+        if (refills()) {
+            if (i + Cfg::kStages < n)
+                loader.load_k(*work, i + Cfg::kStages, g + Cfg::kStages);
+            if (i - 1 + Cfg::kStages < n)
+                loader.load_v(*work, i - 1 + Cfg::kStages, g - 1 + Cfg::kStages);
+        }
+        Softmax<Cfg>::rescale(O, corr);
+        convert_p();
+    }
+
+    // O (normalised) and LSE. Rows past seqlen_q and columns past d_head are not written.
+    __device__ __forceinline__ void write_output(const float (&lse)[2]) {
+        const FwdParams& p = prm.p;
+        const Work<Cfg>& w = *work;
+        const int row_in_cta = warp * 16 + lane / 4;  // and + 8
+        if (p.lse != nullptr && lane % 4 == 0) {
+            float* lse_out = p.lse + int64_t(w.batch) * p.lse_batch_stride +
+                             int64_t(w.head) * p.lse_head_stride + w.q_row0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (w.q_row0 + row_in_cta + 8 * h < p.seqlen_q)
+                    lse_out[row_in_cta + 8 * h] = lse[h];
+        }
+        if constexpr (Cfg::kTmaStore) {
+            // Into this warpgroup's own rows of the O buffer (sQ, whose S GEMMs are complete, or
+            // on a persistent grid its own, free once the previous tile's store has read it), in
+            // the swizzled layout of the O map: n8 tile t is 16-byte chunk t % 8 of panel t / 8.
+            unsigned char* sq = sm.o();
+            if constexpr (Cfg::kPersistent) {
+                if (threadIdx.x % 128 == 0)
+                    tma_store_wait_read();
+                named_sync(3 + wg, 128);  // ... the previous tile's rows have been read
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row_in_cta + 8 * h;
+#pragma unroll
+                for (int t = 0; t < kNO; ++t) {
+                    const uint32_t off = (t / 8) * Cfg::kBr * 128 + r * 128 +
+                                         (((t % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
+                    *reinterpret_cast<uint32_t*>(sq + off) =
+                        pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
+                }
+            }
+            fence_proxy_async_smem();  // the TMA store reads what these stores wrote
+            named_sync(3 + wg, 128);   // ... every thread of the warpgroup has written
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int c = 0; c < Cfg::kPanels; ++c)
+                    tma_store_4d(&prm.tma_o, sq + c * Cfg::kBr * 128 + wg * 64 * 128, c * 64,
+                                 w.q_row0 + wg * 64, w.head, w.batch);
+                tma_store_commit();
+                if constexpr (!Cfg::kPersistent)
+                    tma_store_wait_read();  // smem stays valid until the store has read it
+            }
+        } else {
+            Elem* o = static_cast<Elem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
+                      int64_t(w.head) * p.o_head_stride;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = w.q_row0 + row_in_cta + 8 * h;
+                if (row >= p.seqlen_q)
+                    continue;
+                Elem* o_row = o + int64_t(row) * p.o_row_stride;
+#pragma unroll
+                for (int t = 0; t < kNO; ++t) {
+                    const int col = t * 8 + (lane % 4) * 2;
+                    if (col < p.d_head)
+                        *reinterpret_cast<uint32_t*>(o_row + col) =
+                            pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
+                }
+            }
+        }
+    }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ Sm90Params params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    const Smem<Cfg> sm{reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))};
+    const Loader<Cfg> loader{params, sm};
+    const FwdParams& p = params.p;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Tiles of this CTA: its own (grid = tiles), or every gridDim.x-th (persistent).
+    const int first_tile = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int tile_step = Cfg::kPersistent ? gridDim.x : Work<Cfg>::tiles(p);
+
+    if (threadIdx.x == 0) {
+        prefetch_tensor_map(&params.tma_q);
+        prefetch_tensor_map(&params.tma_k);
+        prefetch_tensor_map(&params.tma_v);
+        mbar_init(sm.q_full(), 1);
+        mbar_init(sm.q_empty(), Cfg::kConsumerWarps);
+        for (int s = 0; s < Cfg::kStages; ++s) {
+            mbar_init(sm.k_full(s), 1);
+            mbar_init(sm.v_full(s), 1);
+            mbar_init(sm.k_empty(s), Cfg::kConsumerWarps);
+            mbar_init(sm.v_empty(s), Cfg::kConsumerWarps);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();  // the barriers are initialised and visible to the TMA unit
+
+    const bool producer = Cfg::kWarpSpec && warp >= Cfg::kConsumerWarps;
+    if (producer) {
+        setmaxnreg_dec<Cfg::kProducerRegs>();
+        if (warp == Cfg::kConsumerWarps && lane == 0) {
+            int q_use = 0, g = 0;  // both sides count tiles with work and K/V blocks alike
+            for (int tile = first_tile; tile < Work<Cfg>::tiles(p); tile += tile_step) {
+                const Work<Cfg> w(p, tile);
+                if (w.n_blocks == 0)
+                    continue;
+                loader.load_q(w, q_use++);
+                for (int i = 0; i < w.n_blocks; ++i) {
+                    loader.load_k(w, i, g + i);
+                    loader.load_v(w, i, g + i);
+                }
+                g += w.n_blocks;
+            }
+        }
+    } else {
+        if constexpr (Cfg::kWarpSpec)
+            setmaxnreg_inc<Cfg::kConsumerRegs>();
+        Consumer<Cfg> c{params, sm, loader, warp / 4, warp, lane};
+        int q_use = 0, g = 0;
+        for (int tile = first_tile; tile < Work<Cfg>::tiles(p); tile += tile_step) {
+            const Work<Cfg> w(p, tile);
+            if (!Cfg::kWarpSpec && threadIdx.x == 0 && w.n_blocks > 0) {
+                // The first stages; the rest are refilled as the consumers release them.
+                loader.load_q(w, q_use);
+                for (int i = 0; i < Cfg::kStages && i < w.n_blocks; ++i) {
+                    loader.load_k(w, i, g + i);
+                    loader.load_v(w, i, g + i);
+                }
+            }
+            __syncwarp();
+            c.run(w, q_use, g);
+            q_use += w.n_blocks > 0;
+            g += w.n_blocks;
+        }
+        if constexpr (Cfg::kPersistent) {
+            if (threadIdx.x % 128 == 0)
+                tma_store_wait_read();  // smem stays valid until the last store has read it
+        }
+    }
+#endif
+}
+
+}  // namespace flash::sm90

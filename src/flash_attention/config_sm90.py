@@ -1,0 +1,182 @@
+"""Hopper kernel configs: one instantiation of ``flash::sm90::Sm90Config``
+(src/csrc/sm90/config.cuh), the sm_90a family (wgmma, TMA, mbarriers, setmaxnreg).
+
+Short form: ``sm90_bf16_d128_c128_g2_s2_fwpoe`` = dtype, d_head variant, B_c, consumer
+warpgroups (B_r = 64 per warpgroup), K/V stages, flags. One flag per technique, so each step of
+the Hopper progression is a config (config_sets.SM90_PROG_STEPS). The rules mirror the
+static_asserts of config.cuh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from .config import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError
+
+FAMILY = "sm90"
+D_HEADS = (64, 128, 256)
+BLOCK_C = (64, 96, 128, 176, 192)
+CONSUMER_WGS = (1, 2, 3)
+STAGES = (1, 2, 3, 4)
+
+FLAGS: dict[str, tuple[str, str]] = {
+    "warp_spec": ("w", "a producer warpgroup issues the TMA copies; setmaxnreg gives the "
+                       "consumers its registers"),
+    "pingpong": ("p", "the two consumer warpgroups take turns on the tensor cores (named "
+                      "barriers): one's softmax runs under the other's GEMMs"),
+    "overlap": ("o", "softmax of block j under P V_{j-1} inside a warpgroup"),
+    "tma_store": ("e", "epilogue through shared memory and a TMA store"),
+    "persistent": ("s", "persistent grid (a CTA per SM looping over tiles): the next tile's "
+                        "loads run under the current one's tail; O gets its own buffer"),
+    "mask": ("m", "causal / sliding-window masks (as the sm80 flag m)"),
+    "softcap": ("t", "score soft-capping (as the sm80 flag t)"),
+}
+FEATURE_FLAGS = ("mask", "softcap")
+
+# Registers per consumer thread after setmaxnreg (or the launch cap without a producer), and
+# what the kernel needs besides accumulators (addresses, softmax state, loop state).
+CONSUMER_REGS = {1: 240, 2: 240, 3: 160}
+OVERHEAD_REGS = 40
+
+_SHORT_RE = re.compile(
+    r"^sm90_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_g(?P<wgs>\d+)"
+    r"_s(?P<stages>\d+)_f(?P<flags>[a-z]*)$"
+)
+
+
+@dataclass(frozen=True, order=True)
+class Sm90Config:
+    """One Hopper forward kernel. B_r = 64 x consumer_wgs query rows per CTA, B_c key rows per
+    stage."""
+
+    dtype: str
+    d_head: int
+    block_c: int
+    consumer_wgs: int
+    stages: int
+    warp_spec: bool = True
+    pingpong: bool = True
+    overlap: bool = True
+    tma_store: bool = True
+    persistent: bool = False
+    mask: bool = False
+    softcap: bool = False
+
+    family = FAMILY
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid kernel config {self._raw_name()}: " + "; ".join(problems))
+
+    def _raw_name(self) -> str:
+        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
+        return (f"sm90_{self.dtype}_d{self.d_head}_c{self.block_c}_g{self.consumer_wgs}"
+                f"_s{self.stages}_f{flags}")
+
+    @property
+    def short(self) -> str:
+        return self._raw_name()
+
+    def __str__(self) -> str:
+        return self.short
+
+    @classmethod
+    def parse(cls, text: str) -> Sm90Config:
+        m = _SHORT_RE.match(text.strip())
+        if m is None:
+            raise ConfigError(
+                f"cannot parse Hopper kernel config {text!r}: expected "
+                "sm90_<fp16|bf16>_d<d_head>_c<B_c>_g<consumer warpgroups>_s<stages>_f<flags>, "
+                f"flags a subset of {''.join(c for c, _ in FLAGS.values())!r} in that order, "
+                "e.g. sm90_bf16_d128_c128_g2_s2_fwpoe"
+            )
+        letters, order = m["flags"], "".join(code for code, _ in FLAGS.values())
+        it = iter(order)
+        if not all(ch in it for ch in letters):
+            raise ConfigError(f"cannot parse kernel config {text!r}: flags {letters!r} must be a "
+                              f"subset of {order!r} in that order")
+        flags = {name: code in letters for name, (code, _) in FLAGS.items()}
+        return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
+                   consumer_wgs=int(m["wgs"]), stages=int(m["stages"]), **flags)
+
+    def replace(self, **changes: object) -> Sm90Config:
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived shapes (mirror Sm90Config in config.cuh) --------------------------------------
+
+    @property
+    def block_r(self) -> int:
+        return 64 * self.consumer_wgs
+
+    @property
+    def warps(self) -> int:
+        return 4 * (self.consumer_wgs + (1 if self.warp_spec else 0))
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q, K and V stages, O (persistent), the mbarriers (1 KB) and 1 KB to align the base
+        to 1024."""
+        rows = self.block_r * (2 if self.persistent else 1) + 2 * self.stages * self.block_c
+        return rows * self.d_head * 2 + 2048
+
+    @property
+    def accum_regs(self) -> int:
+        """fp32 accumulators of O and S plus the 16-bit P fragments, per consumer thread."""
+        return self.d_head // 2 + self.block_c // 2 + self.block_c // 4
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.d_head not in D_HEADS:
+            out.append(f"d_head must be one of {D_HEADS} on sm90, got {self.d_head}")
+        if self.block_c not in BLOCK_C:
+            out.append(f"B_c must be one of {BLOCK_C} (a wgmma N), got {self.block_c}")
+        if self.consumer_wgs not in CONSUMER_WGS:
+            out.append(f"consumer warpgroups must be one of {CONSUMER_WGS}, got "
+                       f"{self.consumer_wgs}")
+        if self.stages not in STAGES:
+            out.append(f"stages must be one of {STAGES}, got {self.stages}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be a bool")
+        if out:
+            return out
+        if self.pingpong and not (self.consumer_wgs == 2 and self.warp_spec):
+            out.append("pingpong needs two consumer warpgroups and warp_spec")
+        if self.persistent and not (self.warp_spec and self.tma_store and not self.pingpong):
+            out.append("persistent needs warp_spec and tma_store, without pingpong")
+        regs = self.accum_regs + OVERHEAD_REGS
+        if regs > CONSUMER_REGS[self.consumer_wgs]:
+            out.append(f"O, S and P need {self.accum_regs} registers per thread plus about "
+                       f"{OVERHEAD_REGS}: over the {CONSUMER_REGS[self.consumer_wgs]} a consumer "
+                       "has; use a smaller B_c")
+        if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[90]:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_90 limit")
+        return out
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """One CTA per SM by design (launch bounds and setmaxnreg assume it)."""
+        return {"by_regs": 1, "by_smem": 1, "by_threads": 1, "by_cap": 1, "ctas": 1,
+                "warps": self.warps}
+
+    def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
+        return 1
+
+    def describe(self) -> str:
+        on = [name for name in FLAGS if getattr(self, name)]
+        return (f"{self.short}: sm90a, {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
+                f"B_c={self.block_c}, {self.consumer_wgs} consumer warpgroups, "
+                f"{self.stages} stages, smem={self.smem_bytes} B, flags={','.join(on) or 'none'}")
