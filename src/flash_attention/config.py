@@ -62,6 +62,17 @@ class ConfigError(ValueError):
     """A kernel config that cannot be built, or a short form that does not parse."""
 
 
+def parse_flags(text: str, letters: str, flags: dict[str, tuple[str, str]]) -> dict[str, bool]:
+    """{flag name: on} from the flag letters of a short form; the letters must be a subset of
+    the family's letters, in their order."""
+    order = "".join(code for code, _ in flags.values())
+    it = iter(order)
+    if not all(ch in it for ch in letters):  # subsequence check: known letters, in order
+        raise ConfigError(f"cannot parse kernel config {text!r}: flags {letters!r} must be a "
+                          f"subset of {order!r} in that order")
+    return {name: code in letters for name, (code, _) in flags.items()}
+
+
 def variant_for(d_head: int) -> int | None:
     """The compiled d_head variant that serves d_head (the smallest one not below it), or None
     when d_head is not a positive multiple of 8 up to MAX_D_HEAD."""
@@ -131,15 +142,7 @@ class KernelConfig:
                 f"{''.join(code for code, _ in FLAGS.values())!r} in that order, "
                 "e.g. bf16_d128_r128_c64_w4_fseqkvbor"
             )
-        letters = m["flags"]
-        order = "".join(code for code, _ in FLAGS.values())
-        it = iter(order)
-        if not all(ch in it for ch in letters):  # subsequence check: known letters, in order
-            raise ConfigError(
-                f"cannot parse kernel config {text!r}: flags {letters!r} must be a subset of "
-                f"{order!r} in that order"
-            )
-        flags = {name: code in letters for name, (code, _) in FLAGS.items()}
+        flags = parse_flags(text, m["flags"], FLAGS)
         return cls(
             dtype=m["dtype"],
             d_head=int(m["d_head"]),

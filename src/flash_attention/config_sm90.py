@@ -13,7 +13,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError
+from .config import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags
 
 FAMILY = "sm90"
 D_HEADS = (64, 128, 256)
@@ -93,12 +93,7 @@ class Sm90Config:
                 f"flags a subset of {''.join(c for c, _ in FLAGS.values())!r} in that order, "
                 "e.g. sm90_bf16_d128_c128_g2_s2_fwpoe"
             )
-        letters, order = m["flags"], "".join(code for code, _ in FLAGS.values())
-        it = iter(order)
-        if not all(ch in it for ch in letters):
-            raise ConfigError(f"cannot parse kernel config {text!r}: flags {letters!r} must be a "
-                              f"subset of {order!r} in that order")
-        flags = {name: code in letters for name, (code, _) in FLAGS.items()}
+        flags = parse_flags(text, m["flags"], FLAGS)
         return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
                    consumer_wgs=int(m["wgs"]), stages=int(m["stages"]), **flags)
 

@@ -39,7 +39,6 @@ struct Sm90Config {
 
     static constexpr int kProducerWGs = kWarpSpec ? 1 : 0;
     static constexpr int kThreads = 128 * (kConsumerWGs + kProducerWGs);
-    static constexpr int kConsumerThreads = 128 * kConsumerWGs;
     static constexpr int kConsumerWarps = 4 * kConsumerWGs;
     // Registers after setmaxnreg: the producer keeps few, the consumers take the rest
     // (65536 per SM, one CTA per SM).
@@ -47,16 +46,13 @@ struct Sm90Config {
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
-    // the row-wise softmax and masks of the sm_80 kernels apply: these name it in their terms.
-    static constexpr int kMTiles = 1;
+    // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
     static constexpr int kNTilesS = kBc / 8;
     static constexpr int kNTilesO = kDHead / 8;
-    static constexpr bool kOptSoftmax = true;
 
     // Shared memory: tiles of 64-column panels (128 bytes per row, the 128-byte swizzle's width),
     // each panel rows x 128 bytes; Q, then K and V per stage, then the mbarriers.
     static constexpr int kPanels = kDHead / 64;
-    static constexpr int kPanelCols = 64;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kKVBytes = kBc * kDHead * 2;
     static constexpr int kOBytes = kPersistent ? kBr * kDHead * 2 : 0;  // else O reuses sQ

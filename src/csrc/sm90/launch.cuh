@@ -11,6 +11,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "../common/launch_support.cuh"
 #include "../registry.h"
 #include "config.cuh"
 #include "forward_kernel.cuh"
@@ -84,18 +85,13 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         return cudaErrorInvalidValue;
 
     auto* kernel = &fwd_sm90_kernel<Cfg>;
-    static std::atomic<uint64_t> configured{0};  // per device: the smem opt-in is per context
+    static std::atomic<uint64_t> configured{0};
     int device = 0;
     if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
         return err;
-    const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-    if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               Cfg::kSmemBytes);
-        if (err != cudaSuccess)
-            return err;
-        configured.fetch_or(bit, std::memory_order_acq_rel);
-    }
+    if (cudaError_t err = opt_in_smem(kernel, Cfg::kSmemBytes, device, configured);
+        err != cudaSuccess)
+        return err;
     const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
     dim3 grid(q_blocks, p.heads, p.batch);
     if constexpr (Cfg::kPersistent) {  // one CTA per SM, each looping over tiles
@@ -118,17 +114,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 template <class Cfg>
 constexpr KernelEntry make_entry(const char* name) {
-    return KernelEntry{name,
-                       std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-                       Cfg::kDHead,
-                       Cfg::kBr,
-                       Cfg::kBc,
-                       Cfg::kThreads,
-                       Cfg::kSmemBytes,
-                       Cfg::kMask,
-                       Cfg::kSoftcap,
-                       &launch_fwd<Cfg>,
-                       /*arch=*/90};
+    return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90);
 }
 
 }  // namespace flash::sm90
