@@ -3,7 +3,7 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune sanitize debug
-#        asv calibrate hang
+#        asv calibrate hang profile
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
@@ -12,9 +12,12 @@
 #             host cost per call, window, GQA, varlen against a padded batch
 #   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
+#   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
+#             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
+#             stall samples of ours, details of cuDNN's
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
 #             $BUNDLE (a git bundle of the repo, main = the PR's base): an unchanged head
-#   workflow-planted  the same for a head whose cp.async waits are made strict
+#   workflow-planted  the same for a head whose Hopper kernels mask every KV block
 #   (workflow steps need nox and the pinned SASS tools in $FA_WHEELHOUSE)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
@@ -157,6 +160,20 @@ PY
     run hang bash -c "cd /tmp/fa-hang && time PYTHONPATH=/tmp/fa-hang/src python3 -m fa_tools \
         gate perf --base-dir '$PWD' --out '$LOG_DIR/hang'; echo exit \$?"
 fi
+if step profile; then
+    shape=${PROFILE_SHAPE:-bf16 128 16 4096 16}
+    # shellcheck disable=SC2086
+    ncu_run() {  # ncu_run NAME KERNEL_REGEX WHO: the last of 4 launches of the matching kernel
+        run "ncu-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
+            --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
+            python3 ci/ncu_target.py "$3" $shape
+        ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
+    }
+    ncu_run ours fwd_sm90 ours
+    ncu --import "$LOG_DIR/ncu-ours.ncu-rep" --page source --csv --print-source sass \
+        >"$LOG_DIR/ncu-ours-sass.csv" 2>&1
+    ncu_run cudnn 'cudnn|sdpa|fprop|fmha' cudnn
+fi
 workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
     # workspace path as on a runner (so the object cache serves a later job as it would there)
     name=$1 dir=/tmp/runner
@@ -165,14 +182,14 @@ workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh cl
     git config user.email gate@example.invalid && git config user.name gate
     git checkout -q -b pr origin/main
     if [ "${2:-}" = planted ]; then
-        # Both eager waits made strict: V_j no longer streams in under S = Q K_j^T, nor K_{j+1}
-        # under softmax and P V_j. (The second alone slowed fp16 d128 16 x 1024 by 5.7% on an
-        # H200 and nothing measurable on an H100.)
-        sed -i -e 's|cp_async_wait<1>();  // Q (first|cp_async_wait<0>();  // Q (first|' \
-            -e 's|cp_async_wait<1>();  // V_j has landed|cp_async_wait<0>();  // V_j has landed|' \
-            src/csrc/sm80/forward_kernel.cuh
-        [ "$(grep -c 'cp_async_wait<1>' src/csrc/sm80/forward_kernel.cuh)" = 0 ] || return 3
-        git commit -qam "planted: strict cp.async waits (no K/V copy overlaps compute)" || return 3
+        # The Hopper kernels without masks apply the key-tail mask to every KV block instead of
+        # the last one only (what dispatch runs on these H100/H200 runners, all cases but the
+        # causal and varlen ones).
+        sed -i 's|return (j + 1) \* Cfg::kBc > seqlen_k;|return j >= 0;  // planted|' \
+            src/csrc/sm90/forward_kernel.cuh
+        grep -q 'return j >= 0;  // planted' src/csrc/sm90/forward_kernel.cuh || return 3
+        git commit -qam "planted: key-tail mask on every KV block of the Hopper kernels" \
+            || return 3
     fi
     export FA_OFFLINE=1 GATE_BASE=origin/main FA_GATE_CACHE=/tmp/fa-gate-cache
     python3 -m pip install -q --no-index --find-links "$FA_WHEELHOUSE" nox

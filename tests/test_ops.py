@@ -4,6 +4,8 @@ dispatch table the extension holds, and the FlashAttention-compatible functions'
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -31,7 +33,7 @@ def fake(mode, *shape, dtype=torch.bfloat16):
 def built_feature_call():
     """(dtype, d_head, causal, softcap) of a call this build serves, preferring masks."""
     rows = ops.dispatch_rows(ops.BUILT)
-    for dtype, d, _, mask, softcap, _, _ in sorted(rows, key=lambda r: (not r[3], r[4])):
+    for dtype, d, _, mask, _, softcap, _, _ in sorted(rows, key=lambda r: (not r[3], r[5])):
         return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
                 5.0 if softcap else 0.0)
     pytest.skip("this build serves no call")
@@ -85,14 +87,16 @@ def test_extension_dispatch_table_is_pythons_choice(require_extension):
     ext = ops.extension()
     for dtype, d in {(c.dtype, c.d_head) for c in ops.BUILT}:
         for seqlen in (1, 63, 64, 65, 1000, 4096, 5000, 16384, 10**6):
-            for mask, softcap in dispatch.FEATURES:
+            for (mask, softcap), local in itertools.product(dispatch.FEATURES, (False, True)):
                 try:  # a Hopper kernel where one is built for the row, else the sm80 choice
                     fallback = dispatch.select(dtype, d, seqlen, ops.BUILT, mask, softcap)
-                    fast = dispatch.select_sm90(dtype, d, seqlen, ops.BUILT, mask, softcap)
+                    fast = dispatch.select_sm90(dtype, d, seqlen, ops.BUILT, mask, softcap,
+                                                local)
                     want = (fast or fallback).short
                 except fa.ConfigError:
                     want = ""
-                assert ext.choice(dtype, d, seqlen, mask, softcap) == want, (dtype, d, seqlen)
+                assert ext.choice(dtype, d, seqlen, mask, softcap, local) == want, (
+                    dtype, d, seqlen, mask, local, softcap)
 
 
 def test_operator_rejects_cpu_tensors(require_extension):

@@ -142,9 +142,12 @@ int64_t seq_bucket(int64_t seqlen_q) {
     return bucket;
 }
 
-uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask, bool softcap) {
-    return (uint64_t(bf16) << 40) | (uint64_t(d_head) << 24) | (uint64_t(bucket) << 2) |
-           (uint64_t(mask) << 1) | uint64_t(softcap);
+// local: a sliding window bounded on the left (window_left != -1 after canonical_window); such
+// rows may name another Hopper kernel than the masked ones (flash_attention.dispatch).
+uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask, bool local,
+                    bool softcap) {
+    return (uint64_t(bf16) << 40) | (uint64_t(d_head) << 24) | (uint64_t(bucket) << 3) |
+           (uint64_t(mask) << 2) | (uint64_t(local && mask) << 1) | uint64_t(softcap);
 }
 
 // A row's kernel and its fallback: an sm80-family kernel that runs wherever the kernel (a Hopper
@@ -164,12 +167,13 @@ DispatchTable& dispatch_table() {
     return table;
 }
 
-// Replaces the table: rows (dtype, d_head, bucket, mask, softcap, kernel name, fallback name).
-void set_dispatch(const std::vector<std::tuple<std::string, int64_t, int64_t, bool, bool,
+// Replaces the table: rows (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback
+// name).
+void set_dispatch(const std::vector<std::tuple<std::string, int64_t, int64_t, bool, bool, bool,
                                                std::string, std::string>>& rows) {
     std::unordered_map<uint64_t, Choice> choices;
     const auto& by_name = entries_by_name();
-    for (const auto& [dtype, d_head, bucket, mask, softcap, name, fallback] : rows) {
+    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback] : rows) {
         const auto it = by_name.find(name);
         const auto fb = by_name.find(fallback);
         FA_CHECK(it != by_name.end() && fb != by_name.end(), "dispatch table names kernel ",
@@ -177,7 +181,7 @@ void set_dispatch(const std::vector<std::tuple<std::string, int64_t, int64_t, bo
         FA_CHECK(fb->second->arch == 80, "dispatch table: fallback ", fallback,
                  " is not an sm80-family kernel");
         FA_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
-        choices[choice_key(dtype == "bf16", d_head, bucket, mask, softcap)] =
+        choices[choice_key(dtype == "bf16", d_head, bucket, mask, local, softcap)] =
             Choice{it->second, fb->second};
     }
     DispatchTable& table = dispatch_table();
@@ -192,20 +196,22 @@ int64_t d_head_variant(int64_t d_head) {
 }
 
 // The table's choice for a call, {nullptr, nullptr} when it has none (keyed by variant).
-Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool softcap) {
+Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
+              bool softcap) {
     if (d_head <= 0 || d_head % 8 != 0)
         return Choice{nullptr, nullptr};
     DispatchTable& table = dispatch_table();
     const std::lock_guard<std::mutex> lock(table.mutex);
     const auto it = table.choices.find(
-        choice_key(bf16, d_head_variant(d_head), seq_bucket(seqlen_q), mask, softcap));
+        choice_key(bf16, d_head_variant(d_head), seq_bucket(seqlen_q), mask, local, softcap));
     return it == table.choices.end() ? Choice{nullptr, nullptr} : it->second;
 }
 
 // The table's kernel for a call ('' if none), before the run-time fallback (sm90_unfit).
 std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, bool mask,
-                   bool softcap) {
-    const flash::KernelEntry* e = lookup(dtype == "bf16", d_head, seqlen_q, mask, softcap).kernel;
+                   bool softcap, bool local) {
+    const flash::KernelEntry* e =
+        lookup(dtype == "bf16", d_head, seqlen_q, mask, local, softcap).kernel;
     return e == nullptr ? "" : e->name;
 }
 
@@ -347,9 +353,10 @@ struct Varlen {
 
 // The kernel for a call: `name`, or with "" the dispatch table's choice (with its fallback).
 Choice choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t d_head, int64_t seqlen_q,
-                     bool mask, bool softcap) {
+                     bool mask, bool local, bool softcap) {
     if (name.empty()) {
-        const Choice chosen = lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, softcap);
+        const Choice chosen =
+            lookup(dtype == at::kBFloat16, d_head, seqlen_q, mask, local, softcap);
         FA_CHECK(chosen.kernel != nullptr, "this build has no kernel for ", dtype,
                  " with d_head=", d_head, mask ? " with masks" : "",
                  softcap ? " with a softcap" : "",
@@ -380,7 +387,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t B = varlen ? vl.cu_q->numel() - 1 : q.size(0);
     const int64_t Sq = varlen ? vl.max_q : q.size(1), Sk = varlen ? vl.max_k : k.size(1);
     const bool mask = window_left != -1 || window_right != -1;
-    const Choice chosen = choose_kernel(name, dtype, D, Sq, mask, softcap > 0);
+    const Choice chosen = choose_kernel(name, dtype, D, Sq, mask, window_left != -1, softcap > 0);
     const auto device = q.device();
     const cudaDeviceProp& prop = device_properties(device.index());
     const flash::KernelEntry* pick = chosen.kernel;
@@ -507,11 +514,14 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // What dispatch runs for a fixed-length call and why (for debug logging): the table's kernel,
-// or its fallback with the reason the Hopper kernel cannot run the call.
-std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool mask,
-                    bool softcap) {
+// or its fallback with the reason the Hopper kernel cannot run the call. The window is the
+// operator's (canonical_window: causal folded in, sides that bound nothing -1).
+std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    int64_t window_left, int64_t window_right, bool softcap) {
     const int64_t D = q.size(-1);
-    const Choice c = lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, softcap);
+    const bool mask = window_left != -1 || window_right != -1;
+    const Choice c = lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask,
+                            window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
     if (c.kernel->arch != 90)
@@ -607,10 +617,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention-2 forward kernels (see flash_attention for the Python API)";
     m.def("kernels", &list_kernels, "the kernels of this build, in config-set order");
     m.def("set_dispatch", &set_dispatch,
-          "replace the dispatch table: rows (dtype, d_head, bucket, mask, softcap, kernel, "
+          "replace the dispatch table: rows (dtype, d_head, bucket, mask, local, softcap, kernel, "
           "fallback)");
     m.def("explain", &explain, "the kernel a fixed-length call runs, and why not a Hopper one");
     m.def("choice", &choice, "the dispatch table's kernel for a call ('' if none)",
           py::arg("dtype"), py::arg("d_head"), py::arg("seqlen_q"), py::arg("mask"),
-          py::arg("softcap"));
+          py::arg("softcap"), py::arg("local") = false);
 }

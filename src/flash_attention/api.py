@@ -142,7 +142,7 @@ def attention(
             raise  # the Python checks pass: the operator's own error stands
         else:
             if log.isEnabledFor(logging.DEBUG):
-                _log_choice(q, k, v, causal or tuple(window_size) != (-1, -1), softcap)
+                _log_choice(q, k, v, causal, window_size, softcap)
             return (o, lse) if return_lse else o
 
     # The checked path: everything in Python first (also what the operator's schema would
@@ -166,11 +166,12 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _log_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bool,
-                softcap: float) -> None:
+def _log_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                window_size: tuple[int, int], softcap: float) -> None:
     """Debug log of the kernel dispatch ran, with the reason when a Hopper kernel fell back."""
+    left, right = canonical_window(causal, tuple(window_size), q.shape[1], k.shape[1])
     log.debug("attention %s %s: %s", q.dtype, tuple(q.shape),
-              ops.extension().explain(q, k, v, mask, softcap > 0))
+              ops.extension().explain(q, k, v, left, right, softcap > 0))
 
 
 def masks_needed(causal: bool, window_size: tuple[int, int], prob: Problem) -> bool:

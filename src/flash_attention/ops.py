@@ -72,10 +72,11 @@ def refresh_dispatch() -> None:
 
 def dispatch_rows(
         built: tuple[KernelConfig | Sm90Config, ...]
-) -> list[tuple[str, int, int, bool, bool, str, str]]:
-    """Rows (dtype, d_head variant, bucket, mask, softcap, kernel, fallback): the fallback
-    (an sm80-family kernel) runs where the kernel (a Hopper one) cannot; else both are the
-    same."""
+) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
+    """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback): the
+    fallback (an sm80-family kernel) runs where the kernel (a Hopper one) cannot; else both
+    are the same. ``local`` rows (a window bounded on the left) differ from the masked ones
+    only in their Hopper kernel."""
     rows = []
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built):
         for bucket in dispatch.BUCKETS:
@@ -84,8 +85,11 @@ def dispatch_rows(
                     cfg = dispatch.select(dtype, d_head, bucket, built, mask, softcap)
                 except ConfigError:
                     continue
-                fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap) or cfg
-                rows.append((dtype, d_head, bucket, mask, softcap, fast.short, cfg.short))
+                for local in (False, True) if mask else (False,):
+                    fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap,
+                                                local) or cfg
+                    rows.append((dtype, d_head, bucket, mask, local, softcap, fast.short,
+                                 cfg.short))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

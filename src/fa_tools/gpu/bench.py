@@ -96,7 +96,8 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
             samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
     # What ran: the named config, or dispatch's choice after its run-time fallback.
-    chosen = config.short if config else fa.ops.extension().explain(q, k, v, causal, False)
+    right = 0 if causal else -1
+    chosen = config.short if config else fa.ops.extension().explain(q, k, v, -1, right, False)
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
            "causal": causal, "config": chosen}
     for name in ("ours", *PEERS):
