@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention as fa
-from fa_tools.gpu.perfcases import GATE_CASES, Inputs, measure_case, time_cuda_ms
+from fa_tools.gpu.perfcases import GATE_CASES, Inputs, measure_case, time_sustained_ms
 from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
 from flash_attention.masks import visible
 
@@ -56,9 +56,12 @@ for name, c in costs.items():
 b, s = 8, 8192
 q, k, v = (torch.randn(b, s, 16, 128, device="cuda", dtype=dt) for _ in range(3))
 out = torch.empty_like(q)
-full = st.median(time_cuda_ms(lambda: fa.attention(q, k, v, out=out), 10, 2))
-win = st.median(time_cuda_ms(lambda: fa.attention(q, k, v, out=out, window_size=(1024, 1024)),
-                             10, 2))
+fulls, wins = [], []
+for _ in range(3):  # interleaved, each after 300 ms of the same calls (steady clocks)
+    fulls += time_sustained_ms(lambda: fa.attention(q, k, v, out=out), 10)
+    wins += time_sustained_ms(lambda: fa.attention(q, k, v, out=out, window_size=(1024, 1024)),
+                              10)
+full, win = st.median(fulls), st.median(wins)
 frac = visible(s, s, 1024, 1024, "cuda").float().mean().item()
 print(f"window (1024,1024) seq 8192 b8 bf16 d128: full {full:.3f} ms, window {win:.3f} ms, "
       f"visible fraction {frac:.4f}, window/(fraction*full) = {win / (frac * full):.3f}")
@@ -69,8 +72,8 @@ k16, v16 = (torch.randn(b, s, 16, 128, device="cuda", dtype=dt) for _ in range(2
 k4, v4 = (torch.randn(b, s, 4, 128, device="cuda", dtype=dt) for _ in range(2))
 r = []
 for _ in range(5):
-    m = st.median(time_cuda_ms(lambda: fa.attention(q, k16, v16, out=out), 10, 2))
-    g = st.median(time_cuda_ms(lambda: fa.attention(q, k4, v4, out=out), 10, 2))
+    m = st.median(time_sustained_ms(lambda: fa.attention(q, k16, v16, out=out), 10))
+    g = st.median(time_sustained_ms(lambda: fa.attention(q, k4, v4, out=out), 10))
     r.append(g / m)
 print(f"GQA 16/4 vs MHA 16 heads, b16 s4096 bf16 d128: time ratio median {st.median(r):.3f} "
       f"[{min(r):.3f}, {max(r):.3f}]")

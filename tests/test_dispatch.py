@@ -108,7 +108,7 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwes"  # no mask
     assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
     assert pick(64, True, local=True).short == "sm90_bf16_d64_c96_g3_s3_fwesm"
-    assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwem"
+    assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
     assert pick(32, True, local=True) is None
     no_local = [c for c in built if c.short != "sm90_bf16_d128_c128_g2_s2_fwesm"]
     assert pick(128, True, True, no_local).short == "sm90_bf16_d128_c128_g2_s2_fwem"

@@ -103,9 +103,14 @@ def test_mma_count_matches_tile_shapes(built):
     for short in info["configs"]:
         cfg = fa.parse_config(short)
         for arch in archs_of(cfg, info["archs"]):
-            hist = opcodes.histogram(short, arch, sass.instructions(binary, short, arch))
+            instrs = sass.instructions(binary, short, arch)
+            hist = opcodes.histogram(short, arch, instrs)
             assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), (short, arch)
             if cfg.family == "sm90":  # wgmma, TMA, mbarriers; setmaxnreg with a producer
+                # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
+                # under the running P V wgmma; without it none
+                overlapped = cfg.block_c // 2 + 2 if cfg.overlap else 0
+                assert opcodes.ex2_under_wgmma(instrs) == overlapped, short
                 assert set(hist.base) >= {"HGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
                 assert "HMMA" not in hist.base and "LDGSTS" not in hist.base
                 assert (hist.categories["setmaxnreg"] > 0) == cfg.warp_spec, short

@@ -72,17 +72,19 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # binding runs them on sm_90 GPUs for fixed-length calls whose tensors TMA can address (16-byte
 # aligned, strides multiples of 8 elements) and otherwise the sm80 choice of the same row.
 # Tiles from a sweep of the sm90tune set on an H100 (bf16, docs/results.md, 2026-11-23): a
-# producer warpgroup and the TMA-store epilogue everywhere; ping-pong and intra-warpgroup
-# overlap measured 3-5% slower at every tile, so they stay off. A persistent grid gains 5-7% at
-# d_head 64 (B_r = 192, 3 consumer warpgroups) and 1% at 128 over 2048-8192, but loses 5-8%
-# under causal masks (static round-robin of uneven tiles): masked kernels are not persistent.
-# d_head 256 has no room for the persistent grid's O buffer.
-_SM90_PLAIN = {64: "c96_g3_s3_fwes", 128: "c128_g2_s2_fwes", 256: "c64_g2_s2_fwe"}
-_SM90_MASKED = {64: "c96_g3_s3_fwem", 128: "c128_g2_s2_fwem", 256: "c64_g2_s2_fwem"}
+# producer warpgroup and the TMA-store epilogue everywhere. Timed at the steady state under the
+# 700 W power limit (bench's sustained timing), ping-pong and intra-warpgroup overlap change
+# d_head 64 and 128 by less than the 1-2% spread, and gain 7% at 256 (1.01x cuDNN against
+# 0.94x). A persistent grid gains 5-7% at d_head 64 (B_r = 192, 3 consumer warpgroups) and 1%
+# at 128 over 2048-8192, but loses 5-8% under causal masks (static round-robin of uneven
+# tiles): causal kernels are not persistent. d_head 256 has no room for the persistent grid's
+# O buffer.
+_SM90_PLAIN = {64: "c96_g3_s3_fwes", 128: "c128_g2_s2_fwes", 256: "c64_g2_s2_fwpoe"}
+_SM90_MASKED = {64: "c96_g3_s3_fwem", 128: "c128_g2_s2_fwem", 256: "c64_g2_s2_fwpoem"}
 # Sliding windows (a bounded left side, ``local`` calls): every query block visits about the same
 # number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
 # 1.097x the visible fraction of the full time against 1.184x without it).
-_SM90_LOCAL = {64: "c96_g3_s3_fwesm", 128: "c128_g2_s2_fwesm", 256: "c64_g2_s2_fwem"}
+_SM90_LOCAL = {64: "c96_g3_s3_fwesm", 128: "c128_g2_s2_fwesm", 256: "c64_g2_s2_fwpoem"}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
 # TMA, never stored): 96 on 128, 160-224 on 256 (32 stays on sm80: d_head 32 on the 64 kernel
 # measured 0.94x SDPA FA2 at seq 1024).

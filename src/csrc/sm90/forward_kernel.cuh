@@ -8,8 +8,9 @@
 // rows 64g .. 64g + 63 end to end. Per KV block j (from the last to the first):
 //   S_j = Q K_j^T -> softcap -> mask (key tail; window edges with kMask) -> online softmax
 //   O += P_j V_j
-// issued as [P_{j-1} V_{j-1}, S_j] in one batch so that the tensor cores never wait on a
-// warpgroup's softmax when there is work of the other one to do.
+// issued as S_j, then (O rescaled for block j-1 while S_j runs) P_{j-1} V_{j-1}, so that the
+// tensor cores never wait on a warpgroup's softmax when there is work of the other one to do;
+// with kOverlap the softmax of S_j runs while P_{j-1} V_{j-1} is still on the tensor cores.
 //
 // Pipeline: barriers k_full/v_full[s] complete when the TMA copies of stage s have landed (the
 // producer arrives once with the byte count); k_empty/v_empty[s] complete when every consumer
@@ -245,6 +246,7 @@ struct Consumer {
     float O[kNO][4];
     float S[kNS][4];
     uint32_t P[kStepsPV][4];  // P of the previous block as wgmma A fragments
+    float corr[2];            // O's rescale factors for the previous block's softmax
     Softmax<Cfg> softmax;
 
     // ---- GEMMs --------------------------------------------------------------------------------
@@ -361,13 +363,13 @@ struct Consumer {
                 release_q();
             if (refills() && Cfg::kStages < n)
                 loader.load_k(w, Cfg::kStages, g0 + Cfg::kStages);
-            float corr[2];
             softmax_block<true>(0, corr);
             convert_p();
             for (int i = 1; i < n; ++i)
                 step(i);
             // P_{n-1} V_{n-1}.
             const int gl = g0 + n - 1;
+            Softmax<Cfg>::rescale(O, corr);
             mbar_wait(sm.v_full(stage(gl)), phase(gl));
             wait_turn();
             wgmma_fence();
@@ -393,29 +395,37 @@ struct Consumer {
             release(sm.q_empty());
     }
 
-    // Block i >= 1: [P_{i-1} V_{i-1}, S_i] on the tensor cores, then softmax of S_i.
+    // Block i >= 1: S_i, then P_{i-1} V_{i-1} on the tensor cores (O rescaled for block i-1
+    // while S_i runs), then the softmax of S_i (with kOverlap while P_{i-1} V_{i-1} runs).
     __device__ __forceinline__ void step(int i) {
         const int g = g0 + i, s = stage(g), sp = stage(g - 1);
         mbar_wait(sm.k_full(s), phase(g));
-        mbar_wait(sm.v_full(sp), phase(g - 1));
         wait_turn();
         wgmma_fence();
         issue_qk(s);
         wgmma_commit();
+        fence_regs(O);  // the rescale below is issued after S_i, so it runs under it
+        Softmax<Cfg>::rescale(O, corr);
+        mbar_wait(sm.v_full(sp), phase(g - 1));
+        wgmma_fence();  // O was rescaled by ordinary instructions
         issue_pv(sp);
         wgmma_commit();
         pass_turn();
         const int n = work->n_blocks;
-        float corr[2];
         if constexpr (Cfg::kOverlap) {
             wgmma_wait<1>();  // S_i has landed; P_{i-1} V_{i-1} may still run
             fence_regs(S);
-            release(sm.k_empty(s));
+            softmax_block<false>(i, corr);
+            // K_i is released through an address that depends on the softmax's row sums (an
+            // offset that is always 0): ptxas keeps memory operations in order with the wait
+            // below but would otherwise schedule the softmax after it, off the P V GEMM.
+            const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
+            release(sm.k_empty(s) + after);
             if (i == n - 1)
                 release_q();
-            softmax_block<false>(i, corr);
             wgmma_wait<0>();
             fence_regs(O);
+            fence_regs(P);  // P stays allocated until P_{i-1} V_{i-1} is done
             release(sm.v_empty(sp));
         } else {
             wgmma_wait<0>();
@@ -433,7 +443,6 @@ struct Consumer {
             if (i - 1 + Cfg::kStages < n)
                 loader.load_v(*work, i - 1 + Cfg::kStages, g - 1 + Cfg::kStages);
         }
-        Softmax<Cfg>::rescale(O, corr);
         convert_p();
     }
 

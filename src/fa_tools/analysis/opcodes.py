@@ -82,6 +82,24 @@ def histogram(kernel: str, arch: str, instrs: list[Instruction],
     )
 
 
+def ex2_under_wgmma(instrs: list[Instruction]) -> int:
+    """MUFU.EX2 placed while a wgmma group may still be running: after an HGMMA and before the
+    next wait for all groups (WARPGROUP.DEPBAR.LE gsb0, 0x0), in program order. With the
+    intra-warpgroup overlap this is the softmax of S_j under P_{j-1} V_{j-1}; 0 means ptxas
+    scheduled the whole softmax after the GEMMs (what it did until the K release was made to
+    depend on the softmax, docs/results.md)."""
+    pending, count = False, 0
+    for i in instrs:
+        if i.base in ("HGMMA", "QGMMA"):
+            pending = True
+        elif i.opcode.startswith("WARPGROUP.DEPBAR") and i.operands.replace(" ", "").endswith(
+                ",0x0"):
+            pending = False
+        elif pending and i.opcode.startswith("MUFU.EX2"):
+            count += 1
+    return count
+
+
 def expected_mma_count(cfg) -> int:
     """Matrix instructions a config's kernel body holds. sm80: mma.sync m16n8k16, per KV block
     each warp issues m_tiles x (B_c/8 x d/16) for S = Q K^T and m_tiles x (d/8 x B_c/16) for

@@ -66,7 +66,8 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
             rec = records.get((kernel, arch))
             if rec is None:
                 continue
-            hist = opcodes.histogram(kernel, arch, sass.instructions(binary, kernel, arch))
+            instrs = sass.instructions(binary, kernel, arch)
+            hist = opcodes.histogram(kernel, arch, instrs)
             out.setdefault(kernel, {})[arch] = {
                 "registers": rec.registers,
                 "spill_bytes": rec.spill_stores + rec.spill_loads,
@@ -77,7 +78,9 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
                 "sass_int_address": hist.categories["int_address"],
                 "sass_tensor_mma": hist.categories["tensor_mma"],
                 **({"sass_tma": hist.categories["tma"],
-                    "sass_setmaxnreg": hist.categories["setmaxnreg"]} if arch == "90a" else {}),
+                    "sass_setmaxnreg": hist.categories["setmaxnreg"],
+                    "sass_ex2_overlapped": opcodes.ex2_under_wgmma(instrs)}
+                   if arch == "90a" else {}),
             }
     return out
 
@@ -85,12 +88,15 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
 def _allowance(rule: dict, base: float) -> float:
     if "max_increase_pct" in rule:
         return base * rule["max_increase_pct"] / 100
-    return rule.get("max_increase", 0)
+    return rule.get("max_increase", rule.get("max_decrease", 0))
 
 
 def _rule_text(rule: dict) -> str:
     if "max_increase_pct" in rule:
         return f"may rise at most {rule['max_increase_pct']}%"
+    if "max_decrease" in rule:  # a metric where more is better
+        n = rule["max_decrease"]
+        return "may not fall" if n == 0 else f"may fall at most {n}"
     n = rule.get("max_increase", 0)
     return "may not rise" if n == 0 else f"may rise at most {n}"
 
@@ -127,15 +133,16 @@ def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
                                             "metric not pinned: rebaseline"))
                     continue
                 text = _rule_text(rule)
+                sign = -1 if "max_decrease" in rule else 1  # more is better for this metric
                 if metric == "spill_bytes" and kernel in zero_spill and c > spill_allowed.get(
                         kernel, 0):
                     findings.append(Finding(
                         kernel, arch, metric, b, c, "worse",
                         f"must stay at most {spill_allowed[kernel]} (policy's spill exception)"
                         if kernel in spill_allowed else "must stay 0 for this kernel set"))
-                elif c > b + _allowance(rule, b):
+                elif sign * (c - b) > _allowance(rule, b):
                     findings.append(Finding(kernel, arch, metric, b, c, "worse", text))
-                elif c < b and static.get("fail_on_unpinned_improvement", True):
+                elif sign * (c - b) < 0 and static.get("fail_on_unpinned_improvement", True):
                     findings.append(Finding(kernel, arch, metric, b, c, "improved",
                                             "better than the pin: re-pin with rebaseline"))
                 else:

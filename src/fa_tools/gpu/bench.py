@@ -54,11 +54,13 @@ def environment() -> dict:
 
 def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
         configs: str | None = None, reps: int = 10, rounds: int = 3,
-        causal: bool = False) -> list[dict]:
+        causal: bool = False, sustained: bool = True) -> list[dict]:
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
     FA2 and cuDNN backends timed in the same interleaved rounds (all causal with `causal`,
     FLOPs halved). `configs` names configs or sets (comma-separated); configs of another
-    dtype/d_head, or without masks when causal, are left out. None: dispatch."""
+    dtype/d_head, or without masks when causal, are left out. None: dispatch. `sustained`:
+    each contender's calls timed after 300 ms of the same calls (steady clocks under the power
+    limit, perfcases.time_sustained_ms); else 10-call bursts after an idle gap."""
     import flash_attention as fa
 
     wanted = fa.resolve(configs) if configs else None
@@ -70,18 +72,18 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
                       if wanted else [None])
             for (batch, seqlen), config in itertools.product(shapes, chosen):
                 rows.append(_measure_row(dtype, d_head, batch, seqlen, heads, config, reps,
-                                         rounds, causal))
+                                         rounds, causal, sustained))
     return rows
 
 
 def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
-                 reps: int, rounds: int, causal: bool = False) -> dict:
+                 reps: int, rounds: int, causal: bool = False, sustained: bool = True) -> dict:
     import torch
 
     import flash_attention as fa
     from flash_attention.timing import attention_flops
 
-    from .perfcases import contenders, time_cuda_ms
+    from .perfcases import contenders, time_cuda_ms, time_sustained_ms
 
     tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
@@ -93,13 +95,14 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
         for name, fn in fns.items():
-            samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
+            samples[name] += (time_sustained_ms(fn, reps=reps) if sustained
+                              else time_cuda_ms(fn, reps=reps, warmup=3))
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
     # What ran: the named config, or dispatch's choice after its run-time fallback.
     right = 0 if causal else -1
     chosen = config.short if config else fa.ops.extension().explain(q, k, v, -1, right, False)
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
-           "causal": causal, "config": chosen}
+           "causal": causal, "config": chosen, "timing": "sustained" if sustained else "burst"}
     for name in ("ours", *PEERS):
         got = samples.get(name)
         row[f"{name}_ms"] = statistics.median(got) if got else None
@@ -114,17 +117,18 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     return row
 
 
-def gemm_tflops(n: int = 8192, reps: int = 10, rounds: int = 3) -> dict:
+def gemm_tflops(n: int = 8192, reps: int = 10, rounds: int = 3, sustained: bool = True) -> dict:
     """cuBLAS bf16 GEMM n^3 through torch.matmul: the tensor-core rate of this GPU, measured in
     the same run as the attention rows (median and spread over the samples)."""
     import torch
 
-    from .perfcases import time_cuda_ms
+    from .perfcases import time_cuda_ms, time_sustained_ms
 
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     samples: list[float] = []
     for _ in range(rounds):
-        samples += time_cuda_ms(lambda: torch.matmul(a, b), reps=reps, warmup=3)
+        samples += (time_sustained_ms(lambda: torch.matmul(a, b), reps=reps) if sustained
+                    else time_cuda_ms(lambda: torch.matmul(a, b), reps=reps, warmup=3))
     flops = 2 * n**3
     return {"n": n, "tflops": flops / statistics.median(samples) / 1e9,
             "tflops_min": flops / max(samples) / 1e9, "tflops_max": flops / min(samples) / 1e9}
@@ -142,7 +146,12 @@ def _best(row: dict, peer: str) -> str:
 def markdown(rows: list[dict], env: dict) -> str:
     lines = [
         f"GPU: {env.get('gpu')} ({env.get('driver_clocks')}), torch {env.get('torch')}, "
-        f"commit {env.get('commit')}, {env.get('date')}. TFLOP/s from median times; "
+        f"commit {env.get('commit')}, {env.get('date')}. "
+        + ("Calls timed in 10-call bursts after an idle gap (boost clocks). "
+           if rows and rows[0].get("timing") == "burst" else
+           "Calls timed after 300 ms of continuous work (clocks settled under the power "
+           "limit). ")
+        + "TFLOP/s from median times; "
         "ratio = peer time / our time (> 1: we are faster), from medians and, in brackets, "
         "from the fastest sample of each.",
         "",
@@ -171,11 +180,11 @@ def command(args: argparse.Namespace) -> int:
     env = environment()
     rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
                parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds,
-               args.causal)
+               args.causal, not args.burst)
     table = markdown(rows, env)
     gemm = None
     if args.gemm:
-        gemm = gemm_tflops()
+        gemm = gemm_tflops(sustained=not args.burst)
         table += (f"\ncuBLAS bf16 GEMM {gemm['n']}^3 in the same run: {gemm['tflops']:.1f} "
                   f"TFLOP/s (samples {gemm['tflops_min']:.1f}-{gemm['tflops_max']:.1f}); "
                   "ours / GEMM: "
@@ -203,6 +212,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the config dispatch picks)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--burst", action="store_true",
+                   help="time 10-call bursts after an idle gap (boost clocks) instead of calls "
+                   "after 300 ms of continuous work (clocks settled under the power limit)")
     p.add_argument("--causal", action="store_true",
                    help="causal attention for all contenders (TFLOP/s from halved FLOPs)")
     p.add_argument("--gemm", action="store_true",
