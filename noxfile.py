@@ -284,13 +284,16 @@ def _broken_part(name: str, message: str) -> None:
 
 
 def _gate_tests(session: nox.Session, limits: dict) -> None:
-    """The test suite, each test under pytest-timeout, the whole run under its own limit."""
+    """The test suite, each test under pytest-timeout, the whole run under its own limit; GPU
+    kernel tests on the gate's sample of the grid (every kernel, fewer shapes and masks each:
+    tests/test_gpu_kernels.py)."""
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={REPORT / 'tests.xml'}",
-           f"--timeout={limits['per_test_timeout_s']}", "tests"]
+           f"--timeout={limits['per_test_timeout_s']}", "--durations=15", "tests"]
     session.log(f"tests: {limits['per_test_timeout_s']} s per test, "
                 f"{limits['run_timeout_s']} s in all")
     try:
-        subprocess.run(cmd, env={**os.environ, **ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1"},
+        subprocess.run(cmd, env={**os.environ, **ENV, "FLASH_ATTENTION_REQUIRE_EXT": "1",
+                                 "FA_TEST_GRID": "gate"},
                        cwd=ROOT, check=False, timeout=limits["run_timeout_s"])
     except subprocess.TimeoutExpired:
         _broken_part("tests", f"the test run passed its {limits['run_timeout_s']} s limit")
