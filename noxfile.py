@@ -286,9 +286,11 @@ def _broken_part(name: str, message: str) -> None:
 def _gate_tests(session: nox.Session, limits: dict) -> None:
     """The test suite, each test under pytest-timeout, the whole run under its own limit; GPU
     kernel tests on the gate's sample of the grid (every kernel, fewer shapes and masks each:
-    tests/test_gpu_kernels.py)."""
+    tests/test_gpu_kernels.py). On a GPU machine only the GPU tests: the workflow's hosted CPU
+    job runs the others (nox -s test) on the same commit."""
+    only_gpu = ["-m", "gpu"] if _has_gpu() else []
     cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={REPORT / 'tests.xml'}",
-           f"--timeout={limits['per_test_timeout_s']}", "--durations=15", "tests"]
+           f"--timeout={limits['per_test_timeout_s']}", "--durations=15", *only_gpu, "tests"]
     session.log(f"tests: {limits['per_test_timeout_s']} s per test, "
                 f"{limits['run_timeout_s']} s in all")
     try:
