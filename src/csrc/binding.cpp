@@ -196,8 +196,7 @@ int64_t d_head_variant(int64_t d_head) {
 }
 
 // The table's choice for a call, {nullptr, nullptr} when it has none (keyed by variant).
-Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
-              bool softcap) {
+Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool local, bool softcap) {
     if (d_head <= 0 || d_head % 8 != 0)
         return Choice{nullptr, nullptr};
     DispatchTable& table = dispatch_table();
@@ -520,8 +519,8 @@ std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     int64_t window_left, int64_t window_right, bool softcap) {
     const int64_t D = q.size(-1);
     const bool mask = window_left != -1 || window_right != -1;
-    const Choice c = lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask,
-                            window_left != -1, softcap);
+    const Choice c =
+        lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
     if (c.kernel->arch != 90)
