@@ -5,26 +5,16 @@ times on random inputs, so that ncu can profile the last launch of the kernel it
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import flash_attention as fa
+from fa_tools.gpu.perfcases import contenders
 
 who = sys.argv[1]
 dtype, d, b, s, h = (sys.argv[2:7] + ["bf16", "128", "16", "4096", "16"][len(sys.argv[2:7]):])
 causal = len(sys.argv) > 7 and sys.argv[7] == "causal"
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-if who == "ours":
-    def run():
-        return fa.attention(q, k, v, causal=causal)
-else:
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[who]
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-    def run():
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+name = {"ours": "ours", "cudnn": "sdpa_cudnn", "fa2": "sdpa_fa2"}[who]
+run = contenders(q, k, v, torch.empty_like(q), names=(name,), causal=causal)[name]
 for _ in range(4):
     run()
 torch.cuda.synchronize()

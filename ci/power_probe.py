@@ -9,24 +9,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import flash_attention as fa
+from fa_tools.gpu.perfcases import contenders as make_contenders
 
 dtype, d, b, s, h = (sys.argv[1:6] + ["bf16", "128", "16", "4096", "16"][len(sys.argv[1:6]):])
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-out = torch.empty_like(q)
-qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-
-def cudnn():
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        return F.scaled_dot_product_attention(qt, kt, vt)
-
-
-contenders = {"ours": lambda: fa.attention(q, k, v, out=out), "cudnn": cudnn}
+fns = make_contenders(q, k, v, torch.empty_like(q), names=("ours", "sdpa_cudnn"))
+contenders = {"ours": fns["ours"], "cudnn": fns["sdpa_cudnn"]}
 for fn in contenders.values():
     fn()
 torch.cuda.synchronize()

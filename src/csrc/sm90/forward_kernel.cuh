@@ -425,7 +425,6 @@ struct Consumer {
                 release_q();
             wgmma_wait<0>();
             fence_regs(O);
-            fence_regs(P);  // P stays allocated until P_{i-1} V_{i-1} is done
             release(sm.v_empty(sp));
         } else {
             wgmma_wait<0>();

@@ -118,9 +118,8 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(n) : "memory");
 }
 
-// Pins registers at this point of the instruction stream: the compiler neither reads or moves
-// accumulators across it while a wgmma writes them, nor sinks the arithmetic that produced them
-// below a later wait (ordinary arithmetic may otherwise move past an asm volatile).
+// Keeps the compiler from reading or moving accumulator registers while a wgmma writes them.
+// (It orders nothing for ptxas: arithmetic can still be scheduled past a later wgmma wait.)
 template <int kRows, int kCols>
 __device__ __forceinline__ void fence_regs(float (&d)[kRows][kCols]) {
 #pragma unroll
@@ -128,22 +127,6 @@ __device__ __forceinline__ void fence_regs(float (&d)[kRows][kCols]) {
 #pragma unroll
         for (int j = 0; j < kCols; ++j)
             asm volatile("" : "+f"(d[i][j])::"memory");
-}
-// A-fragment registers a wgmma reads: pinned after its wait, they stay allocated (not reused for
-// temporaries, which would make ptxas wait for the wgmma before the first such write).
-template <int kRows, int kCols>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[kRows][kCols]) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-        for (int j = 0; j < kCols; ++j)
-            asm volatile("" : "+r"(d[i][j])::"memory");
-}
-template <int kN>
-__device__ __forceinline__ void fence_regs(float (&d)[kN]) {
-#pragma unroll
-    for (int i = 0; i < kN; ++i)
-        asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // ---- warp roles ---------------------------------------------------------------------------------

@@ -66,10 +66,18 @@ def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000 + 100_000 * reps)
+    return _queued_calls_ms(fn, reps)
+
+
+def _queued_calls_ms(fn, reps: int) -> list[float]:
+    """Queues `reps` calls of fn between CUDA events on the current stream, then waits: the
+    milliseconds of each."""
+    import torch
+
     stream = torch.cuda.current_stream()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
-    torch.cuda._sleep(2_000_000 + 100_000 * reps)
     for start, end in events:
         start.record(stream)
         fn()
@@ -91,17 +99,9 @@ def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0) -> list[float]:
     fn()
     torch.cuda.synchronize()
     one = statistics.median(time_cuda_ms(fn, reps=3, warmup=0))
-    stream = torch.cuda.current_stream()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
     for _ in range(max(1, int(warm_ms / max(one, 1e-3)))):
         fn()
-    for start, end in events:
-        start.record(stream)
-        fn()
-        end.record(stream)
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
+    return _queued_calls_ms(fn, reps)
 
 
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
