@@ -10,7 +10,8 @@
 #             d_head 128 table against SDPA FA2/cuDNN and a cuBLAS GEMM
 #   features  causal table against SDPA FA2 causal, d_head 64/96/256 tables against SDPA FA2,
 #             host cost per call, window, GQA, varlen against a padded batch
-#   calibrate power study: planted slowdowns on CAL_CASE, CAL_RUNS runs per size, AA_RUNS A/A
+#   calibrate power study: planted slowdowns (CAL_SIZES %) on each of CAL_CASE, CAL_RUNS runs per
+#             size, then AA_RUNS whole A/A gate runs
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
@@ -140,9 +141,13 @@ if step toolkit; then
         >>"$LOG_DIR/toolkit.log" 2>&1
 fi
 if step calibrate; then
-    run calibrate python3 -m fa_tools gate calibrate --case "${CAL_CASE:-fp16_d128_b16_s1024}" \
-        --sizes "${CAL_SIZES:-1.5,2,3,5,10}" --runs "${CAL_RUNS:-10}" --aa-runs "${AA_RUNS:-20}" \
-        --out "$LOG_DIR/calibrate"
+    # CAL_CASE: one or more gate cases (space-separated); CAL_LIMIT_S: stop the study there
+    # (it saves its tables after every block, so a study cut short keeps what it measured)
+    cal_cases=()
+    for c in ${CAL_CASE:-fp16_d128_b16_s1024}; do cal_cases+=(--case "$c"); done
+    run calibrate timeout "${CAL_LIMIT_S:-86400}" python3 -m fa_tools gate calibrate \
+        "${cal_cases[@]}" --sizes "${CAL_SIZES-1.5,2,3,5,10}" --runs "${CAL_RUNS:-10}" \
+        --aa-runs "${AA_RUNS:-20}" --out "$LOG_DIR/calibrate"
 fi
 if step hang; then
     # head: a copy of this built tree whose attention() sleeps for an hour at seqlen 16384

@@ -140,9 +140,11 @@ class FakeWorker:
         self.factors, self.noise = factors, noise
         self.rng = random.Random(seed)
         self.calls: list[tuple[str, int, float, float]] = []
+        self.warm_ms: set[float] = set()
 
-    def measure(self, case, reps, timeout_s, slowdown=0.0):
+    def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
         self.calls.append((case.name, reps, timeout_s, slowdown))
+        self.warm_ms.add(warm_ms)
         base = 1.0 + case.seqlen / 1000
         jitter = 1 + self.rng.gauss(0, self.noise.get(case.name, 0.002))
         return {"ours": base * self.factors.get(case.name, 1.0) * (1 + slowdown) * jitter,
@@ -158,6 +160,7 @@ def test_sequential_compare_stops_early_extends_undecided_and_plants_only_on_hea
     head = FakeWorker({slow: 1.05}, {noisy: 0.12}, seed=2)
     results = {r.case: r for r in abtest.compare(base, head, CASES, POL, 7)}
     assert results[slow].verdict == "slower" and results[slow].rounds == POL.rounds
+    assert base.warm_ms == head.warm_ms == {POL.warm_ms}, "every request: steady-state timing"
     assert results[clean].verdict == "same" and results[clean].rounds == POL.rounds
     assert results[noisy].rounds > POL.rounds, "an undecided case gets more rounds"
     assert results[noisy].verdict in ("same", "inconclusive")
@@ -375,8 +378,8 @@ def test_power_study_flags_a_plant_that_did_not_take_effect(tmp_path, monkeypatc
     from fa_tools.gate import calibrate
 
     class DeafWorker(FakeWorker):
-        def measure(self, case, reps, timeout_s, slowdown=0.0):
-            return super().measure(case, reps, timeout_s, 0.0)
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
+            return super().measure(case, reps, timeout_s, 0.0, warm_ms)
 
     @contextlib.contextmanager
     def fake_workers(args, perf_policy, meta):
@@ -396,7 +399,7 @@ def test_a_case_the_base_cannot_run_is_new_not_broken():
     answers that case with an error: the case is reported as new, the rest compared as usual."""
 
     class OldBase(FakeWorker):
-        def measure(self, case, reps, timeout_s, slowdown=0.0):
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
             if case.causal:
                 raise abtest.WorkerError("base, case x: TypeError: unexpected keyword "
                                          "argument 'causal'", "infra")
@@ -421,7 +424,7 @@ def test_a_case_the_base_cannot_run_is_new_not_broken():
 
 def test_a_base_that_dies_is_still_infrastructure():
     class DeadBase(FakeWorker):
-        def measure(self, case, reps, timeout_s, slowdown=0.0):
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
             raise abtest.WorkerError("base: case x did not finish within 60 s", "infra")
 
         def alive(self):

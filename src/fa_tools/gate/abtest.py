@@ -2,7 +2,9 @@
 
 Two builds (base and head), one live measuring process each (worker.py), measured in rounds
 that alternate which side goes first. Each round gives, per case, one median time per side for
-attention() and for the SDPA FA2 peer measured right after it. Per case the gate looks at the
+attention() and for the SDPA FA2 peer measured right after it, each timed after `warm_ms` of
+its own calls back to back: at the clock the GPU settles at under continuous load (a burst after
+an idle moment rides the boost clock down, by how much depends on the kernel). Per case the gate looks at the
 paired log-ratios ln(head/base), raw and normalised by the peer (policy in ci/gate_policy.yaml):
 
   slower        the one-sided signed-rank test on the raw log-ratios significant at the
@@ -74,6 +76,7 @@ class Policy:
     step: int = 12
     max_rounds: int = 48
     round_ms: float = 40.0
+    warm_ms: float = 100.0
     min_reps: int = 3
     max_reps: int = 50
     first_call_timeout_s: float = 300.0
@@ -166,10 +169,12 @@ class Worker:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
-    def measure(self, case: Case, reps: int, timeout_s: float, slowdown: float = 0.0
-                ) -> dict[str, float]:
-        """{contender: median ms} of one case; slowdown > 0 only from the power study."""
-        request = {"case": case.as_dict(), "reps": reps, "slowdown": slowdown}
+    def measure(self, case: Case, reps: int, timeout_s: float, slowdown: float = 0.0,
+                warm_ms: float = 0.0) -> dict[str, float]:
+        """{contender: median ms} of one case, each contender timed after warm_ms of its own
+        calls (0: a burst); slowdown > 0 only from the power study."""
+        request = {"case": case.as_dict(), "reps": reps, "slowdown": slowdown,
+                   "warm_ms": warm_ms}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         reply = self._read(timeout_s, f"case {case.name} ({reps} calls per contender)")
@@ -273,7 +278,8 @@ def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
     for c in cases:
         t0 = time.monotonic()
         try:
-            first = base.measure(c, policy.min_reps, policy.first_call_timeout_s)
+            first = base.measure(c, policy.min_reps, policy.first_call_timeout_s,
+                                 warm_ms=policy.warm_ms)
         except WorkerError as exc:
             if not base.alive():  # killed at its limit, or died: the base is broken
                 raise
@@ -283,12 +289,13 @@ def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
         base_s = time.monotonic() - t0
         n = math.ceil(policy.round_ms / max(first["ours"], 1e-3))
         reps[c.name] = min(policy.max_reps, max(policy.min_reps, n))
-        # a request of reps calls costs about reps / min_reps times the warm-up request
+        # a request of reps calls costs at most about reps / min_reps times the warm-up
+        # request (less: the warm calls and the first call's set-up are paid once)
         expected = base_s * reps[c.name] / policy.min_reps
         timeout[c.name] = max(policy.min_timeout_s, policy.timeout_factor * expected)
         head.measure(c, policy.min_reps, max(policy.min_timeout_s,
                                              policy.timeout_factor * base_s),
-                     slowdown.get(c.name, 0.0))
+                     slowdown.get(c.name, 0.0), policy.warm_ms)
     return Plan(reps, timeout, new)
 
 
@@ -312,7 +319,8 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
             for side, worker in sides if rounds % 2 == 0 else sides[::-1]:
                 for c in active:
                     res = worker.measure(c, plan.reps[c.name], plan.timeout_s[c.name],
-                                         slowdown.get(c.name, 0.0) if side == "head" else 0.0)
+                                         slowdown.get(c.name, 0.0) if side == "head" else 0.0,
+                                         policy.warm_ms)
                     samples[c.name][side].append(res["ours"])
                     samples[c.name][f"{side}_peer"].append(res["sdpa_fa2"])
             rounds += 1

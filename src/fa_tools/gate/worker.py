@@ -3,11 +3,12 @@ reports which build it imported, then answers one JSON request per line on stdin
 reply per line on stdout, so the A/B gate pays the torch import once per side and alternates
 rounds between two live workers. Inputs of each case are made once and kept.
 
-    request:  {"case": Case dict, "reps": 10, "slowdown": 0.0}
+    request:  {"case": Case dict, "reps": 10, "slowdown": 0.0, "warm_ms": 100.0}
     reply:    {"ok": true, "results": {contender: median ms}}  or  {"ok": false, "error": ...}
 
 "slowdown" > 0 plants a known slowdown of attention() for the gate's power study (calibrate);
-only that command sends it.
+only that command sends it. "warm_ms" > 0: each contender's timed calls follow that long of its
+own calls back to back (steady-state timing, perfcases.measure_case); 0: a burst after a sleep.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main() -> int:
             if case not in inputs:
                 inputs[case] = Inputs.make(case)
             results = measure_case(case, inputs[case], reps=req.get("reps", 10), warmup=1,
-                                   slowdown=req.get("slowdown", 0.0))
+                                   slowdown=req.get("slowdown", 0.0),
+                                   warm_ms=req.get("warm_ms", 0.0))
             reply = {"ok": True, "results": results}
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",

@@ -5,7 +5,7 @@ inputs, with CUDA events (flash_attention.timing)."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 # (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
@@ -86,19 +86,23 @@ def _queued_calls_ms(fn, reps: int) -> list[float]:
     return [s.elapsed_time(e) for s, e in events]
 
 
-def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0) -> list[float]:
+def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None
+                      ) -> list[float]:
     """CUDA-event milliseconds of each of `reps` calls made after about `warm_ms` of the same
     calls back to back, all queued without a gap: the GPU at the steady state of continuous
     work, clocks settled under its power limit. (A burst after an idle gap runs at boost clocks
     that fall within tens of milliseconds, by how much depends on the kernel, so short bursts
     rank contenders differently from continuous use: on an H100 at 700 W, 16 x 4096 x 16 heads
     bf16 d128, SDPA cuDNN 3.58 ms and ours 3.64 ms sustained at about 1.5 GHz, against 3.25 and
-    3.8 ms median in 10-call bursts; docs/results.md.)"""
+    3.8 ms median in 10-call bursts; docs/results.md.) one_ms: the time of one call if known
+    (else measured first), which sets how many warm calls make warm_ms."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    one = statistics.median(time_cuda_ms(fn, reps=3, warmup=0))
+    if one_ms is None:
+        fn()
+        torch.cuda.synchronize()
+        one_ms = statistics.median(time_cuda_ms(fn, reps=3, warmup=0))
+    one = one_ms
     for _ in range(max(1, int(warm_ms / max(one, 1e-3)))):
         fn()
     return _queued_calls_ms(fn, reps)
@@ -162,6 +166,7 @@ class Inputs:
     v: object
     out: object
     varlen: tuple | None = None
+    last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
 
     @classmethod
     def make(cls, case: Case) -> Inputs:
@@ -212,9 +217,12 @@ def planted_slowdown(fn, fraction: float, reps: int):
 
 
 def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
-                 reps: int = 10, warmup: int = 3, slowdown: float = 0.0) -> dict[str, float]:
+                 reps: int = 10, warmup: int = 3, slowdown: float = 0.0, warm_ms: float = 0.0
+                 ) -> dict[str, float]:
     """{contender: median ms over reps calls} of one case; raises on any failure (a broken
-    benchmark must never look like a slow one)."""
+    benchmark must never look like a slow one). warm_ms > 0: each contender's timed calls
+    follow about warm_ms of its own calls queued back to back (time_sustained_ms: the steady
+    state under the power limit); else `warmup` calls and a burst after a device-side sleep."""
     import torch
 
     fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
@@ -229,8 +237,11 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
         raise RuntimeError(f"{case.name}: attention() produced non-finite values")
     if slowdown > 0:
         fns["ours"] = planted_slowdown(fns["ours"], slowdown, reps)
-    return {name: statistics.median(time_cuda_ms(fn, reps=reps, warmup=warmup))
-            for name, fn in fns.items()}
+    for name, fn in fns.items():
+        times = (time_sustained_ms(fn, reps, warm_ms, inputs.last_ms.get(name)) if warm_ms > 0
+                 else time_cuda_ms(fn, reps=reps, warmup=warmup))
+        inputs.last_ms[name] = statistics.median(times)
+    return {name: inputs.last_ms[name] for name in fns}
 
 
 def measure(cases: list[Case], contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
