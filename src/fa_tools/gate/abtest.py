@@ -3,9 +3,10 @@
 Two builds (base and head), one live measuring process each (worker.py), measured in rounds
 that alternate which side goes first. Each round gives, per case, one median time per side for
 attention() and for the SDPA FA2 peer measured right after it, each timed after `warm_ms` of
-its own calls back to back: at the clock the GPU settles at under continuous load (a burst after
-an idle moment rides the boost clock down, by how much depends on the kernel). Per case the gate looks at the
-paired log-ratios ln(head/base), raw and normalised by the peer (policy in ci/gate_policy.yaml):
+its own calls back to back: at the clock the GPU settles at under continuous load (a burst
+after an idle moment rides the boost clock down, by how much depends on the kernel). Per case
+the gate looks at the paired log-ratios ln(head/base), raw and normalised by the peer (policy
+in ci/gate_policy.yaml):
 
   slower        the one-sided signed-rank test on the raw log-ratios significant at the
                 per-look level, and both estimated ratios (Hodges-Lehmann, raw and normalised)

@@ -1,14 +1,15 @@
 """The gate's power study (fa-tools gate calibrate): how often the A/B gate catches a slowdown
 of known size, and how often it cries wolf.
 
-Both workers run the head's build (A/A). For each planted size the head worker slows
-attention() on one chosen case by that fraction of its own time (a device-side spin after each
-call: gpu/perfcases.planted_slowdown; only this command turns it on) and the gate's sequential
-comparison runs on that case with the alpha split of a whole gate run, `runs` times: the
-detection rate is the share of 'slower' verdicts. The measured head/base ratio is reported
-beside the planted size, and a plant that did not take effect (under half its size, measured)
-is flagged, so a detection rate is never read off a slowdown that was not there. Then `aa_runs`
-whole gate runs (every case, no planted slowdown) give the false-positive rate per gate run."""
+Both workers run the head's build (A/A). For each planted size the head worker runs
+attention() on one chosen case grown by that fraction of more (batch, head) pairs (the same
+kernel doing that much more work: gpu/perfcases.planted_attention; only this command turns it
+on) and the gate's sequential comparison runs on that case with the alpha split of a whole gate
+run, `runs` times: the detection rate is the share of 'slower' verdicts. The work actually
+added (whole heads) and the head/base ratio measured are reported beside the planted size, and
+a plant that did not take effect (measured under half the work added) is flagged, so a
+detection rate is never read off a slowdown that was not there. Then `aa_runs` whole gate runs
+(every case, no planted slowdown) give the false-positive rate per gate run."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..gpu.perfcases import GATE_CASES
+from ..gpu.perfcases import GATE_CASES, Case, planted_heads
 from . import PASS, write_part
 from .abtest import Policy, compare
 from .perf import workers
@@ -26,11 +27,15 @@ from .perf import workers
 log = logging.getLogger(__name__)
 
 
-def _row(size_pct: float, verdicts: list[str], ratios: list[float], rounds: list[int],
-         seconds: list[float]) -> dict:
+def _row(case: Case, size_pct: float, verdicts: list[str], ratios: list[float],
+         rounds: list[int], seconds: list[float]) -> dict:
     n = len(verdicts)
-    realised = statistics.median(ratios) - 1 >= size_pct / 200  # at least half the plant
-    return {"planted": f"{size_pct:g}%", "realised": realised, "runs": n,
+    pairs = case.batch * case.heads
+    added = planted_heads(case, size_pct / 100)
+    work_pct = 100 * added / pairs
+    realised = statistics.median(ratios) - 1 >= work_pct / 200  # at least half the plant
+    return {"planted": f"{size_pct:g}%", "added": f"+{added} of {pairs} heads",
+            "work_pct": work_pct, "realised": realised, "runs": n,
             "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
             "same": verdicts.count("same"), "faster": verdicts.count("faster"),
             "detection_rate": verdicts.count("slower") / n if n else 0.0,
@@ -46,13 +51,14 @@ def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
              f"{meta['n_family']} cases, {meta['rounds']} rounds first, +{meta['step']} up to "
              f"{meta['max_rounds']}.", ""]
     if power:
-        lines += ["| case | planted slowdown | runs | slower | inconclusive | same | detection "
-                  "| measured head/base median [min, max] | rounds (median) | s per run |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| case | planted slowdown | work added | runs | slower | inconclusive | same "
+                  "| detection | measured head/base median [min, max] | rounds (median) "
+                  "| s per run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in power:
             planted = r["planted"] + ("" if r["realised"] else " (not realised)")
             lines.append(
-                f"| {r['case']} | {planted} | {r['runs']} | {r['slower']} | "
+                f"| {r['case']} | {planted} | {r['added']}: {r['work_pct']:.2f}% | "
+                f"{r['runs']} | {r['slower']} | "
                 f"{r['inconclusive']} | {r['same']} | {r['detection_rate']:.0%} | "
                 f"{r['ratio_median']:.4f} [{r['ratio_min']:.4f}, {r['ratio_max']:.4f}] | "
                 f"{r['rounds_median']:g} | {r['seconds_median']:.1f} |")
@@ -104,8 +110,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                     rounds.append(r.rounds)
                     log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
                              i + 1, args.runs, r.verdict, r.ratio, r.rounds)
-                power.append({"case": name, **_row(size, verdicts, ratios, rounds,
-                                                   seconds)})
+                power.append({"case": name, **_row(by_name[name], size, verdicts, ratios,
+                                                   rounds, seconds)})
                 save()
         if args.aa_runs:
             per_case: dict[str, dict[str, list]] = {c.name: {"v": [], "r": [], "n": []}

@@ -167,6 +167,7 @@ class Inputs:
     out: object
     varlen: tuple | None = None
     last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
+    planted: dict = field(default_factory=dict)  # {fraction: (q, k, v, out)}, planted_attention
 
     @classmethod
     def make(cls, case: Case) -> Inputs:
@@ -186,34 +187,35 @@ class Inputs:
         return cls(*packed, torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)))
 
 
-def _cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond of torch.cuda._sleep, measured now (clocks vary)."""
+def planted_heads(case: Case, fraction: float) -> int:
+    """How many (batch, head) pairs a planted slowdown of `fraction` adds to the case's
+    batch x heads: the nearest whole number, at least one."""
+    return max(1, round(fraction * case.batch * case.heads))
+
+
+def planted_attention(case: Case, inputs: Inputs, fraction: float):
+    """attention() on the case's problem grown by planted_heads(case, fraction) more (batch,
+    head) pairs: (1, S, B*H + n, D), same kernel, same work per CTA, n/(B*H) more of it at the
+    same power density. The gate's power study (fa-tools gate calibrate) plants this, nothing
+    else; it is the slowdown of a kernel that does that much more work.
+
+    (A device-side spin after each call, the first plant, was no slowdown of known size on an
+    H100 at its power limit: the spin lowers the power, the clocks rise, and a 1.5% spin
+    measured anywhere from 0.987 to 1.055 in runs seconds apart.)"""
     import torch
 
-    cycles = 2_000_000
-    torch.cuda._sleep(cycles)  # clocks up
-    return cycles / statistics.median(time_cuda_ms(lambda: torch.cuda._sleep(cycles), 3, 0))
+    import flash_attention as fa
 
-
-def planted_slowdown(fn, fraction: float, reps: int):
-    """fn followed by a device-side spin of `fraction` of fn's own median time: a known
-    slowdown for the gate's power study (fa-tools gate calibrate), nothing else.
-
-    Inserted work is not always a slowdown of that size: on an H100, bf16 d_head 64 16 x 4096
-    gave most of it back (a spin of 2-3% measured as 0.998-1.005; a bf16 matrix product of 3%,
-    5% and 10% as 1.014, 1.037 and 1.039), while fp16 d_head 128 16 x 1024 took it in full.
-    So the study reports the slowdown it measured beside the one it planted, and flags a plant
-    that did not take effect."""
-    import torch
-
-    cycles = int(fraction * statistics.median(time_cuda_ms(fn, max(reps, 5), 1))
-                 * _cycles_per_ms())
-
-    def slowed():
-        fn()
-        torch.cuda._sleep(cycles)
-
-    return slowed
+    if case.varlen:
+        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases")
+    if fraction not in inputs.planted:  # made once per worker, kept with the case's inputs
+        pairs = case.batch * case.heads + planted_heads(case, fraction)
+        shape = (1, case.seqlen, pairs, case.d_head)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(3))
+        inputs.planted[fraction] = (q, k, v, torch.empty_like(q))
+    q, k, v, out = inputs.planted[fraction]
+    extra = {"causal": True} if case.causal else {}
+    return lambda: fa.attention(q, k, v, out=out, **extra)
 
 
 def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
@@ -236,7 +238,7 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     if not torch.isfinite(out).all():
         raise RuntimeError(f"{case.name}: attention() produced non-finite values")
     if slowdown > 0:
-        fns["ours"] = planted_slowdown(fns["ours"], slowdown, reps)
+        fns["ours"] = planted_attention(case, inputs, slowdown)
     for name, fn in fns.items():
         times = (time_sustained_ms(fn, reps, warm_ms, inputs.last_ms.get(name)) if warm_ms > 0
                  else time_cuda_ms(fn, reps=reps, warmup=warmup))
