@@ -91,9 +91,11 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     args.aa = True
     power: list[dict] = []
     aa = None
+    runs: list[dict] = []  # every comparison made, with its per-round samples (calibrate.json)
 
     def save() -> None:  # after every block, so a study cut short still leaves its tables
-        write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa},
+        write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa,
+                                      "runs": runs},
                    markdown(meta, power, aa))
 
     with workers(args, perf, meta) as (base_w, head_w):
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                                    {name: size / 100})
                     seconds.append(time.monotonic() - t0)
                     verdicts.append(r.verdict)
+                    runs.append({"planted_pct": size, **r.as_dict()})
                     ratios.append(r.ratio)
                     rounds.append(r.rounds)
                     log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                 slower_runs += "slower" in verdicts
                 inconclusive_runs += "inconclusive" in verdicts
                 for r in results:
+                    runs.append({"aa_run": i + 1, **r.as_dict()})
                     per_case[r.case]["v"].append(r.verdict)
                     per_case[r.case]["r"].append(r.ratio)
                     per_case[r.case]["n"].append(r.rounds)
