@@ -147,8 +147,12 @@ class FakeWorker:
         self.warm_ms.add(warm_ms)
         base = 1.0 + case.seqlen / 1000
         jitter = 1 + self.rng.gauss(0, self.noise.get(case.name, 0.002))
-        return {"ours": base * self.factors.get(case.name, 1.0) * (1 + slowdown) * jitter,
-                "sdpa_fa2": 2.0 * (1 + self.rng.gauss(0, 0.002))}
+        ours = base * self.factors.get(case.name, 1.0) * (1 + slowdown) * jitter
+        peer = 2.0 * (1 + self.rng.gauss(0, 0.002))
+        # cycles at 1.5 GHz, and a clock step on the times alone that the verdict must ignore
+        step = 1 + 0.05 * self.rng.choice((0, 1))
+        return {"ours": ours * step, "sdpa_fa2": peer * step, "ours_mcycles": 1.5 * ours,
+                "sdpa_fa2_mcycles": 1.5 * peer}
 
 
 CASES = [Case("bf16", 128, 16, 1024), Case("bf16", 128, 16, 4096), Case("fp16", 128, 16, 4096)]
@@ -451,3 +455,29 @@ def test_ratchet_spill_exception_allows_its_bytes_only():
     (f,) = [f for f in ratchet.compare(pinned, _metrics(spill_bytes=16), policy)
             if f.status == "worse" and "exception" in f.rule]
     assert f.metric == "spill_bytes" and "at most 8" in f.rule
+
+
+def test_verdict_compares_cycles_and_reports_times_beside():
+    """A head whose calls took 8% longer only because the clock was lower (same cycles) is
+    'same' under metric cycles, with the time ratio reported; under metric time it is slower."""
+
+    class SlowClock(FakeWorker):
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
+            res = super().measure(case, reps, timeout_s, slowdown, warm_ms)
+            return {**res, "ours": res["ours_mcycles"] / 1.5 * 1.08}
+
+    class Steady(FakeWorker):
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
+            res = super().measure(case, reps, timeout_s, slowdown, warm_ms)
+            return {**res, "ours": res["ours_mcycles"] / 1.5}
+
+    c = CASES[0]
+    (r,) = abtest.compare(Steady({}, {}, 1), SlowClock({}, {}, 2), [c], POL, 7)
+    assert r.verdict == "same" and abs(r.time_ratio - 1.08) < 0.01
+    timed = abtest.Policy(metric="time")
+    (r,) = abtest.compare(Steady({}, {}, 1), SlowClock({}, {}, 2), [c], timed, 7)
+    assert r.verdict == "slower"
+    with pytest.raises(ValueError, match="warm_ms"):
+        abtest.Policy.from_dict({"metric": "cycles", "warm_ms": 0})
+    with pytest.raises(ValueError, match="metric"):
+        abtest.Policy.from_dict({"metric": "watts"})

@@ -4,9 +4,15 @@ Two builds (base and head), one live measuring process each (worker.py), measure
 that alternate which side goes first. Each round gives, per case, one median time per side for
 attention() and for the SDPA FA2 peer measured right after it, each timed after `warm_ms` of
 its own calls back to back: at the clock the GPU settles at under continuous load (a burst
-after an idle moment rides the boost clock down, by how much depends on the kernel). Per case
-the gate looks at the paired log-ratios ln(head/base), raw and normalised by the peer (policy
-in ci/gate_policy.yaml):
+after an idle moment rides the boost clock down, by how much depends on the kernel). The
+measure compared is the SM cycles per call over those calls (clock stamps around them,
+gpu/clockstamp.py; policy `metric: cycles`), not their time: at the power limit an H100's clock
+steps between levels tens of milliseconds apart, which moved the time of one unchanged kernel by
+up to 8% from round to round while its cycles stayed put. The times are reported beside. (The
+price: a change that only raises the power drawn per cycle, and so the clock falls, is not seen;
+`metric: time` gates on time, with the spread that comes with it.) Per case the gate looks at
+the paired log-ratios ln(head/base), raw and normalised by the peer (policy in
+ci/gate_policy.yaml):
 
   slower        the one-sided signed-rank test on the raw log-ratios significant at the
                 per-look level, and both estimated ratios (Hodges-Lehmann, raw and normalised)
@@ -78,6 +84,7 @@ class Policy:
     max_rounds: int = 48
     round_ms: float = 40.0
     warm_ms: float = 100.0
+    metric: str = "cycles"  # what the verdict compares: SM cycles per call, or "time"
     min_reps: int = 3
     max_reps: int = 50
     first_call_timeout_s: float = 300.0
@@ -90,7 +97,17 @@ class Policy:
         unknown = set(doc) - set(known)
         if unknown:
             raise ValueError(f"unknown perf policy keys: {', '.join(sorted(unknown))}")
-        return cls(**known)
+        policy = cls(**known)
+        if policy.metric not in ("cycles", "time"):
+            raise ValueError(f"perf policy metric: 'cycles' or 'time', not {policy.metric!r}")
+        if policy.metric == "cycles" and policy.warm_ms <= 0:
+            raise ValueError("perf policy metric 'cycles' needs warm_ms > 0 (steady-state "
+                             "timing with clock stamps)")
+        return policy
+
+    def key(self, contender: str) -> str:
+        """The worker reply's field the verdict compares for a contender."""
+        return f"{contender}_mcycles" if self.metric == "cycles" else contender
 
     @property
     def looks(self) -> int:
@@ -223,6 +240,7 @@ class CaseResult:
     verdict: str  # slower | faster | same | undecided | inconclusive | new
     samples: dict = field(default_factory=dict)
     note: str = ""
+    time_ratio: float = math.nan  # head / base of the per-round median times (Hodges-Lehmann)
 
     @classmethod
     def new(cls, case: str, why: str) -> CaseResult:
@@ -236,10 +254,12 @@ class CaseResult:
 
 
 def analyse(case: str, base: list[float], head: list[float], base_peer: list[float],
-            head_peer: list[float], policy: Policy, alpha: float, level: float = 0.95
+            head_peer: list[float], policy: Policy, alpha: float, level: float = 0.95,
+            base_ms: list[float] | None = None, head_ms: list[float] | None = None
             ) -> CaseResult:
-    """Verdict of one case at one look (see the module doc); samples are per-round medians,
-    paired by round."""
+    """Verdict of one case at one look (see the module doc); samples are per-round values of
+    the policy's metric (cycles or ms per call), paired by round; base_ms/head_ms: the per-round
+    median times, reported beside (default: the samples themselves)."""
     d = log_ratios(head, base)
     nd = [a - b for a, b in zip(d, log_ratios(head_peer, base_peer))]
     est, lo, hi = hodges_lehmann(d, level)
@@ -256,11 +276,14 @@ def analyse(case: str, base: list[float], head: list[float], base_peer: list[flo
         verdict = "same"
     else:
         verdict = "undecided"
-    return CaseResult(case, len(d), statistics.median(base), statistics.median(head),
+    base_ms, head_ms = base_ms or base, head_ms or head
+    time_est = hodges_lehmann(log_ratios(head_ms, base_ms), level)[0]
+    return CaseResult(case, len(d), statistics.median(base_ms), statistics.median(head_ms),
                       math.exp(est), math.exp(lo), math.exp(hi), p_slow, p_fast, math.exp(nest),
                       math.exp(nlo), math.exp(nhi), np_slow, cv(base), cv(head), verdict,
                       {"base": base, "head": head, "base_peer": base_peer,
-                       "head_peer": head_peer})
+                       "head_peer": head_peer, "base_ms": base_ms, "head_ms": head_ms},
+                      time_ratio=math.exp(time_est))
 
 
 @dataclass
@@ -307,7 +330,7 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
     slowdown = slowdown or {}
     plan = warm_up(base, head, cases, policy, slowdown)
     alpha = policy.alpha_per_look(n_family)
-    keys = ("base", "head", "base_peer", "head_peer")
+    keys = ("base", "head", "base_peer", "head_peer", "base_ms", "head_ms")
     samples = {c.name: {k: [] for k in keys} for c in cases}
     active = [c for c in cases if c.name not in plan.new]
     done = {name: CaseResult.new(name, why) for name, why in plan.new.items()}
@@ -322,15 +345,16 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
                     res = worker.measure(c, plan.reps[c.name], plan.timeout_s[c.name],
                                          slowdown.get(c.name, 0.0) if side == "head" else 0.0,
                                          policy.warm_ms)
-                    samples[c.name][side].append(res["ours"])
-                    samples[c.name][f"{side}_peer"].append(res["sdpa_fa2"])
+                    samples[c.name][side].append(res[policy.key("ours")])
+                    samples[c.name][f"{side}_peer"].append(res[policy.key("sdpa_fa2")])
+                    samples[c.name][f"{side}_ms"].append(res["ours"])
             rounds += 1
         final = rounds >= policy.max_rounds
         still = []
         for c in active:
             s = samples[c.name]
             r = analyse(c.name, s["base"], s["head"], s["base_peer"], s["head_peer"], policy,
-                        alpha)
+                        alpha, base_ms=s["base_ms"], head_ms=s["head_ms"])
             if r.verdict == "undecided" and not final:
                 still.append(c)
                 continue

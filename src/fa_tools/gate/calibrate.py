@@ -49,7 +49,7 @@ def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
              f"Policy: slower beyond {meta['threshold_pct']}%, cleared below "
              f"{meta['clear_pct']}%, family-wise alpha {meta['fwer']} over "
              f"{meta['n_family']} cases, {meta['rounds']} rounds first, +{meta['step']} up to "
-             f"{meta['max_rounds']}.", ""]
+             f"{meta['max_rounds']}, comparing {meta.get('metric', 'time')} per call.", ""]
     if power:
         lines += ["| case | planted slowdown | work added | runs | slower | inconclusive | same "
                   "| detection | measured head/base median [min, max] | rounds (median) "
@@ -87,7 +87,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     n_family = len(GATE_CASES)
     meta = {"threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer, "n_family": n_family,
-            "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds}
+            "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds,
+            "metric": policy.metric}
     args.aa = True
     power: list[dict] = []
     aa = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -65,7 +66,8 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
     if meta.get("error"):
         return "\n".join([*lines, "```", meta["error"].strip(), "```"]) + "\n"
     lines.append(
-        f"{meta['base_label']} vs {meta['head_label']} on {meta.get('gpu')}: alternating rounds "
+        f"{meta['base_label']} vs {meta['head_label']} on {meta.get('gpu')}, comparing "
+        f"{meta.get('metric', 'time')} per call: alternating rounds "
         f"({meta['rounds']} first, +{meta['step']} for undecided cases, at most "
         f"{meta['max_rounds']}), family-wise alpha {meta['fwer']} per gate run "
         f"({meta['alpha_per_look']:.2g} per case and look; one-sided signed-rank tests on "
@@ -73,19 +75,20 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
         f"times and estimated beyond {meta['threshold_pct']}% both raw and normalised by SDPA "
         f"FA2 in the same round; same = the raw 95% interval and the normalised estimate below "
         f"{meta['clear_pct']}%.")
-    lines += ["", "| case | rounds | base ms | head ms | head/base [95% CI] | p slower | "
-              "vs SDPA FA2: head/base [95% CI] | spread base/head | verdict |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"| case | rounds | base ms | head ms | head/base {meta.get('metric', 'time')} "
+              "[95% CI] | p slower | vs SDPA FA2: head/base [95% CI] | spread base/head | "
+              "head/base time | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["verdict"] == "new":
-            lines.append(f"| {r['case']} | - | - | - | - | - | - | - | **new**: the base "
+            lines.append(f"| {r['case']} | - | - | - | - | - | - | - | - | **new**: the base "
                          f"cannot run it ({r['note']}) |")
             continue
         lines.append(
             f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
             f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
             f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}] | "
-            f"{r['base_cv']:.1%}/{r['head_cv']:.1%} | **{r['verdict']}** |")
+            f"{r['base_cv']:.1%}/{r['head_cv']:.1%} | {r.get('time_ratio', math.nan):.3f} | "
+            f"**{r['verdict']}** |")
     return "\n".join(lines) + "\n"
 
 
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             perf[key] = getattr(args, key)
     policy = Policy.from_dict({k: v for k, v in perf.items() if k != "build_timeout_s"})
     cases = list(GATE_CASES)
-    meta = {"rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds,
+    meta = {"metric": policy.metric, "rounds": policy.rounds, "step": policy.step,
+            "max_rounds": policy.max_rounds,
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer,
             "alpha_per_look": policy.alpha_per_look(len(cases))}

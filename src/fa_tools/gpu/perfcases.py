@@ -70,24 +70,28 @@ def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
     return _queued_calls_ms(fn, reps)
 
 
-def _queued_calls_ms(fn, reps: int) -> list[float]:
+def _queued_calls_ms(fn, reps: int, stamps=None) -> list[float]:
     """Queues `reps` calls of fn between CUDA events on the current stream, then waits: the
-    milliseconds of each."""
+    milliseconds of each. stamps (gpu.clockstamp.Stamps): marked before and after the calls."""
     import torch
 
     stream = torch.cuda.current_stream()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
+    if stamps is not None:
+        stamps.mark()
     for start, end in events:
         start.record(stream)
         fn()
         end.record(stream)
+    if stamps is not None:
+        stamps.mark()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in events]
 
 
-def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None
-                      ) -> list[float]:
+def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None,
+                      stamps=None) -> list[float]:
     """CUDA-event milliseconds of each of `reps` calls made after about `warm_ms` of the same
     calls back to back, all queued without a gap: the GPU at the steady state of continuous
     work, clocks settled under its power limit. (A burst after an idle gap runs at boost clocks
@@ -95,7 +99,8 @@ def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | Non
     rank contenders differently from continuous use: on an H100 at 700 W, 16 x 4096 x 16 heads
     bf16 d128, SDPA cuDNN 3.58 ms and ours 3.64 ms sustained at about 1.5 GHz, against 3.25 and
     3.8 ms median in 10-call bursts; docs/results.md.) one_ms: the time of one call if known
-    (else measured first), which sets how many warm calls make warm_ms."""
+    (else measured first), which sets how many warm calls make warm_ms. stamps: clock stamps
+    around the timed calls (the cycles they took, gpu.clockstamp)."""
     import torch
 
     if one_ms is None:
@@ -105,7 +110,7 @@ def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | Non
     one = one_ms
     for _ in range(max(1, int(warm_ms / max(one, 1e-3)))):
         fn()
-    return _queued_calls_ms(fn, reps)
+    return _queued_calls_ms(fn, reps, stamps)
 
 
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
@@ -224,7 +229,10 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     """{contender: median ms over reps calls} of one case; raises on any failure (a broken
     benchmark must never look like a slow one). warm_ms > 0: each contender's timed calls
     follow about warm_ms of its own calls queued back to back (time_sustained_ms: the steady
-    state under the power limit); else `warmup` calls and a burst after a device-side sleep."""
+    state under the power limit), and the reply also holds, per contender, the SM cycles per
+    call over the timed calls ("<name>_mcycles", millions) and the mean SM clock ("<name>_mhz")
+    from clock stamps around them (gpu.clockstamp); else `warmup` calls and a burst after a
+    device-side sleep."""
     import torch
 
     fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
@@ -239,11 +247,19 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
         raise RuntimeError(f"{case.name}: attention() produced non-finite values")
     if slowdown > 0:
         fns["ours"] = planted_attention(case, inputs, slowdown)
+    from .clockstamp import Stamps
+
+    result: dict[str, float] = {}
     for name, fn in fns.items():
-        times = (time_sustained_ms(fn, reps, warm_ms, inputs.last_ms.get(name)) if warm_ms > 0
-                 else time_cuda_ms(fn, reps=reps, warmup=warmup))
-        inputs.last_ms[name] = statistics.median(times)
-    return {name: inputs.last_ms[name] for name in fns}
+        if warm_ms > 0:
+            stamps = Stamps()
+            times = time_sustained_ms(fn, reps, warm_ms, inputs.last_ms.get(name), stamps)
+            result[f"{name}_mcycles"] = stamps.cycles() / reps / 1e6
+            result[f"{name}_mhz"] = stamps.mhz()
+        else:
+            times = time_cuda_ms(fn, reps=reps, warmup=warmup)
+        result[name] = inputs.last_ms[name] = statistics.median(times)
+    return result
 
 
 def measure(cases: list[Case], contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
