@@ -481,3 +481,12 @@ def test_verdict_compares_cycles_and_reports_times_beside():
         abtest.Policy.from_dict({"metric": "cycles", "warm_ms": 0})
     with pytest.raises(ValueError, match="metric"):
         abtest.Policy.from_dict({"metric": "watts"})
+
+
+def test_policy_first_look_can_reach_the_per_look_alpha():
+    """With n rounds the smallest one-sided signed-rank p is 2^-n: adding gate cases (or looks)
+    without more first rounds would make the first look unable to convict anything."""
+    policy = abtest.Policy.from_dict(
+        {k: v for k, v in ratchet.load_yaml("ci/gate_policy.yaml")["perf"].items()
+         if k != "build_timeout_s"})
+    assert 0.5 ** policy.rounds < policy.alpha_per_look(len(perf.GATE_CASES))
