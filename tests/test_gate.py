@@ -490,3 +490,22 @@ def test_policy_first_look_can_reach_the_per_look_alpha():
         {k: v for k, v in ratchet.load_yaml("ci/gate_policy.yaml")["perf"].items()
          if k != "build_timeout_s"})
     assert 0.5 ** policy.rounds < policy.alpha_per_look(len(perf.GATE_CASES))
+
+
+def test_clock_stamp_cycles_are_per_sm_deltas():
+    """Per SM seen in both stamps: end minus start (SM counters are not aligned with each
+    other); blocks on an SM seen once are ignored; the window is their median."""
+    import torch
+
+    from fa_tools.gpu.clockstamp import Stamps
+
+    stamps = object.__new__(Stamps)
+    stamps._marks = 2
+    start = [[0, 1_000, 0], [1, 5_000_000, 0], [2, 70, 0]]
+    end = [[0, 3_001_000, 2_000_000], [1, 8_000_000, 2_000_000], [3, 9, 9]]
+    stamps._buf = torch.tensor([start, end], dtype=torch.int64)
+    assert stamps.cycles() == 3_000_000
+    assert stamps.mhz() == 1500.0
+    stamps._buf = torch.tensor([start, [[5, 1, 1]] * 3], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="no SM"):
+        stamps.cycles()

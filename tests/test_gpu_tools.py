@@ -57,3 +57,23 @@ def test_sanitize_default_configs_clean():
         pytest.fail(str(exc))
     for r in results:
         assert r.ok, f"{r.tool}: {r.errors} errors\n" + "\n".join(r.log.splitlines()[-30:])
+
+
+def test_clock_stamps_count_the_cycles_of_a_spin():
+    """The gate's cycle measure (fa_tools.gpu.clockstamp): stamps around a device-side spin of
+    N cycles read N cycles, whatever the clock did meanwhile."""
+    import torch
+
+    from fa_tools.gpu.clockstamp import Stamps
+
+    n = 20_000_000
+    for _ in range(3):
+        stamps = Stamps()
+        stamps.mark()
+        torch.cuda._sleep(n)
+        stamps.mark()
+        torch.cuda.synchronize()
+        assert n <= stamps.cycles() <= 1.02 * n + 200_000
+        assert 300 < stamps.mhz() < 3000
+    with pytest.raises(RuntimeError, match="two marks"):
+        stamps.mark()
