@@ -17,3 +17,12 @@ def test_markdown_table_has_ratio_and_missing_peer():
     text = bench.markdown([row], {"gpu": "NVIDIA H200", "torch": "2.11", "commit": "abc"})
     assert "| bf16 | 128 | 16x4096 | 16 | 360.0 | 350.0 | 1.029 | n/a | n/a |" in text
     assert "NVIDIA H200" in text and "abc" in text
+
+
+def test_markdown_table_has_the_cycle_ratio():
+    row = {"dtype": "bf16", "d_head": 128, "batch": 16, "seqlen": 4096, "heads": 16,
+           "config": "sm90_bf16_d128_c128_g2_s2_fwpoe", "ours_tflops": 600.0,
+           "sdpa_fa2_tflops": 380.0, "ratio_sdpa_fa2": 1.58, "sdpa_cudnn_tflops": 610.0,
+           "ratio_sdpa_cudnn": 0.984, "cycle_ratio_sdpa_cudnn": 0.93}
+    text = bench.markdown([row], {"gpu": "NVIDIA H100", "torch": "2.11", "commit": "abc"})
+    assert "| 610.0 | 0.984 | 0.930 | `sm90_bf16_d128_c128_g2_s2_fwpoe` |" in text

@@ -92,11 +92,18 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     fns = contenders(q, k, v, out, config=config, causal=causal)
     for name in set(PEERS) - set(fns):
         log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
+    from .clockstamp import Stamps
+
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    mcycles: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
         for name, fn in fns.items():
-            samples[name] += (time_sustained_ms(fn, reps=reps) if sustained
-                              else time_cuda_ms(fn, reps=reps, warmup=3))
+            if sustained:  # and the SM cycles of the timed calls (clock stamps around them)
+                stamps = Stamps()
+                samples[name] += time_sustained_ms(fn, reps=reps, stamps=stamps)
+                mcycles[name].append(stamps.cycles() / reps / 1e6)
+            else:
+                samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
     # What ran: the named config, or dispatch's choice after its run-time fallback.
     right = 0 if causal else -1
@@ -109,9 +116,15 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
         row[f"{name}_ms_min"] = min(got) if got else None
         row[f"{name}_ms_max"] = max(got) if got else None
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9 if got else None
+        cyc = mcycles.get(name)
+        row[f"{name}_mcycles"] = statistics.median(cyc) if cyc else None
     for name in PEERS:
         row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
                                 if row[f"{name}_ms"] else None)
+        # the same in SM cycles per call: the clock each contender ran at taken out
+        row[f"cycle_ratio_{name}"] = (row[f"{name}_mcycles"] / row["ours_mcycles"]
+                                      if row[f"{name}_mcycles"] and row["ours_mcycles"]
+                                      else None)
     log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head, batch, seqlen,
              row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
     return row
@@ -153,11 +166,12 @@ def markdown(rows: list[dict], env: dict) -> str:
            "limit). ")
         + "TFLOP/s from median times; "
         "ratio = peer time / our time (> 1: we are faster), from medians and, in brackets, "
-        "from the fastest sample of each.",
+        "from the fastest sample of each; cycles: the same ratio of SM cycles per call (clock "
+        "stamps around the timed calls), which the clock each ran at does not move.",
         "",
         "| dtype | d | batch x seq | heads | ours TFLOP/s | SDPA FA2 TFLOP/s | ours/FA2 | "
-        "SDPA cuDNN TFLOP/s | ours/cuDNN | config |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "SDPA cuDNN TFLOP/s | ours/cuDNN | ours/cuDNN cycles | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -166,7 +180,8 @@ def markdown(rows: list[dict], env: dict) -> str:
             f"{_fmt(r['ours_tflops'])} | {_fmt(r['sdpa_fa2_tflops'])} | "
             f"{_fmt(r['ratio_sdpa_fa2'], '.3f')}{_best(r, 'sdpa_fa2')} | "
             f"{_fmt(r['sdpa_cudnn_tflops'])} | "
-            f"{_fmt(r['ratio_sdpa_cudnn'], '.3f')}{_best(r, 'sdpa_cudnn')} | `{r['config']}` |"
+            f"{_fmt(r['ratio_sdpa_cudnn'], '.3f')}{_best(r, 'sdpa_cudnn')} | "
+            f"{_fmt(r.get('cycle_ratio_sdpa_cudnn'), '.3f')} | `{r['config']}` |"
         )
     return "\n".join(lines) + "\n"
 
