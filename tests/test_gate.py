@@ -395,16 +395,17 @@ def test_power_study_flags_a_plant_that_did_not_take_effect(tmp_path, monkeypatc
     calibrate.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path)
     (row,) = json.loads((tmp_path / "calibrate.json").read_text())["power"]
     assert row["realised"] is False and row["slower"] == 0
-    assert "| 5% (not realised) | +13 of 256 heads: 5.08% |" in (tmp_path / "calibrate.md"
-                                                                 ).read_text()
+    assert "| 5% (not realised) | +51 of 1024 keys: 4.98% |" in (tmp_path / "calibrate.md"
+                                                                  ).read_text()
 
 
-def test_planted_work_is_whole_heads_added_to_the_batch():
-    from fa_tools.gpu.perfcases import planted_heads
+def test_planted_work_is_keys_added_to_every_sequence():
+    from fa_tools.gpu.perfcases import planted_keys
 
-    big, small = Case("bf16", 128, 16, 1024), Case("bf16", 128, 4, 16384)
-    assert [planted_heads(big, f) for f in (0.015, 0.02, 0.03, 0.05, 0.1)] == [4, 5, 8, 13, 26]
-    assert [planted_heads(small, f) for f in (0.001, 0.03, 0.05)] == [1, 2, 3]
+    short, long = Case("bf16", 128, 16, 1024), Case("bf16", 128, 4, 16384)
+    assert [planted_keys(long, f) for f in (0.015, 0.02, 0.03, 0.05, 0.1)] == [
+        246, 328, 492, 819, 1638]
+    assert [planted_keys(short, f) for f in (0.0001, 0.03)] == [1, 31]
 
 
 def test_a_case_the_base_cannot_run_is_new_not_broken():

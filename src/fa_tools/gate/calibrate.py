@@ -2,11 +2,11 @@
 of known size, and how often it cries wolf.
 
 Both workers run the head's build (A/A). For each planted size the head worker runs
-attention() on one chosen case grown by that fraction of more (batch, head) pairs (the same
-kernel doing that much more work: gpu/perfcases.planted_attention; only this command turns it
-on) and the gate's sequential comparison runs on that case with the alpha split of a whole gate
-run, `runs` times: the detection rate is the share of 'slower' verdicts. The work actually
-added (whole heads) and the head/base ratio measured are reported beside the planted size, and
+attention() on one chosen case with that fraction more keys per sequence (the same kernel and
+grid, every tile doing that much more work: gpu/perfcases.planted_attention; only this command
+turns it on) and the gate's sequential comparison runs on that case with the alpha split of a whole gate
+run, `runs` times: the detection rate is the share of 'slower' verdicts. The keys added and
+the head/base ratio measured are reported beside the planted size, and
 a plant that did not take effect (measured under half the work added) is flagged, so a
 detection rate is never read off a slowdown that was not there. Then `aa_runs` whole gate runs
 (every case, no planted slowdown) give the false-positive rate per gate run."""
@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..gpu.perfcases import GATE_CASES, Case, planted_heads
+from ..gpu.perfcases import GATE_CASES, Case, planted_keys
 from . import PASS, write_part
 from .abtest import Policy, compare
 from .perf import workers
@@ -30,11 +30,10 @@ log = logging.getLogger(__name__)
 def _row(case: Case, size_pct: float, verdicts: list[str], ratios: list[float],
          rounds: list[int], seconds: list[float]) -> dict:
     n = len(verdicts)
-    pairs = case.batch * case.heads
-    added = planted_heads(case, size_pct / 100)
-    work_pct = 100 * added / pairs
+    added = planted_keys(case, size_pct / 100)
+    work_pct = 100 * added / case.seqlen
     realised = statistics.median(ratios) - 1 >= work_pct / 200  # at least half the plant
-    return {"planted": f"{size_pct:g}%", "added": f"+{added} of {pairs} heads",
+    return {"planted": f"{size_pct:g}%", "added": f"+{added} of {case.seqlen} keys",
             "work_pct": work_pct, "realised": realised, "runs": n,
             "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
             "same": verdicts.count("same"), "faster": verdicts.count("faster"),

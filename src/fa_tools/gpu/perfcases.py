@@ -172,7 +172,7 @@ class Inputs:
     out: object
     varlen: tuple | None = None
     last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
-    planted: dict = field(default_factory=dict)  # {fraction: (q, k, v, out)}, planted_attention
+    planted: dict = field(default_factory=dict)  # {fraction: (k, v)}, planted_attention
 
     @classmethod
     def make(cls, case: Case) -> Inputs:
@@ -192,21 +192,26 @@ class Inputs:
         return cls(*packed, torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)))
 
 
-def planted_heads(case: Case, fraction: float) -> int:
-    """How many (batch, head) pairs a planted slowdown of `fraction` adds to the case's
-    batch x heads: the nearest whole number, at least one."""
-    return max(1, round(fraction * case.batch * case.heads))
+def planted_keys(case: Case, fraction: float) -> int:
+    """How many keys a planted slowdown of `fraction` adds to every sequence of the case: the
+    nearest whole number to fraction x seqlen, at least one."""
+    return max(1, round(fraction * case.seqlen))
 
 
 def planted_attention(case: Case, inputs: Inputs, fraction: float):
-    """attention() on the case's problem grown by planted_heads(case, fraction) more (batch,
-    head) pairs: (1, S, B*H + n, D), same kernel, same work per CTA, n/(B*H) more of it at the
-    same power density. The gate's power study (fa-tools gate calibrate) plants this, nothing
-    else; it is the slowdown of a kernel that does that much more work.
+    """attention() on the case's queries against planted_keys(case, fraction) more keys and
+    values per sequence: the same kernel, the same grid, every tile doing that much more work at
+    the same power density (a kernel that got slower by that much). The gate's power study
+    (fa-tools gate calibrate) plants this, nothing else. The work added is whole KV blocks of
+    the kernel (a partial one costs a full one), so the slowdown is fine-grained on long
+    sequences (a 128-key block is 0.8% of 16384 keys, 3.1% of 4096); with causal, each query
+    sees the added keys, twice the share of a causal problem's work.
 
-    (A device-side spin after each call, the first plant, was no slowdown of known size on an
-    H100 at its power limit: the spin lowers the power, the clocks rise, and a 1.5% spin
-    measured anywhere from 0.987 to 1.055 in runs seconds apart.)"""
+    (Two plants before it were no slowdown of known size on an H100 at its power limit: a
+    device-side spin after each call lowered the power, the clocks rose, and a 1.5% spin
+    measured 0.987 to 1.055 in runs seconds apart; more (batch, head) pairs filled the last
+    partial wave of the grid for free or added a whole one, 8 more of 256 heads costing 0.3% at
+    16 x 1024 and 1.6% at 16 x 4096.)"""
     import torch
 
     import flash_attention as fa
@@ -214,11 +219,12 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
     if case.varlen:
         raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases")
     if fraction not in inputs.planted:  # made once per worker, kept with the case's inputs
-        pairs = case.batch * case.heads + planted_heads(case, fraction)
-        shape = (1, case.seqlen, pairs, case.d_head)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(3))
-        inputs.planted[fraction] = (q, k, v, torch.empty_like(q))
-    q, k, v, out = inputs.planted[fraction]
+        shape = (case.batch, case.seqlen + planted_keys(case, fraction), case.heads,
+                 case.d_head)
+        k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(2))
+        inputs.planted[fraction] = (k, v)
+    k, v = inputs.planted[fraction]
+    q, out = inputs.q, inputs.out
     extra = {"causal": True} if case.causal else {}
     return lambda: fa.attention(q, k, v, out=out, **extra)
 
