@@ -510,3 +510,27 @@ def test_clock_stamp_cycles_are_per_sm_deltas():
     stamps._buf = torch.tensor([start, [[5, 1, 1]] * 3], dtype=torch.int64)
     with pytest.raises(RuntimeError, match="no SM"):
         stamps.cycles()
+
+
+def test_a_base_that_can_run_no_case_is_infrastructure_not_a_pass(tmp_path, monkeypatch):
+    """Every case 'new' means nothing was compared (a measuring failure on the base's side
+    would look like that): infrastructure, never a pass."""
+    import argparse
+    import contextlib
+
+    class NoCase(FakeWorker):
+        def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
+            raise abtest.WorkerError("base, case x: RuntimeError: no clock", "infra")
+
+        def alive(self):
+            return True
+
+    @contextlib.contextmanager
+    def fake_workers(args, perf_policy, meta):
+        meta.update(gpu="simulated", base_label="b", head_label="h")
+        yield NoCase({}, {}, 1), FakeWorker({}, {}, 2)
+
+    monkeypatch.setattr(perf, "workers", fake_workers)
+    args = argparse.Namespace(rounds=None, max_rounds=None)
+    assert perf.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path) == gate.INFRA
+    assert "could run none of the gate's cases" in (tmp_path / "perf.md").read_text()

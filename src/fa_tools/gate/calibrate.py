@@ -4,12 +4,12 @@ of known size, and how often it cries wolf.
 Both workers run the head's build (A/A). For each planted size the head worker runs
 attention() on one chosen case with that fraction more keys per sequence (the same kernel and
 grid, every tile doing that much more work: gpu/perfcases.planted_attention; only this command
-turns it on) and the gate's sequential comparison runs on that case with the alpha split of a whole gate
-run, `runs` times: the detection rate is the share of 'slower' verdicts. The keys added and
-the head/base ratio measured are reported beside the planted size, and
-a plant that did not take effect (measured under half the work added) is flagged, so a
-detection rate is never read off a slowdown that was not there. Then `aa_runs` whole gate runs
-(every case, no planted slowdown) give the false-positive rate per gate run."""
+turns it on) and the gate's sequential comparison runs on that case with the alpha split of a
+whole gate run, `runs` times: the detection rate is the share of 'slower' verdicts. The keys
+added and the head/base ratio measured are reported beside the planted size, and a plant that
+did not take effect (measured under half the work added) is flagged, so a detection rate is
+never read off a slowdown that was not there. Then `aa_runs` whole gate runs (every case, no
+planted slowdown) give the false-positive rate per gate run."""
 
 from __future__ import annotations
 

@@ -163,6 +163,13 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
         return code
     rows = [r.as_dict() for r in results]
     code = verdict_code(results)
+    if results and all(r.verdict == "new" for r in results):  # nothing was compared
+        code = INFRA
+        meta["error"] = ("the base could run none of the gate's cases; first error: "
+                         f"{results[0].note}")
+        write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
+                   markdown([], code, meta))
+        return code
     write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
                markdown(rows, code, meta))
     return code

@@ -30,6 +30,9 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU")
+        from ..gpu.clockstamp import Stamps
+
+        Stamps()  # the cycle measure loads here, so a failure of it is the worker's, not a case's
         hello = {"ok": True, "module": fa.__file__,
                  "configs": [c.short for c in fa.available_configs()],
                  "gpu": torch.cuda.get_device_name()}
