@@ -144,7 +144,7 @@ if step calibrate; then
     # CAL_CASE: one or more gate cases (space-separated); CAL_LIMIT_S: stop the study there
     # (it saves its tables after every block, so a study cut short keeps what it measured)
     cal_cases=()
-    for c in ${CAL_CASE:-fp16_d128_b16_s1024}; do cal_cases+=(--case "$c"); done
+    for c in ${CAL_CASE:-bf16_d128_b4_s16384}; do cal_cases+=(--case "$c"); done
     run calibrate timeout "${CAL_LIMIT_S:-86400}" python3 -m fa_tools gate calibrate \
         "${cal_cases[@]}" --sizes "${CAL_SIZES-1.5,2,3,5,10}" --runs "${CAL_RUNS:-10}" \
         --aa-runs "${AA_RUNS:-20}" --out "$LOG_DIR/calibrate"
