@@ -501,13 +501,14 @@ def test_clock_stamp_cycles_are_per_sm_deltas():
     from fa_tools.gpu.clockstamp import Stamps
 
     stamps = object.__new__(Stamps)
-    stamps._marks = 2
+    stamps._marks, stamps._deltas = 2, None
     start = [[0, 1_000, 0], [1, 5_000_000, 0], [2, 70, 0]]
     end = [[0, 3_001_000, 2_000_000], [1, 8_000_000, 2_000_000], [3, 9, 9]]
     stamps._buf = torch.tensor([start, end], dtype=torch.int64)
     assert stamps.cycles() == 3_000_000
     assert stamps.mhz() == 1500.0
     stamps._buf = torch.tensor([start, [[5, 1, 1]] * 3], dtype=torch.int64)
+    stamps._deltas = None  # a new window
     with pytest.raises(RuntimeError, match="no SM"):
         stamps.cycles()
 

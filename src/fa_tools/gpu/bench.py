@@ -83,7 +83,7 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     import flash_attention as fa
     from flash_attention.timing import attention_flops
 
-    from .perfcases import contenders, time_cuda_ms, time_sustained_ms
+    from .perfcases import contenders, time_cuda_ms, time_sustained_cycles
 
     tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
@@ -92,16 +92,14 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     fns = contenders(q, k, v, out, config=config, causal=causal)
     for name in set(PEERS) - set(fns):
         log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
-    from .clockstamp import Stamps
-
     samples: dict[str, list[float]] = {name: [] for name in fns}
     mcycles: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
         for name, fn in fns.items():
             if sustained:  # and the SM cycles of the timed calls (clock stamps around them)
-                stamps = Stamps()
-                samples[name] += time_sustained_ms(fn, reps=reps, stamps=stamps)
-                mcycles[name].append(stamps.cycles() / reps / 1e6)
+                times, cycles, _ = time_sustained_cycles(fn, reps)
+                samples[name] += times
+                mcycles[name].append(cycles)
             else:
                 samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)

@@ -107,10 +107,20 @@ def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | Non
         fn()
         torch.cuda.synchronize()
         one_ms = statistics.median(time_cuda_ms(fn, reps=3, warmup=0))
-    one = one_ms
-    for _ in range(max(1, int(warm_ms / max(one, 1e-3)))):
+    for _ in range(max(1, int(warm_ms / max(one_ms, 1e-3)))):
         fn()
     return _queued_calls_ms(fn, reps, stamps)
+
+
+def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None
+                          ) -> tuple[list[float], float, float]:
+    """time_sustained_ms with clock stamps around the timed calls: (milliseconds of each call,
+    millions of SM cycles per call, mean SM clock in MHz over the calls)."""
+    from .clockstamp import Stamps
+
+    stamps = Stamps()
+    times = time_sustained_ms(fn, reps, warm_ms, one_ms, stamps)
+    return times, stamps.cycles() / reps / 1e6, stamps.mhz()
 
 
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
@@ -253,15 +263,11 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
         raise RuntimeError(f"{case.name}: attention() produced non-finite values")
     if slowdown > 0:
         fns["ours"] = planted_attention(case, inputs, slowdown)
-    from .clockstamp import Stamps
-
     result: dict[str, float] = {}
     for name, fn in fns.items():
         if warm_ms > 0:
-            stamps = Stamps()
-            times = time_sustained_ms(fn, reps, warm_ms, inputs.last_ms.get(name), stamps)
-            result[f"{name}_mcycles"] = stamps.cycles() / reps / 1e6
-            result[f"{name}_mhz"] = stamps.mhz()
+            times, result[f"{name}_mcycles"], result[f"{name}_mhz"] = time_sustained_cycles(
+                fn, reps, warm_ms, inputs.last_ms.get(name))
         else:
             times = time_cuda_ms(fn, reps=reps, warmup=warmup)
         result[name] = inputs.last_ms[name] = statistics.median(times)
