@@ -535,3 +535,39 @@ def test_a_base_that_can_run_no_case_is_infrastructure_not_a_pass(tmp_path, monk
     args = argparse.Namespace(rounds=None, max_rounds=None)
     assert perf.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path) == gate.INFRA
     assert "could run none of the gate's cases" in (tmp_path / "perf.md").read_text()
+
+
+def test_power_study_merge(tmp_path, monkeypatch):
+    """Studies made in several pieces (device calls of limited length) merge into the tables one
+    long study would give: power rows per planted size, A/A runs renumbered and counted
+    together; studies of different policies refuse to merge."""
+    import argparse
+    import contextlib
+
+    from fa_tools.gate import calibrate
+
+    @contextlib.contextmanager
+    def fake_workers(args, perf_policy, meta):
+        meta["gpu"] = "simulated"
+        yield FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+
+    monkeypatch.setattr(calibrate, "workers", fake_workers)
+    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    case = perf.GATE_CASES[0].name
+    parts = []
+    for i, (sizes, aa) in enumerate([([10], 1), ([10, 5], 2)]):
+        args = argparse.Namespace(case=[case], sizes=sizes, runs=2, aa_runs=aa)
+        calibrate.run(args, policy, tmp_path / f"p{i}")
+        parts.append(tmp_path / f"p{i}" / "calibrate.json")
+    assert calibrate.merge(parts, tmp_path / "all") == gate.PASS
+    doc = json.loads((tmp_path / "all" / "calibrate.json").read_text())
+    rows = {r["planted"]: r for r in doc["power"]}
+    assert rows["10%"]["runs"] == 4 and rows["5%"]["runs"] == 2
+    assert doc["aa"]["runs"] == 3 and doc["aa"]["cases"] == len(perf.GATE_CASES)
+    assert sorted({r["aa_run"] for r in doc["runs"] if "aa_run" in r}) == [1, 2, 3]
+    assert "A/A: 3 whole gate runs" in (tmp_path / "all" / "calibrate.md").read_text()
+    other = json.loads(parts[1].read_text())
+    other["meta"]["metric"] = "time"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="metric"):
+        calibrate.merge([parts[0], tmp_path / "other.json"], tmp_path / "bad")

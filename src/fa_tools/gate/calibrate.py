@@ -14,6 +14,7 @@ planted slowdown) give the false-positive rate per gate run."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
@@ -27,20 +28,58 @@ from .perf import workers
 log = logging.getLogger(__name__)
 
 
-def _row(case: Case, size_pct: float, verdicts: list[str], ratios: list[float],
-         rounds: list[int], seconds: list[float]) -> dict:
-    n = len(verdicts)
+def _row(case: Case, size_pct: float, runs: list[dict]) -> dict:
+    """One line of the power table from the comparisons made at one planted size."""
+    n = len(runs)
+    verdicts = [r["verdict"] for r in runs]
+    ratios = [r["ratio"] for r in runs]
     added = planted_keys(case, size_pct / 100)
     work_pct = 100 * added / case.seqlen
     realised = statistics.median(ratios) - 1 >= work_pct / 200  # at least half the plant
-    return {"planted": f"{size_pct:g}%", "added": f"+{added} of {case.seqlen} keys",
+    return {"case": case.name, "planted": f"{size_pct:g}%",
+            "added": f"+{added} of {case.seqlen} keys",
             "work_pct": work_pct, "realised": realised, "runs": n,
             "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
             "same": verdicts.count("same"), "faster": verdicts.count("faster"),
             "detection_rate": verdicts.count("slower") / n if n else 0.0,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "rounds_median": statistics.median(rounds),
-            "seconds_median": statistics.median(seconds)}
+            "ratio_max": max(ratios),
+            "rounds_median": statistics.median(r["rounds"] for r in runs),
+            "seconds_median": statistics.median(r["seconds"] for r in runs)}
+
+
+def tables(runs: list[dict]) -> tuple[list[dict], dict | None]:
+    """The power table (one row per case and planted size, in the order first run) and the A/A
+    summary, both from the list of comparisons made: the one source of every figure."""
+    by_name = {c.name: c for c in GATE_CASES}
+    planted: dict[tuple[str, float], list[dict]] = {}
+    aa_runs: dict[int, list[dict]] = {}
+    for r in runs:
+        if "aa_run" in r:
+            aa_runs.setdefault(r["aa_run"], []).append(r)
+        else:
+            planted.setdefault((r["case"], r["planted_pct"]), []).append(r)
+    power = [_row(by_name[name], size, rs) for (name, size), rs in planted.items()]
+    if not aa_runs:
+        return power, None
+    per_case: dict[str, list[dict]] = {}
+    for rs in aa_runs.values():
+        for r in rs:
+            per_case.setdefault(r["case"], []).append(r)
+    verdicts = [{r["verdict"] for r in rs} for rs in aa_runs.values()]
+    n = len(aa_runs)
+    return power, {
+        "runs": n, "cases": len(per_case),
+        "runs_with_slower": sum("slower" in v for v in verdicts),
+        "runs_with_inconclusive": sum("inconclusive" in v for v in verdicts),
+        "fp_rate": sum("slower" in v for v in verdicts) / n,
+        "per_case": [{"case": name, **{k: [r["verdict"] for r in rs].count(k)
+                                       for k in ("same", "inconclusive", "slower", "faster")},
+                      "ratio_median": statistics.median(r["ratio"] for r in rs),
+                      "ratio_min": min(r["ratio"] for r in rs),
+                      "ratio_max": max(r["ratio"] for r in rs),
+                      "rounds_median": statistics.median(r["rounds"] for r in rs)}
+                     for name, rs in per_case.items()]}
 
 
 def markdown(meta: dict, power: list[dict], aa: dict | None) -> str:
@@ -89,65 +128,58 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds,
             "metric": policy.metric}
     args.aa = True
-    power: list[dict] = []
-    aa = None
     runs: list[dict] = []  # every comparison made, with its per-round samples (calibrate.json)
 
-    def save() -> None:  # after every block, so a study cut short still leaves its tables
-        write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa,
-                                      "runs": runs},
-                   markdown(meta, power, aa))
+    def save() -> None:  # after every comparison, so a study cut short keeps what it measured
+        _save(out, meta, runs)
 
     with workers(args, perf, meta) as (base_w, head_w):
         for name in args.case:
             for size in args.sizes:
-                verdicts, ratios, rounds, seconds = [], [], [], []
                 for i in range(args.runs):
                     t0 = time.monotonic()
                     (r,) = compare(base_w, head_w, [by_name[name]], policy, n_family,
                                    {name: size / 100})
-                    seconds.append(time.monotonic() - t0)
-                    verdicts.append(r.verdict)
-                    runs.append({"planted_pct": size, **r.as_dict()})
-                    ratios.append(r.ratio)
-                    rounds.append(r.rounds)
+                    runs.append({"planted_pct": size, "seconds": time.monotonic() - t0,
+                                 **r.as_dict()})
                     log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
                              i + 1, args.runs, r.verdict, r.ratio, r.rounds)
-                power.append({"case": name, **_row(by_name[name], size, verdicts, ratios,
-                                                   rounds, seconds)})
-                save()
-        if args.aa_runs:
-            per_case: dict[str, dict[str, list]] = {c.name: {"v": [], "r": [], "n": []}
-                                                    for c in GATE_CASES}
-            slower_runs = inconclusive_runs = 0
-            for i in range(args.aa_runs):
-                t0 = time.monotonic()
-                results = compare(base_w, head_w, list(GATE_CASES), policy, n_family)
-                verdicts = [r.verdict for r in results]
-                slower_runs += "slower" in verdicts
-                inconclusive_runs += "inconclusive" in verdicts
-                for r in results:
-                    runs.append({"aa_run": i + 1, **r.as_dict()})
-                    per_case[r.case]["v"].append(r.verdict)
-                    per_case[r.case]["r"].append(r.ratio)
-                    per_case[r.case]["n"].append(r.rounds)
-                log.info("A/A run %d/%d (%.0f s): %s", i + 1, args.aa_runs,
-                         time.monotonic() - t0,
-                         ", ".join(f"{r.case} {r.verdict} {r.ratio:.4f}" for r in results))
-                aa = _aa_summary(i + 1, n_family, slower_runs, inconclusive_runs, per_case)
-                save()
+                    save()
+        for i in range(args.aa_runs):
+            t0 = time.monotonic()
+            results = compare(base_w, head_w, list(GATE_CASES), policy, n_family)
+            seconds = time.monotonic() - t0
+            runs += [{"aa_run": i + 1, "seconds": seconds, **r.as_dict()} for r in results]
+            log.info("A/A run %d/%d (%.0f s): %s", i + 1, args.aa_runs, seconds,
+                     ", ".join(f"{r.case} {r.verdict} {r.ratio:.4f}" for r in results))
+            save()
     save()
     return PASS
 
 
-def _aa_summary(runs: int, n_family: int, slower_runs: int, inconclusive_runs: int,
-                per_case: dict[str, dict[str, list]]) -> dict:
-    return {"runs": runs, "cases": n_family, "runs_with_slower": slower_runs,
-            "runs_with_inconclusive": inconclusive_runs, "fp_rate": slower_runs / runs,
-            "per_case": [{"case": name, "same": d["v"].count("same"),
-                          "inconclusive": d["v"].count("inconclusive"),
-                          "slower": d["v"].count("slower"), "faster": d["v"].count("faster"),
-                          "ratio_median": statistics.median(d["r"]),
-                          "ratio_min": min(d["r"]), "ratio_max": max(d["r"]),
-                          "rounds_median": statistics.median(d["n"])}
-                         for name, d in per_case.items()]}
+def _save(out: Path, meta: dict, runs: list[dict]) -> None:
+    power, aa = tables(runs)
+    write_part(out, "calibrate", {"code": PASS, "meta": meta, "power": power, "aa": aa,
+                                  "runs": runs}, markdown(meta, power, aa))
+
+
+def merge(paths: list[Path], out: Path) -> int:
+    """One study from several (calibrate.json files made with the same policy on the same GPU,
+    say by device calls of limited length): the runs concatenated, A/A runs renumbered, the
+    tables recomputed from them."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    keys = ("gpu", "threshold_pct", "clear_pct", "fwer", "n_family", "rounds", "step",
+            "max_rounds", "metric")
+    meta = docs[0]["meta"]
+    for p, d in zip(paths, docs):
+        differ = [k for k in keys if d["meta"].get(k) != meta.get(k)]
+        if differ:
+            raise SystemExit(f"fa-tools gate calibrate --merge: {p} differs from {paths[0]} in "
+                             f"{', '.join(differ)}; only studies of one policy on one GPU merge")
+    runs: list[dict] = []
+    for d in docs:
+        offset = max((r["aa_run"] for r in runs if "aa_run" in r), default=0)
+        runs += [{**r, "aa_run": r["aa_run"] + offset} if "aa_run" in r else r
+                 for r in d["runs"]]
+    _save(out, {**meta, "merged_from": [str(p) for p in paths]}, runs)
+    return PASS

@@ -45,6 +45,10 @@ def command(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from . import calibrate
 
+        if args.merge:
+            code = calibrate.merge([Path(m) for m in args.merge], out)
+            print((out / "calibrate.md").read_text())
+            return code
         if not args.case and not args.aa_runs:
             raise SystemExit("fa-tools gate calibrate: name a --case to plant slowdowns on, "
                              "or ask for --aa-runs")
@@ -82,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", type=_sizes, default=[1.5, 2, 3, 5, 10],
                    help="calibrate: planted slowdowns in percent, comma-separated")
     p.add_argument("--runs", type=int, default=10, help="calibrate: gate runs per planted size")
+    p.add_argument("--merge", action="append", default=[], metavar="CALIBRATE_JSON",
+                   help="calibrate: merge earlier studies (repeatable) into one, no GPU needed")
     p.add_argument("--aa-runs", type=int, default=20,
                    help="calibrate: whole A/A gate runs for the false-positive rate")
     p.set_defaults(func=command)
