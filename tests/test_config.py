@@ -119,7 +119,7 @@ def test_derived_sizes():
 def test_sets_sizes_and_content():
     sm80 = [c for c in CI if c.family == "sm80"]
     sm90 = [c for c in CI if c.family == "sm90"]
-    assert 1 <= len(sm80) <= 6 and len(sm90) == 1  # CI builds one Hopper kernel for sm_90a
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 2  # CI builds two Hopper kernels for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
         assert any(not getattr(c, name) for c in sm80), name
         assert any(getattr(c, name) for c in sm80), name
@@ -128,6 +128,12 @@ def test_sets_sizes_and_content():
     assert {c.block_c for c in sm80} == {32, 64, 128}
     assert {c.warps for c in sm80} == {4, 8}
     assert sm90[0].mask and sm90[0].warp_spec and sm90[0].pingpong  # every technique, masks
+    # ... and the dispatched causal d_head 128 kernel: persistent, dynamic tile schedule
+    assert sm90[1].mask and sm90[1].persistent and sm90[1].dynamic
+    from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
+
+    for name in SM90_FLAGS:  # every Hopper flag but softcap is on in one of them
+        assert name == "softcap" or any(getattr(c, name) for c in sm90), name
     table = {short for rows in DEFAULT_TABLE.values() for _, short in rows}
     assert {c.short for c in DEFAULT} == table | set(SM90_TABLE.values())
     assert len(TUNE) == len(set(TUNE)) and len(TUNE) > len(DEFAULT)

@@ -103,7 +103,7 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     pick = lambda d, mask, local=False, b=built: dispatch.select_sm90(  # noqa: E731
         "bf16", d, 4096, b, mask, False, local)
     assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwes"
-    assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwem"
+    assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
     assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwes"  # no mask
     assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
@@ -111,6 +111,6 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
     assert pick(32, True, local=True) is None
     no_local = [c for c in built if c.short != "sm90_bf16_d128_c128_g2_s2_fwesm"]
-    assert pick(128, True, True, no_local).short == "sm90_bf16_d128_c128_g2_s2_fwem"
+    assert pick(128, True, True, no_local).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert all(dispatch.select_sm90("bf16", 128, 4096, built, True, True, local) is None
                for local in (False, True))  # softcap: sm80 only

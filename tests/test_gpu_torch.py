@@ -36,8 +36,9 @@ def test_compile_fullgraph_matches_eager(require_extension):
     assert torch.equal(compiled(q2, k2, v2), block(q2, k2, v2))
 
 
-def test_cuda_graph_replay(require_extension):
-    q, k, v = rand_inputs(2, 257, 257, 4, 4, 64, torch.float16)
+@pytest.mark.parametrize("d_head", [64, 128])  # 128 causal: the dynamic schedule's counter
+def test_cuda_graph_replay(require_extension, d_head):
+    q, k, v = rand_inputs(2, 257, 257, 4, 4, d_head, torch.float16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture

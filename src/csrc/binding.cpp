@@ -508,6 +508,11 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         p.total_k = static_cast<int>(k.size(0));
     }
 
+    at::Tensor tile_counter;  // zeroed by the launcher on the stream; freed in stream order
+    if (e.tile_counter) {
+        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int>();
+    }
     const cudaError_t err = e.launch(p, stream);
     FA_CHECK(err == cudaSuccess, "launch of kernel ", e.name, " failed: ", cudaGetErrorString(err));
 }

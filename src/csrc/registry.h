@@ -27,6 +27,8 @@ struct KernelEntry {
     // 80: an sm_80-family kernel (runs on sm_80 and newer); 90: an sm_90a kernel (Hopper only;
     // TMA-compatible fixed-length calls, see tma_compatible in the binding).
     int arch;
+    // The kernel needs FwdParams::tile_counter: the binding allocates one int per call.
+    bool tile_counter;
 };
 
 // Defined in the generated registry.cu: every kernel of this build, in config-set order.

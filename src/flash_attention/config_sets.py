@@ -1,8 +1,11 @@
 """Named sets of kernel configs.
 
-- ``ci``: what CI builds (at most 6 kernels); together they switch every flag on and off at
-  least once (masks with both KV orders) and cover both dtypes, d_head 64, 128 and a padded
-  variant (160: smem rows of 256, 8 warps), every B_c and both warp counts.
+- ``ci``: what CI builds: at most 6 sm80-family kernels, which together switch every flag on
+  and off at least once (masks with both KV orders) and cover both dtypes, d_head 64, 128 and a
+  padded variant (160: smem rows of 256, 8 warps), every B_c and both warp counts; and two
+  Hopper kernels for sm_90a (every technique with ping-pong; the persistent grid with the dynamic
+  tile schedule, dispatched for causal d_head 128), which together switch on every Hopper flag
+  but softcap.
 - ``default``: what dispatch uses (see :mod:`flash_attention.dispatch`).
 - ``tune``: the autotune space: every valid tile shape per dtype and d_head with all
   optimisations on, plus the resident-Q variant where it fits the register budget.
@@ -44,6 +47,7 @@ CI: tuple[KernelConfig, ...] = (
     P("bf16_d64_r128_c64_w8_fseqbrmt"),  # whole-block K, V, 8 warps, plain softmax; masks, softcap
     P("fp16_d160_r128_c64_w8_fsqkvbo"),  # no eager prefetch; a padded d_head variant, 8 warps
     parse_config("sm90_bf16_d128_c128_g2_s2_fwpoem"),  # Hopper: every technique, masks
+    parse_config("sm90_bf16_d128_c128_g2_s2_fwesdm"),  # persistent, dynamic tile schedule
 )
 
 

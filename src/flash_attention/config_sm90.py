@@ -30,6 +30,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "tma_store": ("e", "epilogue through shared memory and a TMA store"),
     "persistent": ("s", "persistent grid (a CTA per SM looping over tiles): the next tile's "
                         "loads run under the current one's tail; O gets its own buffer"),
+    "dynamic": ("d", "the persistent grid draws tiles from a global counter, heaviest query "
+                     "blocks first within groups of heads whose K/V fit in L2 (even SM loads "
+                     "under causal masks)"),
     "mask": ("m", "causal / sliding-window masks (as the sm80 flag m)"),
     "softcap": ("t", "score soft-capping (as the sm80 flag t)"),
 }
@@ -61,6 +64,7 @@ class Sm90Config:
     overlap: bool = True
     tma_store: bool = True
     persistent: bool = False
+    dynamic: bool = False
     mask: bool = False
     softcap: bool = False
 
@@ -126,6 +130,13 @@ class Sm90Config:
         return rows * self.d_head * 2 + 2048
 
     @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
+        consumer warpgroups and the dynamic schedule, whose producer keeps 40."""
+        return CONSUMER_REGS[self.consumer_wgs] - (8 if self.dynamic and self.consumer_wgs == 2
+                                                   else 0)
+
+    @property
     def accum_regs(self) -> int:
         """fp32 accumulators of O and S plus the 16-bit P fragments, per consumer thread."""
         return self.d_head // 2 + self.block_c // 2 + self.block_c // 4
@@ -152,11 +163,13 @@ class Sm90Config:
             out.append("pingpong needs two consumer warpgroups and warp_spec")
         if self.persistent and not (self.warp_spec and self.tma_store and not self.pingpong):
             out.append("persistent needs warp_spec and tma_store, without pingpong")
+        if self.dynamic and not self.persistent:
+            out.append("dynamic tile scheduling needs the persistent grid")
         regs = self.accum_regs + OVERHEAD_REGS
-        if regs > CONSUMER_REGS[self.consumer_wgs]:
+        if regs > self.consumer_regs:
             out.append(f"O, S and P need {self.accum_regs} registers per thread plus about "
-                       f"{OVERHEAD_REGS}: over the {CONSUMER_REGS[self.consumer_wgs]} a consumer "
-                       "has; use a smaller B_c")
+                       f"{OVERHEAD_REGS}: over the {self.consumer_regs} a consumer has; use a "
+                       "smaller B_c")
         if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[90]:
             out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_90 limit")
         return out

@@ -33,7 +33,8 @@ cudaError_t opt_in_smem(Kernel kernel, int bytes, int device, std::atomic<uint64
 
 // The registry entry of config Cfg, launched by `launch`; arch: 80 (sm80 family) or 90 (sm_90a).
 template <class Cfg>
-constexpr KernelEntry kernel_entry(const char* name, LaunchFn launch, int arch) {
+constexpr KernelEntry kernel_entry(const char* name, LaunchFn launch, int arch,
+                                   bool tile_counter = false) {
     return KernelEntry{name,
                        std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
                        Cfg::kDHead,
@@ -44,7 +45,8 @@ constexpr KernelEntry kernel_entry(const char* name, LaunchFn launch, int arch) 
                        Cfg::kMask,
                        Cfg::kSoftcap,
                        launch,
-                       arch};
+                       arch,
+                       tile_counter};
 }
 
 }  // namespace flash

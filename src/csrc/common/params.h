@@ -47,6 +47,10 @@ struct FwdParams {
     const int* cu_seqlens_k;
     int total_q;
     int total_k;
+
+    // Kernels that schedule their tiles dynamically (KernelEntry::tile_counter): an int of
+    // device memory for this launch alone, which the launcher zeroes on the launch's stream.
+    int* tile_counter;
 };
 
 }  // namespace flash

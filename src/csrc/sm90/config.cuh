@@ -9,8 +9,8 @@
 namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
-          bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kMask_,
-          bool kSoftcap_>
+          bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
+          bool kMask_, bool kSoftcap_>
 struct Sm90Config {
     using Elem = Elem_;
 
@@ -34,16 +34,21 @@ struct Sm90Config {
     // A persistent grid (one CTA per SM looping over tiles): the producer loads the next tile's
     // Q and K/V while the consumers finish the current one; O leaves through its own buffer.
     static constexpr bool kPersistent = kPersistent_;
+    // The persistent grid draws its tiles from a global counter (a zeroed int per launch) in an
+    // order that puts the heaviest query blocks first within groups of heads whose K/V fit in L2,
+    // so that uneven (causal) tiles even out over the SMs; else tile c, c + grid, ... per CTA.
+    static constexpr bool kDynamic = kDynamic_;
     static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 
     static constexpr int kProducerWGs = kWarpSpec ? 1 : 0;
     static constexpr int kThreads = 128 * (kConsumerWGs + kProducerWGs);
     static constexpr int kConsumerWarps = 4 * kConsumerWGs;
-    // Registers after setmaxnreg: the producer keeps few, the consumers take the rest
-    // (65536 per SM, one CTA per SM).
-    static constexpr int kProducerRegs = 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+    // Registers after setmaxnreg: the producer keeps few, the consumers take what it gives up
+    // (the CTA's launch allocation, 168 per thread at 384 threads, 128 at 512). The dynamic
+    // schedule's producer needs a few more than 24 (else it spills).
+    static constexpr int kProducerRegs = kDynamic ? (kConsumerWGs == 3 ? 32 : 40) : 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kDynamic ? 232 : 240) : 160;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
@@ -73,6 +78,10 @@ struct Sm90Config {
     static_assert(!kPersistent || (kWarpSpec && kTmaStore && !kPingPong),
                   "the persistent grid needs the producer and the TMA-store epilogue (and no "
                   "ping-pong)");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <=
+                      (kConsumerWGs == 2 ? 168 * 384 : 65536),
+                  "setmaxnreg: the consumers ask for more registers than the producer gives up");
+    static_assert(!kDynamic || kPersistent, "dynamic tile scheduling needs the persistent grid");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
 };
 

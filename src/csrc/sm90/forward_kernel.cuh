@@ -33,6 +33,9 @@ struct Sm90Params {
     // 4-D maps (d_head, seqlen, heads, batch): Q and O boxes are 64 columns x B_r (Q) or 64 (O,
     // one warpgroup's rows) rows, K and V 64 columns x B_c rows; all 128-byte swizzled.
     CUtensorMap tma_q, tma_k, tma_v, tma_o;
+    // kDynamic: (batch, head) pairs per group of the tile order (see Work), chosen by the
+    // launcher so that a group's K and V stay in L2.
+    int sched_heads;
 };
 
 template <class Cfg>
@@ -71,12 +74,28 @@ struct Smem {
     // Persistent grid: sQ is free for the next tile once every consumer warp has finished its
     // last S GEMM of the current one.
     __device__ __forceinline__ uint64_t* q_empty() const { return bar(1 + 4 * Cfg::kStages); }
-    static constexpr int kBarrierCount = 2 + 4 * Cfg::kStages;
-    static_assert(kBarrierCount * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+    // Dynamic schedule: the producer passes tile numbers to the consumers through two slots;
+    // tile_full[i] completes when slot i holds the next one, tile_empty[i] when every consumer
+    // warp has read it.
+    __device__ __forceinline__ uint64_t* tile_full(int i) const {
+        return bar(2 + 4 * Cfg::kStages + i);
+    }
+    __device__ __forceinline__ uint64_t* tile_empty(int i) const {
+        return bar(4 + 4 * Cfg::kStages + i);
+    }
+    __device__ __forceinline__ volatile int* tile_slot(int i) const {
+        return reinterpret_cast<volatile int*>(base + kBarriers + kSlotOffset) + i;
+    }
+    static constexpr int kBarrierCount = 6 + 4 * Cfg::kStages;
+    static constexpr uint32_t kSlotOffset = Cfg::kBarrierBytes - 16;
+    static_assert(kBarrierCount * 8 <= kSlotOffset, "mbarriers do not fit");
 };
 
 // One tile of work: a query block of one (batch, head), and the KV blocks it visits. Tiles are
-// numbered query block fastest (neighbouring tiles share K and V in L2).
+// numbered query block fastest (neighbouring tiles share K and V in L2). The dynamic schedule
+// numbers them in groups of sched_heads (batch, head) pairs whose K and V fit in L2 together;
+// inside a group, query blocks from the last down (the most keys under a causal mask first,
+// where the counter hands them out first), heads fastest.
 template <class Cfg>
 struct Work {
     int q_block, head, kv_head, batch;
@@ -91,14 +110,24 @@ struct Work {
         return q_blocks(p) * p.heads * p.batch;
     }
 
-    __device__ __forceinline__ Work(const FwdParams& p, int tile) {
+    __device__ __forceinline__ Work(const Sm90Params& prm, int tile) {
+        const FwdParams& p = prm.p;
         const int qb = q_blocks(p);
-        const int rest = tile / qb;
-        // With masks, query blocks run from the last (the most keys under a causal mask) down.
-        q_block = Cfg::kMask ? qb - 1 - tile % qb : tile % qb;
-        head = rest % p.heads;
+        int pair;  // batch * heads + head
+        if constexpr (Cfg::kDynamic) {
+            const int per_group = prm.sched_heads * qb;
+            const int group = tile / per_group, in = tile % per_group;
+            const int heads_in = min(prm.sched_heads, p.batch * p.heads - group * prm.sched_heads);
+            q_block = qb - 1 - in / heads_in;
+            pair = group * prm.sched_heads + in % heads_in;
+        } else {
+            // With masks, query blocks run from the last (the most keys under a causal mask) down.
+            q_block = Cfg::kMask ? qb - 1 - tile % qb : tile % qb;
+            pair = tile / qb;
+        }
+        head = pair % p.heads;
         kv_head = head / p.heads_per_kv;
-        batch = rest / p.heads;
+        batch = pair / p.heads;
         q_row0 = q_block * Cfg::kBr;
         if constexpr (Cfg::kMask) {
             kv = window_blocks<Cfg::kBr, Cfg::kBc>(p, p.seqlen_q, p.seqlen_k, q_row0);
@@ -511,6 +540,48 @@ struct Consumer {
     }
 };
 
+// The CTA's sequence of tiles, k = 0, 1, ...: static, first_tile + k * step (every gridDim.x-th
+// on a persistent grid, else only its own); dynamic, first_tile and then what the producer draws
+// from the launch's counter, handed to the consumers through the two smem slots. A tile number
+// >= tiles() ends the sequence.
+template <class Cfg>
+struct Schedule {
+    const Smem<Cfg>& sm;
+    int tiles, first_tile, step;
+
+    // Producer: passes tile k to the consumers (dynamic; nothing to pass for a static one).
+    __device__ __forceinline__ void publish(int k, int tile) const {
+        if constexpr (Cfg::kDynamic) {
+            const int slot = k % 2;
+            if (k >= 2)
+                mbar_wait(sm.tile_empty(slot), (k / 2 - 1) & 1);
+            *sm.tile_slot(slot) = tile;
+            mbar_arrive(sm.tile_full(slot));
+        }
+    }
+    // Producer: the tile after `tile`.
+    __device__ __forceinline__ int next(const FwdParams& p, int tile) const {
+        if constexpr (Cfg::kDynamic)
+            return atomicAdd(p.tile_counter, 1) + int(gridDim.x);
+        return tile + step;
+    }
+    // Consumers (every thread, in order of k): tile k.
+    __device__ __forceinline__ int consumer_tile(int k, int lane) const {
+        if constexpr (Cfg::kDynamic) {
+            const int slot = k % 2;
+            mbar_wait(sm.tile_full(slot), (k / 2) & 1);
+            // Lane 0's copy for the whole warp, so that ptxas sees a warp-uniform loop (else it
+            // keeps a divergent copy of the loop body beside the convergent one).
+            const int tile = __shfl_sync(0xffffffffu, *sm.tile_slot(slot), 0);
+            if (lane == 0)
+                mbar_arrive(sm.tile_empty(slot));
+            return tile;
+        } else {
+            return first_tile + k * step;
+        }
+    }
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ Sm90Params params) {
@@ -523,7 +594,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Tiles of this CTA: its own (grid = tiles), or every gridDim.x-th (persistent).
     const int first_tile = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int tile_step = Cfg::kPersistent ? gridDim.x : Work<Cfg>::tiles(p);
+    const int tiles = Work<Cfg>::tiles(p);
+    const Schedule<Cfg> schedule{sm, tiles, first_tile, Cfg::kPersistent ? int(gridDim.x) : tiles};
 
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&params.tma_q);
@@ -537,6 +609,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             mbar_init(sm.k_empty(s), Cfg::kConsumerWarps);
             mbar_init(sm.v_empty(s), Cfg::kConsumerWarps);
         }
+        if constexpr (Cfg::kDynamic) {
+            for (int i = 0; i < 2; ++i) {
+                mbar_init(sm.tile_full(i), 1);
+                mbar_init(sm.tile_empty(i), Cfg::kConsumerWarps);
+            }
+        }
         fence_barrier_init();
     }
     __syncthreads();  // the barriers are initialised and visible to the TMA unit
@@ -546,25 +624,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         setmaxnreg_dec<Cfg::kProducerRegs>();
         if (warp == Cfg::kConsumerWarps && lane == 0) {
             int q_use = 0, g = 0;  // both sides count tiles with work and K/V blocks alike
-            for (int tile = first_tile; tile < Work<Cfg>::tiles(p); tile += tile_step) {
-                const Work<Cfg> w(p, tile);
-                if (w.n_blocks == 0)
-                    continue;
-                loader.load_q(w, q_use++);
-                for (int i = 0; i < w.n_blocks; ++i) {
-                    loader.load_k(w, i, g + i);
-                    loader.load_v(w, i, g + i);
+            int k = 0;             // tiles passed to the consumers (dynamic schedule)
+            for (int tile = first_tile; tile < tiles; ++k) {
+                schedule.publish(k, tile);
+                const Work<Cfg> w(params, tile);
+                if (w.n_blocks > 0) {
+                    loader.load_q(w, q_use++);
+                    for (int i = 0; i < w.n_blocks; ++i) {
+                        loader.load_k(w, i, g + i);
+                        loader.load_v(w, i, g + i);
+                    }
+                    g += w.n_blocks;
                 }
-                g += w.n_blocks;
+                tile = schedule.next(p, tile);
             }
+            if constexpr (Cfg::kDynamic)  // the end of the sequence, for the consumers
+                schedule.publish(k, tiles);
         }
     } else {
         if constexpr (Cfg::kWarpSpec)
             setmaxnreg_inc<Cfg::kConsumerRegs>();
         Consumer<Cfg> c{params, sm, loader, warp / 4, warp, lane};
         int q_use = 0, g = 0;
-        for (int tile = first_tile; tile < Work<Cfg>::tiles(p); tile += tile_step) {
-            const Work<Cfg> w(p, tile);
+        // Rotated (the next tile fetched at the end), as ptxas keeps one copy of the body so.
+        for (int k = 1, tile = schedule.consumer_tile(0, lane); tile < tiles;
+             tile = schedule.consumer_tile(k++, lane)) {
+            const Work<Cfg> w(params, tile);
             if (!Cfg::kWarpSpec && threadIdx.x == 0 && w.n_blocks > 0) {
                 // The first stages; the rest are refilled as the consumers release them.
                 loader.load_q(w, q_use);

@@ -108,13 +108,28 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         const int64_t tiles = int64_t(q_blocks) * p.heads * p.batch;
         grid = dim3(static_cast<unsigned>(tiles < count ? tiles : count), 1, 1);
     }
+    if constexpr (Cfg::kDynamic) {
+        if (p.tile_counter == nullptr)
+            return cudaErrorInvalidValue;
+        // Groups of (batch, head) pairs whose K and V take at most 16 MB, a third of an H100's
+        // L2, so that the tiles running at once share them.
+        const int64_t kv_bytes = int64_t(p.seqlen_k) * p.d_head * 2 * 2;
+        const int64_t kv_heads_per_group = kv_bytes > 0 ? (int64_t(16) << 20) / kv_bytes : 1;
+        const int64_t pairs = int64_t(p.batch) * p.heads;
+        const int64_t per_group =
+            (kv_heads_per_group > 1 ? kv_heads_per_group : 1) * p.heads_per_kv;
+        prm.sched_heads = static_cast<int>(per_group < pairs ? per_group : pairs);
+        if (cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream);
+            err != cudaSuccess)
+            return err;
+    }
     kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(prm);
     return cudaGetLastError();
 }
 
 template <class Cfg>
 constexpr KernelEntry make_entry(const char* name) {
-    return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90);
+    return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90, /*tile_counter=*/Cfg::kDynamic);
 }
 
 }  // namespace flash::sm90
