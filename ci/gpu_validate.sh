@@ -112,13 +112,15 @@ if step hopper; then
         --json "$LOG_DIR/hopper_dheads.json" --md "$LOG_DIR/hopper_dheads.md"
 fi
 if step causal-ab; then
-    # Causal d_head 128 candidates (CAUSAL_CONFIGS, in the build) side by side against SDPA
-    # cuDNN/FA2 at the table's shapes, after their tests and a sanitizer pass of the first
+    # Causal candidates (CAUSAL_CONFIGS, in the build; d_head CAUSAL_D_HEADS) side by side
+    # against SDPA cuDNN/FA2 at the table's shapes, after their tests and a sanitizer pass of
+    # the first
     cc=${CAUSAL_CONFIGS:?CAUSAL_CONFIGS: causal candidates, comma-separated}
     run causal_tests env FLASH_ATTENTION_TEST_CONFIGS=built timeout 240 python3 -m pytest -q \
         -p no:cacheprovider -x tests/test_gpu_kernels.py -k "${CAUSAL_TESTS:-sm90}"
     run causal_sanitize timeout 180 python3 -m fa_tools sanitize "${cc%%,*}"
     run causal_ab timeout 300 python3 -m fa_tools bench --causal --dtypes bf16,fp16 \
+        --d-heads "${CAUSAL_D_HEADS:-128}" \
         --shapes 16x1024,16x2048,16x4096,8x8192,4x16384 --configs "$cc" \
         --json "$LOG_DIR/causal_ab.json" --md "$LOG_DIR/causal_ab.md"
 fi
