@@ -80,11 +80,11 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # uneven tiles; with the dynamic schedule (flag d: a global tile counter, heaviest query blocks
 # first in L2-sized groups of heads) causal d_head 128 runs at 1.02-1.13x cuDNN causal against
 # 0.89-1.04x for the non-persistent kernel (H100, 1024-16384, both dtypes,
-# results/2026-11-23-h100-causal-dynamic-ab.md). d_head 64 causal keeps its non-persistent
-# kernel until its dynamic one is measured; d_head 256 has no room for the persistent grid's O
-# buffer.
+# results/2026-11-23-h100-causal-dynamic-ab.md), and d_head 64 causal at 0.85-1.02x against
+# 0.68-1.00x (results/2026-11-23-h100-causal-dynamic-d64-ab.md). d_head 256 has no room for the
+# persistent grid's O buffer.
 _SM90_PLAIN = {64: "c96_g3_s3_fwes", 128: "c128_g2_s2_fwes", 256: "c64_g2_s2_fwpoe"}
-_SM90_MASKED = {64: "c96_g3_s3_fwem", 128: "c128_g2_s2_fwesdm", 256: "c64_g2_s2_fwpoem"}
+_SM90_MASKED = {64: "c96_g3_s3_fwesdm", 128: "c128_g2_s2_fwesdm", 256: "c64_g2_s2_fwpoem"}
 # Sliding windows (a bounded left side, ``local`` calls): every query block visits about the same
 # number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
 # 1.097x the visible fraction of the full time against 1.184x without it).
