@@ -69,6 +69,10 @@ def test_clock_stamps_count_the_cycles_of_a_spin():
     n = 20_000_000
     for _ in range(3):
         stamps = Stamps()
+        # The GPU busy first, so that the marks and the spin are queued back to back as the
+        # gate's timed calls are: an idle GPU ran the first mark at once and then waited for the
+        # host to launch the spin, and that wait (670k cycles on a loaded runner) was counted.
+        torch.cuda._sleep(n // 4)
         stamps.mark()
         torch.cuda._sleep(n)
         stamps.mark()
