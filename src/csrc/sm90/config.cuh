@@ -78,8 +78,11 @@ struct Sm90Config {
     static_assert(!kPersistent || (kWarpSpec && kTmaStore && !kPingPong),
                   "the persistent grid needs the producer and the TMA-store epilogue (and no "
                   "ping-pong)");
-    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <=
-                      (kConsumerWGs == 2 ? 168 * 384 : 65536),
+    // What a thread gets at launch (one CTA per SM, multiples of 8, at most 255): setmaxnreg
+    // moves registers between the warpgroups inside that allocation, never beyond it.
+    static constexpr int kLaunchRegs = ((65536 / kThreads < 255 ? 65536 / kThreads : 255) / 8) * 8;
+    static_assert(!kWarpSpec || kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <=
+                                    kLaunchRegs * kThreads,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(!kDynamic || kPersistent, "dynamic tile scheduling needs the persistent grid");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");

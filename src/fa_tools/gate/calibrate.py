@@ -128,10 +128,9 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             "rounds": policy.rounds, "step": policy.step, "max_rounds": policy.max_rounds,
             "metric": policy.metric}
     args.aa = True
-    runs: list[dict] = []  # every comparison made, with its per-round samples (calibrate.json)
-
-    def save() -> None:  # after every comparison, so a study cut short keeps what it measured
-        _save(out, meta, runs)
+    # Every comparison made, with its per-round samples (calibrate.json), saved after each so
+    # that a study cut short keeps what it measured.
+    runs: list[dict] = []
 
     with workers(args, perf, meta) as (base_w, head_w):
         for name in args.case:
@@ -144,7 +143,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
                                  **r.as_dict()})
                     log.info("%s +%g%%: run %d/%d: %s, ratio %.4f, %d rounds", name, size,
                              i + 1, args.runs, r.verdict, r.ratio, r.rounds)
-                    save()
+                    _save(out, meta, runs)
         for i in range(args.aa_runs):
             t0 = time.monotonic()
             results = compare(base_w, head_w, list(GATE_CASES), policy, n_family)
@@ -152,8 +151,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             runs += [{"aa_run": i + 1, "seconds": seconds, **r.as_dict()} for r in results]
             log.info("A/A run %d/%d (%.0f s): %s", i + 1, args.aa_runs, seconds,
                      ", ".join(f"{r.case} {r.verdict} {r.ratio:.4f}" for r in results))
-            save()
-    save()
+            _save(out, meta, runs)
+    _save(out, meta, runs)
     return PASS
 
 
