@@ -2,7 +2,7 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune causal-ab
+# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune ab
 #        sanitize debug asv calibrate hang profile
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
@@ -12,7 +12,8 @@
 #             host cost per call, window, GQA, varlen against a padded batch
 #   calibrate power study: planted slowdowns (CAL_SIZES %) on each of CAL_CASE, CAL_RUNS runs per
 #             size, then AA_RUNS whole A/A gate runs
-#   causal-ab causal candidates (CAUSAL_CONFIGS) tested, sanitized and benchmarked side by side
+#   ab        candidates (AB_CONFIGS; AB_CAUSAL=1 for causal) tested, sanitized and benchmarked
+#             side by side
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
@@ -111,18 +112,20 @@ if step hopper; then
     run hopper_dheads timeout 200 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,256 \
         --json "$LOG_DIR/hopper_dheads.json" --md "$LOG_DIR/hopper_dheads.md"
 fi
-if step causal-ab; then
-    # Causal candidates (CAUSAL_CONFIGS, in the build; d_head CAUSAL_D_HEADS) side by side
-    # against SDPA cuDNN/FA2 at the table's shapes, after their tests and a sanitizer pass of
-    # the first
-    cc=${CAUSAL_CONFIGS:?CAUSAL_CONFIGS: causal candidates, comma-separated}
-    run causal_tests env FLASH_ATTENTION_TEST_CONFIGS=built timeout 240 python3 -m pytest -q \
-        -p no:cacheprovider -x tests/test_gpu_kernels.py -k "${CAUSAL_TESTS:-sm90}"
-    run causal_sanitize timeout 180 python3 -m fa_tools sanitize "${cc%%,*}"
-    run causal_ab timeout 300 python3 -m fa_tools bench --causal --dtypes bf16,fp16 \
-        --d-heads "${CAUSAL_D_HEADS:-128}" \
-        --shapes 16x1024,16x2048,16x4096,8x8192,4x16384 --configs "$cc" \
-        --json "$LOG_DIR/causal_ab.json" --md "$LOG_DIR/causal_ab.md"
+if step ab; then
+    # Candidates (AB_CONFIGS, in the build; d_head AB_D_HEADS; causal with AB_CAUSAL=1) side by
+    # side against SDPA cuDNN/FA2 at the table's shapes, after their tests (AB_TESTS: a pytest
+    # -k expression) and a sanitizer pass of the first
+    cc=${AB_CONFIGS:?AB_CONFIGS: candidates, comma-separated}
+    causal=()
+    [ "${AB_CAUSAL:-0}" = 1 ] && causal=(--causal)
+    run ab_tests env FLASH_ATTENTION_TEST_CONFIGS=built timeout 240 python3 -m pytest -q \
+        -p no:cacheprovider -x tests/test_gpu_kernels.py -k "${AB_TESTS:-sm90}"
+    run ab_sanitize timeout 180 python3 -m fa_tools sanitize "${cc%%,*}"
+    run ab timeout "${AB_LIMIT_S:-300}" python3 -m fa_tools bench "${causal[@]}" \
+        --dtypes "${AB_DTYPES:-bf16,fp16}" --d-heads "${AB_D_HEADS:-128}" \
+        --shapes "${AB_SHAPES:-16x1024,16x2048,16x4096,8x8192,4x16384}" --configs "$cc" \
+        --json "$LOG_DIR/ab.json" --md "$LOG_DIR/ab.md"
 fi
 if step hopper-tune; then  # needs the sm90tune set in the build
     run hopper_tune timeout 400 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,128,256 \

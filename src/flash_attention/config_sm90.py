@@ -33,6 +33,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "dynamic": ("d", "the persistent grid draws tiles from a global counter, heaviest query "
                      "blocks first within groups of heads whose K/V fit in L2 (even SM loads "
                      "under causal masks)"),
+    "cluster": ("x", "CTA pairs (clusters of two) on neighbouring query blocks: each loads half "
+                     "of every K/V block and multicasts it to both (half the L2 reads)"),
     "mask": ("m", "causal / sliding-window masks (as the sm80 flag m)"),
     "softcap": ("t", "score soft-capping (as the sm80 flag t)"),
 }
@@ -65,6 +67,7 @@ class Sm90Config:
     tma_store: bool = True
     persistent: bool = False
     dynamic: bool = False
+    cluster: bool = False
     mask: bool = False
     softcap: bool = False
 
@@ -132,8 +135,9 @@ class Sm90Config:
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
-        consumer warpgroups and the dynamic schedule, whose producer keeps 40."""
-        return CONSUMER_REGS[self.consumer_wgs] - (8 if self.dynamic and self.consumer_wgs == 2
+        consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40."""
+        busy_producer = self.dynamic or self.cluster
+        return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs == 2
                                                    else 0)
 
     @property
@@ -165,6 +169,8 @@ class Sm90Config:
             out.append("persistent needs warp_spec and tma_store, without pingpong")
         if self.dynamic and not self.persistent:
             out.append("dynamic tile scheduling needs the persistent grid")
+        if self.cluster and not (self.warp_spec and not self.dynamic and not self.mask):
+            out.append("cluster needs warp_spec, without dynamic or mask")
         regs = self.accum_regs + OVERHEAD_REGS
         if regs > self.consumer_regs:
             out.append(f"O, S and P need {self.accum_regs} registers per thread plus about "

@@ -10,7 +10,7 @@ namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
-          bool kMask_, bool kSoftcap_>
+          bool kCluster_, bool kMask_, bool kSoftcap_>
 struct Sm90Config {
     using Elem = Elem_;
 
@@ -38,6 +38,11 @@ struct Sm90Config {
     // order that puts the heaviest query blocks first within groups of heads whose K/V fit in L2,
     // so that uneven (causal) tiles even out over the SMs; else tile c, c + grid, ... per CTA.
     static constexpr bool kDynamic = kDynamic_;
+    // CTAs in clusters of two that take neighbouring query blocks of one (batch, head): each
+    // producer loads half of every K/V block and multicasts it to both, so each block leaves L2
+    // once per pair; a stage is refilled once the consumers of both CTAs have released it.
+    static constexpr bool kCluster = kCluster_;
+    static constexpr int kClusterCtas = kCluster ? 2 : 1;
     static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 
@@ -45,10 +50,11 @@ struct Sm90Config {
     static constexpr int kThreads = 128 * (kConsumerWGs + kProducerWGs);
     static constexpr int kConsumerWarps = 4 * kConsumerWGs;
     // Registers after setmaxnreg: the producer keeps few, the consumers take what it gives up
-    // (the CTA's launch allocation, 168 per thread at 384 threads, 128 at 512). The dynamic
-    // schedule's producer needs a few more than 24 (else it spills).
-    static constexpr int kProducerRegs = kDynamic ? (kConsumerWGs == 3 ? 32 : 40) : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kDynamic ? 232 : 240) : 160;
+    // (the CTA's launch allocation, 168 per thread at 384 threads, 128 at 512). The producer of
+    // the dynamic schedule or of a cluster needs a few more than 24 (else it spills).
+    static constexpr bool kBusyProducer = kDynamic || kCluster;
+    static constexpr int kProducerRegs = kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40) : 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kBusyProducer ? 232 : 240) : 160;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
@@ -85,6 +91,9 @@ struct Sm90Config {
                                     kLaunchRegs * kThreads,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(!kDynamic || kPersistent, "dynamic tile scheduling needs the persistent grid");
+    static_assert(!kCluster || (kWarpSpec && !kDynamic && !kMask),
+                  "K/V multicast needs the producer warpgroup, a static schedule and no mask (the "
+                  "two CTAs visit the same KV blocks)");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
 };
 

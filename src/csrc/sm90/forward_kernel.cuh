@@ -15,6 +15,10 @@
 // Pipeline: barriers k_full/v_full[s] complete when the TMA copies of stage s have landed (the
 // producer arrives once with the byte count); k_empty/v_empty[s] complete when every consumer
 // warp has finished the GEMM reading that stage. Use u of stage s waits for phase parity u & 1.
+// With kCluster the two CTAs of a cluster take neighbouring query blocks of one (batch, head) and
+// the same K/V blocks: each producer copies half of a block's rows and multicasts them to both
+// CTAs (each full barrier still counts the whole block's bytes), and each consumer warp arrives
+// on the empty barriers of both CTAs, so neither producer refills a stage the other still reads.
 #pragma once
 
 #include <cmath>
@@ -92,7 +96,9 @@ struct Smem {
 };
 
 // One tile of work: a query block of one (batch, head), and the KV blocks it visits. Tiles are
-// numbered query block fastest (neighbouring tiles share K and V in L2). The dynamic schedule
+// numbered query block fastest (neighbouring tiles share K and V in L2). With kCluster a tile is
+// a pair of neighbouring query blocks, 2t + rank for the CTA of that rank in its cluster (with an
+// odd count the last pair's second block lies past seqlen_q: it is computed, never stored). The dynamic schedule
 // numbers them in groups of sched_heads (batch, head) pairs whose K and V fit in L2 together;
 // inside a group, query blocks from the last down (the most keys under a causal mask first,
 // where the counter hands them out first), heads fastest.
@@ -106,8 +112,12 @@ struct Work {
     __device__ __forceinline__ static int q_blocks(const FwdParams& p) {
         return (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
     }
+    // Query blocks per (batch, head) in tile numbers: pairs with kCluster.
+    __device__ __forceinline__ static int q_tiles(const FwdParams& p) {
+        return (q_blocks(p) + Cfg::kClusterCtas - 1) / Cfg::kClusterCtas;
+    }
     __device__ __forceinline__ static int tiles(const FwdParams& p) {
-        return q_blocks(p) * p.heads * p.batch;
+        return q_tiles(p) * p.heads * p.batch;
     }
 
     __device__ __forceinline__ Work(const Sm90Params& prm, int tile) {
@@ -120,6 +130,10 @@ struct Work {
             const int heads_in = min(prm.sched_heads, p.batch * p.heads - group * prm.sched_heads);
             q_block = qb - 1 - in / heads_in;
             pair = group * prm.sched_heads + in % heads_in;
+        } else if constexpr (Cfg::kCluster) {
+            const int qt = q_tiles(p);
+            q_block = 2 * (tile % qt) + int(cluster_ctarank());
+            pair = tile / qt;
         } else {
             // With masks, query blocks run from the last (the most keys under a causal mask) down.
             q_block = Cfg::kMask ? qb - 1 - tile % qb : tile % qb;
@@ -153,6 +167,31 @@ template <class Cfg>
 struct Loader {
     const Sm90Params& prm;
     const Smem<Cfg>& sm;
+    const int rank;  // in the cluster (0 without kCluster)
+
+    // Waits until stage s may be refilled: released by the consumers (of both CTAs with kCluster;
+    // a CTA-scope wait as the producer reads nothing they wrote, it only orders its next copy
+    // after their reads).
+    __device__ __forceinline__ static void wait_empty(uint64_t* bar, int use) {
+        if (use > 0)
+            mbar_wait(bar, (use - 1) & 1);
+    }
+    // This CTA's share of K/V block `block` (all of it, or half the rows multicast to both CTAs)
+    // into stage buffer `dst`, completing on `full`.
+    __device__ __forceinline__ void load_kv(unsigned char* dst, const CUtensorMap* map,
+                                            uint64_t* full, const Work<Cfg>& w, int block) const {
+        mbar_arrive_expect_tx(full, Cfg::kKVBytes);
+        constexpr int kRows = Cfg::kBc / Cfg::kClusterCtas;  // a multiple of 8: 1024-byte aligned
+        const int row0 = block * Cfg::kBc + rank * kRows;
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c) {
+            unsigned char* panel = dst + c * Cfg::kBc * 128 + rank * kRows * 128;
+            if constexpr (Cfg::kCluster)
+                tma_load_4d_multicast(panel, map, full, 0x3, c * 64, row0, w.kv_head, w.batch);
+            else
+                tma_load_4d(panel, map, full, c * 64, row0, w.kv_head, w.batch);
+        }
+    }
 
     // Q of tile use u (the CTA's u-th tile with work), once the previous tile's S GEMMs are done.
     __device__ __forceinline__ void load_q(const Work<Cfg>& w, int u) const {
@@ -166,26 +205,14 @@ struct Loader {
     }
     // Block i of the tile's visit order, pipeline block g, once its stage is released.
     __device__ __forceinline__ void load_k(const Work<Cfg>& w, int i, int g) const {
-        const int s = g % Cfg::kStages, use = g / Cfg::kStages;
-        if (use > 0)
-            mbar_wait(sm.k_empty(s), (use - 1) & 1);
-        mbar_arrive_expect_tx(sm.k_full(s), Cfg::kKVBytes);
-        const int row0 = w.block(i) * Cfg::kBc;
-#pragma unroll
-        for (int c = 0; c < Cfg::kPanels; ++c)
-            tma_load_4d(sm.k(s) + c * Cfg::kBc * 128, &prm.tma_k, sm.k_full(s), c * 64, row0,
-                        w.kv_head, w.batch);
+        const int s = g % Cfg::kStages;
+        wait_empty(sm.k_empty(s), g / Cfg::kStages);
+        load_kv(sm.k(s), &prm.tma_k, sm.k_full(s), w, w.block(i));
     }
     __device__ __forceinline__ void load_v(const Work<Cfg>& w, int i, int g) const {
-        const int s = g % Cfg::kStages, use = g / Cfg::kStages;
-        if (use > 0)
-            mbar_wait(sm.v_empty(s), (use - 1) & 1);
-        mbar_arrive_expect_tx(sm.v_full(s), Cfg::kKVBytes);
-        const int row0 = w.block(i) * Cfg::kBc;
-#pragma unroll
-        for (int c = 0; c < Cfg::kPanels; ++c)
-            tma_load_4d(sm.v(s) + c * Cfg::kBc * 128, &prm.tma_v, sm.v_full(s), c * 64, row0,
-                        w.kv_head, w.batch);
+        const int s = g % Cfg::kStages;
+        wait_empty(sm.v_empty(s), g / Cfg::kStages);
+        load_kv(sm.v(s), &prm.tma_v, sm.v_full(s), w, w.block(i));
     }
 };
 
@@ -333,6 +360,16 @@ struct Consumer {
         if (lane == 0)
             mbar_arrive(bar);
     }
+    // A K/V stage: with kCluster on the barrier of both CTAs (lane r arrives in CTA r).
+    __device__ __forceinline__ void release_kv(uint64_t* bar) const {
+        if constexpr (Cfg::kCluster) {
+            __syncwarp();
+            if (lane < Cfg::kClusterCtas)
+                mbar_arrive_cluster(bar, lane);
+        } else {
+            release(bar);
+        }
+    }
     // Without a producer warpgroup, consumer thread 0 refills the stage it just released.
     __device__ __forceinline__ bool refills() const { return !Cfg::kWarpSpec && threadIdx.x == 0; }
 
@@ -387,7 +424,7 @@ struct Consumer {
             pass_turn();
             wgmma_wait<0>();
             fence_regs(S);
-            release(sm.k_empty(stage(g0)));
+            release_kv(sm.k_empty(stage(g0)));
             if (n == 1)
                 release_q();
             if (refills() && Cfg::kStages < n)
@@ -407,7 +444,7 @@ struct Consumer {
             pass_turn();
             wgmma_wait<0>();
             fence_regs(O);
-            release(sm.v_empty(stage(gl)));
+            release_kv(sm.v_empty(stage(gl)));
         }
         if constexpr (Cfg::kPingPong) {
             if (wg == 0)
@@ -449,18 +486,18 @@ struct Consumer {
             // offset that is always 0): ptxas keeps memory operations in order with the wait
             // below but would otherwise schedule the softmax after it, off the P V GEMM.
             const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
-            release(sm.k_empty(s) + after);
+            release_kv(sm.k_empty(s) + after);
             if (i == n - 1)
                 release_q();
             wgmma_wait<0>();
             fence_regs(O);
-            release(sm.v_empty(sp));
+            release_kv(sm.v_empty(sp));
         } else {
             wgmma_wait<0>();
             fence_regs(S);
             fence_regs(O);
-            release(sm.k_empty(s));
-            release(sm.v_empty(sp));
+            release_kv(sm.k_empty(s));
+            release_kv(sm.v_empty(sp));
             if (i == n - 1)
                 release_q();
             softmax_block<false>(i, corr);
@@ -589,13 +626,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     extern __shared__ unsigned char smem_raw[];
     const Smem<Cfg> sm{reinterpret_cast<unsigned char*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023))};
-    const Loader<Cfg> loader{params, sm};
+    const Loader<Cfg> loader{params, sm, Cfg::kCluster ? int(cluster_ctarank()) : 0};
     const FwdParams& p = params.p;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Tiles of this CTA: its own (grid = tiles), or every gridDim.x-th (persistent).
-    const int first_tile = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    // Tiles of this CTA (of its cluster with kCluster, whose CTAs share the tile): its own
+    // (grid = tiles), or every (gridDim.x / cluster size)-th (persistent).
+    const int clusters_x = gridDim.x / Cfg::kClusterCtas;
+    const int first_tile =
+        blockIdx.x / Cfg::kClusterCtas + clusters_x * (blockIdx.y + gridDim.y * blockIdx.z);
     const int tiles = Work<Cfg>::tiles(p);
-    const Schedule<Cfg> schedule{sm, tiles, first_tile, Cfg::kPersistent ? int(gridDim.x) : tiles};
+    const Schedule<Cfg> schedule{sm, tiles, first_tile, Cfg::kPersistent ? clusters_x : tiles};
 
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&params.tma_q);
@@ -606,8 +646,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int s = 0; s < Cfg::kStages; ++s) {
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
-            mbar_init(sm.k_empty(s), Cfg::kConsumerWarps);
-            mbar_init(sm.v_empty(s), Cfg::kConsumerWarps);
+            mbar_init(sm.k_empty(s), Cfg::kConsumerWarps * Cfg::kClusterCtas);
+            mbar_init(sm.v_empty(s), Cfg::kConsumerWarps * Cfg::kClusterCtas);
         }
         if constexpr (Cfg::kDynamic) {
             for (int i = 0; i < 2; ++i) {
@@ -617,7 +657,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         fence_barrier_init();
     }
-    __syncthreads();  // the barriers are initialised and visible to the TMA unit
+    // The barriers are initialised and visible to the TMA unit (and to the other CTA, which
+    // multicasts into this one and arrives on its empty barriers).
+    if constexpr (Cfg::kCluster)
+        cluster_sync();
+    else
+        __syncthreads();
 
     const bool producer = Cfg::kWarpSpec && warp >= Cfg::kConsumerWarps;
     if (producer) {
@@ -668,6 +713,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 tma_store_wait_read();  // smem stays valid until the last store has read it
         }
     }
+    if constexpr (Cfg::kCluster)
+        cluster_sync();  // the other CTA may still arrive on this one's barriers until it is done
 #endif
 }
 

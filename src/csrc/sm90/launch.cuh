@@ -76,9 +76,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, p.seqlen_q, p.heads, p.batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, Cfg::kBr) &&
         encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, p.seqlen_k, kv_heads, p.batch, p.k_row_stride,
-                          p.k_head_stride, p.k_batch_stride, Cfg::kBc) &&
+                          p.k_head_stride, p.k_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
         encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, p.seqlen_k, kv_heads, p.batch, p.v_row_stride,
-                          p.v_head_stride, p.v_batch_stride, Cfg::kBc) &&
+                          p.v_head_stride, p.v_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
         encode_bshd<Elem>(&prm.tma_o, p.o, p.d_head, p.seqlen_q, p.heads, p.batch, p.o_row_stride,
                           p.o_head_stride, p.o_batch_stride, 64);
     if (!ok)
@@ -92,21 +92,40 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (cudaError_t err = opt_in_smem(kernel, Cfg::kSmemBytes, device, configured);
         err != cudaSuccess)
         return err;
-    const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
-    dim3 grid(q_blocks, p.heads, p.batch);
-    if constexpr (Cfg::kPersistent) {  // one CTA per SM, each looping over tiles
-        static std::atomic<int> sms[64] = {};
-        int count = device < 64 ? sms[device].load(std::memory_order_relaxed) : 0;
+    // Query blocks per (batch, head) in tiles: pairs of neighbouring ones with kCluster.
+    constexpr int kCtas = Cfg::kClusterCtas;
+    const int q_tiles = ((p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr + kCtas - 1) / kCtas;
+    dim3 grid(q_tiles * kCtas, p.heads, p.batch);
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kCtas;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    if constexpr (Cfg::kPersistent) {  // one CTA per SM (cluster per SM pair), looping over tiles
+        // How many CTAs (clusters) run at once: the SMs, or the clusters the GPCs can hold.
+        static std::atomic<int> resident[64] = {};
+        int count = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
         if (count == 0) {
-            if (cudaError_t err =
-                    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-                err != cudaSuccess)
+            cudaError_t err;
+            if constexpr (Cfg::kCluster) {
+                cudaLaunchConfig_t probe{};
+                probe.gridDim = dim3(kCtas, 1, 1);
+                probe.blockDim = dim3(Cfg::kThreads, 1, 1);
+                probe.dynamicSmemBytes = Cfg::kSmemBytes;
+                probe.attrs = &cluster;
+                probe.numAttrs = 1;
+                err = cudaOccupancyMaxActiveClusters(&count, kernel, &probe);
+            } else {
+                err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+            }
+            if (err != cudaSuccess)
                 return err;
+            if (count < 1)
+                return cudaErrorInvalidConfiguration;
             if (device < 64)
-                sms[device].store(count, std::memory_order_relaxed);
+                resident[device].store(count, std::memory_order_relaxed);
         }
-        const int64_t tiles = int64_t(q_blocks) * p.heads * p.batch;
-        grid = dim3(static_cast<unsigned>(tiles < count ? tiles : count), 1, 1);
+        const int64_t tiles = int64_t(q_tiles) * p.heads * p.batch;
+        grid = dim3(static_cast<unsigned>((tiles < count ? tiles : count) * kCtas), 1, 1);
     }
     if constexpr (Cfg::kDynamic) {
         if (p.tile_counter == nullptr)
@@ -123,7 +142,19 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
             err != cudaSuccess)
             return err;
     }
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(prm);
+    if constexpr (Cfg::kCluster) {
+        cudaLaunchConfig_t config{};
+        config.gridDim = grid;
+        config.blockDim = dim3(Cfg::kThreads, 1, 1);
+        config.dynamicSmemBytes = Cfg::kSmemBytes;
+        config.stream = stream;
+        config.attrs = &cluster;
+        config.numAttrs = 1;
+        if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, prm); err != cudaSuccess)
+            return err;
+    } else {
+        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(prm);
+    }
     return cudaGetLastError();
 }
 

@@ -1,7 +1,8 @@
 // Thin wrappers over the Hopper (sm_90a) PTX the kernels are built from: mbarriers (arrive with
-// an expected transaction count, phase-parity waits), TMA bulk tensor copies (4-D tile, global
-// <-> shared, 128-byte swizzle), wgmma descriptors, fences and groups, named barriers and
-// setmaxnreg. Nothing here knows about attention.
+// an expected transaction count, phase-parity waits, arrivals in another CTA of the cluster),
+// TMA bulk tensor copies (4-D tile, global <-> shared, 128-byte swizzle, multicast), wgmma
+// descriptors, fences and groups, cluster barriers, named barriers and setmaxnreg. Nothing here
+// knows about attention.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no driver call is made here)
@@ -49,6 +50,33 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
         : "memory");
 }
 
+// ---- clusters ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA of the cluster arrives and waits: this CTA's shared memory
+// (barriers included) stays valid, and what was written before is visible, across the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// One arrival on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this
+// CTA's own included), released at cluster scope.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(rank)
+        : "memory");
+}
+
 // ---- TMA ----------------------------------------------------------------------------------------
 
 // Tile of a 4-D tensor map at coordinates (c0 innermost .. c3) into shared memory; completes
@@ -59,6 +87,19 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+// As tma_load_4d, into the same shared-memory offset of every CTA in `cta_mask` (a bit per rank
+// of the cluster), completing the bytes on the barrier at `bar`'s offset in each of them.
+__device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorMap* map,
+                                                      uint64_t* bar, uint16_t cta_mask, int c0,
+                                                      int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%4, %5, %6, %7}], [%2], %3;\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask), "r"(c0), "r"(c1),
+        "r"(c2), "r"(c3)
         : "memory");
 }
 
