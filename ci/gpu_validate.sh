@@ -123,7 +123,7 @@ if step ab; then
         -p no:cacheprovider -x tests/test_gpu_kernels.py -k "${AB_TESTS:-sm90}"
     run ab_sanitize timeout 180 python3 -m fa_tools sanitize "${cc%%,*}"
     run ab timeout "${AB_LIMIT_S:-300}" python3 -m fa_tools bench "${causal[@]}" \
-        --dtypes "${AB_DTYPES:-bf16,fp16}" --d-heads "${AB_D_HEADS:-128}" \
+        --dtypes "${AB_DTYPES:-bf16,fp16}" --d-heads "${AB_D_HEADS:-128}" --rounds "${AB_ROUNDS:-3}" \
         --shapes "${AB_SHAPES:-16x1024,16x2048,16x4096,8x8192,4x16384}" --configs "$cc" \
         --json "$LOG_DIR/ab.json" --md "$LOG_DIR/ab.md"
 fi

@@ -65,13 +65,15 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // One arrival on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this
-// CTA's own included), released at cluster scope.
+// CTA's own included). Default (CTA-scope) release: a cluster-scope one costs a MEMBAR.ALL.GPU
+// per arrival (30% more cycles measured), and the arrivals only tell a producer that reads
+// which have completed (wgmma waited for) are over.
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
     asm volatile(
         "{\n"
         ".reg .b32 remote;\n"
         "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
         "}\n" ::"r"(smem_u32(bar)),
         "r"(rank)
         : "memory");
