@@ -119,7 +119,7 @@ def test_derived_sizes():
 def test_sets_sizes_and_content():
     sm80 = [c for c in CI if c.family == "sm80"]
     sm90 = [c for c in CI if c.family == "sm90"]
-    assert 1 <= len(sm80) <= 6 and len(sm90) == 2  # CI builds two Hopper kernels for sm_90a
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 3  # CI builds three Hopper kernels for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
         assert any(not getattr(c, name) for c in sm80), name
         assert any(getattr(c, name) for c in sm80), name
@@ -130,12 +130,15 @@ def test_sets_sizes_and_content():
     assert sm90[0].mask and sm90[0].warp_spec and sm90[0].pingpong  # every technique, masks
     # ... and the dispatched causal d_head 128 kernel: persistent, dynamic tile schedule
     assert sm90[1].mask and sm90[1].persistent and sm90[1].dynamic
+    # ... and the dispatched non-causal d_head 128 kernel: persistent, CTA pairs
+    assert not sm90[2].mask and sm90[2].persistent and sm90[2].cluster
     from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
 
     for name in SM90_FLAGS:  # every Hopper flag but softcap is on in one of them
         assert name == "softcap" or any(getattr(c, name) for c in sm90), name
     table = {short for rows in DEFAULT_TABLE.values() for _, short in rows}
-    assert {c.short for c in DEFAULT} == table | set(SM90_TABLE.values())
+    assert {c.short for c in DEFAULT} == table | {short for rows in SM90_TABLE.values()
+                                                  for _, short in rows}
     assert len(TUNE) == len(set(TUNE)) and len(TUNE) > len(DEFAULT)
     # The tune space holds every default tile; the features (masks, softcap) ride on a tile.
     assert {c.replace(mask=False, softcap=False) for c in DEFAULT if c.family == "sm80"} <= set(

@@ -96,16 +96,16 @@ def test_fallback_respects_features(no_tuning):
 
 
 def test_hopper_kernels_by_mask_kind(no_tuning):
-    """Plain calls run the persistent kernel, causal the non-persistent masked one, windows
+    """Plain calls run the persistent CTA-pair kernel, causal the dynamic masked one, windows
     bounded on the left the persistent masked one (or the masked one when it is not built);
     d_head 96 runs on the d128 tile, 32 has no Hopper kernel."""
     built = list(DEFAULT)
     pick = lambda d, mask, local=False, b=built: dispatch.select_sm90(  # noqa: E731
         "bf16", d, 4096, b, mask, False, local)
-    assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwes"
+    assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwesx"
     assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
-    assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwes"  # no mask
+    assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesx"  # no mask
     assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
     assert pick(64, True, local=True).short == "sm90_bf16_d64_c96_g3_s3_fwesm"
     assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
@@ -114,3 +114,19 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     assert pick(128, True, True, no_local).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert all(dispatch.select_sm90("bf16", 128, 4096, built, True, True, local) is None
                for local in (False, True))  # softcap: sm80 only
+
+
+def test_hopper_rows_by_length(no_tuning):
+    """d_head 128: CTA pairs from bucket 1024 (single CTAs at 512 and below), the causal kernel
+    with overlap from 8192; a row's kernel missing from the build, another of its kind runs."""
+    built = list(DEFAULT)
+    pick = lambda seq, mask, b=built: dispatch.select_sm90(  # noqa: E731
+        "fp16", 128, seq, b, mask, False).short.split("_")[-1]
+    assert [pick(seq, False) for seq in (64, 512, 1024, 16384)] == ["fwes", "fwes", "fwesx",
+                                                                   "fwesx"]
+    assert [pick(seq, True) for seq in (512, 4096, 8192, 16384)] == ["fwesdm", "fwesdm",
+                                                                    "fwoesdm", "fwoesdm"]
+    no_pairs = [c for c in built if not (c.family == "sm90" and c.cluster)]
+    assert pick(4096, False, no_pairs) == "fwes"
+    no_short = [c for c in built if c.short != "sm90_fp16_d128_c128_g2_s2_fwes"]
+    assert pick(512, False, no_short) == "fwesx"

@@ -48,6 +48,7 @@ CI: tuple[KernelConfig, ...] = (
     P("fp16_d160_r128_c64_w8_fsqkvbo"),  # no eager prefetch; a padded d_head variant, 8 warps
     parse_config("sm90_bf16_d128_c128_g2_s2_fwpoem"),  # Hopper: every technique, masks
     parse_config("sm90_bf16_d128_c128_g2_s2_fwesdm"),  # persistent, dynamic tile schedule
+    parse_config("sm90_bf16_d128_c128_g2_s2_fwesx"),  # persistent, CTA pairs multicasting K/V
 )
 
 
@@ -57,7 +58,7 @@ def _unique(configs: list[KernelConfig] | tuple[KernelConfig, ...]) -> tuple[Ker
 
 DEFAULT: tuple[KernelConfig | Sm90Config, ...] = _unique(
     [P(short) for rows in DEFAULT_TABLE.values() for _, short in rows]
-    + [Sm90Config.parse(short) for short in SM90_TABLE.values()]
+    + [Sm90Config.parse(short) for rows in SM90_TABLE.values() for _, short in rows]
 )
 
 

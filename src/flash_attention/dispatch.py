@@ -68,7 +68,8 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
     for (mask, softcap), letters in FEATURES.items()
 }
 
-# Hopper (sm_90a) kernels: (dtype, d_head variant of the call, mask, softcap) -> config. The
+# Hopper (sm_90a) kernels: (dtype, d_head variant of the call, mask, local, softcap) -> rows
+# [(largest seqlen_q bucket it serves or None, config)], as DEFAULT_TABLE. The
 # binding runs them on sm_90 GPUs for fixed-length calls whose tensors TMA can address (16-byte
 # aligned, strides multiples of 8 elements) and otherwise the sm80 choice of the same row.
 # Tiles from a sweep of the sm90tune set on an H100 (bf16, docs/results.md, 2026-11-23): a
@@ -82,13 +83,22 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # 0.89-1.04x for the non-persistent kernel (H100, 1024-16384, both dtypes,
 # results/2026-11-23-h100-causal-dynamic-ab.md), and d_head 64 causal at 0.85-1.02x against
 # 0.68-1.00x (results/2026-11-23-h100-causal-dynamic-d64-ab.md). d_head 256 has no room for the
-# persistent grid's O buffer.
-_SM90_PLAIN = {64: "c96_g3_s3_fwes", 128: "c128_g2_s2_fwes", 256: "c64_g2_s2_fwpoe"}
-_SM90_MASKED = {64: "c96_g3_s3_fwesdm", 128: "c128_g2_s2_fwesdm", 256: "c64_g2_s2_fwpoem"}
+# persistent grid's O buffer. CTA pairs multicasting K/V (flag x) gain 2-8% at d_head 128 over
+# 1024-2048, stay within 1% from 4096 and lose 6% at 512 (H100, two runs, both dtypes,
+# results/2026-11-23-h100-cluster-ab.md); at 64 and 256 they lose 5-7%. With intra-warpgroup
+# overlap the dynamic causal kernel leads by 3-5% from 8192 (results/2026-11-23-h100-causal-
+# dynamic-ab.md), the one without by 1-9% below.
+_SM90_PLAIN = {64: [(None, "c96_g3_s3_fwes")],
+               128: [(512, "c128_g2_s2_fwes"), (None, "c128_g2_s2_fwesx")],
+               256: [(None, "c64_g2_s2_fwpoe")]}
+_SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
+                128: [(4096, "c128_g2_s2_fwesdm"), (None, "c128_g2_s2_fwoesdm")],
+                256: [(None, "c64_g2_s2_fwpoem")]}
 # Sliding windows (a bounded left side, ``local`` calls): every query block visits about the same
 # number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
 # 1.097x the visible fraction of the full time against 1.184x without it).
-_SM90_LOCAL = {64: "c96_g3_s3_fwesm", 128: "c128_g2_s2_fwesm", 256: "c64_g2_s2_fwpoem"}
+_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwesm")],
+               256: [(None, "c64_g2_s2_fwpoem")]}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
 # TMA, never stored): 96 on 128, 160-224 on 256 (32 stays on sm80: d_head 32 on the 64 kernel
 # measured 0.94x SDPA FA2 at seq 1024).
@@ -98,8 +108,9 @@ _SM90_OF_VARIANT = {64: 64, 96: 128, 128: 128, 160: 256, 192: 256, 224: 256, 256
 MASK_KINDS = ((False, False), (True, False), (True, True))
 _SM90_TILES = {(False, False): _SM90_PLAIN, (True, False): _SM90_MASKED,
                (True, True): _SM90_LOCAL}
-SM90_TABLE: dict[tuple[str, int, bool, bool, bool], str] = {
-    (dtype, d, mask, local, False): f"sm90_{dtype}_d{hd}_{_SM90_TILES[mask, local][hd]}"
+SM90_TABLE: dict[tuple[str, int, bool, bool, bool], list[tuple[int | None, str]]] = {
+    (dtype, d, mask, local, False): [(max_seq, f"sm90_{dtype}_d{hd}_{tile}")
+                                     for max_seq, tile in _SM90_TILES[mask, local][hd]]
     for dtype in ("fp16", "bf16")
     for d, hd in _SM90_OF_VARIANT.items()
     for mask, local in MASK_KINDS
@@ -200,9 +211,13 @@ def select_sm90(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelCo
             return None  # the tuning file chose an sm80 kernel for this row
     kinds = [(mask, True), (mask, False)] if local and mask else [(mask, False)]
     for mask_kind, local_kind in kinds:  # a window runs on the masked kernel when its own is absent
-        cfg = by_name.get(SM90_TABLE.get((dtype, variant, mask_kind, local_kind, softcap), ""))
-        if cfg is not None and serves(cfg, dtype, d_head, mask, softcap):
-            return cfg
+        rows = SM90_TABLE.get((dtype, variant, mask_kind, local_kind, softcap), [])
+        # The row of this length first, then any other built one of the same kind.
+        rows = sorted(rows, key=lambda row: row[0] is not None and seqlen_q > row[0])
+        for _, short in rows:
+            cfg = by_name.get(short)
+            if cfg is not None and serves(cfg, dtype, d_head, mask, softcap):
+                return cfg
     return None
 
 
