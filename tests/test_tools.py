@@ -311,3 +311,13 @@ def test_default_configs_do_not_spill(tmp_path):
     assert not spilling, f"default kernels spill (beyond the policy's exceptions): {spilling}"
     assert all(k in {c.short for c in SETS["default"]} for k in allowed), \
         "a spill exception names a kernel that is not a default kernel"
+
+
+def test_diff_of_names_that_are_not_files_says_so(tmp_path):
+    """Two config names given as files: a clear error pointing at --configs, not a traceback."""
+    with pytest.raises(SystemExit, match=r"is not a file.*--configs A B"):
+        cli(["diff", "sm90_bf16_d128_c128_g2_s2_fwes", "sm90_bf16_d128_c128_g2_s2_fwesx"])
+    bad = tmp_path / "report.json"
+    bad.write_text("not json")
+    with pytest.raises(SystemExit, match="is not a JSON report"):
+        cli(["diff", str(bad), str(bad)])

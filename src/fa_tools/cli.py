@@ -129,7 +129,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
     else:
         if len(args.files) != 2:
             raise SystemExit("fa-tools diff: give two JSON reports, or --configs A B")
-        docs = [json.loads(Path(f).read_text()) for f in args.files]
+        docs = []
+        for f in args.files:
+            path = Path(f)
+            if not path.is_file():
+                raise SystemExit(f"fa-tools diff: {f} is not a file (two JSON reports from "
+                                 "`fa-tools count/resources --format json`; to compare built "
+                                 "configs use --configs A B)")
+            try:
+                docs.append(json.loads(path.read_text()))
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"fa-tools diff: {f} is not a JSON report: {exc}") from None
         labels = tuple(Path(f).name for f in args.files)
         before = diff.flatten(docs[0], opcodes=args.opcodes)
         after = diff.flatten(docs[1], opcodes=args.opcodes)

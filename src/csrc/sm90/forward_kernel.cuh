@@ -98,10 +98,10 @@ struct Smem {
 // One tile of work: a query block of one (batch, head), and the KV blocks it visits. Tiles are
 // numbered query block fastest (neighbouring tiles share K and V in L2). With kCluster a tile is
 // a pair of neighbouring query blocks, 2t + rank for the CTA of that rank in its cluster (with an
-// odd count the last pair's second block lies past seqlen_q: it is computed, never stored). The dynamic schedule
-// numbers them in groups of sched_heads (batch, head) pairs whose K and V fit in L2 together;
-// inside a group, query blocks from the last down (the most keys under a causal mask first,
-// where the counter hands them out first), heads fastest.
+// odd count the last pair's second block lies past seqlen_q: it is computed, never stored). The
+// dynamic schedule numbers them in groups of sched_heads (batch, head) pairs whose K and V fit in
+// L2 together; inside a group, query blocks from the last down (the most keys under a causal mask
+// first, where the counter hands them out first), heads fastest.
 template <class Cfg>
 struct Work {
     int q_block, head, kv_head, batch;
