@@ -83,8 +83,8 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # 0.89-1.04x for the non-persistent kernel (H100, 1024-16384, both dtypes,
 # results/2026-11-23-h100-causal-dynamic-ab.md), and d_head 64 causal at 0.85-1.02x against
 # 0.68-1.00x (results/2026-11-23-h100-causal-dynamic-d64-ab.md). d_head 256 has no room for the
-# persistent grid's O buffer. CTA pairs multicasting K/V (flag x) gain 2-8% at d_head 128 over
-# 1024-2048, stay within 1% from 4096 and lose 6% at 512 (H100, two runs, both dtypes,
+# persistent grid's O buffer. CTA pairs multicasting K/V (flag x), d_head 128: +2.3 to +8.0% at
+# 2048, -1.2 to +5.4% at 1024, -1.1 to +2.0% from 4096, -6% at 512 (H100, two runs, both dtypes,
 # results/2026-11-23-h100-cluster-ab.md); at 64 and 256 they lose 5-7%. With intra-warpgroup
 # overlap the dynamic causal kernel leads by 3-5% from 8192 (results/2026-11-23-h100-causal-
 # dynamic-ab.md), the one without by 1-9% below.

@@ -109,11 +109,11 @@ struct Work {
     KvBlocks kv;
     int n_blocks;
 
-    __device__ __forceinline__ static int q_blocks(const FwdParams& p) {
+    __host__ __device__ __forceinline__ static int q_blocks(const FwdParams& p) {
         return (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
     }
-    // Query blocks per (batch, head) in tile numbers: pairs with kCluster.
-    __device__ __forceinline__ static int q_tiles(const FwdParams& p) {
+    // Query blocks per (batch, head) in tile numbers: pairs with kCluster (the launcher's too).
+    __host__ __device__ __forceinline__ static int q_tiles(const FwdParams& p) {
         return (q_blocks(p) + Cfg::kClusterCtas - 1) / Cfg::kClusterCtas;
     }
     __device__ __forceinline__ static int tiles(const FwdParams& p) {

@@ -92,14 +92,19 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (cudaError_t err = opt_in_smem(kernel, Cfg::kSmemBytes, device, configured);
         err != cudaSuccess)
         return err;
-    // Query blocks per (batch, head) in tiles: pairs of neighbouring ones with kCluster.
     constexpr int kCtas = Cfg::kClusterCtas;
-    const int q_tiles = ((p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr + kCtas - 1) / kCtas;
-    dim3 grid(q_tiles * kCtas, p.heads, p.batch);
+    const int q_tiles = Work<Cfg>::q_tiles(p);  // pairs of query blocks with kCluster
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = kCtas;
     cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(q_tiles * kCtas, p.heads, p.batch);
+    config.blockDim = dim3(Cfg::kThreads, 1, 1);
+    config.dynamicSmemBytes = Cfg::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
     if constexpr (Cfg::kPersistent) {  // one CTA per SM (cluster per SM pair), looping over tiles
         // How many CTAs (clusters) run at once: the SMs, or the clusters the GPCs can hold.
         static std::atomic<int> resident[64] = {};
@@ -107,12 +112,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         if (count == 0) {
             cudaError_t err;
             if constexpr (Cfg::kCluster) {
-                cudaLaunchConfig_t probe{};
+                cudaLaunchConfig_t probe = config;
                 probe.gridDim = dim3(kCtas, 1, 1);
-                probe.blockDim = dim3(Cfg::kThreads, 1, 1);
-                probe.dynamicSmemBytes = Cfg::kSmemBytes;
-                probe.attrs = &cluster;
-                probe.numAttrs = 1;
                 err = cudaOccupancyMaxActiveClusters(&count, kernel, &probe);
             } else {
                 err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
@@ -125,7 +126,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
                 resident[device].store(count, std::memory_order_relaxed);
         }
         const int64_t tiles = int64_t(q_tiles) * p.heads * p.batch;
-        grid = dim3(static_cast<unsigned>((tiles < count ? tiles : count) * kCtas), 1, 1);
+        config.gridDim = dim3(static_cast<unsigned>((tiles < count ? tiles : count) * kCtas), 1, 1);
     }
     if constexpr (Cfg::kDynamic) {
         if (p.tile_counter == nullptr)
@@ -143,17 +144,10 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
             return err;
     }
     if constexpr (Cfg::kCluster) {
-        cudaLaunchConfig_t config{};
-        config.gridDim = grid;
-        config.blockDim = dim3(Cfg::kThreads, 1, 1);
-        config.dynamicSmemBytes = Cfg::kSmemBytes;
-        config.stream = stream;
-        config.attrs = &cluster;
-        config.numAttrs = 1;
         if (cudaError_t err = cudaLaunchKernelEx(&config, kernel, prm); err != cudaSuccess)
             return err;
     } else {
-        kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(prm);
+        kernel<<<config.gridDim, config.blockDim, config.dynamicSmemBytes, stream>>>(prm);
     }
     return cudaGetLastError();
 }
