@@ -119,7 +119,7 @@ def test_derived_sizes():
 def test_sets_sizes_and_content():
     sm80 = [c for c in CI if c.family == "sm80"]
     sm90 = [c for c in CI if c.family == "sm90"]
-    assert 1 <= len(sm80) <= 6 and len(sm90) == 3  # CI builds three Hopper kernels for sm_90a
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 4  # CI builds four Hopper kernels for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
         assert any(not getattr(c, name) for c in sm80), name
         assert any(getattr(c, name) for c in sm80), name
@@ -132,6 +132,8 @@ def test_sets_sizes_and_content():
     assert sm90[1].mask and sm90[1].persistent and sm90[1].dynamic
     # ... and the dispatched non-causal d_head 128 kernel: persistent, CTA pairs
     assert not sm90[2].mask and sm90[2].persistent and sm90[2].cluster
+    # ... and the dispatched non-causal d_head 64 kernel: three warpgroups, tile hand-over
+    assert sm90[3].consumer_wgs == 3 and sm90[3].tile_overlap
     from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
 
     for name in SM90_FLAGS:  # every Hopper flag but softcap is on in one of them

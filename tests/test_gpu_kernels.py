@@ -120,6 +120,24 @@ def test_masked_kernel_matches_reference(cfg, shape, causal, window):
     assert torch.equal(again, out), f"{cfg} {shape} {opts}: a second run differs (race?)"
 
 
+# Persistent Hopper kernels: far more tiles than CTAs (the grid above holds at most 128 tiles,
+# one per CTA), so that each CTA runs several in a row: Q buffers reused, tile hand-overs (flag
+# n), odd query-block counts for CTA pairs, tails in both sequences; causal on masked kernels.
+PERSISTENT_CONFIGS = [c for c in CONFIGS if getattr(c, "persistent", False)]
+
+
+@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=str)
+def test_persistent_kernel_over_many_tiles(cfg):
+    torch.manual_seed(hash(cfg.short) % 2**31)
+    batch, sq, sk, heads, kv_heads = 3, 1000, 1111, 30, 6  # 720 tiles of 128 query rows
+    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
+    opts = {"causal": cfg.mask, **softcap_of(cfg)}
+    out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} many tiles {opts}", **opts)
+    again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)
+    assert torch.equal(again, out), f"{cfg} many tiles: a second run differs (race?)"
+
+
 @pytest.mark.parametrize("cfg, below", sample(CONFIGS, [(8,), (24,)], 1), ids=param_id)
 def test_kernel_serves_smaller_d_head(cfg, below):
     """A variant runs every smaller multiple of 8 (here 8 and 24 below it) in place: the

@@ -49,6 +49,7 @@ CI: tuple[KernelConfig, ...] = (
     parse_config("sm90_bf16_d128_c128_g2_s2_fwpoem"),  # Hopper: every technique, masks
     parse_config("sm90_bf16_d128_c128_g2_s2_fwesdm"),  # persistent, dynamic tile schedule
     parse_config("sm90_bf16_d128_c128_g2_s2_fwesx"),  # persistent, CTA pairs multicasting K/V
+    parse_config("sm90_bf16_d64_c96_g3_s3_fwesn"),  # 3 consumer warpgroups, tile hand-over
 )
 
 

@@ -35,6 +35,8 @@ FLAGS: dict[str, tuple[str, str]] = {
                      "under causal masks)"),
     "cluster": ("x", "CTA pairs (clusters of two) on neighbouring query blocks: each loads half "
                      "of every K/V block and multicasts it to both (half the L2 reads)"),
+    "tile_overlap": ("n", "the next tile's S_0 GEMM and softmax run under the current tile's "
+                          "last P V, before its epilogue (two Q buffers)"),
     "mask": ("m", "causal / sliding-window masks (as the sm80 flag m)"),
     "softcap": ("t", "score soft-capping (as the sm80 flag t)"),
 }
@@ -68,6 +70,7 @@ class Sm90Config:
     persistent: bool = False
     dynamic: bool = False
     cluster: bool = False
+    tile_overlap: bool = False
     mask: bool = False
     softcap: bool = False
 
@@ -127,9 +130,10 @@ class Sm90Config:
 
     @property
     def smem_bytes(self) -> int:
-        """Q, K and V stages, O (persistent), the mbarriers (1 KB) and 1 KB to align the base
-        to 1024."""
-        rows = self.block_r * (2 if self.persistent else 1) + 2 * self.stages * self.block_c
+        """Q (two buffers with tile_overlap), K and V stages, O (persistent), the mbarriers
+        (1 KB) and 1 KB to align the base to 1024."""
+        q_and_o = 1 + int(self.tile_overlap) + int(self.persistent)
+        rows = self.block_r * q_and_o + 2 * self.stages * self.block_c
         return rows * self.d_head * 2 + 2048
 
     @property
@@ -171,6 +175,8 @@ class Sm90Config:
             out.append("dynamic tile scheduling needs the persistent grid")
         if self.cluster and not (self.warp_spec and not self.dynamic and not self.mask):
             out.append("cluster needs warp_spec, without dynamic or mask")
+        if self.tile_overlap and not self.persistent:
+            out.append("tile_overlap needs the persistent grid")
         regs = self.accum_regs + OVERHEAD_REGS
         if regs > self.consumer_regs:
             out.append(f"O, S and P need {self.accum_regs} registers per thread plus about "

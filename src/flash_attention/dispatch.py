@@ -87,8 +87,11 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # 2048, -1.2 to +5.4% at 1024, -1.1 to +2.0% from 4096, -6% at 512 (H100, two runs, both dtypes,
 # results/2026-11-23-h100-cluster-ab.md); at 64 and 256 they lose 5-7%. With intra-warpgroup
 # overlap the dynamic causal kernel leads by 3-5% from 8192 (results/2026-11-23-h100-causal-
-# dynamic-ab.md), the one without by 1-9% below.
-_SM90_PLAIN = {64: [(None, "c96_g3_s3_fwes")],
+# dynamic-ab.md), the one without by 1-9% below. The tile hand-over (flag n: the next tile's
+# S_0 and softmax under the current tile's last P V) gains 2-5% in SM cycles at d_head 64 (three
+# consumer warpgroups, short KV steps) over 2048-16384 and nothing at d_head 128, whose two
+# warpgroups already fill each other's tile changes (H100, bf16, 2026-11-23, docs/results.md).
+_SM90_PLAIN = {64: [(None, "c96_g3_s3_fwesn")],
                128: [(512, "c128_g2_s2_fwes"), (None, "c128_g2_s2_fwesx")],
                256: [(None, "c64_g2_s2_fwpoe")]}
 _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],

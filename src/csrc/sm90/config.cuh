@@ -10,7 +10,7 @@ namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
-          bool kCluster_, bool kMask_, bool kSoftcap_>
+          bool kCluster_, bool kTileOverlap_, bool kMask_, bool kSoftcap_>
 struct Sm90Config {
     using Elem = Elem_;
 
@@ -43,6 +43,11 @@ struct Sm90Config {
     // once per pair; a stage is refilled once the consumers of both CTAs have released it.
     static constexpr bool kCluster = kCluster_;
     static constexpr int kClusterCtas = kCluster ? 2 : 1;
+    // Across the tiles of a persistent CTA: the next tile's S_0 GEMM is issued before the current
+    // tile's last P V and its softmax runs under it, so the tensor cores keep working through
+    // the tile change; the next Q lands in a second buffer while the current one is still read.
+    static constexpr bool kTileOverlap = kTileOverlap_;
+    static constexpr int kQBuffers = kTileOverlap ? 2 : 1;
     static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 
@@ -62,7 +67,7 @@ struct Sm90Config {
     static constexpr int kNTilesO = kDHead / 8;
 
     // Shared memory: tiles of 64-column panels (128 bytes per row, the 128-byte swizzle's width),
-    // each panel rows x 128 bytes; Q, then K and V per stage, then the mbarriers.
+    // each panel rows x 128 bytes; Q (per buffer), then K and V per stage, O, then the mbarriers.
     static constexpr int kPanels = kDHead / 64;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kKVBytes = kBc * kDHead * 2;
@@ -70,7 +75,7 @@ struct Sm90Config {
     static constexpr int kBarrierBytes = 1024;
     // + 1024: the dynamic smem base is rounded up to the 1024-byte swizzle period.
     static constexpr int kSmemBytes =
-        kQBytes + 2 * kStages * kKVBytes + kOBytes + kBarrierBytes + 1024;
+        kQBuffers * kQBytes + 2 * kStages * kKVBytes + kOBytes + kBarrierBytes + 1024;
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");
@@ -94,6 +99,7 @@ struct Sm90Config {
     static_assert(!kCluster || (kWarpSpec && !kDynamic && !kMask),
                   "K/V multicast needs the producer warpgroup, a static schedule and no mask (the "
                   "two CTAs visit the same KV blocks)");
+    static_assert(!kTileOverlap || kPersistent, "the tile overlap needs the persistent grid");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
 };
 

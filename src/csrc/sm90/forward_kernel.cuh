@@ -19,10 +19,14 @@
 // the same K/V blocks: each producer copies half of a block's rows and multicasts them to both
 // CTAs (each full barrier still counts the whole block's bytes), and each consumer warp arrives
 // on the empty barriers of both CTAs, so neither producer refills a stage the other still reads.
+// With kTileOverlap a persistent CTA hands one tile to the next without draining: the next
+// tile's S_0 is issued before the current tile's last P V (its Q in the second Q buffer), its
+// softmax runs while that P V is on the tensor cores, and the epilogue follows.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/mask.cuh"
 #include "../common/numeric.cuh"
@@ -45,14 +49,20 @@ struct Sm90Params {
 template <class Cfg>
 struct Smem {
     static constexpr uint32_t kQ = 0;
-    static constexpr uint32_t kK = kQ + Cfg::kQBytes;
+    static constexpr uint32_t kK = kQ + Cfg::kQBuffers * Cfg::kQBytes;
     static constexpr uint32_t kV = kK + Cfg::kStages * Cfg::kKVBytes;
     static constexpr uint32_t kO = kV + Cfg::kStages * Cfg::kKVBytes;
     static constexpr uint32_t kBarriers = kO + Cfg::kOBytes;
 
     unsigned char* base;  // 1024-byte aligned
 
-    __device__ __forceinline__ unsigned char* q() const { return base + kQ; }
+    // Q of the CTA's tile use u (u counts its tiles with work): buffer u % kQBuffers, whose
+    // round u / kQBuffers gives the phases of its full and empty barriers.
+    __device__ __forceinline__ static int q_buffer(int u) { return u % Cfg::kQBuffers; }
+    __device__ __forceinline__ static uint32_t q_phase(int u) { return (u / Cfg::kQBuffers) & 1; }
+    __device__ __forceinline__ unsigned char* q(int u) const {
+        return base + kQ + q_buffer(u) * Cfg::kQBytes;
+    }
     __device__ __forceinline__ unsigned char* k(int s) const {
         return base + kK + s * Cfg::kKVBytes;
     }
@@ -61,12 +71,14 @@ struct Smem {
     }
     // O staging of the epilogue: its own buffer on a persistent grid, else sQ (free by then).
     __device__ __forceinline__ unsigned char* o() const {
-        return Cfg::kPersistent ? base + kO : base + kQ;
+        return Cfg::kPersistent ? base + kO : q(0);
     }
     __device__ __forceinline__ uint64_t* bar(int i) const {
         return reinterpret_cast<uint64_t*>(base + kBarriers) + i;
     }
-    __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
+    __device__ __forceinline__ uint64_t* q_full(int u) const {
+        return q_buffer(u) == 0 ? bar(0) : bar(6 + 4 * Cfg::kStages);
+    }
     __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(1 + s); }
     __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(1 + Cfg::kStages + s); }
     __device__ __forceinline__ uint64_t* k_empty(int s) const {
@@ -75,9 +87,11 @@ struct Smem {
     __device__ __forceinline__ uint64_t* v_empty(int s) const {
         return bar(1 + 3 * Cfg::kStages + s);
     }
-    // Persistent grid: sQ is free for the next tile once every consumer warp has finished its
-    // last S GEMM of the current one.
-    __device__ __forceinline__ uint64_t* q_empty() const { return bar(1 + 4 * Cfg::kStages); }
+    // Persistent grid: a Q buffer is free for a later tile once every consumer warp has
+    // finished its last S GEMM of the tile that used it.
+    __device__ __forceinline__ uint64_t* q_empty(int u) const {
+        return q_buffer(u) == 0 ? bar(1 + 4 * Cfg::kStages) : bar(7 + 4 * Cfg::kStages);
+    }
     // Dynamic schedule: the producer passes tile numbers to the consumers through two slots;
     // tile_full[i] completes when slot i holds the next one, tile_empty[i] when every consumer
     // warp has read it.
@@ -90,7 +104,7 @@ struct Smem {
     __device__ __forceinline__ volatile int* tile_slot(int i) const {
         return reinterpret_cast<volatile int*>(base + kBarriers + kSlotOffset) + i;
     }
-    static constexpr int kBarrierCount = 6 + 4 * Cfg::kStages;
+    static constexpr int kBarrierCount = 8 + 4 * Cfg::kStages;
     static constexpr uint32_t kSlotOffset = Cfg::kBarrierBytes - 16;
     static_assert(kBarrierCount * 8 <= kSlotOffset, "mbarriers do not fit");
 };
@@ -120,6 +134,7 @@ struct Work {
         return q_tiles(p) * p.heads * p.batch;
     }
 
+    Work() = default;
     __device__ __forceinline__ Work(const Sm90Params& prm, int tile) {
         const FwdParams& p = prm.p;
         const int qb = q_blocks(p);
@@ -193,14 +208,15 @@ struct Loader {
         }
     }
 
-    // Q of tile use u (the CTA's u-th tile with work), once the previous tile's S GEMMs are done.
+    // Q of tile use u (the CTA's u-th tile with work), once the S GEMMs of the tile that used its
+    // buffer before are done.
     __device__ __forceinline__ void load_q(const Work<Cfg>& w, int u) const {
-        if (Cfg::kPersistent && u > 0)
-            mbar_wait(sm.q_empty(), (u - 1) & 1);
-        mbar_arrive_expect_tx(sm.q_full(), Cfg::kQBytes);
+        if (Cfg::kPersistent && u >= Cfg::kQBuffers)
+            mbar_wait(sm.q_empty(u), Smem<Cfg>::q_phase(u) ^ 1);
+        mbar_arrive_expect_tx(sm.q_full(u), Cfg::kQBytes);
 #pragma unroll
         for (int c = 0; c < Cfg::kPanels; ++c)
-            tma_load_4d(sm.q() + c * Cfg::kBr * 128, &prm.tma_q, sm.q_full(), c * 64, w.q_row0,
+            tma_load_4d(sm.q(u) + c * Cfg::kBr * 128, &prm.tma_q, sm.q_full(u), c * 64, w.q_row0,
                         w.head, w.batch);
     }
     // Block i of the tile's visit order, pipeline block g, once its stage is released.
@@ -265,23 +281,28 @@ struct Softmax {
                 O[t][e] *= corr[e / 2];
     }
 
-    // O /= l; LSE (natural log) per row; a row with no key gives O = 0 and LSE = -inf.
-    __device__ __forceinline__ void finalize(float (&O)[Cfg::kNTilesO][4], float (&lse)[2],
-                                             float scale_log2) {
+    // Once the last block's scores are in: O's factors 1 / l and the LSE (natural log) per row;
+    // a row with no key gives O = 0 and LSE = -inf.
+    __device__ __forceinline__ void totals(float (&inv)[2], float (&lse)[2],
+                                           float scale_log2) const {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float sum = l[h];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-            for (int t = 0; t < Cfg::kNTilesO; ++t) {
-                O[t][2 * h] *= inv;
-                O[t][2 * h + 1] *= inv;
-            }
+            inv[h] = sum > 0.f ? 1.f / sum : 0.f;
             lse[h] =
                 sum > 0.f ? (m[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
+    }
+    // O /= l, with inv from totals().
+    __device__ __forceinline__ static void normalize(float (&O)[Cfg::kNTilesO][4],
+                                                     const float (&inv)[2]) {
+#pragma unroll
+        for (int t = 0; t < Cfg::kNTilesO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                O[t][e] *= inv[e / 2];
     }
 };
 
@@ -296,8 +317,23 @@ struct Consumer {
     const Smem<Cfg>& sm;
     const Loader<Cfg>& loader;
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
-    const Work<Cfg>* work = nullptr;  // the current tile
-    int g0 = 0;                       // pipeline number of the tile's first K/V block
+    // The current tile: a copy with kTileOverlap (the next one is set up while the current one
+    // ends), else the caller's (a pointer keeps ptxas from copying its fields).
+    std::conditional_t<Cfg::kTileOverlap, Work<Cfg>, const Work<Cfg>*> work{};
+    __device__ __forceinline__ const Work<Cfg>& tile() const {
+        if constexpr (Cfg::kTileOverlap)
+            return work;
+        else
+            return *work;
+    }
+    __device__ __forceinline__ void set_tile(const Work<Cfg>& w) {
+        if constexpr (Cfg::kTileOverlap)
+            work = w;
+        else
+            work = &w;
+    }
+    int g0 = 0;  // pipeline number of the tile's first K/V block
+    int qu = 0;  // its Q use (Smem::q)
 
     float O[kNO][4];
     float S[kNS][4];
@@ -310,7 +346,7 @@ struct Consumer {
     // S = Q K_i^T, K-major operands: Q rows of this warpgroup and K_i rows, 16 columns of d per
     // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel).
     __device__ __forceinline__ void issue_qk(int s) {
-        const uint32_t q0 = smem_u32(sm.q()) + wg * 64 * 128;
+        const uint32_t q0 = smem_u32(sm.q(qu)) + wg * 64 * 128;
         const uint32_t k0 = smem_u32(sm.k(s));
 #pragma unroll
         for (int kk = 0; kk < kStepsQK; ++kk) {
@@ -377,7 +413,7 @@ struct Consumer {
     template <bool kFirst>
     __device__ __forceinline__ void softmax_block(int i, float (&corr)[2]) {
         const FwdParams& p = prm.p;
-        const Work<Cfg>& w = *work;
+        const Work<Cfg>& w = tile();
         const int j = w.block(i);
         if constexpr (Cfg::kSoftcap) {
 #pragma unroll
@@ -397,68 +433,139 @@ struct Consumer {
     __device__ __forceinline__ static int stage(int g) { return g % Cfg::kStages; }
     __device__ __forceinline__ static uint32_t phase(int g) { return (g / Cfg::kStages) & 1; }
 
-    // One tile: q_use counts the CTA's tiles with work before it (sQ phases), g0 its first
-    // pipeline block.
+    // One tile: q_use counts the CTA's tiles with work before it (Q buffers and phases), g its
+    // first pipeline block. One guard around the blocks (split guards cost ptxas 2.5% more SASS).
     __device__ __forceinline__ void run(const Work<Cfg>& w, int q_use, int g) {
-        work = &w;
+        start(w, q_use, g);
+        if (w.n_blocks > 0) {
+            first_block();
+            body();
+            last_block();
+        }
+        finish();
+    }
+
+    // A new tile: O cleared, the softmax state reset.
+    __device__ __forceinline__ void start(const Work<Cfg>& w, int q_use, int g) {
+        set_tile(w);
         g0 = g;
+        qu = q_use;
 #pragma unroll
         for (int t = 0; t < kNO; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 O[t][e] = 0.f;
         softmax.init();
-        const int n = w.n_blocks;
         if constexpr (Cfg::kPingPong) {
             if (wg == 1)
                 named_arrive(1, 2 * 128);  // warpgroup 0 takes the first turn of the tile
         }
-        if (n > 0) {
-            mbar_wait(sm.q_full(), q_use & 1);
-            // Block 0: S_0 alone.
-            mbar_wait(sm.k_full(stage(g0)), phase(g0));
-            wait_turn();
-            wgmma_fence();
-            issue_qk(stage(g0));
-            wgmma_commit();
-            pass_turn();
-            wgmma_wait<0>();
-            fence_regs(S);
-            release_kv(sm.k_empty(stage(g0)));
-            if (n == 1)
-                release_q();
-            if (refills() && Cfg::kStages < n)
-                loader.load_k(w, Cfg::kStages, g0 + Cfg::kStages);
-            softmax_block<true>(0, corr);
-            convert_p();
-            for (int i = 1; i < n; ++i)
-                step(i);
-            // P_{n-1} V_{n-1}.
-            const int gl = g0 + n - 1;
-            Softmax<Cfg>::rescale(O, corr);
-            mbar_wait(sm.v_full(stage(gl)), phase(gl));
-            wait_turn();
-            wgmma_fence();
-            issue_pv(stage(gl));
-            wgmma_commit();
-            pass_turn();
-            wgmma_wait<0>();
-            fence_regs(O);
-            release_kv(sm.v_empty(stage(gl)));
-        }
+    }
+
+    // Block 0: S_0 alone, and its softmax.
+    __device__ __forceinline__ void first_block() {
+        const int n = tile().n_blocks;
+        mbar_wait(sm.q_full(qu), Smem<Cfg>::q_phase(qu));
+        mbar_wait(sm.k_full(stage(g0)), phase(g0));
+        wait_turn();
+        wgmma_fence();
+        issue_qk(stage(g0));
+        wgmma_commit();
+        pass_turn();
+        wgmma_wait<0>();
+        fence_regs(S);
+        release_kv(sm.k_empty(stage(g0)));
+        if (n == 1)
+            release_q();
+        if (refills() && Cfg::kStages < n)
+            loader.load_k(tile(), Cfg::kStages, g0 + Cfg::kStages);
+        softmax_block<true>(0, corr);
+        convert_p();
+    }
+
+    // Blocks 1 .. n - 1: S_i with P_{i-1} V_{i-1}.
+    __device__ __forceinline__ void body() {
+        for (int i = 1; i < tile().n_blocks; ++i)
+            step(i);
+    }
+
+    // P_{n-1} V_{n-1}.
+    __device__ __forceinline__ void last_block() {
+        const int gl = g0 + tile().n_blocks - 1;
+        Softmax<Cfg>::rescale(O, corr);
+        mbar_wait(sm.v_full(stage(gl)), phase(gl));
+        wait_turn();
+        wgmma_fence();
+        issue_pv(stage(gl));
+        wgmma_commit();
+        pass_turn();
+        wgmma_wait<0>();
+        fence_regs(O);
+        release_kv(sm.v_empty(stage(gl)));
+    }
+
+    // O and LSE out.
+    __device__ __forceinline__ void finish() {
         if constexpr (Cfg::kPingPong) {
             if (wg == 0)
                 named_sync(1, 2 * 128);  // the turn warpgroup 1 passed last; nothing waits on it
         }
-        float lse[2];
-        softmax.finalize(O, lse, prm.p.scale_log2);
-        write_output(lse);
+        float inv[2], lse[2];
+        softmax.totals(inv, lse, prm.p.scale_log2);
+        Softmax<Cfg>::normalize(O, inv);
+        write_output(tile(), lse);
+    }
+
+    // kTileOverlap, in place of last_block() and finish() and the next tile's start() and
+    // first_block() (q_use and g of it as for start()) when both tiles have KV blocks: the next S_0
+    // is issued before P_{n-1} V_{n-1} and its softmax runs while that is on the tensor cores; then
+    // this tile's O and LSE leave, and the next tile continues with body().
+    __device__ __forceinline__ void end_into(const Work<Cfg>& next, int q_use, int g) {
+        const Work<Cfg> w = work;  // for its output, after the tile moves on
+        const int n = w.n_blocks;
+        const int gl = g0 + n - 1, s = stage(g), sl = stage(gl);
+        mbar_wait(sm.q_full(q_use), Smem<Cfg>::q_phase(q_use));
+        mbar_wait(sm.k_full(s), phase(g));
+        qu = q_use;
+        wgmma_fence();
+        issue_qk(s);
+        wgmma_commit();
+        fence_regs(O);  // the rescale runs under the next tile's S_0
+        Softmax<Cfg>::rescale(O, corr);
+        mbar_wait(sm.v_full(sl), phase(gl));
+        wgmma_fence();
+        issue_pv(sl);
+        wgmma_commit();
+        float inv[2], lse[2];
+        softmax.totals(inv, lse, prm.p.scale_log2);  // this tile's row sums are complete
+        softmax.init();
+        set_tile(next);
+        g0 = g;
+        wgmma_wait<1>();  // the next S_0 has landed; P_{n-1} V_{n-1} may still run
+        fence_regs(S);
+        softmax_block<true>(0, corr);
+        // Released after the softmax (an address that depends on it; see step()).
+        const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
+        release_kv(sm.k_empty(s) + after);
+        if (next.n_blocks == 1)
+            release_q();
+        wgmma_wait<0>();
+        fence_regs(O);
+        release_kv(sm.v_empty(sl));
+        Softmax<Cfg>::normalize(O, inv);
+        write_output(w, lse);
+#pragma unroll
+        for (int t = 0; t < kNO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                O[t][e] = 0.f;
+        convert_p();
     }
 
     // Persistent grid: this warp's S GEMMs of the tile are done; sQ may take the next Q.
     __device__ __forceinline__ void release_q() const {
         if constexpr (Cfg::kPersistent)
-            release(sm.q_empty());
+            release(sm.q_empty(qu));
     }
 
     // Block i >= 1: S_i, then P_{i-1} V_{i-1} on the tensor cores (O rescaled for block i-1
@@ -477,7 +584,7 @@ struct Consumer {
         issue_pv(sp);
         wgmma_commit();
         pass_turn();
-        const int n = work->n_blocks;
+        const int n = tile().n_blocks;
         if constexpr (Cfg::kOverlap) {
             wgmma_wait<1>();  // S_i has landed; P_{i-1} V_{i-1} may still run
             fence_regs(S);
@@ -504,17 +611,16 @@ struct Consumer {
         }
         if (refills()) {
             if (i + Cfg::kStages < n)
-                loader.load_k(*work, i + Cfg::kStages, g + Cfg::kStages);
+                loader.load_k(tile(), i + Cfg::kStages, g + Cfg::kStages);
             if (i - 1 + Cfg::kStages < n)
-                loader.load_v(*work, i - 1 + Cfg::kStages, g - 1 + Cfg::kStages);
+                loader.load_v(tile(), i - 1 + Cfg::kStages, g - 1 + Cfg::kStages);
         }
         convert_p();
     }
 
     // O (normalised) and LSE. Rows past seqlen_q and columns past d_head are not written.
-    __device__ __forceinline__ void write_output(const float (&lse)[2]) {
+    __device__ __forceinline__ void write_output(const Work<Cfg>& w, const float (&lse)[2]) {
         const FwdParams& p = prm.p;
-        const Work<Cfg>& w = *work;
         const int row_in_cta = warp * 16 + lane / 4;  // and + 8
         if (p.lse != nullptr && lane % 4 == 0) {
             float* lse_out = p.lse + int64_t(w.batch) * p.lse_batch_stride +
@@ -641,8 +747,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         prefetch_tensor_map(&params.tma_q);
         prefetch_tensor_map(&params.tma_k);
         prefetch_tensor_map(&params.tma_v);
-        mbar_init(sm.q_full(), 1);
-        mbar_init(sm.q_empty(), Cfg::kConsumerWarps);
+        for (int u = 0; u < Cfg::kQBuffers; ++u) {
+            mbar_init(sm.q_full(u), 1);
+            mbar_init(sm.q_empty(u), Cfg::kConsumerWarps);
+        }
         for (int s = 0; s < Cfg::kStages; ++s) {
             mbar_init(sm.k_full(s), 1);
             mbar_init(sm.v_full(s), 1);
@@ -691,22 +799,57 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             setmaxnreg_inc<Cfg::kConsumerRegs>();
         Consumer<Cfg> c{params, sm, loader, warp / 4, warp, lane};
         int q_use = 0, g = 0;
-        // Rotated (the next tile fetched at the end), as ptxas keeps one copy of the body so.
-        for (int k = 1, tile = schedule.consumer_tile(0, lane); tile < tiles;
-             tile = schedule.consumer_tile(k++, lane)) {
-            const Work<Cfg> w(params, tile);
-            if (!Cfg::kWarpSpec && threadIdx.x == 0 && w.n_blocks > 0) {
-                // The first stages; the rest are refilled as the consumers release them.
-                loader.load_q(w, q_use);
-                for (int i = 0; i < Cfg::kStages && i < w.n_blocks; ++i) {
-                    loader.load_k(w, i, g + i);
-                    loader.load_v(w, i, g + i);
+        if constexpr (Cfg::kTileOverlap) {
+            // Each tile ends into the next one (its block 0 under this one's last P V), so the
+            // next tile is fetched before the current one ends.
+            // One call site each of the tile phases: ptxas copies what is inlined.
+            int tile = schedule.consumer_tile(0, lane);
+            if (tile < tiles) {
+                Work<Cfg> w(params, tile);
+                bool begun = false;  // the previous end_into() ran this tile's block 0
+                for (int k = 1;; ++k) {
+                    if (!begun) {
+                        c.start(w, q_use, g);
+                        if (w.n_blocks > 0)
+                            c.first_block();
+                    }
+                    c.body();
+                    q_use += w.n_blocks > 0;
+                    g += w.n_blocks;
+                    tile = schedule.consumer_tile(k, lane);
+                    const bool more = tile < tiles;
+                    const Work<Cfg> next(params, more ? tile : 0);
+                    begun = more && w.n_blocks > 0 && next.n_blocks > 0;
+                    if (begun) {
+                        c.end_into(next, q_use, g);
+                    } else {
+                        if (w.n_blocks > 0)
+                            c.last_block();
+                        c.finish();
+                    }
+                    if (!more)
+                        break;
+                    w = next;
                 }
             }
-            __syncwarp();
-            c.run(w, q_use, g);
-            q_use += w.n_blocks > 0;
-            g += w.n_blocks;
+        } else {
+            // Rotated (the next tile fetched at the end), as ptxas keeps one copy of the body so.
+            for (int k = 1, tile = schedule.consumer_tile(0, lane); tile < tiles;
+                 tile = schedule.consumer_tile(k++, lane)) {
+                const Work<Cfg> w(params, tile);
+                if (!Cfg::kWarpSpec && threadIdx.x == 0 && w.n_blocks > 0) {
+                    // The first stages; the rest are refilled as the consumers release them.
+                    loader.load_q(w, q_use);
+                    for (int i = 0; i < Cfg::kStages && i < w.n_blocks; ++i) {
+                        loader.load_k(w, i, g + i);
+                        loader.load_v(w, i, g + i);
+                    }
+                }
+                __syncwarp();
+                c.run(w, q_use, g);
+                q_use += w.n_blocks > 0;
+                g += w.n_blocks;
+            }
         }
         if constexpr (Cfg::kPersistent) {
             if (threadIdx.x % 128 == 0)

@@ -105,9 +105,11 @@ def expected_mma_count(cfg) -> int:
     each warp issues m_tiles x (B_c/8 x d/16) for S = Q K^T and m_tiles x (d/8 x B_c/16) for
     O += P V; the optimised softmax peels the first block, so its body is emitted twice. sm90:
     wgmma m64nNk16, d/16 for S and B_c/16 for O += P V, each at two sites (the peeled first S
-    and the last P V outside the loop, both inside it)."""
+    and the last P V outside the loop, both inside it), three with the tile hand-over (the next
+    tile's first S and the last P V once more)."""
     if cfg.family == "sm90":
-        return 2 * (cfg.d_head // 16 + cfg.block_c // 16)
+        sites = 3 if getattr(cfg, "tile_overlap", False) else 2
+        return sites * (cfg.d_head // 16 + cfg.block_c // 16)
     per_block = cfg.m_tiles * ((cfg.block_c // 8) * (cfg.d_head // 16)
                                + (cfg.d_head // 8) * (cfg.block_c // 16))
     return per_block * (2 if cfg.opt_softmax else 1)
