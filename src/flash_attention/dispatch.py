@@ -88,9 +88,10 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # results/2026-11-23-h100-cluster-ab.md); at 64 and 256 they lose 5-7%. With intra-warpgroup
 # overlap the dynamic causal kernel leads by 3-5% from 8192 (results/2026-11-23-h100-causal-
 # dynamic-ab.md), the one without by 1-9% below. The tile hand-over (flag n: the next tile's
-# S_0 and softmax under the current tile's last P V) gains 2-5% in SM cycles at d_head 64 (three
-# consumer warpgroups, short KV steps) over 2048-16384 and nothing at d_head 128, whose two
-# warpgroups already fill each other's tile changes (H100, bf16, 2026-11-23, docs/results.md).
+# S_0 and softmax under the current tile's last P V) needs fewer SM cycles at d_head 64 in every
+# row measured (H100, 2048-16384: +0.2 to +0.5% in the run of the final code, both dtypes; +2 to
+# +5% in a first run, bf16), time within the rows' spread; at d_head 128 it gains nothing (two
+# warpgroups already fill each other's tile changes; results/2026-11-23-h100-tile-overlap-*).
 _SM90_PLAIN = {64: [(None, "c96_g3_s3_fwesn")],
                128: [(512, "c128_g2_s2_fwes"), (None, "c128_g2_s2_fwesx")],
                256: [(None, "c64_g2_s2_fwpoe")]}
