@@ -445,16 +445,20 @@ struct Consumer {
         finish();
     }
 
-    // A new tile: O cleared, the softmax state reset.
-    __device__ __forceinline__ void start(const Work<Cfg>& w, int q_use, int g) {
-        set_tile(w);
-        g0 = g;
-        qu = q_use;
+    __device__ __forceinline__ void clear_o() {
 #pragma unroll
         for (int t = 0; t < kNO; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 O[t][e] = 0.f;
+    }
+
+    // A new tile: O cleared, the softmax state reset.
+    __device__ __forceinline__ void start(const Work<Cfg>& w, int q_use, int g) {
+        set_tile(w);
+        g0 = g;
+        qu = q_use;
+        clear_o();
         softmax.init();
         if constexpr (Cfg::kPingPong) {
             if (wg == 1)
@@ -554,11 +558,7 @@ struct Consumer {
         release_kv(sm.v_empty(sl));
         Softmax<Cfg>::normalize(O, inv);
         write_output(w, lse);
-#pragma unroll
-        for (int t = 0; t < kNO; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                O[t][e] = 0.f;
+        clear_o();
         convert_p();
     }
 
