@@ -46,4 +46,5 @@ print(f"window {window} {b}x{s} {args.dtype} d128, visible fraction {frac:.4f}, 
 for c, ms in win_ms.items():
     ratios = [w / (frac * f) for w, f in zip(ms, full_ms)]
     print(f"{c:36s} window {st.median(ms):.3f} ms [{min(ms):.3f}, {max(ms):.3f}]  "
-          f"window/(fraction*full) = {st.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+          f"window/(fraction*full) = {st.median(ratios):.3f} "
+          f"[{min(ratios):.3f}, {max(ratios):.3f}]")
