@@ -97,21 +97,22 @@ def test_fallback_respects_features(no_tuning):
 
 def test_hopper_kernels_by_mask_kind(no_tuning):
     """Plain calls run the persistent CTA-pair kernel, causal the dynamic masked one, windows
-    bounded on the left the persistent masked one (or the masked one when it is not built);
-    d_head 96 runs on the d128 tile, 32 has no Hopper kernel."""
+    bounded on the left the persistent masked one (at d_head 128 the dynamic one, as causal; a
+    window runs on the masked row's kernel when its own is not built); d_head 96 runs on the
+    d128 tile, 32 has no Hopper kernel."""
     built = list(DEFAULT)
     pick = lambda d, mask, local=False, b=built: dispatch.select_sm90(  # noqa: E731
         "bf16", d, 4096, b, mask, False, local)
     assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwesx"
     assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
-    assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
+    assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesx"  # no mask
-    assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesm"
+    assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
     assert pick(64, True, local=True).short == "sm90_bf16_d64_c96_g3_s3_fwesm"
     assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
     assert pick(32, True, local=True) is None
-    no_local = [c for c in built if c.short != "sm90_bf16_d128_c128_g2_s2_fwesm"]
-    assert pick(128, True, True, no_local).short == "sm90_bf16_d128_c128_g2_s2_fwesdm"
+    no_local = [c for c in built if c.short != "sm90_bf16_d64_c96_g3_s3_fwesm"]
+    assert pick(64, True, True, no_local).short == "sm90_bf16_d64_c96_g3_s3_fwesdm"
     assert all(dispatch.select_sm90("bf16", 128, 4096, built, True, True, local) is None
                for local in (False, True))  # softcap: sm80 only
 
