@@ -2,7 +2,7 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune ab
+# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
@@ -14,6 +14,8 @@
 #             size, then AA_RUNS whole A/A gate runs
 #   ab        candidates (AB_CONFIGS; AB_CAUSAL=1 for causal) tested, sanitized and benchmarked
 #             side by side
+#   window    the dispatched sliding-window kernel and candidates (WINDOW_CONFIGS, space-
+#             separated, built) against the full kernel: ci/window_ab.py, WINDOW_ROUNDS rounds
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
@@ -126,6 +128,11 @@ if step ab; then
         --dtypes "${AB_DTYPES:-bf16,fp16}" --d-heads "${AB_D_HEADS:-128}" --rounds "${AB_ROUNDS:-3}" \
         --shapes "${AB_SHAPES:-16x1024,16x2048,16x4096,8x8192,4x16384}" --configs "$cc" \
         --json "$LOG_DIR/ab.json" --md "$LOG_DIR/ab.md"
+fi
+if step window; then
+    # shellcheck disable=SC2086
+    run window timeout 300 python3 ci/window_ab.py --rounds "${WINDOW_ROUNDS:-3}" dispatched \
+        ${WINDOW_CONFIGS:-}
 fi
 if step hopper-tune; then  # needs the sm90tune set in the build
     run hopper_tune timeout 400 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,128,256 \
