@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention as fa
-from fa_tools.gpu.perfcases import GATE_CASES, Inputs, measure_case, time_sustained_ms
+from fa_tools.gpu.perfcases import (
+    GATE_CASES,
+    Inputs,
+    measure_case,
+    time_sustained_ms,
+    window_vs_full,
+)
 from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
-from flash_attention.masks import visible
 
 dt = torch.bfloat16
 q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=dt) for _ in range(3))
@@ -53,18 +58,7 @@ for _ in range(3):
 for name, c in costs.items():
     print(f"host cost per call, 1x128x8x64 bf16, {name:22s} {st.median(c):6.1f} us "
           f"[{min(c):.1f}, {max(c):.1f}]")
-b, s = 8, 8192
-q, k, v = (torch.randn(b, s, 16, 128, device="cuda", dtype=dt) for _ in range(3))
-out = torch.empty_like(q)
-fulls, wins = [], []
-for _ in range(3):  # interleaved, each after 300 ms of the same calls (steady clocks)
-    fulls += time_sustained_ms(lambda: fa.attention(q, k, v, out=out), 10)
-    wins += time_sustained_ms(lambda: fa.attention(q, k, v, out=out, window_size=(1024, 1024)),
-                              10)
-full, win = st.median(fulls), st.median(wins)
-frac = visible(s, s, 1024, 1024, "cuda").float().mean().item()
-print(f"window (1024,1024) seq 8192 b8 bf16 d128: full {full:.3f} ms, window {win:.3f} ms, "
-      f"visible fraction {frac:.4f}, window/(fraction*full) = {win / (frac * full):.3f}")
+print("\n".join(window_vs_full(rounds=3, progress=None).lines()))
 b, s = 16, 4096
 q = torch.randn(b, s, 16, 128, device="cuda", dtype=dt)
 out = torch.empty_like(q)

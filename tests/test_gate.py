@@ -571,3 +571,14 @@ def test_power_study_merge(tmp_path, monkeypatch):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="metric"):
         calibrate.merge([parts[0], tmp_path / "other.json"], tmp_path / "bad")
+
+
+def test_window_vs_full_ratio_and_report():
+    from fa_tools.gpu.perfcases import WindowVsFull
+
+    r = WindowVsFull("w", 0.25, [8.0, 10.0], {"a": [2.4, 2.5], "b": [2.0, 3.0]})
+    assert r.ratios("a") == pytest.approx([1.2, 1.0])
+    assert r.ratios("b") == pytest.approx([1.0, 1.2])
+    lines = r.lines()
+    assert len(lines) == 3 and "full 9.000 [8.000, 10.000] ms" in lines[0]
+    assert "window/(fraction*full) = 1.100 [1.000, 1.200]" in lines[1]

@@ -123,6 +123,65 @@ def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float |
     return times, stamps.cycles() / reps / 1e6, stamps.mhz()
 
 
+@dataclass
+class WindowVsFull:
+    """Sliding-window times against the full kernel on the same inputs (window_vs_full)."""
+
+    shape: str
+    fraction: float  # visible fraction of the (query, key) pairs
+    full_ms: list[float]  # per round: median of the full kernel's calls
+    window_ms: dict[str, list[float]]  # per config, per round
+
+    def ratios(self, config: str) -> list[float]:
+        """Per round: window time / (visible fraction x full time), 1.0 = the window costs
+        exactly its share of the work."""
+        return [w / (self.fraction * f) for w, f in zip(self.window_ms[config], self.full_ms)]
+
+    def lines(self) -> list[str]:
+        def spread(xs, fmt):
+            return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
+
+        out = [f"{self.shape}, visible fraction {self.fraction:.4f}, full "
+               f"{spread(self.full_ms, '.3f')} ms"]
+        for c, ms in self.window_ms.items():
+            out.append(f"{c:36s} window {spread(ms, '.3f')} ms  window/(fraction*full) = "
+                       f"{spread(self.ratios(c), '.3f')}")
+        return out
+
+
+def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3,
+                   batch: int = 8, seqlen: int = 8192, window=(1024, 1024),
+                   progress=print) -> WindowVsFull:
+    """The features issue's window case: window (1024, 1024) at 8 x 8192 x 16 heads, d_head 128,
+    for each config ("dispatched" or a built sm90 config with masks) against the dispatched full
+    kernel, interleaved over `rounds` rounds, each timing the median of 10 calls after 300 ms
+    of the same calls (time_sustained_ms)."""
+    import torch
+
+    import flash_attention as fa
+    from flash_attention.masks import visible
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    q, k, v = (torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=dt) for _ in range(3))
+    out = torch.empty_like(q)
+
+    def call(config):
+        opts = {} if config == "dispatched" else {"config": config}
+        return lambda: fa.attention(q, k, v, out=out, window_size=window, **opts)
+
+    res = WindowVsFull(f"window {tuple(window)} {batch}x{seqlen} {dtype} d128",
+                       visible(seqlen, seqlen, *window, "cuda").float().mean().item(), [],
+                       {c: [] for c in configs})
+    for r in range(rounds):
+        res.full_ms.append(statistics.median(
+            time_sustained_ms(lambda: fa.attention(q, k, v, out=out), 10)))
+        for c in configs:
+            res.window_ms[c].append(statistics.median(time_sustained_ms(call(c), 10)))
+        if progress:
+            progress(f"window rounds {r + 1}/{rounds} done")
+    return res
+
+
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
                varlen=None) -> dict:
     """Zero-argument callables, one per contender, on the same inputs: attention() (the given
