@@ -15,7 +15,8 @@
 #   ab        candidates (AB_CONFIGS; AB_CAUSAL=1 for causal) tested, sanitized and benchmarked
 #             side by side
 #   window    the dispatched sliding-window kernel and candidates (WINDOW_CONFIGS, space-
-#             separated, built) against the full kernel: ci/window_ab.py, WINDOW_ROUNDS rounds
+#             separated, built) against the full kernel, per dtype of WINDOW_DTYPES ("bf16
+#             fp16"): ci/window_ab.py, WINDOW_ROUNDS rounds
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
@@ -130,9 +131,12 @@ if step ab; then
         --json "$LOG_DIR/ab.json" --md "$LOG_DIR/ab.md"
 fi
 if step window; then
-    # shellcheck disable=SC2086
-    run window timeout 300 python3 ci/window_ab.py --rounds "${WINDOW_ROUNDS:-3}" dispatched \
-        ${WINDOW_CONFIGS:-}
+    for dt in ${WINDOW_DTYPES:-bf16 fp16}; do
+        cands=()  # the candidates of this dtype
+        for c in ${WINDOW_CONFIGS:-}; do [[ $c == *_${dt}_* ]] && cands+=("$c"); done
+        run "window_$dt" timeout 300 python3 ci/window_ab.py --dtype "$dt" \
+            --rounds "${WINDOW_ROUNDS:-3}" dispatched "${cands[@]}"
+    done
 fi
 if step hopper-tune; then  # needs the sm90tune set in the build
     run hopper_tune timeout 400 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,128,256 \

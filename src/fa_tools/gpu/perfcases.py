@@ -125,17 +125,23 @@ def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float |
 
 @dataclass
 class WindowVsFull:
-    """Sliding-window times against the full kernel on the same inputs (window_vs_full)."""
+    """Sliding-window times against the full kernel on the same inputs (window_vs_full): per
+    round, the median milliseconds of the calls and the SM cycles per call (which the clock
+    each ran at does not move)."""
 
     shape: str
     fraction: float  # visible fraction of the (query, key) pairs
-    full_ms: list[float]  # per round: median of the full kernel's calls
-    window_ms: dict[str, list[float]]  # per config, per round
+    full_ms: list[float]
+    window_ms: dict[str, list[float]]  # per config
+    full_cycles: list[float] = field(default_factory=list)
+    window_cycles: dict[str, list[float]] = field(default_factory=dict)
 
-    def ratios(self, config: str) -> list[float]:
-        """Per round: window time / (visible fraction x full time), 1.0 = the window costs
-        exactly its share of the work."""
-        return [w / (self.fraction * f) for w, f in zip(self.window_ms[config], self.full_ms)]
+    def ratios(self, config: str, cycles: bool = False) -> list[float]:
+        """Per round: window / (visible fraction x full), in time or in SM cycles; 1.0 = the
+        window costs exactly its share of the work."""
+        win, full = ((self.window_cycles[config], self.full_cycles) if cycles
+                     else (self.window_ms[config], self.full_ms))
+        return [w / (self.fraction * f) for w, f in zip(win, full)]
 
     def lines(self) -> list[str]:
         def spread(xs, fmt):
@@ -144,8 +150,11 @@ class WindowVsFull:
         out = [f"{self.shape}, visible fraction {self.fraction:.4f}, full "
                f"{spread(self.full_ms, '.3f')} ms"]
         for c, ms in self.window_ms.items():
-            out.append(f"{c:36s} window {spread(ms, '.3f')} ms  window/(fraction*full) = "
-                       f"{spread(self.ratios(c), '.3f')}")
+            line = (f"{c:36s} window {spread(ms, '.3f')} ms  window/(fraction*full) = "
+                    f"{spread(self.ratios(c), '.3f')}")
+            if self.window_cycles.get(c) and self.full_cycles:
+                line += f", in SM cycles {spread(self.ratios(c, cycles=True), '.3f')}"
+            out.append(line)
         return out
 
 
@@ -155,7 +164,7 @@ def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3
     """The features issue's window case: window (1024, 1024) at 8 x 8192 x 16 heads, d_head 128,
     for each config ("dispatched" or a built sm90 config with masks) against the dispatched full
     kernel, interleaved over `rounds` rounds, each timing the median of 10 calls after 300 ms
-    of the same calls (time_sustained_ms)."""
+    of the same calls (time_sustained_cycles)."""
     import torch
 
     import flash_attention as fa
@@ -171,12 +180,15 @@ def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3
 
     res = WindowVsFull(f"window {tuple(window)} {batch}x{seqlen} {dtype} d128",
                        visible(seqlen, seqlen, *window, "cuda").float().mean().item(), [],
-                       {c: [] for c in configs})
+                       {c: [] for c in configs}, [], {c: [] for c in configs})
     for r in range(rounds):
-        res.full_ms.append(statistics.median(
-            time_sustained_ms(lambda: fa.attention(q, k, v, out=out), 10)))
+        ms, cycles, _ = time_sustained_cycles(lambda: fa.attention(q, k, v, out=out), 10)
+        res.full_ms.append(statistics.median(ms))
+        res.full_cycles.append(cycles)
         for c in configs:
-            res.window_ms[c].append(statistics.median(time_sustained_ms(call(c), 10)))
+            ms, cycles, _ = time_sustained_cycles(call(c), 10)
+            res.window_ms[c].append(statistics.median(ms))
+            res.window_cycles[c].append(cycles)
         if progress:
             progress(f"window rounds {r + 1}/{rounds} done")
     return res
