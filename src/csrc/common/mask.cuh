@@ -80,6 +80,10 @@ struct WindowMask {
           diag0(int64_t(q_row0) + seqlen_k - seqlen_q) {}
 
     // Scores of block kv_col0 that no row may see (outside the window or past seqlen_k) -> -inf.
+    // Per row of this thread the visible elements are a range [k_lo, k_hi] of k = c - col0, a
+    // compile-time constant per element: two compares with an immediate and a select each.
+    // (Paths with one bound for the blocks on one edge halve that, but measured no faster on an
+    // H100: causal and window SM cycles unchanged within 1%.)
     template <int kMT, int kNS>
     __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0, int seqlen_k,
                                           const FwdParams& p) const {
@@ -89,18 +93,24 @@ struct WindowMask {
         const int64_t hi = p.window_right < 0 ? kBig : p.window_right - base;
         const int lo32 = static_cast<int>(lo < -kBig ? -kBig : (lo > kBig ? kBig : lo));
         const int hi32 = static_cast<int>(hi < -kBig ? -kBig : (hi > kBig ? kBig : hi));
-        const int cols = seqlen_k - kv_col0;  // valid key columns of this block
+        const int k_tail = seqlen_k - kv_col0 - col0 - 1;  // the last k before seqlen_k
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < kNS; ++nt)
+            for (int h = 0; h < 2; ++h) {
+                // c - r = k - shift for the elements of row mt*16 + 8h (values 2h and 2h + 1)
+                const int shift = mt * 16 + 8 * h - diag;
+                const int k_lo = lo32 + shift;
+                const int k_hi = hi32 + shift < k_tail ? hi32 + shift : k_tail;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = col0 + nt * 8 + e % 2;
-                    const int d = diag + nt * 8 + e % 2 - mt * 16 - 8 * (e / 2);
-                    if (col >= cols || d < lo32 || d > hi32)
-                        S[mt][nt][e] = -INFINITY;
-                }
+                for (int nt = 0; nt < kNS; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = nt * 8 + e;
+                        if (k < k_lo || k > k_hi)
+                            S[mt][nt][2 * h + e] = -INFINITY;
+                    }
+            }
     }
 };
 
