@@ -577,12 +577,14 @@ def test_window_vs_full_ratio_and_report():
     from fa_tools.gpu.perfcases import WindowVsFull
 
     r = WindowVsFull("w", 0.25, [8.0, 10.0], {"a": [2.4, 2.5], "b": [2.0, 3.0]},
-                     [16.0, 16.0], {"a": [4.4, 4.8], "b": [4.0, 4.0]})
+                     [16.0, 16.0], {"a": [4.4, 4.8], "b": [4.0, 4.0]}, [1500.0, 1600.0],
+                     {"a": [1400.0, 1450.0], "b": [1500.0, 1500.0]})
     assert r.ratios("a") == pytest.approx([1.2, 1.0])
     assert r.ratios("b") == pytest.approx([1.0, 1.2])
     assert r.ratios("a", cycles=True) == pytest.approx([1.1, 1.2])
     lines = r.lines()
-    assert len(lines) == 3 and "full 9.000 [8.000, 10.000] ms" in lines[0]
-    assert "window/(fraction*full) = 1.100 [1.000, 1.200], in SM cycles 1.150 [1.100, 1.200]" \
-        in lines[1]
+    assert len(lines) == 3 and "full 9.000 [8.000, 10.000] ms at 1550 [1500, 1600] MHz" in lines[0]
+    assert lines[1].endswith("at 1425 [1400, 1450] MHz")
+    assert "window/(fraction*full) = 1.100 [1.000, 1.200], in SM cycles 1.150 [1.100, 1.200], " \
+        "at" in lines[1]
     assert "in SM cycles" not in WindowVsFull("w", 0.25, [8.0], {"a": [2.0]}).lines()[1]

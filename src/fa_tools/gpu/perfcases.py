@@ -135,6 +135,8 @@ class WindowVsFull:
     window_ms: dict[str, list[float]]  # per config
     full_cycles: list[float] = field(default_factory=list)
     window_cycles: dict[str, list[float]] = field(default_factory=dict)
+    full_mhz: list[float] = field(default_factory=list)  # mean SM clock over the timed calls
+    window_mhz: dict[str, list[float]] = field(default_factory=dict)
 
     def ratios(self, config: str, cycles: bool = False) -> list[float]:
         """Per round: window / (visible fraction x full), in time or in SM cycles; 1.0 = the
@@ -148,12 +150,15 @@ class WindowVsFull:
             return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
 
         out = [f"{self.shape}, visible fraction {self.fraction:.4f}, full "
-               f"{spread(self.full_ms, '.3f')} ms"]
+               f"{spread(self.full_ms, '.3f')} ms"
+               + (f" at {spread(self.full_mhz, '.0f')} MHz" if self.full_mhz else "")]
         for c, ms in self.window_ms.items():
             line = (f"{c:36s} window {spread(ms, '.3f')} ms  window/(fraction*full) = "
                     f"{spread(self.ratios(c), '.3f')}")
             if self.window_cycles.get(c) and self.full_cycles:
                 line += f", in SM cycles {spread(self.ratios(c, cycles=True), '.3f')}"
+            if self.window_mhz.get(c):
+                line += f", at {spread(self.window_mhz[c], '.0f')} MHz"
             out.append(line)
         return out
 
@@ -180,15 +185,18 @@ def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3
 
     res = WindowVsFull(f"window {tuple(window)} {batch}x{seqlen} {dtype} d128",
                        visible(seqlen, seqlen, *window, "cuda").float().mean().item(), [],
-                       {c: [] for c in configs}, [], {c: [] for c in configs})
+                       {c: [] for c in configs}, [], {c: [] for c in configs}, [],
+                       {c: [] for c in configs})
     for r in range(rounds):
-        ms, cycles, _ = time_sustained_cycles(lambda: fa.attention(q, k, v, out=out), 10)
+        ms, cycles, mhz = time_sustained_cycles(lambda: fa.attention(q, k, v, out=out), 10)
         res.full_ms.append(statistics.median(ms))
         res.full_cycles.append(cycles)
+        res.full_mhz.append(mhz)
         for c in configs:
-            ms, cycles, _ = time_sustained_cycles(call(c), 10)
+            ms, cycles, mhz = time_sustained_cycles(call(c), 10)
             res.window_ms[c].append(statistics.median(ms))
             res.window_cycles[c].append(cycles)
+            res.window_mhz[c].append(mhz)
         if progress:
             progress(f"window rounds {r + 1}/{rounds} done")
     return res
