@@ -102,8 +102,9 @@ _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
 # number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
 # 1.097x the visible fraction of the full time against 1.184x without it). At d_head 128 the
 # dynamic schedule evens out the lighter query blocks at the sequence ends: 1.178 [1.173, 1.203]
-# against 1.224 [1.160, 1.247] for the static one in the same rounds (H100, one run of 3 rounds,
-# results/2026-11-23-h100-edge-halves.md).
+# against 1.224 [1.160, 1.247] for the static one in the same rounds (H100, 3 rounds,
+# results/2026-11-23-h100-edge-halves.md); 1.157 against 1.251 in a second run, and 1.120-1.126
+# in SM cycles in five more (results/2026-11-23-h100-targets-and-masks.md).
 _SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwesdm")],
                256: [(None, "c64_g2_s2_fwpoem")]}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by

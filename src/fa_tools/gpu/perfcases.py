@@ -123,43 +123,46 @@ def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float |
     return times, stamps.cycles() / reps / 1e6, stamps.mhz()
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    """One contender in one round: the median milliseconds of its calls, the SM cycles per call
+    (which the clock it ran at does not move) and the mean SM clock over the calls."""
+
+    ms: float
+    cycles: float
+    mhz: float
+
+
 @dataclass
 class WindowVsFull:
-    """Sliding-window times against the full kernel on the same inputs (window_vs_full): per
-    round, the median milliseconds of the calls and the SM cycles per call (which the clock
-    each ran at does not move)."""
+    """Sliding-window timings against the full kernel on the same inputs (window_vs_full), one
+    RoundTiming per round for the full kernel and for each window config."""
 
     shape: str
     fraction: float  # visible fraction of the (query, key) pairs
-    full_ms: list[float]
-    window_ms: dict[str, list[float]]  # per config
-    full_cycles: list[float] = field(default_factory=list)
-    window_cycles: dict[str, list[float]] = field(default_factory=dict)
-    full_mhz: list[float] = field(default_factory=list)  # mean SM clock over the timed calls
-    window_mhz: dict[str, list[float]] = field(default_factory=dict)
+    full: list[RoundTiming]
+    window: dict[str, list[RoundTiming]]  # per config
 
     def ratios(self, config: str, cycles: bool = False) -> list[float]:
         """Per round: window / (visible fraction x full), in time or in SM cycles; 1.0 = the
         window costs exactly its share of the work."""
-        win, full = ((self.window_cycles[config], self.full_cycles) if cycles
-                     else (self.window_ms[config], self.full_ms))
-        return [w / (self.fraction * f) for w, f in zip(win, full)]
+        key = "cycles" if cycles else "ms"
+        return [getattr(w, key) / (self.fraction * getattr(f, key))
+                for w, f in zip(self.window[config], self.full)]
 
     def lines(self) -> list[str]:
         def spread(xs, fmt):
             return f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]"
 
-        out = [f"{self.shape}, visible fraction {self.fraction:.4f}, full "
-               f"{spread(self.full_ms, '.3f')} ms"
-               + (f" at {spread(self.full_mhz, '.0f')} MHz" if self.full_mhz else "")]
-        for c, ms in self.window_ms.items():
-            line = (f"{c:36s} window {spread(ms, '.3f')} ms  window/(fraction*full) = "
-                    f"{spread(self.ratios(c), '.3f')}")
-            if self.window_cycles.get(c) and self.full_cycles:
-                line += f", in SM cycles {spread(self.ratios(c, cycles=True), '.3f')}"
-            if self.window_mhz.get(c):
-                line += f", at {spread(self.window_mhz[c], '.0f')} MHz"
-            out.append(line)
+        def timing(ts):
+            return (f"{spread([t.ms for t in ts], '.3f')} ms at "
+                    f"{spread([t.mhz for t in ts], '.0f')} MHz")
+
+        out = [f"{self.shape}, visible fraction {self.fraction:.4f}, full {timing(self.full)}"]
+        for c, ts in self.window.items():
+            out.append(f"{c:36s} window {timing(ts)}  window/(fraction*full) = "
+                       f"{spread(self.ratios(c), '.3f')}, in SM cycles "
+                       f"{spread(self.ratios(c, cycles=True), '.3f')}")
         return out
 
 
@@ -183,20 +186,17 @@ def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3
         opts = {} if config == "dispatched" else {"config": config}
         return lambda: fa.attention(q, k, v, out=out, window_size=window, **opts)
 
+    def timed(fn) -> RoundTiming:
+        ms, cycles, mhz = time_sustained_cycles(fn, 10)
+        return RoundTiming(statistics.median(ms), cycles, mhz)
+
     res = WindowVsFull(f"window {tuple(window)} {batch}x{seqlen} {dtype} d128",
                        visible(seqlen, seqlen, *window, "cuda").float().mean().item(), [],
-                       {c: [] for c in configs}, [], {c: [] for c in configs}, [],
                        {c: [] for c in configs})
     for r in range(rounds):
-        ms, cycles, mhz = time_sustained_cycles(lambda: fa.attention(q, k, v, out=out), 10)
-        res.full_ms.append(statistics.median(ms))
-        res.full_cycles.append(cycles)
-        res.full_mhz.append(mhz)
+        res.full.append(timed(lambda: fa.attention(q, k, v, out=out)))
         for c in configs:
-            ms, cycles, mhz = time_sustained_cycles(call(c), 10)
-            res.window_ms[c].append(statistics.median(ms))
-            res.window_cycles[c].append(cycles)
-            res.window_mhz[c].append(mhz)
+            res.window[c].append(timed(call(c)))
         if progress:
             progress(f"window rounds {r + 1}/{rounds} done")
     return res
