@@ -7,11 +7,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
 D128=sm90_bf16_d128_c128_g2_s2_fwes,sm90_bf16_d128_c128_g2_s2_fwoes,sm90_bf16_d128_c128_g2_s2_fwe
 D128+=,sm90_bf16_d128_c128_g2_s2_fwoe,sm90_bf16_d128_c128_g2_s2_fwpoe
-D128+=,sm90_bf16_d128_c176_g2_s2_fwoe
+D128+=,sm90_bf16_d128_c176_g2_s2_fwoe,sm90_bf16_d128_c128_g2_s2_fwesxqr
+D128+=,sm90_bf16_d128_c128_g2_s2_fwoesxqr
 CAUSAL=sm90_bf16_d128_c128_g2_s2_fwesdm,sm90_bf16_d128_c128_g2_s2_fwem,sm90_bf16_d128_c128_g2_s2_fwoem
-CAUSAL+=,sm90_bf16_d128_c128_g2_s2_fwpoem
+CAUSAL+=,sm90_bf16_d128_c128_g2_s2_fwpoem,sm90_bf16_d128_c128_g2_s2_fwesdqrm
+CAUSAL+=,sm90_bf16_d128_c128_g2_s2_fwoesdqrm
 DHEADS=sm90_bf16_d64_c96_g3_s3_fwes,sm90_bf16_d64_c96_g3_s3_fwoes,sm90_bf16_d256_c64_g2_s2_fwe
 DHEADS+=,sm90_bf16_d256_c64_g2_s2_fwoe,sm90_bf16_d256_c64_g2_s2_fwpoe
+DHEADS+=,sm90_bf16_d64_c96_g3_s3_fwesnqr,sm90_bf16_d256_c64_g2_s2_fwpoer
 if [ "${1:-}" = --kernels ]; then
     echo "$D128,$CAUSAL,$DHEADS"
     exit 0

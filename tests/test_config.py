@@ -157,6 +157,7 @@ def test_sm90_configs_round_trip_and_rules():
         ("sm90_bf16_d128_c80_g2_s2_f", "B_c must be one of"),
         ("sm90_bf16_d128_c128_g1_s2_fwp", "pingpong needs two consumer warpgroups"),
         ("sm90_bf16_d256_c192_g2_s2_fw", "registers"),
+        ("sm90_bf16_d256_c64_g2_s2_fwpoeq", "registers"),  # Q's 64 fragment registers too
         ("sm90_bf16_d256_c128_g2_s3_fw", "shared memory"),
         ("sm90_bf16_d128_c128_g2_s2_fpw", "in that order"),
         ("sm90_bf16_d128_r128_c128", "cannot parse"),

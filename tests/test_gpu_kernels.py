@@ -138,6 +138,22 @@ def test_persistent_kernel_over_many_tiles(cfg):
     assert torch.equal(again, out), f"{cfg} many tiles: a second run differs (race?)"
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_kernel_row_max_grows_across_blocks(cfg):
+    """Scores whose row maxima grow over the KV blocks in the kernels' visit order (the last
+    block first) by far more than 2^8 in exp2 units: every rescale path runs, including the
+    lazy rescale's moves (flag r) between blocks that keep the old max."""
+    torch.manual_seed(hash(cfg.short) % 2**31 + 1)
+    batch, sq, sk, heads = 2, 300, 1100, 4
+    q, k, v = rand_inputs(batch, sq, sk, heads, heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
+    growth = torch.linspace(6.0, 1.0, sk, device="cuda", dtype=torch.float32)  # key 0 largest
+    k = (k.float() * growth[None, :, None, None]).to(k.dtype)
+    q = q * 2
+    opts = {"causal": cfg.mask, **softcap_of(cfg)}
+    out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} growing maxima {opts}", **opts)
+
+
 @pytest.mark.parametrize("cfg, below", sample(CONFIGS, [(8,), (24,)], 1), ids=param_id)
 def test_kernel_serves_smaller_d_head(cfg, below):
     """A variant runs every smaller multiple of 8 (here 8 and 24 below it) in place: the

@@ -1,8 +1,8 @@
 """Generates src/csrc/sm90/wgmma.cuh: one inline-PTX wrapper per wgmma shape the Hopper kernels
 issue (m64nNk16, fp32 accumulators, fp16 or bf16 operands), with A from shared memory (S = Q K^T)
-or from registers (O += P V). The accumulator lists are too long to write by hand (up to 128
-registers); the file is checked in and tests/test_codegen.py checks that it matches this
-generator.
+or from registers (O += P V, and S = Q K^T with Q held in registers). The accumulator lists are
+too long to write by hand (up to 128 registers); the file is checked in and tests/test_codegen.py
+checks that it matches this generator.
 
     python -m flash_attention.codegen_wgmma > src/csrc/sm90/wgmma.cuh
 """
@@ -24,18 +24,19 @@ def _accum_operands(n: int) -> str:
     return ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(n // 2))
 
 
-def _wrapper(n: int, elem: str, a_from_regs: bool) -> str:
+def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False) -> str:
     ptx_t = TYPES[elem]
     acc = n // 2  # fp32 accumulators per thread: 64 x n over 128 threads
     instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t}"
     if a_from_regs:
         a_ops = "{" + _regs(acc, 4) + "}"
         b_op, p_op = f"%{acc + 4}", f"%{acc + 5}"
-        tail = "1, 1, 1"  # scale A, scale B, B transposed (V is MN-major: d contiguous)
+        # scale A, scale B, B transposed (V is MN-major: d contiguous; K is K-major)
+        tail = "1, 1, 0" if b_k_major else "1, 1, 1"
         inputs = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), '
                   '"r"(scale_d)')
         sig = "const uint32_t (&a)[4], uint64_t desc_b, uint32_t scale_d"
-        name = "rs"
+        name = "rs_k" if b_k_major else "rs"
     else:
         a_ops = f"%{acc}"
         b_op, p_op = f"%{acc + 1}", f"%{acc + 2}"
@@ -64,8 +65,8 @@ def header() -> str:
         "// thread is row 16 * (warp % 4) + lane / 4 + 8 * (e / 2), column 8 * t +\n"
         "// 2 * (lane % 4) + e % 2 (the mma.sync m16n8 layout, four warps stacked). ss: A and B\n"
         "// from shared memory (descriptors, K-major). rs: A from registers (the m16n8k16 A\n"
-        "// fragment of each warp's 16 rows), B from shared memory MN-major. scale_d = 0\n"
-        "// overwrites d, 1 accumulates.\n"
+        "// fragment of each warp's 16 rows), B from shared memory MN-major; rs_k: the same with\n"
+        "// B K-major. scale_d = 0 overwrites d, 1 accumulates.\n"
         "// asm volatile: the compiler must not move these across the fences and waits around\n"
         "// them.\n"
         "// clang-format off\n#pragma once\n\n"
@@ -78,7 +79,8 @@ def header() -> str:
             parts.append(
                 f"\ntemplate <>\nstruct Wgmma<{n}, {elem}> {{\n"
                 + _wrapper(n, elem, a_from_regs=False) + "\n"
-                + _wrapper(n, elem, a_from_regs=True) + "};\n"
+                + _wrapper(n, elem, a_from_regs=True) + "\n"
+                + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "};\n"
             )
     parts.append("\n}  // namespace flash::sm90\n")
     return "".join(parts)

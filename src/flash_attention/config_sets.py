@@ -47,8 +47,9 @@ CI: tuple[KernelConfig, ...] = (
     P("bf16_d64_r128_c64_w8_fseqbrmt"),  # whole-block K, V, 8 warps, plain softmax; masks, softcap
     P("fp16_d160_r128_c64_w8_fsqkvbo"),  # no eager prefetch; a padded d_head variant, 8 warps
     parse_config("sm90_bf16_d128_c128_g2_s2_fwpoem"),  # Hopper: every technique, masks
-    parse_config("sm90_bf16_d128_c128_g2_s2_fwesdm"),  # persistent, dynamic tile schedule
-    parse_config("sm90_bf16_d128_c128_g2_s2_fwesx"),  # persistent, CTA pairs multicasting K/V
+    parse_config("sm90_bf16_d128_c128_g2_s2_fwesdqrm"),  # persistent, dynamic schedule, Q in
+    # registers, lazy rescale
+    parse_config("sm90_bf16_d128_c128_g2_s2_fwesxqr"),  # persistent, CTA pairs multicasting K/V
     parse_config("sm90_bf16_d64_c96_g3_s3_fwesn"),  # 3 consumer warpgroups, tile hand-over
 )
 
@@ -127,16 +128,19 @@ SM90_PROG: tuple[Sm90Config, ...] = _unique([s.config for s in SM90_PROG_STEPS])
 def _sm90_tune_space() -> tuple[Sm90Config, ...]:
     """Hopper tiles per dtype and d_head: every valid (B_c, consumer warpgroups, stages) with
     warp specialisation and the epilogue; each plain, with ping-pong and overlap, with overlap
-    alone, and on a persistent grid with and without overlap."""
+    alone, and on a persistent grid with and without overlap; each of those as it is, with the
+    lazy rescale, and with Q in registers too (where the registers allow)."""
     combos = ((False, False, False), (True, True, False), (False, True, False),
               (False, False, True), (False, True, True))
     out: list[Sm90Config] = []
     for dtype, d, bc, wgs, stages in itertools.product(DTYPES, SM90_D_HEADS, SM90_BLOCK_C,
                                                       (2, 3), (2, 3)):
-        for pingpong, overlap, persistent in combos:
+        for (pingpong, overlap, persistent), (q_regs, lazy) in itertools.product(
+                combos, ((False, False), (False, True), (True, True))):
             with contextlib.suppress(ConfigError):
                 out.append(Sm90Config(dtype, d, bc, wgs, stages, pingpong=pingpong,
-                                      overlap=overlap, persistent=persistent))
+                                      overlap=overlap, persistent=persistent, q_regs=q_regs,
+                                      lazy_rescale=lazy))
     return tuple(out)
 
 

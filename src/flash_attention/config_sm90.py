@@ -37,6 +37,11 @@ FLAGS: dict[str, tuple[str, str]] = {
                      "of every K/V block and multicasts it to both (half the L2 reads)"),
     "tile_overlap": ("n", "the next tile's S_0 GEMM and softmax run under the current tile's "
                           "last P V, before its epilogue (two Q buffers)"),
+    "q_regs": ("q", "Q in registers for the tile (ldmatrix once): S = Q K^T takes A from "
+                    "registers, so the S GEMMs read only K from shared memory"),
+    "lazy_rescale": ("r", "a row's running max moves only when it grows by more than 8 (log2 "
+                          "units, P stays <= 256), and a warp rescales O only when one of its "
+                          "rows moved"),
     "mask": ("m", "causal / sliding-window masks (as the sm80 flag m)"),
     "softcap": ("t", "score soft-capping (as the sm80 flag t)"),
 }
@@ -71,6 +76,8 @@ class Sm90Config:
     dynamic: bool = False
     cluster: bool = False
     tile_overlap: bool = False
+    q_regs: bool = False
+    lazy_rescale: bool = False
     mask: bool = False
     softcap: bool = False
 
@@ -146,8 +153,10 @@ class Sm90Config:
 
     @property
     def accum_regs(self) -> int:
-        """fp32 accumulators of O and S plus the 16-bit P fragments, per consumer thread."""
-        return self.d_head // 2 + self.block_c // 2 + self.block_c // 4
+        """fp32 accumulators of O and S plus the 16-bit P fragments (and Q's with q_regs), per
+        consumer thread."""
+        q = self.d_head // 4 if self.q_regs else 0
+        return self.d_head // 2 + self.block_c // 2 + self.block_c // 4 + q
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -179,7 +188,8 @@ class Sm90Config:
             out.append("tile_overlap needs the persistent grid")
         regs = self.accum_regs + OVERHEAD_REGS
         if regs > self.consumer_regs:
-            out.append(f"O, S and P need {self.accum_regs} registers per thread plus about "
+            q = " and Q" if self.q_regs else ""
+            out.append(f"O, S, P{q} need {self.accum_regs} registers per thread plus about "
                        f"{OVERHEAD_REGS}: over the {self.consumer_regs} a consumer has; use a "
                        "smaller B_c")
         if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[90]:

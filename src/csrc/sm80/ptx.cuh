@@ -1,5 +1,5 @@
 // Thin wrappers over the PTX instructions the sm80-family kernels are built from: cp.async
-// (global -> smem, 16 bytes, zero-fill for rows past the end), ldmatrix (smem -> MMA fragments)
+// (global -> smem, 16 bytes, zero-fill for rows past the end), ldmatrix (common/ldmatrix.cuh)
 // and mma.sync m16n8k16 with fp32 accumulators.
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "../common/ldmatrix.cuh"
 #include "../common/numeric.cuh"
 
 namespace flash {
@@ -36,18 +37,6 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int n>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
 }
 
 // mma is a pure function of its registers (no volatile), so the scheduler may interleave it with

@@ -10,7 +10,8 @@ namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
-          bool kCluster_, bool kTileOverlap_, bool kMask_, bool kSoftcap_>
+          bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kMask_,
+          bool kSoftcap_>
 struct Sm90Config {
     using Elem = Elem_;
 
@@ -48,6 +49,15 @@ struct Sm90Config {
     // the tile change; the next Q lands in a second buffer while the current one is still read.
     static constexpr bool kTileOverlap = kTileOverlap_;
     static constexpr int kQBuffers = kTileOverlap ? 2 : 1;
+    // Each consumer warpgroup loads its Q rows into registers once per tile (wgmma A fragments),
+    // so the S GEMMs read only K from shared memory (at d_head 128 a fifth of the bytes the
+    // GEMMs read per block), and sQ is free for the next tile's Q after the first block.
+    static constexpr bool kQRegs = kQRegs_;
+    // A row's running max m moves only when the block's max exceeds it by more than
+    // kRescaleLog2 (exp2 units; P then stays <= 2^8, exact in fp16/bf16 relative terms), and a
+    // warp rescales O only when one of its rows moved: most blocks skip the rescale.
+    static constexpr bool kLazyRescale = kLazyRescale_;
+    static constexpr float kRescaleLog2 = 8.f;
     static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 

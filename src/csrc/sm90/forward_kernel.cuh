@@ -1,8 +1,9 @@
 // FlashAttention forward on Hopper: TMA copies into 128-byte-swizzled shared memory completing on
 // mbarriers, wgmma for S = Q K^T (both operands in shared memory) and O += P V (P from
 // registers), a K/V pipeline of kStages stages, and optionally a producer warpgroup with
-// setmaxnreg, ping-pong between the consumer warpgroups, softmax overlapped with P V, and an
-// epilogue through shared memory and a TMA store.
+// setmaxnreg, ping-pong between the consumer warpgroups, softmax overlapped with P V, an
+// epilogue through shared memory and a TMA store, Q held in registers (S GEMMs with A from
+// registers) and a lazy rescale of O (only when a row's max grows by more than 2^8).
 //
 // One CTA owns B_r = 64 x kConsumerWGs query rows of one (batch, head); consumer warpgroup g owns
 // rows 64g .. 64g + 63 end to end. Per KV block j (from the last to the first):
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/ldmatrix.cuh"
 #include "../common/mask.cuh"
 #include "../common/numeric.cuh"
 #include "../common/params.h"
@@ -239,6 +241,9 @@ template <class Cfg>
 struct Softmax {
     float m[2];  // running max, raw score units (scaled inside the exp2 FMA)
     float l[2];  // this thread's share of the running sum
+    // kLazyRescale: a row of this warp moved its max in the last scores() (warp-uniform), so O
+    // needs the rescale; otherwise every factor is 1.
+    bool moved = false;
 
     __device__ __forceinline__ void init() {
         m[0] = m[1] = -INFINITY;
@@ -248,6 +253,7 @@ struct Softmax {
     template <bool kFirst>
     __device__ __forceinline__ void scores(float (&S)[Cfg::kNTilesS][4], float scale_log2,
                                            float (&corr)[2]) {
+        bool row_moved = false;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = m[h];
@@ -256,6 +262,13 @@ struct Softmax {
                 mx = fmaxf(mx, fmaxf(S[t][2 * h], S[t][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            if constexpr (Cfg::kLazyRescale && !kFirst) {
+                // Keep the old max while the new one exceeds it by at most kRescaleLog2 (false
+                // for an old max of -inf: +inf or NaN on the left).
+                if ((mx - m[h]) * scale_log2 <= Cfg::kRescaleLog2)
+                    mx = m[h];
+                row_moved |= mx != m[h];
+            }
             // A row with no finite score yet keeps offset 0: exp2(-inf) = 0, never NaN.
             const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;
             corr[h] = (kFirst || mx == -INFINITY) ? 1.f : fast_exp2((m[h] - mx) * scale_log2);
@@ -270,10 +283,15 @@ struct Softmax {
                 }
             l[h] = kFirst ? sum : l[h] * corr[h] + sum;
         }
+        if constexpr (Cfg::kLazyRescale)
+            moved = !kFirst && __any_sync(0xffffffffu, row_moved);
     }
 
-    __device__ __forceinline__ static void rescale(float (&O)[Cfg::kNTilesO][4],
-                                                   const float (&corr)[2]) {
+    // O *= the factors of the last scores() (skipped by a warp whose rows all kept their max).
+    __device__ __forceinline__ void rescale(float (&O)[Cfg::kNTilesO][4],
+                                            const float (&corr)[2]) const {
+        if (Cfg::kLazyRescale && !moved)
+            return;
 #pragma unroll
         for (int t = 0; t < Cfg::kNTilesO; ++t)
 #pragma unroll
@@ -337,24 +355,44 @@ struct Consumer {
 
     float O[kNO][4];
     float S[kNS][4];
-    uint32_t P[kStepsPV][4];  // P of the previous block as wgmma A fragments
-    float corr[2];            // O's rescale factors for the previous block's softmax
+    uint32_t P[kStepsPV][4];                     // P of the previous block as wgmma A fragments
+    uint32_t Qf[Cfg::kQRegs ? kStepsQK : 1][4];  // kQRegs: the tile's Q as wgmma A fragments
+    float corr[2];  // O's rescale factors for the previous block's softmax
     Softmax<Cfg> softmax;
 
     // ---- GEMMs --------------------------------------------------------------------------------
 
     // S = Q K_i^T, K-major operands: Q rows of this warpgroup and K_i rows, 16 columns of d per
     // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel).
+    // With kQRegs, A is Qf (load_q_regs()).
     __device__ __forceinline__ void issue_qk(int s) {
         const uint32_t q0 = smem_u32(sm.q(qu)) + wg * 64 * 128;
         const uint32_t k0 = smem_u32(sm.k(s));
 #pragma unroll
         for (int kk = 0; kk < kStepsQK; ++kk) {
             const uint32_t step = (kk % 4) * 32;  // bytes into the 128-byte row
-            const uint64_t a = desc_sw128(q0 + (kk / 4) * Cfg::kBr * 128 + step, 16, 1024);
             const uint64_t b = desc_sw128(k0 + (kk / 4) * Cfg::kBc * 128 + step, 16, 1024);
-            Wgmma<Cfg::kBc, Elem>::ss(S, a, b, kk > 0 ? 1u : 0u);
+            if constexpr (Cfg::kQRegs) {
+                Wgmma<Cfg::kBc, Elem>::rs_k(S, Qf[kk], b, kk > 0 ? 1u : 0u);
+            } else {
+                const uint64_t a = desc_sw128(q0 + (kk / 4) * Cfg::kBr * 128 + step, 16, 1024);
+                Wgmma<Cfg::kBc, Elem>::ss(S, a, b, kk > 0 ? 1u : 0u);
+            }
         }
+    }
+
+    // kQRegs, once Q of the tile has landed: this warp's 16 rows, one ldmatrix.x4 per k16 step
+    // (lanes 8i .. 8i + 7 address tile i: rows + 8 for odd i, the step's upper 8 columns for
+    // i >= 2) from the swizzled panels; then sQ may take the next tile's Q.
+    __device__ __forceinline__ void load_q_regs() {
+        const int r = (warp % 4) * 16 + lane % 8 + 8 * ((lane / 8) % 2);  // of the warpgroup
+        const uint32_t q0 = smem_u32(sm.q(qu)) + (wg * 64 + r) * 128;
+#pragma unroll
+        for (int kk = 0; kk < kStepsQK; ++kk) {
+            const int chunk = 2 * (kk % 4) + lane / 16;  // 16-byte chunk of the 128-byte row
+            ldmatrix_x4(Qf[kk], q0 + (kk / 4) * Cfg::kBr * 128 + ((chunk ^ (r & 7)) * 16));
+        }
+        release_q();
     }
 
     // O += P V_i: B is V (kv rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
@@ -470,6 +508,8 @@ struct Consumer {
     __device__ __forceinline__ void first_block() {
         const int n = tile().n_blocks;
         mbar_wait(sm.q_full(qu), Smem<Cfg>::q_phase(qu));
+        if constexpr (Cfg::kQRegs)
+            load_q_regs();
         mbar_wait(sm.k_full(stage(g0)), phase(g0));
         wait_turn();
         wgmma_fence();
@@ -479,7 +519,7 @@ struct Consumer {
         wgmma_wait<0>();
         fence_regs(S);
         release_kv(sm.k_empty(stage(g0)));
-        if (n == 1)
+        if (!Cfg::kQRegs && n == 1)
             release_q();
         if (refills() && Cfg::kStages < n)
             loader.load_k(tile(), Cfg::kStages, g0 + Cfg::kStages);
@@ -496,7 +536,7 @@ struct Consumer {
     // P_{n-1} V_{n-1}.
     __device__ __forceinline__ void last_block() {
         const int gl = g0 + tile().n_blocks - 1;
-        Softmax<Cfg>::rescale(O, corr);
+        softmax.rescale(O, corr);
         mbar_wait(sm.v_full(stage(gl)), phase(gl));
         wait_turn();
         wgmma_fence();
@@ -529,13 +569,15 @@ struct Consumer {
         const int n = w.n_blocks;
         const int gl = g0 + n - 1, s = stage(g), sl = stage(gl);
         mbar_wait(sm.q_full(q_use), Smem<Cfg>::q_phase(q_use));
-        mbar_wait(sm.k_full(s), phase(g));
         qu = q_use;
+        if constexpr (Cfg::kQRegs)
+            load_q_regs();  // the current tile's S GEMMs are complete
+        mbar_wait(sm.k_full(s), phase(g));
         wgmma_fence();
         issue_qk(s);
         wgmma_commit();
         fence_regs(O);  // the rescale runs under the next tile's S_0
-        Softmax<Cfg>::rescale(O, corr);
+        softmax.rescale(O, corr);
         mbar_wait(sm.v_full(sl), phase(gl));
         wgmma_fence();
         issue_pv(sl);
@@ -551,7 +593,7 @@ struct Consumer {
         // Released after the softmax (an address that depends on it; see step()).
         const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
         release_kv(sm.k_empty(s) + after);
-        if (next.n_blocks == 1)
+        if (!Cfg::kQRegs && next.n_blocks == 1)
             release_q();
         wgmma_wait<0>();
         fence_regs(O);
@@ -562,7 +604,8 @@ struct Consumer {
         convert_p();
     }
 
-    // Persistent grid: this warp's S GEMMs of the tile are done; sQ may take the next Q.
+    // Persistent grid: this warp no longer reads the tile's Q (its S GEMMs are done, or with
+    // kQRegs Q is in registers); sQ may take the next Q.
     __device__ __forceinline__ void release_q() const {
         if constexpr (Cfg::kPersistent)
             release(sm.q_empty(qu));
@@ -578,7 +621,7 @@ struct Consumer {
         issue_qk(s);
         wgmma_commit();
         fence_regs(O);  // the rescale below is issued after S_i, so it runs under it
-        Softmax<Cfg>::rescale(O, corr);
+        softmax.rescale(O, corr);
         mbar_wait(sm.v_full(sp), phase(g - 1));
         wgmma_fence();  // O was rescaled by ordinary instructions
         issue_pv(sp);
@@ -594,7 +637,7 @@ struct Consumer {
             // below but would otherwise schedule the softmax after it, off the P V GEMM.
             const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
             release_kv(sm.k_empty(s) + after);
-            if (i == n - 1)
+            if (!Cfg::kQRegs && i == n - 1)
                 release_q();
             wgmma_wait<0>();
             fence_regs(O);
@@ -605,7 +648,7 @@ struct Consumer {
             fence_regs(O);
             release_kv(sm.k_empty(s));
             release_kv(sm.v_empty(sp));
-            if (i == n - 1)
+            if (!Cfg::kQRegs && i == n - 1)
                 release_q();
             softmax_block<false>(i, corr);
         }
