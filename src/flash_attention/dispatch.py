@@ -92,11 +92,24 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # row measured (H100, 2048-16384: +0.2 to +0.5% in the run of the final code, both dtypes; +2 to
 # +5% in a first run, bf16), time within the rows' spread; at d_head 128 it gains nothing (two
 # warpgroups already fill each other's tile changes; results/2026-11-23-h100-tile-overlap-*).
-_SM90_PLAIN = {64: [(None, "c96_g3_s3_fwesn")],
-               128: [(512, "c128_g2_s2_fwes"), (None, "c128_g2_s2_fwesx")],
-               256: [(None, "c64_g2_s2_fwpoe")]}
+# Q in registers (flag q) and the lazy rescale (flag r) together take 6-7% off the SM cycles of
+# the d_head 128 kernels (ours/cuDNN in cycles 1.003-1.012 against 0.938-0.942 for fwesx, H100,
+# bf16, 2048-16384; time 0.977 / 1.060 / 1.049 / 1.072x cuDNN against 0.969 / 0.994 / 0.982 /
+# 1.021; fp16 1.011 / 1.055 at 2048 / 8192 against 1.050 / 1.006; each alone gives about half),
+# the sliding window's too (1.058 of its visible share in cycles against 1.117). The lazy
+# rescale alone gives d_head 256 8-10% (1.091 / 1.125x cuDNN at 4096 / 8192 against 1.012 /
+# 1.020); at d_head 64 both together gain 3-4% from 8192 and lose 2-5% at 1024-2048, and under
+# causal masks at 2048 (results/2026-11-23-h100-q-regs-lazy-rescale.md). Causal d_head 128 at
+# 1024 and 2048 kept the plain dynamic kernel: fewer cycles with q and r, but 2-8% more time.
+# Intra-warpgroup overlap on top (fwoesxqr) needs 2-3% fewer cycles from 2048 and is 1.5-3%
+# faster from 8192 (bf16 and fp16, three comparisons in two calls), 2.6-5% slower at 1024-4096.
+_SM90_PLAIN = {64: [(4096, "c96_g3_s3_fwesn"), (None, "c96_g3_s3_fwesnqr")],
+               128: [(512, "c128_g2_s2_fwes"), (4096, "c128_g2_s2_fwesxqr"),
+                     (None, "c128_g2_s2_fwoesxqr")],
+               256: [(None, "c64_g2_s2_fwpoer")]}
 _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
-                128: [(4096, "c128_g2_s2_fwesdm"), (None, "c128_g2_s2_fwoesdm")],
+                128: [(2048, "c128_g2_s2_fwesdm"), (4096, "c128_g2_s2_fwesdqrm"),
+                      (None, "c128_g2_s2_fwoesdqrm")],
                 256: [(None, "c64_g2_s2_fwpoem")]}
 # Sliding windows (a bounded left side, ``local`` calls): every query block visits about the same
 # number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
@@ -104,8 +117,13 @@ _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
 # dynamic schedule evens out the lighter query blocks at the sequence ends: 1.178 [1.173, 1.203]
 # against 1.224 [1.160, 1.247] for the static one in the same rounds (H100, 3 rounds,
 # results/2026-11-23-h100-edge-halves.md); 1.157 against 1.251 in a second run, and 1.120-1.126
-# in SM cycles in five more (results/2026-11-23-h100-targets-and-masks.md).
-_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwesdm")],
+# in SM cycles in five more (results/2026-11-23-h100-targets-and-masks.md). With flags q and r
+# the window needs 1.058-1.060 of the old full kernel's cycles for its share, 1.131-1.138 of the
+# new one's (which gained more); with intra-warpgroup overlap too 1.101-1.102 against 1.136-1.137
+# in one run (5 rounds, both dtypes; time 1.214 / 1.202 against 1.291 / 1.264, the window
+# kernels at 1366-1424 MHz against 1503-1560 for the full one; results/2026-11-23-h100-q-regs-
+# lazy-rescale.md).
+_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwoesdqrm")],
                256: [(None, "c64_g2_s2_fwpoem")]}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
 # TMA, never stored): 96 on 128, 160-224 on 256 (32 stays on sm80: d_head 32 on the 64 kernel
