@@ -119,8 +119,9 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
 
 def test_hopper_rows_by_length(no_tuning):
     """d_head 128: CTA pairs with Q in registers and the lazy rescale from bucket 1024 (single
-    CTAs at 512 and below), with overlap too from 8192; causal: the plain dynamic kernel to 2048, with q and r at 4096, with
-    overlap too from 8192; a row's kernel missing from the build, another of its kind runs."""
+    CTAs at 512 and below), with overlap too from 8192; causal: the plain dynamic kernel to
+    2048, with q and r at 4096, with overlap too from 8192; a row's kernel missing from the
+    build, another of its kind runs."""
     built = list(DEFAULT)
     pick = lambda seq, mask, b=built: dispatch.select_sm90(  # noqa: E731
         "fp16", 128, seq, b, mask, False).short.split("_")[-1]
