@@ -128,19 +128,24 @@ SM90_PROG: tuple[Sm90Config, ...] = _unique([s.config for s in SM90_PROG_STEPS])
 def _sm90_tune_space() -> tuple[Sm90Config, ...]:
     """Hopper tiles per dtype and d_head: every valid (B_c, consumer warpgroups, stages) with
     warp specialisation and the epilogue; each plain, with ping-pong and overlap, with overlap
-    alone, and on a persistent grid with and without overlap; each of those as it is, with the
-    lazy rescale, and with Q in registers too (where the registers allow)."""
+    alone, and on a persistent grid with and without overlap; each of those as it is and with Q
+    in registers and the lazy rescale (the lazy rescale alone where Q does not fit)."""
     combos = ((False, False, False), (True, True, False), (False, True, False),
               (False, False, True), (False, True, True))
     out: list[Sm90Config] = []
     for dtype, d, bc, wgs, stages in itertools.product(DTYPES, SM90_D_HEADS, SM90_BLOCK_C,
                                                       (2, 3), (2, 3)):
-        for (pingpong, overlap, persistent), (q_regs, lazy) in itertools.product(
-                combos, ((False, False), (False, True), (True, True))):
-            with contextlib.suppress(ConfigError):
-                out.append(Sm90Config(dtype, d, bc, wgs, stages, pingpong=pingpong,
-                                      overlap=overlap, persistent=persistent, q_regs=q_regs,
-                                      lazy_rescale=lazy))
+        for pingpong, overlap, persistent in combos:
+            try:
+                base = Sm90Config(dtype, d, bc, wgs, stages, pingpong=pingpong,
+                                  overlap=overlap, persistent=persistent)
+            except ConfigError:
+                continue
+            out.append(base)
+            try:
+                out.append(base.replace(q_regs=True, lazy_rescale=True))
+            except ConfigError:
+                out.append(base.replace(lazy_rescale=True))
     return tuple(out)
 
 

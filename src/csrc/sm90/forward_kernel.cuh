@@ -519,8 +519,8 @@ struct Consumer {
         wgmma_wait<0>();
         fence_regs(S);
         release_kv(sm.k_empty(stage(g0)));
-        if (!Cfg::kQRegs && n == 1)
-            release_q();
+        if (n == 1)
+            s_gemms_done();
         if (refills() && Cfg::kStages < n)
             loader.load_k(tile(), Cfg::kStages, g0 + Cfg::kStages);
         softmax_block<true>(0, corr);
@@ -593,8 +593,8 @@ struct Consumer {
         // Released after the softmax (an address that depends on it; see step()).
         const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
         release_kv(sm.k_empty(s) + after);
-        if (!Cfg::kQRegs && next.n_blocks == 1)
-            release_q();
+        if (next.n_blocks == 1)
+            s_gemms_done();
         wgmma_wait<0>();
         fence_regs(O);
         release_kv(sm.v_empty(sl));
@@ -609,6 +609,12 @@ struct Consumer {
     __device__ __forceinline__ void release_q() const {
         if constexpr (Cfg::kPersistent)
             release(sm.q_empty(qu));
+    }
+    // This warp's last S GEMM of the tile is done: sQ is released here unless load_q_regs()
+    // released it already.
+    __device__ __forceinline__ void s_gemms_done() const {
+        if constexpr (!Cfg::kQRegs)
+            release_q();
     }
 
     // Block i >= 1: S_i, then P_{i-1} V_{i-1} on the tensor cores (O rescaled for block i-1
@@ -637,8 +643,8 @@ struct Consumer {
             // below but would otherwise schedule the softmax after it, off the P V GEMM.
             const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
             release_kv(sm.k_empty(s) + after);
-            if (!Cfg::kQRegs && i == n - 1)
-                release_q();
+            if (i == n - 1)
+                s_gemms_done();
             wgmma_wait<0>();
             fence_regs(O);
             release_kv(sm.v_empty(sp));
@@ -648,8 +654,8 @@ struct Consumer {
             fence_regs(O);
             release_kv(sm.k_empty(s));
             release_kv(sm.v_empty(sp));
-            if (!Cfg::kQRegs && i == n - 1)
-                release_q();
+            if (i == n - 1)
+                s_gemms_done();
             softmax_block<false>(i, corr);
         }
         if (refills()) {
