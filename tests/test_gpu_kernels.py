@@ -138,6 +138,22 @@ def test_persistent_kernel_over_many_tiles(cfg):
     assert torch.equal(again, out), f"{cfg} many tiles: a second run differs (race?)"
 
 
+@pytest.mark.parametrize("cfg", [c for c in PERSISTENT_CONFIGS if c.mask], ids=str)
+@pytest.mark.parametrize("window", [(200, 300), (1, 700), (130, 0)], ids=param_id)
+def test_persistent_kernel_windows_over_many_tiles(cfg, window):
+    """Sliding windows over many tiles: neighbouring query blocks whose KV ranges differ by one
+    or two blocks at either end, and ranges that clip at the sequence ends (CTA pairs (flag x)
+    multicast only the blocks both see and skip slots where one has fewer of its own)."""
+    torch.manual_seed(hash((cfg.short, window)) % 2**31)
+    batch, sq, sk, heads, kv_heads = 2, 1000, 1111, 12, 4
+    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
+    opts = {"window_size": window, **softcap_of(cfg)}
+    out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
+    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} many tiles {opts}", **opts)
+    again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)
+    assert torch.equal(again, out), f"{cfg} many tiles {opts}: a second run differs (race?)"
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_kernel_row_max_grows_across_blocks(cfg):
     """Scores whose row maxima grow over the KV blocks in the kernels' visit order (the last
