@@ -34,8 +34,7 @@ FLAGS: dict[str, tuple[str, str]] = {
                      "blocks first within groups of heads whose K/V fit in L2 (even SM loads "
                      "under causal masks)"),
     "cluster": ("x", "CTA pairs (clusters of two) on neighbouring query blocks: each loads half "
-                     "of every K/V block both visit and multicasts it to both (half the L2 "
-                     "reads)"),
+                     "of every K/V block and multicasts it to both (half the L2 reads)"),
     "tile_overlap": ("n", "the next tile's S_0 GEMM and softmax run under the current tile's "
                           "last P V, before its epilogue (two Q buffers)"),
     "q_regs": ("q", "Q in registers for the tile (ldmatrix once): S = Q K^T takes A from "
@@ -183,8 +182,8 @@ class Sm90Config:
             out.append("persistent needs warp_spec and tma_store, without pingpong")
         if self.dynamic and not self.persistent:
             out.append("dynamic tile scheduling needs the persistent grid")
-        if self.cluster and not (self.warp_spec and not self.dynamic):
-            out.append("cluster needs warp_spec, without dynamic")
+        if self.cluster and not (self.warp_spec and not self.dynamic and not self.mask):
+            out.append("cluster needs warp_spec, without dynamic or mask")
         if self.tile_overlap and not self.persistent:
             out.append("tile_overlap needs the persistent grid")
         regs = self.accum_regs + OVERHEAD_REGS

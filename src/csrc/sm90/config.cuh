@@ -41,8 +41,7 @@ struct Sm90Config {
     static constexpr bool kDynamic = kDynamic_;
     // CTAs in clusters of two that take neighbouring query blocks of one (batch, head): each
     // producer loads half of every K/V block and multicasts it to both, so each block leaves L2
-    // once per pair; a stage is refilled once the consumers of both CTAs have released it. With
-    // masks only the blocks both CTAs see are multicast (see Work).
+    // once per pair; a stage is refilled once the consumers of both CTAs have released it.
     static constexpr bool kCluster = kCluster_;
     static constexpr int kClusterCtas = kCluster ? 2 : 1;
     // Across the tiles of a persistent CTA: the next tile's S_0 GEMM is issued before the current
@@ -107,9 +106,9 @@ struct Sm90Config {
                                     kLaunchRegs * kThreads,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(!kDynamic || kPersistent, "dynamic tile scheduling needs the persistent grid");
-    static_assert(!kCluster || (kWarpSpec && !kDynamic),
-                  "K/V multicast needs the producer warpgroup and a static schedule (both CTAs "
-                  "of a pair take the same tiles)");
+    static_assert(!kCluster || (kWarpSpec && !kDynamic && !kMask),
+                  "K/V multicast needs the producer warpgroup, a static schedule and no mask (the "
+                  "two CTAs visit the same KV blocks)");
     static_assert(!kTileOverlap || kPersistent, "the tile overlap needs the persistent grid");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
 };

@@ -114,11 +114,7 @@ struct Smem {
 // One tile of work: a query block of one (batch, head), and the KV blocks it visits. Tiles are
 // numbered query block fastest (neighbouring tiles share K and V in L2). With kCluster a tile is
 // a pair of neighbouring query blocks, 2t + rank for the CTA of that rank in its cluster (with an
-// odd count the last pair's second block lies past seqlen_q: it is computed, never stored; with
-// masks it visits no block). With kCluster and masks the two blocks' KV ranges differ at their
-// ends: each CTA visits its own blocks first, loaded alone (own slots), then the blocks both see,
-// multicast in the same order; the CTA with fewer own blocks skips as many slots first (the
-// producer completes them empty), so that both reach every shared block at the same slot. The
+// odd count the last pair's second block lies past seqlen_q: it is computed, never stored). The
 // dynamic schedule numbers them in groups of sched_heads (batch, head) pairs whose K and V fit in
 // L2 together; inside a group, query blocks from the last down (the most keys under a causal mask
 // first, where the counter hands them out first), heads fastest.
@@ -127,12 +123,7 @@ struct Work {
     int q_block, head, kv_head, batch;
     int q_row0;  // first query row of the tile
     KvBlocks kv;
-    int n_blocks;  // KV blocks this CTA computes
-    // kPairMasks: pipeline slots skipped before this CTA's first block, and the pair's own slots
-    // (slots below it load alone; the rest multicast).
-    int n_skip, n_own;
-
-    static constexpr bool kPairMasks = Cfg::kCluster && Cfg::kMask;
+    int n_blocks;
 
     __host__ __device__ __forceinline__ static int q_blocks(const FwdParams& p) {
         return (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
@@ -157,9 +148,8 @@ struct Work {
             q_block = qb - 1 - in / heads_in;
             pair = group * prm.sched_heads + in % heads_in;
         } else if constexpr (Cfg::kCluster) {
-            // With masks, pairs run from the last (the most keys under a causal mask) down.
             const int qt = q_tiles(p);
-            q_block = 2 * (Cfg::kMask ? qt - 1 - tile % qt : tile % qt) + int(cluster_ctarank());
+            q_block = 2 * (tile % qt) + int(cluster_ctarank());
             pair = tile / qt;
         } else {
             // With masks, query blocks run from the last (the most keys under a causal mask) down.
@@ -170,21 +160,7 @@ struct Work {
         kv_head = head / p.heads_per_kv;
         batch = pair / p.heads;
         q_row0 = q_block * Cfg::kBr;
-        n_skip = n_own = 0;
-        if constexpr (kPairMasks) {
-            // Both query blocks' ranges (a key range grows with the row, so the lower block's own
-            // blocks lie below the shared ones and the upper block's above them).
-            const int lower_row0 = (q_block & ~1) * Cfg::kBr;
-            const KvBlocks lower = blocks_of(p, lower_row0);
-            const KvBlocks upper = blocks_of(p, lower_row0 + Cfg::kBr);
-            const int shared = lower.count() > 0 && upper.count() > 0
-                                   ? max(0, lower.last - upper.first + 1) : 0;
-            const int own_lower = lower.count() - shared, own_upper = upper.count() - shared;
-            kv = q_block & 1 ? upper : lower;
-            n_blocks = kv.count();
-            n_own = max(own_lower, own_upper);
-            n_skip = n_own - (q_block & 1 ? own_upper : own_lower);
-        } else if constexpr (Cfg::kMask) {
+        if constexpr (Cfg::kMask) {
             kv = window_blocks<Cfg::kBr, Cfg::kBc>(p, p.seqlen_q, p.seqlen_k, q_row0);
             n_blocks = kv.count();
         } else {
@@ -192,38 +168,9 @@ struct Work {
             n_blocks = kv.last + 1;
         }
     }
-    // The KV blocks of the query block at row0; none past seqlen_q.
-    __device__ __forceinline__ static KvBlocks blocks_of(const FwdParams& p, int row0) {
-        if (row0 >= p.seqlen_q)
-            return KvBlocks{0, -1, 0, -1};
-        return window_blocks<Cfg::kBr, Cfg::kBc>(p, p.seqlen_q, p.seqlen_k, row0);
-    }
-    // Pipeline slots of the tile: this CTA's blocks, after the skipped ones with kPairMasks.
-    __device__ __forceinline__ int slots() const { return n_blocks + skipped(); }
-    __device__ __forceinline__ int skipped() const {
-        if constexpr (kPairMasks)
-            return n_skip;
-        return 0;
-    }
-    // Slot i's block comes to both CTAs of the pair (else to this one alone).
-    __device__ __forceinline__ bool multicast(int i) const {
-        if constexpr (kPairMasks)
-            return i >= n_own;
-        return Cfg::kCluster;
-    }
     // Visit order: last block first (with a causal mask it holds the diagonal, so the row
-    // maxima are known early). kPairMasks: the lower block of a pair visits its own blocks first,
-    // upwards, then the shared ones from the last down, as the upper block does.
-    __device__ __forceinline__ int block(int i) const {
-        if constexpr (kPairMasks) {
-            const int own = n_own - n_skip;
-            if ((q_block & 1) == 0 && i < own)
-                return kv.first + i;
-            if ((q_block & 1) == 0)
-                return kv.last - (i - own);
-        }
-        return kv.last - i;
-    }
+    // maxima are known early).
+    __device__ __forceinline__ int block(int i) const { return kv.last - i; }
     __device__ __forceinline__ bool needs_mask(int j, int seqlen_k) const {
         if constexpr (Cfg::kMask)
             return kv.needs_mask(j);
@@ -246,42 +193,21 @@ struct Loader {
         if (use > 0)
             mbar_wait(bar, (use - 1) & 1);
     }
-    // K/V block `block` into stage buffer `dst`, completing on `full`: with kCluster and
-    // `multicast` this CTA's half of the rows, to both CTAs; else all of it to this one.
+    // This CTA's share of K/V block `block` (all of it, or half the rows multicast to both CTAs)
+    // into stage buffer `dst`, completing on `full`.
     __device__ __forceinline__ void load_kv(unsigned char* dst, const CUtensorMap* map,
-                                            uint64_t* full, const Work<Cfg>& w, int block,
-                                            bool multicast) const {
+                                            uint64_t* full, const Work<Cfg>& w, int block) const {
         mbar_arrive_expect_tx(full, Cfg::kKVBytes);
-        constexpr int kRows = Cfg::kBc / Cfg::kClusterCtas;  // a box; a multiple of 8: 1024 B
+        constexpr int kRows = Cfg::kBc / Cfg::kClusterCtas;  // a multiple of 8: 1024-byte aligned
+        const int row0 = block * Cfg::kBc + rank * kRows;
 #pragma unroll
         for (int c = 0; c < Cfg::kPanels; ++c) {
-            unsigned char* panel = dst + c * Cfg::kBc * 128;
-            if constexpr (Cfg::kCluster) {
-                if (multicast) {
-                    tma_load_4d_multicast(panel + rank * kRows * 128, map, full, 0x3, c * 64,
-                                          block * Cfg::kBc + rank * kRows, w.kv_head, w.batch);
-                } else {
-#pragma unroll
-                    for (int h = 0; h < Cfg::kClusterCtas; ++h)
-                        tma_load_4d(panel + h * kRows * 128, map, full, c * 64,
-                                    block * Cfg::kBc + h * kRows, w.kv_head, w.batch);
-                }
-            } else {
-                tma_load_4d(panel, map, full, c * 64, block * Cfg::kBc, w.kv_head, w.batch);
-            }
+            unsigned char* panel = dst + c * Cfg::kBc * 128 + rank * kRows * 128;
+            if constexpr (Cfg::kCluster)
+                tma_load_4d_multicast(panel, map, full, 0x3, c * 64, row0, w.kv_head, w.batch);
+            else
+                tma_load_4d(panel, map, full, c * 64, row0, w.kv_head, w.batch);
         }
-    }
-    // Slot i of the tile (pipeline block g) into a K or V stage, once the stage is released: its
-    // block, or nothing for a skipped slot (the stage's full barrier completes without bytes).
-    __device__ __forceinline__ void load_slot(const Work<Cfg>& w, int i, int g, bool is_v) const {
-        const int s = g % Cfg::kStages;
-        wait_empty(is_v ? sm.v_empty(s) : sm.k_empty(s), g / Cfg::kStages);
-        uint64_t* full = is_v ? sm.v_full(s) : sm.k_full(s);
-        if (Work<Cfg>::kPairMasks && i < w.skipped())
-            mbar_arrive(full);
-        else
-            load_kv(is_v ? sm.v(s) : sm.k(s), is_v ? &prm.tma_v : &prm.tma_k, full, w,
-                    w.block(i - w.skipped()), w.multicast(i));
     }
 
     // Q of tile use u (the CTA's u-th tile with work), once the S GEMMs of the tile that used its
@@ -295,12 +221,16 @@ struct Loader {
             tma_load_4d(sm.q(u) + c * Cfg::kBr * 128, &prm.tma_q, sm.q_full(u), c * 64, w.q_row0,
                         w.head, w.batch);
     }
-    // Slot i of the tile's visit order, pipeline block g.
+    // Block i of the tile's visit order, pipeline block g, once its stage is released.
     __device__ __forceinline__ void load_k(const Work<Cfg>& w, int i, int g) const {
-        load_slot(w, i, g, false);
+        const int s = g % Cfg::kStages;
+        wait_empty(sm.k_empty(s), g / Cfg::kStages);
+        load_kv(sm.k(s), &prm.tma_k, sm.k_full(s), w, w.block(i));
     }
     __device__ __forceinline__ void load_v(const Work<Cfg>& w, int i, int g) const {
-        load_slot(w, i, g, true);
+        const int s = g % Cfg::kStages;
+        wait_empty(sm.v_empty(s), g / Cfg::kStages);
+        load_kv(sm.v(s), &prm.tma_v, sm.v_full(s), w, w.block(i));
     }
 };
 
@@ -544,27 +474,13 @@ struct Consumer {
     // One tile: q_use counts the CTA's tiles with work before it (Q buffers and phases), g its
     // first pipeline block. One guard around the blocks (split guards cost ptxas 2.5% more SASS).
     __device__ __forceinline__ void run(const Work<Cfg>& w, int q_use, int g) {
-        skip_slots(g, w.skipped());
-        start(w, q_use, g + w.skipped());
+        start(w, q_use, g);
         if (w.n_blocks > 0) {
             first_block();
             body();
             last_block();
         }
         finish();
-    }
-
-    // kPairMasks: the n slots from pipeline block g carry no block of this CTA; each stage is
-    // released once the producer has completed it, as a computed block's would be.
-    __device__ __forceinline__ void skip_slots(int g, int n) const {
-        if constexpr (Work<Cfg>::kPairMasks) {
-            for (int j = g; j < g + n; ++j) {
-                mbar_wait(sm.k_full(stage(j)), phase(j));
-                mbar_wait(sm.v_full(stage(j)), phase(j));
-                release_kv(sm.k_empty(stage(j)));
-                release_kv(sm.v_empty(stage(j)));
-            }
-        }
     }
 
     __device__ __forceinline__ void clear_o() {
@@ -914,14 +830,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             for (int tile = first_tile; tile < tiles; ++k) {
                 schedule.publish(k, tile);
                 const Work<Cfg> w(params, tile);
-                if (w.slots() > 0) {
-                    if (w.n_blocks > 0)
-                        loader.load_q(w, q_use++);
-                    for (int i = 0; i < w.slots(); ++i) {
+                if (w.n_blocks > 0) {
+                    loader.load_q(w, q_use++);
+                    for (int i = 0; i < w.n_blocks; ++i) {
                         loader.load_k(w, i, g + i);
                         loader.load_v(w, i, g + i);
                     }
-                    g += w.slots();
+                    g += w.n_blocks;
                 }
                 tile = schedule.next(p, tile);
             }
@@ -943,20 +858,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 bool begun = false;  // the previous end_into() ran this tile's block 0
                 for (int k = 1;; ++k) {
                     if (!begun) {
-                        c.skip_slots(g, w.skipped());
-                        c.start(w, q_use, g + w.skipped());
+                        c.start(w, q_use, g);
                         if (w.n_blocks > 0)
                             c.first_block();
                     }
                     c.body();
                     q_use += w.n_blocks > 0;
-                    g += w.slots();
+                    g += w.n_blocks;
                     tile = schedule.consumer_tile(k, lane);
                     const bool more = tile < tiles;
                     const Work<Cfg> next(params, more ? tile : 0);
-                    // (A next tile that skips slots starts after this one has released its
-                    // stages: the producer completes the skipped slots only then.)
-                    begun = more && w.n_blocks > 0 && next.n_blocks > 0 && next.skipped() == 0;
+                    begun = more && w.n_blocks > 0 && next.n_blocks > 0;
                     if (begun) {
                         c.end_into(next, q_use, g);
                     } else {
@@ -985,7 +897,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 __syncwarp();
                 c.run(w, q_use, g);
                 q_use += w.n_blocks > 0;
-                g += w.slots();
+                g += w.n_blocks;
             }
         }
         if constexpr (Cfg::kPersistent) {
