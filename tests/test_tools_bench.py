@@ -26,3 +26,15 @@ def test_markdown_table_has_the_cycle_ratio():
            "ratio_sdpa_cudnn": 0.984, "cycle_ratio_sdpa_cudnn": 0.93}
     text = bench.markdown([row], {"gpu": "NVIDIA H100", "torch": "2.11", "commit": "abc"})
     assert "| 610.0 | 0.984 | 0.930 | `sm90_bf16_d128_c128_g2_s2_fwpoe` |" in text
+
+
+def test_gemm_lines_put_each_row_against_the_gemm_of_its_rounds():
+    rows = [{"dtype": "fp16", "batch": 16, "seqlen": 2048, "config": "sm90_fp16_x",
+             "gemm_tflops": 680.0, "gemm_tflops_min": 650.5, "gemm_tflops_max": 700.25,
+             "ratio_gemm": 0.8012, "cycle_ratio_gemm": 0.7901},
+            {"dtype": "bf16", "batch": 16, "seqlen": 4096, "config": "sm90_bf16_x",
+             "gemm_tflops": 700.0, "gemm_tflops_min": 690.0, "gemm_tflops_max": 710.0,
+             "ratio_gemm": 0.9, "cycle_ratio_gemm": None}]
+    text = bench.gemm_lines(rows)
+    assert "| fp16 | 16x2048 | `sm90_fp16_x` | 680.0 (650.5-700.2) | 0.801 | 0.790 |" in text
+    assert "| bf16 | 16x4096 | `sm90_bf16_x` | 700.0 (690.0-710.0) | 0.900 | n/a |" in text

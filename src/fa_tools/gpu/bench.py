@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # (batch, seqlen) of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD_SHAPES = [(16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)]
 PEERS = ("sdpa_fa2", "sdpa_cudnn")
+GEMM_N = 8192  # the GEMM peer of --gemm: bf16 GEMM_N^3, the tensor cores' dense rate
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -54,13 +55,15 @@ def environment() -> dict:
 
 def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
         configs: str | None = None, reps: int = 10, rounds: int = 3,
-        causal: bool = False, sustained: bool = True) -> list[dict]:
+        causal: bool = False, sustained: bool = True, gemm: bool = False) -> list[dict]:
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
     FA2 and cuDNN backends timed in the same interleaved rounds (all causal with `causal`,
     FLOPs halved). `configs` names configs or sets (comma-separated); configs of another
     dtype/d_head, or without masks when causal, are left out. None: dispatch. `sustained`:
     each contender's calls timed after 300 ms of the same calls (steady clocks under the power
-    limit, perfcases.time_sustained_ms); else 10-call bursts after an idle gap."""
+    limit, perfcases.time_sustained_ms); else 10-call bursts after an idle gap. `gemm`: the
+    cuBLAS bf16 GEMM (GEMM_N^3) is one more contender of each row's rounds, so that its rate
+    meets the row's at the same state of the GPU (clocks drift as it warms over a run)."""
     import flash_attention as fa
 
     wanted = fa.resolve(configs) if configs else None
@@ -72,12 +75,13 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
                       if wanted else [None])
             for (batch, seqlen), config in itertools.product(shapes, chosen):
                 rows.append(_measure_row(dtype, d_head, batch, seqlen, heads, config, reps,
-                                         rounds, causal, sustained))
+                                         rounds, causal, sustained, gemm))
     return rows
 
 
 def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
-                 reps: int, rounds: int, causal: bool = False, sustained: bool = True) -> dict:
+                 reps: int, rounds: int, causal: bool = False, sustained: bool = True,
+                 gemm: bool = False) -> dict:
     import torch
 
     import flash_attention as fa
@@ -92,6 +96,10 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     fns = contenders(q, k, v, out, config=config, causal=causal)
     for name in set(PEERS) - set(fns):
         log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
+    if gemm:
+        a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        fns["gemm"] = lambda: torch.matmul(a, b)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     mcycles: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):  # interleaved rounds: drift hits every contender alike
@@ -116,6 +124,15 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
         row[f"{name}_tflops"] = flops / row[f"{name}_ms"] / 1e9 if got else None
         cyc = mcycles.get(name)
         row[f"{name}_mcycles"] = statistics.median(cyc) if cyc else None
+    if gemm:
+        got, cyc = samples["gemm"], mcycles["gemm"]
+        row["gemm_tflops"] = 2 * GEMM_N**3 / statistics.median(got) / 1e9
+        row["gemm_tflops_min"] = 2 * GEMM_N**3 / max(got) / 1e9
+        row["gemm_tflops_max"] = 2 * GEMM_N**3 / min(got) / 1e9
+        row["ratio_gemm"] = row["ours_tflops"] / row["gemm_tflops"]
+        # FLOPs per SM cycle against the GEMM's: the same ratio at equal clocks
+        row["cycle_ratio_gemm"] = (flops / row["ours_mcycles"] * statistics.median(cyc)
+                                   / (2 * GEMM_N**3) if cyc and row["ours_mcycles"] else None)
     for name in PEERS:
         row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
                                 if row[f"{name}_ms"] else None)
@@ -126,23 +143,6 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head, batch, seqlen,
              row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
     return row
-
-
-def gemm_tflops(n: int = 8192, reps: int = 10, rounds: int = 3, sustained: bool = True) -> dict:
-    """cuBLAS bf16 GEMM n^3 through torch.matmul: the tensor-core rate of this GPU, measured in
-    the same run as the attention rows (median and spread over the samples)."""
-    import torch
-
-    from .perfcases import time_cuda_ms, time_sustained_ms
-
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    samples: list[float] = []
-    for _ in range(rounds):
-        samples += (time_sustained_ms(lambda: torch.matmul(a, b), reps=reps) if sustained
-                    else time_cuda_ms(lambda: torch.matmul(a, b), reps=reps, warmup=3))
-    flops = 2 * n**3
-    return {"n": n, "tflops": flops / statistics.median(samples) / 1e9,
-            "tflops_min": flops / max(samples) / 1e9, "tflops_max": flops / min(samples) / 1e9}
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -193,23 +193,28 @@ def command(args: argparse.Namespace) -> int:
     env = environment()
     rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
                parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds,
-               args.causal, not args.burst)
-    table = markdown(rows, env)
-    gemm = None
-    if args.gemm:
-        gemm = gemm_tflops(sustained=not args.burst)
-        table += (f"\ncuBLAS bf16 GEMM {gemm['n']}^3 in the same run: {gemm['tflops']:.1f} "
-                  f"TFLOP/s (samples {gemm['tflops_min']:.1f}-{gemm['tflops_max']:.1f}); "
-                  "ours / GEMM: "
-                  + ", ".join(f"{r['batch']}x{r['seqlen']} {r['ours_tflops'] / gemm['tflops']:.2f}"
-                              for r in rows) + "\n")
+               args.causal, not args.burst, args.gemm)
+    table = markdown(rows, env) + (gemm_lines(rows) if args.gemm else "")
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows, "gemm": gemm}, indent=1)
-                             + "\n")
+        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     if args.md:
         args.md.write_text(table)
     return 0
+
+
+def gemm_lines(rows: list[dict]) -> str:
+    """The rows against the cuBLAS GEMM timed in their rounds (run(gemm=True))."""
+    lines = ["", f"Against the cuBLAS bf16 GEMM {GEMM_N}^3 timed in each row's rounds: ours / "
+             "GEMM in TFLOP/s and, in brackets, in FLOPs per SM cycle (equal clocks).", "",
+             "| dtype | batch x seq | config | GEMM TFLOP/s (samples) | ours / GEMM | cycles |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['batch']}x{r['seqlen']} | `{r['config']}` | "
+            f"{r['gemm_tflops']:.1f} ({r['gemm_tflops_min']:.1f}-{r['gemm_tflops_max']:.1f}) | "
+            f"{r['ratio_gemm']:.3f} | {_fmt(r['cycle_ratio_gemm'], '.3f')} |")
+    return "\n".join(lines) + "\n"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -231,7 +236,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal", action="store_true",
                    help="causal attention for all contenders (TFLOP/s from halved FLOPs)")
     p.add_argument("--gemm", action="store_true",
-                   help="also time a cuBLAS bf16 GEMM 8192^3 (the GPU's tensor-core rate)")
+                   help="time a cuBLAS bf16 GEMM 8192^3 (the GPU's tensor-core rate) in each "
+                   "row's rounds too, and tabulate each row against it")
     p.add_argument("--json", type=Path, help="write all numbers here")
     p.add_argument("--md", type=Path, help="write the markdown table here")
     p.set_defaults(func=command)
