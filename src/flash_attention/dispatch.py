@@ -122,7 +122,8 @@ _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
 # new one's (which gained more); with intra-warpgroup overlap too 1.101-1.102 against 1.136-1.137
 # in one run (5 rounds, both dtypes; time 1.214 / 1.202 against 1.291 / 1.264, the window
 # kernels at 1366-1424 MHz against 1503-1560 for the full one; results/2026-11-23-h100-q-regs-
-# lazy-rescale.md).
+# lazy-rescale.md). CTA pairs multicasting the blocks both CTAs see (de41527, reverted) ran at
+# higher clocks but needed 9-22% more cycles (results/2026-11-23-h100-gemm-in-rounds.md).
 _SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwoesdqrm")],
                256: [(None, "c64_g2_s2_fwpoem")]}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
