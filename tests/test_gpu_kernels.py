@@ -122,32 +122,24 @@ def test_masked_kernel_matches_reference(cfg, shape, causal, window):
 
 # Persistent Hopper kernels: far more tiles than CTAs (the grid above holds at most 128 tiles,
 # one per CTA), so that each CTA runs several in a row: Q buffers reused, tile hand-overs (flag
-# n), odd query-block counts for CTA pairs, tails in both sequences; causal on masked kernels.
+# n), odd query-block counts for CTA pairs, tails in both sequences. Masked kernels run causal and
+# sliding windows whose KV ranges differ by one or two blocks at either end between neighbouring
+# query blocks and clip at the sequence ends.
 PERSISTENT_CONFIGS = [c for c in CONFIGS if getattr(c, "persistent", False)]
+# (causal, window_size) of the masked kernels
+MANY_TILE_MASKS = [(True, (-1, -1)), (False, (200, 300)), (False, (1, 700)), (False, (130, 0))]
 
 
-@pytest.mark.parametrize("cfg", PERSISTENT_CONFIGS, ids=str)
-def test_persistent_kernel_over_many_tiles(cfg):
-    torch.manual_seed(hash(cfg.short) % 2**31)
+@pytest.mark.parametrize(
+    "cfg, causal, window",
+    [(c, *m) for c in PERSISTENT_CONFIGS for m in (MANY_TILE_MASKS if c.mask
+                                                   else [(False, (-1, -1))])],
+    ids=param_id)
+def test_persistent_kernel_over_many_tiles(cfg, causal, window):
+    torch.manual_seed(hash((cfg.short, causal, window)) % 2**31)
     batch, sq, sk, heads, kv_heads = 3, 1000, 1111, 30, 6  # 720 tiles of 128 query rows
     q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
-    opts = {"causal": cfg.mask, **softcap_of(cfg)}
-    out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
-    check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} many tiles {opts}", **opts)
-    again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)
-    assert torch.equal(again, out), f"{cfg} many tiles: a second run differs (race?)"
-
-
-@pytest.mark.parametrize("cfg", [c for c in PERSISTENT_CONFIGS if c.mask], ids=str)
-@pytest.mark.parametrize("window", [(200, 300), (1, 700), (130, 0)], ids=param_id)
-def test_persistent_kernel_windows_over_many_tiles(cfg, window):
-    """Sliding windows over many tiles: neighbouring query blocks whose KV ranges differ by one
-    or two blocks at either end, and ranges that clip at the sequence ends (CTA pairs (flag x)
-    multicast only the blocks both see and skip slots where one has fewer of its own)."""
-    torch.manual_seed(hash((cfg.short, window)) % 2**31)
-    batch, sq, sk, heads, kv_heads = 2, 1000, 1111, 12, 4
-    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
-    opts = {"window_size": window, **softcap_of(cfg)}
+    opts = {"causal": causal, "window_size": window, **softcap_of(cfg)}
     out, lse = fa.attention(q, k, v, out=poisoned_like(q), return_lse=True, config=cfg, **opts)
     check_against_reference(out, q, k, v, lse=lse, what=f"{cfg} many tiles {opts}", **opts)
     again = fa.forward(cfg, q, k, v, out=poisoned_like(q), **opts)

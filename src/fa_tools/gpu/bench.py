@@ -125,14 +125,14 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
         cyc = mcycles.get(name)
         row[f"{name}_mcycles"] = statistics.median(cyc) if cyc else None
     if gemm:
-        got, cyc = samples["gemm"], mcycles["gemm"]
-        row["gemm_tflops"] = 2 * GEMM_N**3 / statistics.median(got) / 1e9
-        row["gemm_tflops_min"] = 2 * GEMM_N**3 / max(got) / 1e9
-        row["gemm_tflops_max"] = 2 * GEMM_N**3 / min(got) / 1e9
+        got, cyc, gemm_flops = samples["gemm"], mcycles["gemm"], 2 * GEMM_N**3
+        row["gemm_tflops"] = gemm_flops / statistics.median(got) / 1e9
+        row["gemm_tflops_min"] = gemm_flops / max(got) / 1e9
+        row["gemm_tflops_max"] = gemm_flops / min(got) / 1e9
         row["ratio_gemm"] = row["ours_tflops"] / row["gemm_tflops"]
         # FLOPs per SM cycle against the GEMM's: the same ratio at equal clocks
         row["cycle_ratio_gemm"] = (flops / row["ours_mcycles"] * statistics.median(cyc)
-                                   / (2 * GEMM_N**3) if cyc and row["ours_mcycles"] else None)
+                                   / gemm_flops if cyc and row["ours_mcycles"] else None)
     for name in PEERS:
         row[f"ratio_{name}"] = (row[f"{name}_ms"] / row["ours_ms"]
                                 if row[f"{name}_ms"] else None)
