@@ -247,6 +247,26 @@ def test_ratchet_zero_spill_rule_beats_the_pin():
     assert f.metric == "spill_bytes" and "must stay 0" in f.rule
 
 
+def test_ratchet_fails_serialized_wgmma_whatever_the_pin():
+    """ptxas serializing a Hopper kernel's wgmma (C75xx) halved its speed here with no other
+    sign in the resources; the ratchet fails it even when the pin says 1 too."""
+    policy = {"static": {**POLICY["static"], "metrics": {
+        **POLICY["static"]["metrics"], "wgmma_serialized": {"max_increase": 0}}}}
+    ok = ratchet.compare({"kernels": _metrics(wgmma_serialized=0)},
+                         _metrics(wgmma_serialized=0), policy)
+    assert not [f for f in ok if f.failed]
+    for pin in (0, 1):
+        findings = ratchet.compare({"kernels": _metrics(wgmma_serialized=pin)},
+                                   _metrics(wgmma_serialized=1), policy)
+        (f,) = [f for f in findings if f.failed]
+        assert f.metric == "wgmma_serialized" and f.status == "worse"
+        assert "serialized" in f.rule and "must stay 0" in f.rule
+    # a new kernel is reported unpinned, and serialized if it is
+    findings = ratchet.compare({"kernels": {}}, _metrics(wgmma_serialized=1), policy)
+    assert {(f.metric, f.status) for f in findings if f.failed} == {
+        ("*", "unpinned"), ("wgmma_serialized", "worse")}
+
+
 def test_ratchet_new_and_missing_kernels():
     other = "fp16_d64_r64_c32_w4_fqkv"
     findings = ratchet.compare({"kernels": _metrics()}, {other: _metrics()[K]}, POLICY)

@@ -75,6 +75,29 @@ def test_static_smem_and_foreign_kernels_parse():
     assert (r.kernel, r.registers, r.static_smem, r.ctas_per_sm) == ("_Z6helperPf", 32, 1024, None)
 
 
+SM90_MANGLED = ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI13__nv_bfloat16Li128ELi128ELi2E"
+                "Li2ELb1ELb0ELb1ELb1ELb1ELb0ELb0ELb1ELb1ELb1ELb1ELb0EEEEEvNS0_10Sm90ParamsE")
+
+
+def test_serialized_wgmma_note_is_attributed_to_its_kernel():
+    """ptxas prints its serialization note (C75xx) before the entry line of the function it
+    names; the record of that function (and only that one) carries the code."""
+    entry = ("ptxas info    : Compiling entry function '{0}' for 'sm_90a'\n"
+             "ptxas info    : Function properties for {0}\n"
+             "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+             "ptxas info    : Used 168 registers, used 16 barriers\n")
+    text = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+            f"serialized due to insufficient register resources for the function '{SM90_MANGLED}'\n"
+            "ptxas info    : 0 bytes gmem\n" + entry.format(SM90_MANGLED) +
+            entry.format("_Z6helperPf"))
+    by = {r.kernel: r for r in ptxas_report.parse(text)}
+    assert by["sm90_bf16_d128_c128_g2_s2_fwoesnqrm"].wgmma_serialized == "C7512"
+    assert by["_Z6helperPf"].wgmma_serialized == ""
+    # the same note for a function of another compile does not stick to the next entry
+    other = text.replace(SM90_MANGLED + "'\n", "_Z5otherv'\n", 1)
+    assert all(r.wgmma_serialized == "" for r in ptxas_report.parse(other))
+
+
 def test_truncated_log_is_an_error():
     text = (DATA / "ptxas_sample.log").read_text().split("ptxas info    : Used")[0]
     with pytest.raises(ValueError, match="no 'Used N registers' line"):
@@ -278,10 +301,11 @@ def test_cli_module_entry_point(built):
     assert out.splitlines()[0] == "kernel,arch,fatbin_ptx"
 
 
-def test_default_configs_do_not_spill(tmp_path):
+def test_default_configs_do_not_spill_or_serialize(tmp_path):
     """The kernels dispatch runs must be spill-free on both architectures (the Hopper family on
     sm_90a, the only one it compiles for; ptxas's word), except
-    the ones ci/gate_policy.yaml lists with a byte limit and the measurement behind it."""
+    the ones ci/gate_policy.yaml lists with a byte limit and the measurement behind it; and no
+    Hopper kernel may have its wgmma serialized by ptxas (a C75xx note)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flash_attention.codegen import kernel_source
@@ -311,6 +335,8 @@ def test_default_configs_do_not_spill(tmp_path):
     spilling = [(r.kernel, r.arch, r.spill_stores) for r in records
                 if r.spill_stores > allowed.get(r.kernel, 0)]
     assert not spilling, f"default kernels spill (beyond the policy's exceptions): {spilling}"
+    serialized = [(r.kernel, r.wgmma_serialized) for r in records if r.wgmma_serialized]
+    assert not serialized, f"ptxas serialized the wgmma of default kernels: {serialized}"
     assert all(k in {c.short for c in SETS["default"]} for k in allowed), \
         "a spill exception names a kernel that is not a default kernel"
 

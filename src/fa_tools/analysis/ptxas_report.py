@@ -1,5 +1,8 @@
 """Parsing the ptxas resource report the build keeps (ptxas.log) into one record per kernel
-and architecture, with the occupancy those resources allow."""
+and architecture, with the occupancy those resources allow, and whether ptxas serialized the
+kernel's wgmma instructions (its "Potential Performance Loss" notes, C75xx: each wgmma then
+waits for the previous one, which halved the speed of a Hopper kernel here without any other
+sign in the resource lines)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ _SMEM = re.compile(r"(?P<n>\d+) bytes smem")
 _CMEM0 = re.compile(r"(?P<n>\d+) bytes cmem\[0\]")
 _CUM_STACK = re.compile(r"(?P<n>\d+) bytes cumulative stack size")
 _TIME = re.compile(r"Compile time = (?P<ms>[\d.]+) ms")
+# Printed before the function's entry line, naming it: "(C7512) Potential Performance Loss:
+# wgmma.mma_async instructions are serialized due to insufficient register resources for the
+# function '...'".
+_PERF_LOSS = re.compile(r"\((?P<code>C\d{4})\) Potential Performance Loss: (?P<what>.*?)"
+                        r"(?: for the function | in the function )'(?P<name>[^']+)'")
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,9 @@ class KernelResources:
     ctas_per_sm: int | None  # occupancy these resources allow (None: unknown arch)
     warps_per_sm: int | None
     limited_by: str | None
+    # ptxas codes of "Potential Performance Loss" notes that say the wgmma were serialized
+    # (e.g. "C7512"), comma-separated; "" when none.
+    wgmma_serialized: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,15 +66,22 @@ def _int(pattern: re.Pattern, text: str) -> int:
 def parse(text: str) -> list[KernelResources]:
     """Records for every 'Compiling entry function' block, sorted by (kernel, arch).
     Raises ValueError on a block that lacks its register line (a truncated log)."""
-    blocks: list[tuple[str, str, list[str]]] = []
+    blocks: list[tuple[str, str, list[str], list[str]]] = []
+    pending: dict[str, list[str]] = {}  # serialization notes of functions not yet entered
     for line in text.splitlines():
         m = _ENTRY.search(line)
         if m:
-            blocks.append((m["name"], m["arch"], []))
+            blocks.append((m["name"], m["arch"], [], pending.pop(m["name"], [])))
+            continue
+        note = _PERF_LOSS.search(line)
+        if note and "serializ" in note["what"] and "wgmma" in note["what"]:
+            codes = pending.setdefault(note["name"], [])
+            if note["code"] not in codes:
+                codes.append(note["code"])
         elif blocks:
             blocks[-1][2].append(line)
     records = []
-    for name, arch, lines in blocks:
+    for name, arch, lines, serialized in blocks:
         body = "\n".join(line for line in lines if "Compiling entry" not in line)
         # A block ends where the next file's or function's lines begin; only the first Used /
         # properties / compile-time lines after the entry belong to it.
@@ -102,6 +120,7 @@ def parse(text: str) -> list[KernelResources]:
             ctas_per_sm=occ["ctas"] if occ else None,
             warps_per_sm=occ["warps"] if occ else None,
             limited_by=limited,
+            wgmma_serialized=",".join(serialized),
         ))
     return sorted(records, key=lambda r: (r.kernel, r.arch))
 

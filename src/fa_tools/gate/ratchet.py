@@ -1,7 +1,8 @@
 """The static resource ratchet: per kernel and architecture, registers, spill bytes, stack,
 shared memory and SASS totals of the current build against the pins in ci/baselines/, under the
 policy in ci/gate_policy.yaml. Worse fails; better but not re-pinned fails too ("re-pin with
-rebaseline"), so the pins never go stale. No GPU needed."""
+rebaseline"), so the pins never go stale. A Hopper kernel whose wgmma ptxas serialized fails
+whatever its pin says. No GPU needed."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
                 "sass_tensor_mma": hist.categories["tensor_mma"],
                 **({"sass_tma": hist.categories["tma"],
                     "sass_setmaxnreg": hist.categories["setmaxnreg"],
-                    "sass_ex2_overlapped": opcodes.ex2_under_wgmma(instrs)}
+                    "sass_ex2_overlapped": opcodes.ex2_under_wgmma(instrs),
+                    "wgmma_serialized": int(bool(rec.wgmma_serialized))}
                    if arch == "90a" else {}),
             }
     return out
@@ -101,6 +103,11 @@ def _rule_text(rule: dict) -> str:
     return "may not rise" if n == 0 else f"may rise at most {n}"
 
 
+_SERIALIZED = ("ptxas serialized this kernel's wgmma (its 'Potential Performance Loss' note in "
+               "ptxas.log; `fa-tools resources` names the code): each GEMM then waits for the "
+               "previous one; must stay 0")
+
+
 def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
     static = policy["static"]
     rules = static["metrics"]
@@ -119,6 +126,9 @@ def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
             if old is None:
                 findings.append(Finding(kernel, arch, "*", None, None, "unpinned",
                                         "new kernel: pin it with rebaseline"))
+                if (new or {}).get("wgmma_serialized"):  # not to be pinned either
+                    findings.append(Finding(kernel, arch, "wgmma_serialized", None, 1, "worse",
+                                            _SERIALIZED))
                 continue
             if new is None:
                 findings.append(Finding(kernel, arch, "*", None, None, "missing",
@@ -134,7 +144,9 @@ def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
                     continue
                 text = _rule_text(rule)
                 sign = -1 if "max_decrease" in rule else 1  # more is better for this metric
-                if metric == "spill_bytes" and kernel in zero_spill and c > spill_allowed.get(
+                if metric == "wgmma_serialized" and c > 0:
+                    findings.append(Finding(kernel, arch, metric, b, c, "worse", _SERIALIZED))
+                elif metric == "spill_bytes" and kernel in zero_spill and c > spill_allowed.get(
                         kernel, 0):
                     findings.append(Finding(
                         kernel, arch, metric, b, c, "worse",
