@@ -1,21 +1,40 @@
 """A target for Nsight Compute (ci/gpu_validate.sh step profile): runs one attention call a few
 times on random inputs, so that ncu can profile the last launch of the kernel it matches.
-    python3 ci/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]"""
+    python3 ci/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
+        [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)"""
 
-import sys
+import argparse
 
 import torch
 
+import flash_attention as fa
 from fa_tools.gpu.perfcases import contenders
 
-who = sys.argv[1]
-dtype, d, b, s, h = (sys.argv[2:7] + ["bf16", "128", "16", "4096", "16"][len(sys.argv[2:7]):])
-causal = len(sys.argv) > 7 and sys.argv[7] == "causal"
+ap = argparse.ArgumentParser()
+ap.add_argument("who", choices=("ours", "cudnn", "fa2"))
+ap.add_argument("shape", nargs="*")
+ap.add_argument("--config")
+ap.add_argument("--window")
+args = ap.parse_args()
+dtype, d, b, s, h = (args.shape[:5] + ["bf16", "128", "16", "4096", "16"][len(args.shape[:5]):])
+causal = len(args.shape) > 5 and args.shape[5] == "causal"
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-name = {"ours": "ours", "cudnn": "sdpa_cudnn", "fa2": "sdpa_fa2"}[who]
-run = contenders(q, k, v, torch.empty_like(q), names=(name,), causal=causal)[name]
+if args.window or args.config:
+    if args.who != "ours":
+        ap.error("--config and --window apply to ours only")
+    opts = {"config": args.config} if args.config else {}
+    if args.window:
+        opts["window_size"] = tuple(int(x) for x in args.window.split(","))
+    out = torch.empty_like(q)
+
+    def run():
+        fa.attention(q, k, v, out=out, causal=causal, **opts)
+else:
+    name = {"ours": "ours", "cudnn": "sdpa_cudnn", "fa2": "sdpa_fa2"}[args.who]
+    run = contenders(q, k, v, torch.empty_like(q), names=(name,), causal=causal)[name]
 for _ in range(4):
     run()
 torch.cuda.synchronize()
-print(who, dtype, d, b, s, h, "causal" if causal else "", "done")
+print(args.who, dtype, d, b, s, h, "causal" if causal else "", args.config or "", args.window or "",
+      "done")
