@@ -97,17 +97,17 @@ def test_fallback_respects_features(no_tuning):
 
 def test_hopper_kernels_by_mask_kind(no_tuning):
     """Plain calls run the persistent CTA-pair kernel, causal the dynamic masked one, windows
-    bounded on the left the persistent masked one (at d_head 128 the dynamic one, as causal; a
+    bounded on the left the persistent masked one (at d_head 128 the static one, unlike causal; a
     window runs on the masked row's kernel when its own is not built); d_head 96 runs on the
     d128 tile, 32 has no Hopper kernel."""
     built = list(DEFAULT)
     pick = lambda d, mask, local=False, b=built: dispatch.select_sm90(  # noqa: E731
         "bf16", d, 4096, b, mask, False, local)
-    assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwesxqr"
+    assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwoesqr"
     assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwesdqrm"
-    assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesdqrm"
-    assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwesxqr"  # no mask
-    assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesdqrm"
+    assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqrm"
+    assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqr"  # no mask
+    assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqrm"
     assert pick(64, True, local=True).short == "sm90_bf16_d64_c96_g3_s3_fwesm"
     assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
     assert pick(32, True, local=True) is None
@@ -118,18 +118,19 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
 
 
 def test_hopper_rows_by_length(no_tuning):
-    """d_head 128: CTA pairs with Q in registers and the lazy rescale from bucket 1024 (single
-    CTAs at 512 and below), with overlap too from 8192; causal: the plain dynamic kernel to
-    2048, with q and r at 4096, with overlap too from 8192; a row's kernel missing from the
+    """d_head 128: CTA pairs with Q in registers and the lazy rescale at 1024-2048 (single
+    CTAs at 512 and below), single CTAs with q, r and overlap from 4096; causal: the plain
+    dynamic kernel to 2048, with q and r at 4096, with overlap too from 8192; a row's kernel
+    missing from the
     build, another of its kind runs."""
     built = list(DEFAULT)
     pick = lambda seq, mask, b=built: dispatch.select_sm90(  # noqa: E731
         "fp16", 128, seq, b, mask, False).short.split("_")[-1]
-    assert [pick(seq, False) for seq in (64, 512, 1024, 4096, 8192)] == [
-        "fwes", "fwes", "fwesxqr", "fwesxqr", "fwoesxqr"]
+    assert [pick(seq, False) for seq in (64, 512, 1024, 2048, 4096, 8192)] == [
+        "fwes", "fwes", "fwesxqr", "fwesxqr", "fwoesqr", "fwoesqr"]
     assert [pick(seq, True) for seq in (512, 2048, 4096, 8192, 16384)] == [
         "fwesdm", "fwesdm", "fwesdqrm", "fwoesdqrm", "fwoesdqrm"]
     no_pairs = [c for c in built if not (c.family == "sm90" and c.cluster)]
-    assert pick(4096, False, no_pairs) == "fwes"
+    assert pick(2048, False, no_pairs) == "fwoesqr"
     no_short = [c for c in built if c.short != "sm90_fp16_d128_c128_g2_s2_fwes"]
     assert pick(512, False, no_short) == "fwesxqr"

@@ -103,9 +103,14 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
 # 1024 and 2048 kept the plain dynamic kernel: fewer cycles with q and r, but 2-8% more time.
 # Intra-warpgroup overlap on top (fwoesxqr) needs 2-3% fewer cycles from 2048 and is 1.5-3%
 # faster from 8192 (bf16 and fp16, three comparisons in two calls), 2.6-5% slower at 1024-4096.
+# From 4096 one CTA per tile with all of that (fwoesqr, static) needs 5-6% fewer SM cycles than
+# the pairs (ours/cuDNN in cycles 1.086-1.101 against 1.028-1.040, both dtypes) and runs at
+# 1.075-1.102x cuDNN in time against 1.060-1.084 for fwoesxqr and 1.067-1.069 for fwesxqr (two
+# calls, 3 and 5 rounds; the pairs' multicast buys clock under the power limit, not cycles);
+# at 2048 it loses 1-7% (results/2026-11-23-h100-window-tile-cost.md).
 _SM90_PLAIN = {64: [(4096, "c96_g3_s3_fwesn"), (None, "c96_g3_s3_fwesnqr")],
-               128: [(512, "c128_g2_s2_fwes"), (4096, "c128_g2_s2_fwesxqr"),
-                     (None, "c128_g2_s2_fwoesxqr")],
+               128: [(512, "c128_g2_s2_fwes"), (2048, "c128_g2_s2_fwesxqr"),
+                     (None, "c128_g2_s2_fwoesqr")],
                256: [(None, "c64_g2_s2_fwpoer")]}
 _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
                 128: [(2048, "c128_g2_s2_fwesdm"), (4096, "c128_g2_s2_fwesdqrm"),
@@ -123,8 +128,12 @@ _SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
 # in one run (5 rounds, both dtypes; time 1.214 / 1.202 against 1.291 / 1.264, the window
 # kernels at 1366-1424 MHz against 1503-1560 for the full one; results/2026-11-23-h100-q-regs-
 # lazy-rescale.md). CTA pairs multicasting the blocks both CTAs see (de41527, reverted) ran at
-# higher clocks but needed 9-22% more cycles (results/2026-11-23-h100-gemm-in-rounds.md).
-_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwoesdqrm")],
+# higher clocks but needed 9-22% more cycles (results/2026-11-23-h100-gemm-in-rounds.md). The
+# static schedule with overlap (fwoesqrm) needs 1.1-1.6% fewer cycles than the dynamic one at
+# windows (256, 256) to (2048, 2048) (H100, 8 x 8192, three calls, both dtypes; time within the
+# clocks' spread: results/2026-11-23-h100-window-tile-cost.md, which also splits the cost of a
+# tile: about 4700 cycles besides its blocks, of which the edge masks 1560 and the epilogue 1370).
+_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwoesqrm")],
                256: [(None, "c64_g2_s2_fwpoem")]}
 # The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
 # TMA, never stored): 96 on 128, 160-224 on 256 (32 stays on sm80: d_head 32 on the 64 kernel
