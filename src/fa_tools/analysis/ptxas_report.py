@@ -1,8 +1,8 @@
 """Parsing the ptxas resource report the build keeps (ptxas.log) into one record per kernel
 and architecture, with the occupancy those resources allow, and whether ptxas serialized the
 kernel's wgmma instructions (its "Potential Performance Loss" notes, C75xx: each wgmma then
-waits for the previous one, which halved the speed of a Hopper kernel here without any other
-sign in the resource lines)."""
+waits for the previous one, which cost a Hopper kernel here 1.5x the cycles per KV block with
+no other sign in the resource lines)."""
 
 from __future__ import annotations
 
