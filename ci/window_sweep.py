@@ -76,16 +76,10 @@ for label, (_, c, w) in contenders.items():
 
 for c in args.masked:
     # Least squares of cycles x SMs = T0 x tiles + b x blocks over the windows.
-    rows = [(*blocks_of(c, w), med([s[1] for s in samples[f"({w},{w}) {c}"]]) * 1e6 * sms)
-            for w in windows]
-    stt = sum(t * t for t, _, _ in rows)
-    stb = sum(t * b for t, b, _ in rows)
-    sbb = sum(b * b for _, b, _ in rows)
-    sty = sum(t * y for t, _, y in rows)
-    sby = sum(b * y for _, b, y in rows)
-    det = stt * sbb - stb * stb
-    t0 = (sty * sbb - sby * stb) / det
-    b = (stt * sby - stb * sty) / det
-    resid = max(abs(t * t0 + bl * b - y) / y for t, bl, y in rows)
+    rows = torch.tensor([(*blocks_of(c, w), med([s[1] for s in samples[f"({w},{w}) {c}"]])
+                          * 1e6 * sms) for w in windows], dtype=torch.float64)
+    t0, b = torch.linalg.lstsq(rows[:, :2], rows[:, 2:]).solution.flatten().tolist()
+    resid = ((rows[:, :2] @ torch.tensor([t0, b], dtype=torch.float64) - rows[:, 2])
+             / rows[:, 2]).abs().max().item()
     print(f"fit {c}: b = {b:.0f} cycles per block, T0 = {t0:.0f} cycles per tile = "
           f"{t0 / b:.2f} blocks (worst residual {resid:.2%})")
