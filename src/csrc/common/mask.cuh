@@ -82,9 +82,11 @@ struct WindowMask {
     // Scores of block kv_col0 that no row may see (outside the window or past seqlen_k) -> -inf.
     // Per row of this thread the visible elements are a range [k_lo, k_hi] of k = c - col0, a
     // compile-time constant per element: two compares with an immediate and a select each.
-    // (Paths with one bound for the blocks on one edge halve that, but measured no faster on an
-    // H100: causal and window SM cycles unchanged within 1.5%.)
-    template <int kMT, int kNS>
+    // kLo / kHi: whether the block may cut a row on the window's left / right side (the key
+    // tail is on the right). A block on one edge checks one bound, a compare and a select: the
+    // sm_90 kernels do (a window tile's fixed cost fell by 800 SM cycles of ~3800, both edges of
+    // its critical path); the sm_80 kernels check both (measured no faster there within 1.5%).
+    template <bool kLo = true, bool kHi = true, int kMT, int kNS>
     __device__ __forceinline__ void apply(float (&S)[kMT][kNS][4], int kv_col0, int seqlen_k,
                                           const FwdParams& p) const {
         // Visible iff -left <= (c - r) + base <= right: bounds on c - r, clamped to 32 bits.
@@ -107,7 +109,7 @@ struct WindowMask {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int k = nt * 8 + e;
-                        if (k < k_lo || k > k_hi)
+                        if ((kLo && k < k_lo) || (kHi && k > k_hi))
                             S[mt][nt][2 * h + e] = -INFINITY;
                     }
             }

@@ -1,5 +1,5 @@
 // Numeric helpers both kernel families use: the shared-memory address of a pointer, packing
-// fp32 pairs into 16-bit pairs, and fast exp2 / reciprocal / tanh.
+// fp32 pairs into 16-bit pairs, and fast exp2 / reciprocal / log2 / tanh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +38,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ float fast_rcp(float x) {
     float y;
     asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// log2(x), absolute error about 2^-22 (lg2.approx; x > 0 here: a row sum of at least 1).
+__device__ __forceinline__ float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 

@@ -38,8 +38,29 @@
 
 namespace flash::sm90 {
 
+// n / d for 0 <= n < 2^31 and a divisor fixed per launch: a multiply-high and a shift
+// with a magic number the launcher computes (Granlund-Montgomery), in place of the ~20 dependent
+// instructions of an integer division on the tile change's critical path.
+struct FastDiv {
+    int d;
+    uint32_t magic, shift;
+
+    FastDiv() = default;
+    __host__ explicit FastDiv(int divisor) : d(divisor > 1 ? divisor : 1), shift(0) {
+        divisor = d;
+        while ((uint64_t(1) << shift) < uint64_t(divisor))
+            ++shift;
+        magic = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor) / divisor + 1);
+    }
+    __device__ __forceinline__ int div(int n) const {
+        return int((__umulhi(uint32_t(n), magic) + uint32_t(n)) >> shift);
+    }
+};
+
 struct Sm90Params {
     FwdParams p;
+    // Tile numbering: query tiles per (batch, head) (Work::q_tiles), heads, heads per KV head.
+    FastDiv q_tiles, heads, heads_per_kv;
     // 4-D maps (d_head, seqlen, heads, batch): Q and O boxes are 64 columns x B_r (Q) or 64 (O,
     // one warpgroup's rows) rows, K and V 64 columns x B_c rows; all 128-byte swizzled.
     CUtensorMap tma_q, tma_k, tma_v, tma_o;
@@ -141,24 +162,23 @@ struct Work {
         const FwdParams& p = prm.p;
         const int qb = q_blocks(p);
         int pair;  // batch * heads + head
-        if constexpr (Cfg::kDynamic) {
+        if constexpr (!Cfg::kDynamic) {
+            pair = prm.q_tiles.div(tile);
+            const int in = tile - pair * prm.q_tiles.d;
+            if constexpr (Cfg::kCluster)
+                q_block = 2 * in + int(cluster_ctarank());
+            else
+                q_block = Cfg::kMask ? qb - 1 - in : in;  // (masks: from the last block down)
+        } else {
             const int per_group = prm.sched_heads * qb;
             const int group = tile / per_group, in = tile % per_group;
             const int heads_in = min(prm.sched_heads, p.batch * p.heads - group * prm.sched_heads);
             q_block = qb - 1 - in / heads_in;
             pair = group * prm.sched_heads + in % heads_in;
-        } else if constexpr (Cfg::kCluster) {
-            const int qt = q_tiles(p);
-            q_block = 2 * (tile % qt) + int(cluster_ctarank());
-            pair = tile / qt;
-        } else {
-            // With masks, query blocks run from the last (the most keys under a causal mask) down.
-            q_block = Cfg::kMask ? qb - 1 - tile % qb : tile % qb;
-            pair = tile / qb;
         }
-        head = pair % p.heads;
-        kv_head = head / p.heads_per_kv;
-        batch = pair / p.heads;
+        batch = prm.heads.div(pair);
+        head = pair - batch * p.heads;
+        kv_head = prm.heads_per_kv.div(head);
         q_row0 = q_block * Cfg::kBr;
         if constexpr (Cfg::kMask) {
             kv = window_blocks<Cfg::kBr, Cfg::kBc>(p, p.seqlen_q, p.seqlen_k, q_row0);
@@ -308,9 +328,11 @@ struct Softmax {
             float sum = l[h];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+            // MUFU approximations (about 2^-22 relative): the precise 1/x and log2f are ~100
+            // dependent instructions with slow paths, on the tile change's critical path.
+            inv[h] = sum > 0.f ? fast_rcp(sum) : 0.f;
             lse[h] =
-                sum > 0.f ? (m[h] * scale_log2 + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+                sum > 0.f ? (m[h] * scale_log2 + fast_log2(sum)) * 0.69314718055994531f : -INFINITY;
         }
     }
     // O /= l, with inv from totals().
@@ -462,8 +484,16 @@ struct Consumer {
         }
         if (w.needs_mask(j, p.seqlen_k)) {
             float (&S3)[1][kNS][4] = reinterpret_cast<float (&)[1][kNS][4]>(S);
-            WindowMask<Cfg>(p.seqlen_q, p.seqlen_k, w.q_row0, warp * 16, lane)
-                .apply(S3, j * Cfg::kBc, p.seqlen_k, p);
+            const WindowMask<Cfg> mask(p.seqlen_q, p.seqlen_k, w.q_row0, warp * 16, lane);
+            // Blocks on one edge check one bound (the right one also holds the key tail).
+            const bool lo = Cfg::kMask && j < w.kv.full_first;
+            const bool hi = !Cfg::kMask || j > w.kv.full_last;
+            if (lo && hi)
+                mask.template apply<true, true>(S3, j * Cfg::kBc, p.seqlen_k, p);
+            else if (lo)
+                mask.template apply<true, false>(S3, j * Cfg::kBc, p.seqlen_k, p);
+            else
+                mask.template apply<false, true>(S3, j * Cfg::kBc, p.seqlen_k, p);
         }
         softmax.template scores<kFirst>(S, p.scale_log2, corr);
     }
@@ -689,16 +719,19 @@ struct Consumer {
                     tma_store_wait_read();
                 named_sync(3 + wg, 128);  // ... the previous tile's rows have been read
             }
+            // One stmatrix.x4 per two n8 tiles t, t + 1 (t even): its 8x8 matrices are rows +0
+            // and +8 of tile t, then of t + 1; lane l gives the address of row l % 8 of matrix
+            // l / 8, CTA row r below, tile t + l / 16. That tile's chunk (t % 8 + l / 16) ^ (r & 7)
+            // is (t % 8) ^ (l / 16) ^ (l % 8): the 128-byte-aligned row address with the lane's
+            // chunk, XORed with the compile-time (t % 8) * 16.
+            const int r = warp * 16 + 8 * ((lane / 8) % 2) + lane % 8;
+            const uint32_t row = smem_u32(sq) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = row_in_cta + 8 * h;
-#pragma unroll
-                for (int t = 0; t < kNO; ++t) {
-                    const uint32_t off = (t / 8) * Cfg::kBr * 128 + r * 128 +
-                                         (((t % 8) ^ (r & 7)) * 16) + (lane % 4) * 4;
-                    *reinterpret_cast<uint32_t*>(sq + off) =
-                        pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
-                }
+            for (int t = 0; t < kNO; t += 2) {
+                const uint32_t frag[4] = {
+                    pack2<Elem>(O[t][0], O[t][1]), pack2<Elem>(O[t][2], O[t][3]),
+                    pack2<Elem>(O[t + 1][0], O[t + 1][1]), pack2<Elem>(O[t + 1][2], O[t + 1][3])};
+                stmatrix_x4((row ^ ((t % 8) * 16)) + (t / 8) * Cfg::kBr * 128, frag);
             }
             fence_proxy_async_smem();  // the TMA store reads what these stores wrote
             named_sync(3 + wg, 128);   // ... every thread of the warpgroup has written
