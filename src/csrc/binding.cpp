@@ -25,9 +25,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "binding/input_layout.h"
 #include "registry.h"
 
 namespace {
+
+namespace layout = flash::binding;  // what the kernels can address (input_layout.h)
 
 // Error messages are built here, numbers with std::to_string, and handed to TORCH_CHECK as one
 // string: formatting a number through an ostream (what TORCH_CHECK does with its arguments)
@@ -216,7 +219,8 @@ std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, b
 
 // Why a Hopper (sm_90a) kernel cannot run this call, or nullptr when it can: the GPU must be
 // sm_90, the batch fixed-length, and every tensor addressable by TMA (16-byte aligned base,
-// strides of the dimensions it steps over multiples of 16 bytes).
+// strides of the dimensions it steps over positive multiples of 16 bytes; an expanded
+// dimension, stride 0, runs on the sm80 family, which reads it in place).
 const char* sm90_unfit(const cudaDeviceProp& prop, bool varlen,
                        std::initializer_list<const at::Tensor*> tensors) {
     if (prop.major != 9 || prop.minor != 0)
@@ -231,6 +235,8 @@ const char* sm90_unfit(const cudaDeviceProp& prop, bool varlen,
         for (int64_t d = 0; d < 3; ++d)
             if (t->size(d) > 1 && (t->stride(d) * t->element_size()) % 16 != 0)
                 return "a tensor stride is not a multiple of 16 bytes";
+            else if (t->size(d) > 1 && t->stride(d) == 0)
+                return "a tensor is expanded (stride 0)";
         if (t->size(1) == 0)
             return "an empty sequence";
     }
@@ -242,10 +248,9 @@ const char* sm90_unfit(const cudaDeviceProp& prop, bool varlen,
 // Errors raise the Python exception a user expects: TypeError for a wrong type or dtype,
 // ValueError for a wrong shape or value (TORCH_CHECK_TYPE / TORCH_CHECK_VALUE).
 
+// Any strides are accepted: what the kernels cannot address is copied (binding/input_layout.h).
 void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* dims) {
     FA_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got ", t.dim(), "-D");
-    FA_CHECK_VALUE(t.size(rank - 1) <= 1 || t.stride(rank - 1) == 1, name,
-                   " must have a contiguous last dimension (stride 1)");
 }
 
 // q (B, Sq, H, D) or varlen (total_q, H, D); the element type of q, k, v (and out).
@@ -374,61 +379,60 @@ Choice choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t d_head
 // Runs q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given, lse (B, H, Sq)
 // fp32 contiguous; varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
 // window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
-// are -1. softcap: 0 off, else a kernel built for it.
-void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& out, const std::optional<at::Tensor>& lse, const Varlen& vl,
-                 c10::string_view name, double softmax_scale, int64_t window_left,
+// are -1. softcap: 0 off, else a kernel built for it. Any strides: what the kernels cannot
+// address goes through a copy (binding/input_layout.h); out_is_fresh: out was allocated by the
+// operator (contiguous, shares no memory), so its layout needs no test.
+void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                 const at::Tensor& out, bool out_is_fresh, const std::optional<at::Tensor>& lse,
+                 const Varlen& vl, c10::string_view name, double softmax_scale, int64_t window_left,
                  int64_t window_right, double softcap) {
     const bool varlen = vl.cu_q != nullptr;
-    const at::ScalarType dtype = check_qkv(q, k, v, varlen);
-    const int64_t rank = q.dim();
-    const int64_t D = q.size(rank - 1), H = q.size(rank - 2), Hk = k.size(rank - 2);
-    const int64_t B = varlen ? vl.cu_q->numel() - 1 : q.size(0);
-    const int64_t Sq = varlen ? vl.max_q : q.size(1), Sk = varlen ? vl.max_k : k.size(1);
+    const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen);
+    const int64_t rank = q_in.dim();
+    const int64_t D = q_in.size(rank - 1), H = q_in.size(rank - 2), Hk = k_in.size(rank - 2);
+    const int64_t B = varlen ? vl.cu_q->numel() - 1 : q_in.size(0);
+    const int64_t Sq = varlen ? vl.max_q : q_in.size(1), Sk = varlen ? vl.max_k : k_in.size(1);
     const bool mask = window_left != -1 || window_right != -1;
     const Choice chosen = choose_kernel(name, dtype, D, Sq, mask, window_left != -1, softcap > 0);
-    const auto device = q.device();
-    const cudaDeviceProp& prop = device_properties(device.index());
-    const flash::KernelEntry* pick = chosen.kernel;
-    if (pick->arch == 90) {
-        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &out})) {
-            FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
-                     " (sm_90a) cannot run this call: ", why);
-            pick = chosen.fallback;
-        }
-    }
-    const flash::KernelEntry& e = *pick;
+    // The kernel and its fallback share dtype, d_head variant, masks and softcap: the checks
+    // below hold for whichever runs.
+    const flash::KernelEntry& c = *chosen.kernel;
+    const auto device = q_in.device();
 
-    const auto want = e.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
-    FA_CHECK_TYPE(dtype == want, "kernel ", e.name, " needs ", want, " tensors");
-    FA_CHECK_VALUE(D <= e.d_head, "kernel ", e.name, " serves d_head multiples of 8 up to ",
-                   e.d_head, ", got ", D);
+    const auto want = c.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
+    FA_CHECK_TYPE(dtype == want, "kernel ", c.name, " needs ", want, " tensors");
+    FA_CHECK_VALUE(D <= c.d_head, "kernel ", c.name, " serves d_head multiples of 8 up to ",
+                   c.d_head, ", got ", D);
     check_rank(out, "out", rank, "like q");
-    FA_CHECK_VALUE(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(), ", got ",
-                   out.sizes());
+    FA_CHECK_VALUE(out.sizes() == q_in.sizes(), "out must have the shape of q ", q_in.sizes(),
+                   ", got ", out.sizes());
     FA_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
     FA_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
                    ") must each be at most 65535");
-    FA_CHECK_VALUE(Sq <= std::numeric_limits<int>::max() - e.block_m &&
-                       Sk <= std::numeric_limits<int>::max() - e.block_n &&
-                       q.size(0) <= std::numeric_limits<int>::max() &&
-                       k.size(0) <= std::numeric_limits<int>::max(),
-                   "sequence lengths and token counts must be below 2^31");
+    // kMaxSeqlen leaves room for the largest tile past the last row in 32-bit row indices.
+    constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 256;
+    FA_CHECK_VALUE(Sq <= kMaxSeqlen && Sk <= kMaxSeqlen &&
+                       q_in.size(0) <= std::numeric_limits<int>::max() &&
+                       k_in.size(0) <= std::numeric_limits<int>::max(),
+                   "sequence lengths and token counts must be at most 2^31 - 257");
     FA_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0,
                    "softmax_scale must be finite and positive, got ", softmax_scale);
     FA_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
                        window_left <= std::numeric_limits<int>::max() &&
                        window_right <= std::numeric_limits<int>::max(),
                    "window sizes must be -1 (unbounded) or in [0, 2^31)");
-    FA_CHECK_VALUE(e.mask || !mask, "kernel ", e.name,
+    FA_CHECK_VALUE(c.mask || !mask, "kernel ", c.name,
                    " has no masks (config flag m): it cannot run causal or windowed attention");
     FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
                    "softcap must be 0 (off) or finite and positive, got ", softcap);
-    FA_CHECK_VALUE(e.softcap == (softcap > 0), "kernel ", e.name,
-                   e.softcap ? " applies a softcap: call it with softcap > 0"
+    FA_CHECK_VALUE(c.softcap == (softcap > 0), "kernel ", c.name,
+                   c.softcap ? " applies a softcap: call it with softcap > 0"
                              : " has no softcap (config flag t)");
     FA_CHECK_VALUE(out.device() == device, "out must be on ", device);
-    const int64_t lse_rows = varlen ? q.size(0) : Sq;
+    FA_CHECK_VALUE(out_is_fresh || layout::elements_distinct(out),
+                   "out has elements that share memory (an expanded tensor: a stride of 0?); "
+                   "pass a tensor whose elements are distinct, e.g. torch.empty_like(q)");
+    const int64_t lse_rows = varlen ? q_in.size(0) : Sq;
     if (lse) {
         const bool shape_ok =
             varlen
@@ -448,10 +452,10 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         FA_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
                        "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
         FA_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
-        check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q.size(0), vl.max_q, stream);
-        check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k.size(0), vl.max_k, stream);
+        check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q_in.size(0), vl.max_q, stream);
+        check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k_in.size(0), vl.max_k, stream);
     }
-    if (B == 0 || Sq == 0 || H == 0 || q.size(0) == 0)
+    if (B == 0 || Sq == 0 || H == 0 || q_in.size(0) == 0)
         return;
     if (!varlen && Sk == 0) {  // no key for any row: out 0, LSE -inf
         out.zero_();
@@ -460,9 +464,34 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         return;
     }
 
+    const cudaDeviceProp& prop = device_properties(device.index());
     FA_CHECK(prop.major >= 8,
              "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
              prop.major, ".", prop.minor);
+
+    // The tensors as the kernels address them: the caller's, or copies (input_layout.h).
+    const c10::MaybeOwned<at::Tensor> q_addr = layout::addressable(q_in);
+    const c10::MaybeOwned<at::Tensor> k_addr = layout::addressable(k_in);
+    const c10::MaybeOwned<at::Tensor> v_addr = layout::addressable(v_in);
+    const at::Tensor &q = *q_addr, &k = *k_addr, &v = *v_addr;
+    const bool out_direct =
+        out_is_fresh ||
+        (layout::unaddressable(out) == nullptr && !layout::spans_overlap(out, q_in) &&
+         !layout::spans_overlap(out, k_in) && !layout::spans_overlap(out, v_in));
+    const c10::MaybeOwned<at::Tensor> out_addr =
+        out_direct ? c10::MaybeOwned<at::Tensor>::borrowed(out)
+                   : c10::MaybeOwned<at::Tensor>::owned(at::empty(q_in.sizes(), q_in.options()));
+    const at::Tensor& o = *out_addr;
+
+    const flash::KernelEntry* pick = chosen.kernel;
+    if (pick->arch == 90) {
+        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &o})) {
+            FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
+                     " (sm_90a) cannot run this call: ", why);
+            pick = chosen.fallback;
+        }
+    }
+    const flash::KernelEntry& e = *pick;
     FA_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);
@@ -471,7 +500,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
-    p.o = out.data_ptr();
+    p.o = o.data_ptr();
     p.lse = lse ? lse->data_ptr<float>() : nullptr;
     // Strides by role: (batch, row, head); varlen tensors have no batch dimension.
     const int r = varlen ? 0 : 1;
@@ -484,9 +513,9 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     p.v_batch_stride = varlen ? 0 : v.stride(0);
     p.v_row_stride = v.stride(r);
     p.v_head_stride = v.stride(r + 1);
-    p.o_batch_stride = varlen ? 0 : out.stride(0);
-    p.o_row_stride = out.stride(r);
-    p.o_head_stride = out.stride(r + 1);
+    p.o_batch_stride = varlen ? 0 : o.stride(0);
+    p.o_row_stride = o.stride(r);
+    p.o_head_stride = o.stride(r + 1);
     p.lse_batch_stride = varlen ? 0 : H * Sq;
     p.lse_head_stride = lse_rows;
     p.batch = static_cast<int>(B);
@@ -515,11 +544,14 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
     const cudaError_t err = e.launch(p, stream);
     FA_CHECK(err == cudaSuccess, "launch of kernel ", e.name, " failed: ", cudaGetErrorString(err));
+    if (!out_direct)
+        out.copy_(o);
 }
 
 // What dispatch runs for a fixed-length call and why (for debug logging): the table's kernel,
-// or its fallback with the reason the Hopper kernel cannot run the call. The window is the
-// operator's (canonical_window: causal folded in, sides that bound nothing -1).
+// or its fallback with the reason the Hopper kernel cannot run the call, and the inputs copied
+// because the kernels cannot address them (input_layout.h). The window is the operator's
+// (canonical_window: causal folded in, sides that bound nothing -1).
 std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     int64_t window_left, int64_t window_right, bool softcap) {
     const int64_t D = q.size(-1);
@@ -528,19 +560,52 @@ std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
+    std::string copies;
+    const std::pair<const char*, const at::Tensor*> inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+    for (const auto& [name, t] : inputs)
+        if (const char* why = layout::unaddressable(*t))
+            copies += message(", copies ", name, " (", why, ")");
     if (c.kernel->arch != 90)
-        return c.kernel->name;
-    const char* why = sm90_unfit(device_properties(q.device().index()), false, {&q, &k, &v});
-    return why == nullptr ? std::string(c.kernel->name)
-                          : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")");
+        return c.kernel->name + copies;
+    const auto qa = layout::addressable(q), ka = layout::addressable(k),
+               va = layout::addressable(v);
+    const char* why = sm90_unfit(device_properties(q.device().index()), false, {&*qa, &*ka, &*va});
+    return why == nullptr
+               ? c.kernel->name + copies
+               : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")", copies);
+}
+
+// How the operator will address each tensor of a call (input_layout.h), for tests and debug
+// logging; reads only metadata, so CPU tensors do too: {name: "" (in place) or why a copy}, and
+// for out "refused: ..." when its elements overlap.
+py::dict layout_report(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& out) {
+    py::dict report;
+    const std::pair<const char*, const at::Tensor*> inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+    for (const auto& [name, t] : inputs) {
+        const char* why = layout::unaddressable(*t);
+        report[name] = why == nullptr ? "" : why;
+    }
+    if (out) {
+        if (!layout::elements_distinct(*out))
+            report["out"] = "refused: its elements share memory";
+        else if (const char* why = layout::unaddressable(*out))
+            report["out"] = why;
+        else if (layout::spans_overlap(*out, q) || layout::spans_overlap(*out, k) ||
+                 layout::spans_overlap(*out, v))
+            report["out"] = "its memory overlaps q, k or v";
+        else
+            report["out"] = "";
+    }
+    return report;
 }
 
 // flash_attention::fwd: fixed-length batches into a given out (and lse).
 void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
               const std::optional<at::Tensor>& lse, c10::string_view name, double softmax_scale,
               int64_t window_left, int64_t window_right, double softcap) {
-    run_forward(q, k, v, out, lse, Varlen{}, name, softmax_scale, window_left, window_right,
-                softcap);
+    run_forward(q, k, v, out, /*out_is_fresh=*/false, lse, Varlen{}, name, softmax_scale,
+                window_left, window_right, softcap);
 }
 
 // (left, right) with causal folded in (right = 0) and every side that bounds nothing written as
@@ -594,8 +659,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     } else {
         lse = at::empty({0}, q.options().dtype(at::kFloat));
     }
-    run_forward(q, k, v, out, return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, vl,
-                kernel, scale, left, right, softcap);
+    run_forward(q, k, v, out, /*out_is_fresh=*/true,
+                return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, vl, kernel, scale, left,
+                right, softcap);
     return {out, lse};
 }
 
@@ -623,6 +689,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_dispatch", &set_dispatch,
           "replace the dispatch table: rows (dtype, d_head, bucket, mask, local, softcap, kernel, "
           "fallback)");
+    m.def("layout_report", &layout_report,
+          "how the operator addresses q, k, v (and out): '' in place, else why it copies",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out") = py::none());
     m.def("explain", &explain, "the kernel a fixed-length call runs, and why not a Hopper one");
     m.def("choice", &choice, "the dispatch table's kernel for a call ('' if none)",
           py::arg("dtype"), py::arg("d_head"), py::arg("seqlen_q"), py::arg("mask"),

@@ -108,8 +108,8 @@ def attention(
 
     q: (batch, seqlen_q, heads, d_head); k, v: (batch, seqlen_k, kv_heads, d_head) with
     heads % kv_heads == 0 (GQA/MQA: query head h reads kv head h // (heads // kv_heads)).
-    fp16 or bf16 CUDA tensors, d_head a multiple of 8 up to 256, any strides with a contiguous
-    last dimension.
+    fp16 or bf16 CUDA tensors, d_head a multiple of 8 up to 256, any strides (a tensor the
+    kernels cannot load in 16-byte vectors is copied first; see README "layout").
 
     causal: query i sees keys j <= i + seqlen_k - seqlen_q (aligned bottom-right).
     window_size (left, right): query i sees keys in [i + seqlen_k - seqlen_q - left,

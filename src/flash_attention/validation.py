@@ -1,7 +1,8 @@
 """Input checks of the Python API. Every problem is reported with what is wrong and what is
-allowed, before anything runs on the GPU. Structural checks (types, ranks, shapes, dtypes,
-strides) come first, then devices, so that each can be exercised on a machine without a GPU
-(the GPU's compute capability is checked by the operator, which needs one)."""
+allowed, before anything runs on the GPU. Strides are free: the operator copies what the
+kernels cannot address (src/csrc/binding/input_layout.h). Structural checks (types, ranks,
+shapes, dtypes) come first, then devices, so that each can be exercised on a machine without a
+GPU (the GPU's compute capability is checked by the operator, which needs one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .config import D_HEADS, MAX_D_HEAD, variant_for
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MAX_GRID_YZ = 65535  # batch and heads map to grid dimensions z and y
-MAX_SEQLEN = 2**31 - 1 - 128
+MAX_SEQLEN = 2**31 - 1 - 256  # the operator's kMaxSeqlen
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,6 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
             f"heads of q ({heads}) must be a multiple of heads of k/v ({kv_heads}) "
             "(equal for MHA, a divisor for GQA/MQA)"
         )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.shape[3] > 1 and t.stride(3) != 1:
-            raise ValueError(
-                f"{name} must have a contiguous last dimension (stride 1), got strides "
-                f"{tuple(t.stride())}; other dimensions may have any stride"
-            )
     if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
         raise ValueError(f"batch ({batch}) and heads ({heads}) must each be at most {MAX_GRID_YZ}")
     if seqlen_q > MAX_SEQLEN or seqlen_k > MAX_SEQLEN:
@@ -113,9 +108,10 @@ def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"out must have dtype {q.dtype}, got {out.dtype}")
     if out.device != q.device:
         raise ValueError(f"out must be on {q.device}, got {out.device}")
-    if out.shape[3] > 1 and out.stride(3) != 1:
-        raise ValueError(f"out must have a contiguous last dimension, got strides "
-                         f"{tuple(out.stride())}")
+    if any(stride == 0 and size > 1 for size, stride in zip(out.shape, out.stride())):
+        raise ValueError(f"out has elements that share memory (an expanded tensor, strides "
+                         f"{tuple(out.stride())}); pass a tensor whose elements are distinct, "
+                         "e.g. torch.empty_like(q)")
     return out
 
 

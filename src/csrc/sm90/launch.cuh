@@ -49,7 +49,7 @@ inline bool encode_bshd(CUtensorMap* map, const void* base, int d_head, int rows
     const cuuint64_t dims[4] = {cuuint64_t(d_head), cuuint64_t(rows), cuuint64_t(heads),
                                 cuuint64_t(batch)};
     const cuuint64_t strides[3] = {
-        cuuint64_t(bytes_row),
+        cuuint64_t(rows > 1 ? bytes_row : 16),
         cuuint64_t(heads > 1 ? head_stride * 2 : 16),
         cuuint64_t(batch > 1 ? batch_stride * 2 : 16),
     };
