@@ -14,8 +14,8 @@ preinstalled CUDA torch is used as is; what is missing is installed into it, fro
 $FA_WHEELHOUSE (or ./wheelhouse) when there is no network. Builds are in place (src/), so a
 rebuild compiles only what changed.
 
-Environment: FLASH_ATTENTION_KERNELS (default ci; the gate adds default), FLASH_ATTENTION_ARCHS
-(default 80,90), MAX_JOBS, GATE_BASE (default origin/main), FA_WHEELHOUSE.
+Environment: FLASH_ATTENTION_KERNELS (default ci,default: the static ratchet pins both),
+FLASH_ATTENTION_ARCHS (default 80,90), MAX_JOBS, GATE_BASE (default origin/main), FA_WHEELHOUSE.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def _fa_tools_code(session: nox.Session, *args: str) -> int:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build the extension in place (kernels: $FLASH_ATTENTION_KERNELS, default ci) and print
-    its resource report."""
+    """Build the extension in place (kernels: $FLASH_ATTENTION_KERNELS, default ci,default: the
+    test set and every kernel dispatch runs) and print its resource report."""
     failure = _build(session)
     if failure:
         session.error(failure)
@@ -134,7 +134,7 @@ def _build(session: nox.Session) -> str | None:
     None."""
     _ensure(session, BUILD_DEPS)
     env = {
-        "FLASH_ATTENTION_KERNELS": os.environ.get("FLASH_ATTENTION_KERNELS", "ci"),
+        "FLASH_ATTENTION_KERNELS": os.environ.get("FLASH_ATTENTION_KERNELS", "ci,default"),
         "FLASH_ATTENTION_ARCHS": os.environ.get("FLASH_ATTENTION_ARCHS", "80,90"),
         "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 2)),
     }
