@@ -4,15 +4,25 @@ installed build's ptxas report (the wheel carries ptxas.log) and binary by the f
 same commit (installed with it); cuobjdump/nvdisasm are found on sys.path (the PyPI packages,
 also those of the interpreter running asv) or in the CUDA toolkit. No GPU needed. Kernels or
 architectures the build does not contain are skipped with the reason, and so is everything
-when fa_tools or the SASS tools are missing."""
+when fa_tools or the SASS tools are missing.
+
+Architectures are named as fa_tools' ptxas report names them: "80" and "90" for the sm80
+family, "90a" for the Hopper family (sm90_* configs compile for sm_90a alone, whatever the
+build's architecture list). On sm_90a, tensor_mma counts the wgmma (HGMMA);
+HopperSassInstructions adds the Hopper-only categories (TMA, mbarrier, the wgmma fences and
+waits, setmaxnreg) and HopperWgmma whether ptxas serialized the wgmma and how many MUFU.EX2 it
+placed under a running wgmma (both pinned by the static gate too). New parameter values and
+classes only: the series recorded for 80/90 keep their keys and benchmark versions."""
 
 from flash_attention.config_sets import SETS
 
 KERNELS = [c.short for c in SETS["default"]]
-ARCHS = ["80", "90"]
+ARCHS = ["80", "90", "90a"]  # append only: asv keys the recorded results by these values
 CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "shared_store",
               "local_memory", "mufu", "fp32", "conversion", "int_address", "move", "barrier",
               "branch"]
+HOPPER_KERNELS = [k for k in KERNELS if k.startswith("sm90_")]
+HOPPER_CATEGORIES = ["tma", "mbarrier", "wgmma_sync", "setmaxnreg"]  # fa_tools' opcodes names
 
 
 def _analysis():
@@ -37,16 +47,31 @@ def _collect():
         for (kernel, arch), rec in records.items():
             if kernel not in KERNELS or arch not in ARCHS:
                 continue
-            hist = opcodes.histogram(kernel, arch, sass.instructions(binary, kernel, arch))
+            instrs = sass.instructions(binary, kernel, arch)
+            hist = opcodes.histogram(kernel, arch, instrs)
             out[(kernel, arch)] = {
                 "registers": rec.registers,
                 "spill_bytes": rec.spill_stores + rec.spill_loads,
                 "smem_bytes": rec.static_smem + rec.dynamic_smem,
                 "sass": {"total": hist.total, **hist.categories},
+                **_wgmma(opcodes, rec, instrs),
             }
         return out
     except binaries.ToolError as exc:
         return {"skip": str(exc)}  # asv passes no cache for None
+
+
+def _wgmma(opcodes, rec, instrs) -> dict:
+    """The wgmma schedule of a Hopper-family kernel, as far as this commit's fa_tools can tell
+    (a count it cannot make stays out)."""
+    if not rec.kernel.startswith("sm90_"):
+        return {}
+    out = {}
+    if hasattr(rec, "wgmma_serialized"):
+        out["wgmma_serialized"] = int(bool(rec.wgmma_serialized))
+    if hasattr(opcodes, "ex2_under_wgmma"):
+        out["ex2_under_wgmma"] = opcodes.ex2_under_wgmma(instrs)
+    return out
 
 
 class KernelResources:
@@ -99,3 +124,34 @@ class SassInstructions:
         return self.n
 
     track_count.unit = "instructions"
+
+
+class HopperSassInstructions(SassInstructions):
+    """The categories only the Hopper family has, for its kernels on sm_90a (the general ones,
+    tensor_mma = HGMMA among them, are SassInstructions' arch 90a rows)."""
+
+    params = (HOPPER_KERNELS, ["90a"], HOPPER_CATEGORIES)
+
+
+class HopperWgmma:
+    """Where this commit's fa_tools cannot tell (older ones lack the serialization notes or the
+    EX2 count), nan: what asv records for a skipped case."""
+
+    params = (HOPPER_KERNELS, ["90a"])
+    param_names = ["kernel", "arch"]
+    timeout = 600
+    # KernelResources' own: asv keys the cache by that function, so one collection serves both.
+    setup_cache = KernelResources.setup_cache
+    setup = KernelResources.setup
+
+    def track_serialized(self, cache, kernel, arch):
+        """1 when ptxas serialized the kernel's wgmma (a C75xx note), else 0."""
+        return self.r.get("wgmma_serialized", float("nan"))
+
+    track_serialized.unit = "serialized"
+
+    def track_ex2_under_wgmma(self, cache, kernel, arch):
+        """MUFU.EX2 placed while a wgmma group may still run (the softmax under P V)."""
+        return self.r.get("ex2_under_wgmma", float("nan"))
+
+    track_ex2_under_wgmma.unit = "instructions"

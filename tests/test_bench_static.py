@@ -1,0 +1,178 @@
+"""benchmarks/bench_static.py (asv's register/SMEM/SASS tracks) against a build of two real
+kernels, one per family: an sm80 one for sm_80 and a Hopper one for sm_90a, compiled here with
+nvcc into a shared library named as the build names its objects (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fa_tools.analysis import binaries, opcodes, ptxas_report, sass
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_static():
+    spec = importlib.util.spec_from_file_location(
+        "bench_static", ROOT / "benchmarks" / "bench_static.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bs = _bench_static()
+
+
+def _smallest(family: str) -> str:
+    from flash_attention.config import parse_config
+
+    cfgs = [parse_config(k) for k in bs.KERNELS]
+    return min((c for c in cfgs if c.family == family), key=lambda c: (c.d_head, c.short)).short
+
+
+SM80, SM90 = _smallest("sm80"), _smallest("sm90")
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """(binary, ptxas log) of SM80 for sm_80 and SM90 for sm_90a. -lineinfo, as in the build:
+    cuobjdump then names each cubin after its source (fwd_<kernel>.sm_<arch>.cubin)."""
+    from flash_attention.codegen import kernel_source
+    from flash_attention.config import parse_config
+
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc not found")
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    try:
+        for tool in ("cuobjdump", "nvdisasm"):
+            binaries.find_tool(tool)
+    except binaries.ToolError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path_factory.mktemp("bench_static")
+    objects, log = [], []
+    for short, arch in ((SM80, "80"), (SM90, "90a")):
+        src = out / f"fwd_{short}.cu"
+        src.write_text(kernel_source(parse_config(short)))
+        obj = src.with_suffix(".o")
+        proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
+                               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v",
+                               f"-I{ROOT / 'src/csrc'}", str(src), "-o", str(obj)],
+                              capture_output=True, text=True, check=True)
+        objects.append(str(obj))
+        log.append(proc.stderr)
+    binary = out / "_C.so"
+    subprocess.run(["g++", "-shared", *objects, "-o", str(binary)], check=True)
+    (out / "ptxas.log").write_text("".join(log))
+    return binary, out / "ptxas.log"
+
+
+@pytest.fixture
+def cache(build, monkeypatch):
+    """What asv's setup_cache returns for that build."""
+    binary, log = build
+    monkeypatch.setattr(binaries, "extension_path", lambda: binary)
+    monkeypatch.setattr(binaries, "ptxas_log_path", lambda: log)
+    return bs._collect()
+
+
+def _run(cls, cache) -> dict[tuple, dict[str, float]]:
+    """Every case of an asv benchmark class as asv runs it: setup (NotImplementedError: skipped),
+    then each track_* method. {params: {method: value}} for the cases not skipped."""
+    methods = [m for m in dir(cls) if m.startswith("track_")]
+    out = {}
+    for params in itertools.product(*cls.params):
+        bench = cls()
+        try:
+            bench.setup(cache, *params)
+        except NotImplementedError:
+            continue
+        out[params] = {m: getattr(bench, m)(cache, *params) for m in methods}
+    return out
+
+
+def test_hopper_kernel_is_collected_under_90a(cache, build):
+    _, log = build
+    assert set(cache) == {(SM80, "80"), (SM90, "90a")}
+    records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
+    resources = _run(bs.KernelResources, cache)
+    assert set(resources) == {(SM80, "80"), (SM90, "90a")}  # (SM90, "90") etc.: skipped
+    for key, rec in records.items():
+        assert resources[key]["track_registers"] == rec.registers > 0
+        assert resources[key]["track_smem_bytes"] == rec.static_smem + rec.dynamic_smem > 0
+        assert resources[key]["track_spill_bytes"] == rec.spill_stores + rec.spill_loads
+
+
+def test_sass_categories_of_both_families(cache, build):
+    binary, _ = build
+    counts = {k: v["track_count"] for k, v in _run(bs.SassInstructions, cache).items()}
+    assert {(k, a) for k, a, _ in counts} == {(SM80, "80"), (SM90, "90a")}
+    for kernel, arch, mma in ((SM80, "80", "HMMA"), (SM90, "90a", "HGMMA")):
+        instrs = sass.instructions(binary, kernel, arch)
+        assert counts[(kernel, arch, "total")] == opcodes.histogram(kernel, arch, instrs).total
+        assert counts[(kernel, arch, "tensor_mma")] == sum(i.base == mma for i in instrs) > 0
+
+    hopper = {k: v["track_count"] for k, v in _run(bs.HopperSassInstructions, cache).items()}
+    assert set(hopper) == {(SM90, "90a", c) for c in bs.HOPPER_CATEGORIES}
+    instrs = sass.instructions(binary, SM90, "90a")
+    for category in bs.HOPPER_CATEGORIES:
+        ops = opcodes.CATEGORIES[category]  # a name opcodes.histogram produces
+        assert hopper[(SM90, "90a", category)] == sum(i.base in ops for i in instrs) > 0
+    # an sm80 kernel has none of them
+    assert all(cache[(SM80, "80")]["sass"][c] == 0 for c in bs.HOPPER_CATEGORIES)
+
+
+def test_wgmma_schedule_of_the_hopper_kernel(cache, build):
+    binary, log = build
+    got = _run(bs.HopperWgmma, cache)
+    assert set(got) == {(SM90, "90a")}
+    (rec,) = [r for r in ptxas_report.load(log) if r.arch == "90a"]
+    assert got[(SM90, "90a")]["track_serialized"] == int(bool(rec.wgmma_serialized))
+    assert got[(SM90, "90a")]["track_ex2_under_wgmma"] == opcodes.ex2_under_wgmma(
+        sass.instructions(binary, SM90, "90a"))
+    # fa_tools of a commit that could not tell: nan, what asv records for a skipped case
+    older = {key: {k: v for k, v in row.items() if k != "ex2_under_wgmma"}
+             for key, row in cache.items()}
+    assert math.isnan(_run(bs.HopperWgmma, older)[(SM90, "90a")]["track_ex2_under_wgmma"])
+
+
+def test_missing_build_skips_every_case(monkeypatch):
+    def missing():
+        raise binaries.ToolError("flash_attention._C is not built")
+
+    monkeypatch.setattr(binaries, "extension_path", missing)
+    cache = bs._collect()
+    for cls in (bs.KernelResources, bs.SassInstructions, bs.HopperSassInstructions,
+                bs.HopperWgmma):
+        assert _run(cls, cache) == {}
+    with pytest.raises(NotImplementedError, match="not built"):
+        bs.KernelResources().setup(cache, SM90, "90a")
+
+
+def test_recorded_parameter_values_are_kept():
+    """asv keys results by parameter values: every arch and category of a recorded run is
+    still a value now (added ones are fine), or the history of those cases would end. (The
+    kernels are the default set's, whatever this file says.)"""
+    recorded = json.loads((ROOT / "benchmarks" / "results" / "benchmarks.json").read_text())
+    classes = {"KernelResources": bs.KernelResources, "SassInstructions": bs.SassInstructions}
+    found = 0
+    for name, entry in recorded.items():
+        if not name.startswith("bench_static."):
+            continue
+        _, cls, _ = name.split(".")
+        found += 1
+        bench = classes[cls]
+        assert entry["param_names"] == bench.param_names
+        for param, old, now in zip(bench.param_names, entry["params"], bench.params, strict=True):
+            if param != "kernel":
+                assert set(old) <= {repr(v) for v in now}, (name, param)
+    assert found
