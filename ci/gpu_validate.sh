@@ -2,10 +2,12 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
+#             examples of the test step's run, new examples every run)
 #   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
 #             d_head 128 table against SDPA FA2/cuDNN and a cuBLAS GEMM
 #   features  causal table against SDPA FA2 causal, d_head 64/96/256 tables against SDPA FA2,
@@ -61,6 +63,10 @@ if step build; then
 fi
 if step test; then
     run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider tests
+fi
+if step fuzz; then
+    run fuzz env FA_FUZZ_PROFILE=long FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider --hypothesis-show-statistics tests/test_gpu_fuzz.py
 fi
 if step sweep; then
     run sweep python3 -c '
