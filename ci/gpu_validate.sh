@@ -150,12 +150,12 @@ if step hopper-tune; then  # needs the sm90tune set in the build
         --md "$LOG_DIR/hopper_tune.md"
 fi
 if step sanitize; then
-    # SANITIZE: by default the ci set and one default kernel per new d_head shape (padded
-    # rows, 8 warps, d 32); each run also covers a smaller d_head and a varlen batch
+    # SANITIZE: by default every kernel of the default set (all that dispatch runs, Hopper
+    # kernels and their sm80 fallbacks) and the ci set, four tools side by side; each config
+    # runs tail shapes, masks, a smaller d_head and (sm80) a varlen batch, in drawn layouts
     # shellcheck disable=SC2086
-    run sanitize python3 -m fa_tools sanitize ${SANITIZE:-ci bf16_d128_r128_c64_w4_fseqkvborm \
-        bf16_d96_r128_c64_w4_fseqkvbormt bf16_d256_r128_c64_w8_fseqkvbormt \
-        fp16_d32_r128_c64_w4_fseqkvborm}
+    run sanitize python3 -m fa_tools sanitize ${SANITIZE:-ci default} \
+        --timeout "${SANITIZE_TIMEOUT_S:-420}"
 fi
 if step debug; then
     for k in $(python3 -c 'import flash_attention as fa

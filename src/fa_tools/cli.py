@@ -5,7 +5,7 @@
   count       opcode histograms: full and base opcodes, predicated, categories
   diff        compare two histograms or resource reports (files or two configs)
   ptx2sass    the SASS a PTX line became, and its backward register-dependence slice
-  sanitize    compute-sanitizer memcheck/racecheck/synccheck on small runs (GPU)
+  sanitize    compute-sanitizer memcheck/racecheck/synccheck/initcheck on small runs (GPU)
   debug       a config beside the block-by-block emulation: first mismatching row (GPU)
   bench       attention() against PyTorch SDPA FA2 and cuDNN (GPU)
   tools       which cuobjdump / nvdisasm the analyses use (path, version, origin)
@@ -181,7 +181,7 @@ def cmd_sanitize(args: argparse.Namespace) -> int:
 
     binary = _binary(args)
     kernels = _kernels(binary, args.kernels)
-    results = sanitize.run(kernels, tuple(args.tools.split(",")))
+    results = sanitize.run(kernels, tuple(args.tools.split(",")), timeout=args.timeout)
     rows = [{"tool": r.tool, "errors": r.errors if r.errors >= 0 else "unknown",
              "exit": r.returncode, "ok": "yes" if r.ok else "NO"} for r in results]
     print(f"compute-sanitizer on {len(kernels)} kernels, shapes {sanitize.SHAPES}")
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sanitize", help="compute-sanitizer on small runs (GPU)")
     p.add_argument("kernels", nargs="*", default=["default"])
-    p.add_argument("--tools", default="memcheck,racecheck,synccheck")
+    p.add_argument("--tools", default="memcheck,racecheck,synccheck,initcheck")
+    p.add_argument("--timeout", type=int, default=600, help="seconds for all tools together")
     binary_arg(p)
     p.set_defaults(func=cmd_sanitize)
 
