@@ -62,7 +62,8 @@ if step build; then
     cp build/ptxas.log "$LOG_DIR/ptxas.log" 2>/dev/null
 fi
 if step test; then
-    run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider tests
+    run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \
+        --hypothesis-show-statistics tests
 fi
 if step fuzz; then
     run fuzz env FA_FUZZ_PROFILE=long FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
