@@ -61,6 +61,61 @@ def build_tree(tree: Path, kernels: str, archs: str, timeout_s: float) -> None:
         raise RuntimeError(f"build of {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def _norm(r: dict) -> str:
+    if r.get("peer_note"):
+        return f"n/a: {r['peer_note']}"
+    return f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}]"
+
+
+def _energy(r: dict) -> str:
+    base, head = r.get("base_mj", math.nan), r.get("head_mj", math.nan)
+    if math.isnan(base) or math.isnan(head):
+        return "n/a"
+    return f"{base:.1f} / {head:.1f} ({r['mj_ratio']:.3f})"
+
+
+def _verdict(r: dict) -> str:
+    if r["verdict"] == "accepted":
+        return f"**accepted**: {r['accepted']}"
+    return f"**{r['verdict']}**"
+
+
+def _row(r: dict) -> str:
+    if r["verdict"] == "new":
+        return (f"| {r['case']} | - | - | - | - | - | - | - | - | - | **new**: the base cannot "
+                f"run it ({r['note']}) |")
+    return (f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
+            f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
+            f"{_norm(r)} | {r['base_cv']:.1%}/{r['head_cv']:.1%} | "
+            f"{r.get('time_ratio', math.nan):.3f} | {_energy(r)} | {_verdict(r)} |")
+
+
+def _notes(meta: dict) -> list[str]:
+    """What the table needs beside it: the energy counter's resolution, the SASS-chosen cases
+    and the acceptances (used or not)."""
+    lines = []
+    for side, g in (meta.get("energy") or {}).items():
+        lines.append(f"- Energy counter ({side}): {energy_text(g)}.")
+    sass = meta.get("sass") or {}
+    if sass.get("note"):
+        lines.append(f"- SASS diff: {sass['note']}")
+    for c in sass.get("added", []):
+        lines.append(f"- Added case {c['case']}: {c['why']}")
+    for c in sass.get("skipped", []):
+        lines.append(f"- Not measured: {c['kernel']}: {c['why']}")
+    for a in meta.get("accept_unused", []):
+        lines.append(f"- Accept entry for {a['case']} unused (verdict {a['verdict']}): remove it "
+                     "once the base includes the change")
+    return lines
+
+
+def energy_text(g: dict) -> str:
+    from ..gpu.energy import Granularity
+
+    known = {k: v for k, v in g.items() if k in Granularity.__dataclass_fields__}
+    return Granularity(**known).describe() if "supported" in known else "n/a (not reported)"
+
+
 def markdown(results: list[dict], code: int, meta: dict) -> str:
     lines = [f"### Performance A/B: {VERDICT[code]}", ""]
     if meta.get("error"):
@@ -73,23 +128,17 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
         f"({meta['alpha_per_look']:.2g} per case and look; one-sided signed-rank tests on "
         "paired per-round log-ratios, Hodges-Lehmann estimates). Slower = significant on raw "
         f"times and estimated beyond {meta['threshold_pct']}% both raw and normalised by SDPA "
-        f"FA2 in the same round; same = the raw 95% interval and the normalised estimate below "
-        f"{meta['clear_pct']}%.")
+        f"FA2 in the same round (raw alone where SDPA cannot run the case); same = the raw 95% "
+        f"interval and the normalised estimate below {meta['clear_pct']}%. Energy: NVML's "
+        "total energy counter over each contender's warm and timed calls in a round, mJ per "
+        "call (median over rounds; informational, not judged).")
     lines += ["", f"| case | rounds | base ms | head ms | head/base {meta.get('metric', 'time')} "
               "[95% CI] | p slower | vs SDPA FA2: head/base [95% CI] | spread base/head | "
-              "head/base time | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if r["verdict"] == "new":
-            lines.append(f"| {r['case']} | - | - | - | - | - | - | - | - | **new**: the base "
-                         f"cannot run it ({r['note']}) |")
-            continue
-        lines.append(
-            f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
-            f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
-            f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}] | "
-            f"{r['base_cv']:.1%}/{r['head_cv']:.1%} | {r.get('time_ratio', math.nan):.3f} | "
-            f"**{r['verdict']}** |")
-    return "\n".join(lines) + "\n"
+              "head/base time | mJ/call base / head (ratio) | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row(r) for r in results]
+    notes = _notes(meta)
+    return "\n".join(lines + (["", *notes] if notes else [])) + "\n"
 
 
 def verdict_code(results: list[CaseResult] | list[dict]) -> int:
@@ -134,6 +183,7 @@ def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tupl
         base_w.close()
         raise
     meta["gpu"] = head_w.gpu
+    meta["energy"] = {"base": base_w.energy, "head": head_w.energy}
     try:
         yield base_w, head_w
     finally:
