@@ -137,6 +137,10 @@ def test_slowdown_masked_by_the_machine_is_not_cleared():
 class FakeWorker:
     """Answers like a worker: per case a time factor, noise, and the planted slowdown."""
 
+    configs: list[str] = []  # the kernels of its build (none: the dispatch table is empty)
+    src_dir = "simulated"  # one build for both sides: the SASS diff is not run
+    energy = {"supported": False, "reason": "simulated"}
+
     def __init__(self, factors, noise, seed):
         self.factors, self.noise = factors, noise
         self.rng = random.Random(seed)
@@ -703,3 +707,130 @@ def test_no_nvml_is_reported_not_faked(monkeypatch):
     monkeypatch.setattr(energy, "_device_uuid", lambda: None)
     counter, why = energy.open_counter()
     assert counter is None and "pynvml: not installed" in why and "error 3" in why
+
+
+# ---- accepted regressions and the gate run with its additions ---------------------------------
+
+
+def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:2], arch=""):
+    """perf.run on simulated workers over `cases`, with an accept file of accept_text, on a GPU
+    of `arch` ("90": an H100; "": not known, no SASS diff)."""
+    import argparse
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_workers(args, perf_policy, meta):
+        meta.update(gpu="simulated", base_label="b", head_label="h", arch=arch)
+        yield base, head
+
+    monkeypatch.setattr(perf, "workers", fake_workers)
+    monkeypatch.setattr(perf, "GATE_CASES", tuple(cases))
+    doc = ratchet.load_yaml("ci/gate_policy.yaml")
+    accept_path = tmp_path / "perf_accept.yaml"
+    if accept_text is not None:
+        accept_path.write_text(accept_text)
+    doc["perf"] = {**doc["perf"], "accept_file": str(accept_path)}
+    out = tmp_path / "out"
+    code = perf.run(argparse.Namespace(rounds=None, max_rounds=None), doc, out)
+    return code, json.loads((out / "perf.json").read_text()), (out / "perf.md").read_text()
+
+
+ACCEPT = """accept:
+  - case: bf16_d128_b16_s1024
+    max_slowdown_pct: {pct}
+    reason: "planted: the new mask path costs 5% here, measured on an H100"
+    date: 2026-11-24
+"""
+
+
+def test_accepted_slowdown_within_its_bound_passes_with_the_reason(tmp_path, monkeypatch):
+    slow = CASES[0].name
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({slow: 1.05}, {}, 2), ACCEPT.format(pct=6))
+    assert code == gate.PASS
+    (r,) = [r for r in doc["results"] if r["case"] == slow]
+    assert r["verdict"] == "accepted" and "costs 5% here" in r["accepted"]
+    assert ("**accepted**: planted: the new mask path costs 5% here, measured on an H100 "
+            "(accepted up to +6%, 2026-11-24)") in md
+
+
+def test_slowdown_beyond_the_accepted_bound_still_fails(tmp_path, monkeypatch):
+    slow = CASES[0].name
+    code, _, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({slow: 1.05}, {}, 2), ACCEPT.format(pct=3))
+    assert code == gate.REGRESSION
+    assert "**slower** (beyond the accepted +3% (planted" in md
+
+
+def test_accept_entry_naming_no_case_is_a_broken_configuration(tmp_path, monkeypatch):
+    text = ACCEPT.format(pct=3).replace("bf16_d128_b16_s1024", "bf16_d128_b16_s1025")
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({}, {}, 2), text)
+    assert code == gate.BROKEN and "results" not in doc
+    assert "broken configuration" in md and "bf16_d128_b16_s1025, which is not a case" in md
+    for bad, why in ((ACCEPT.format(pct=0), "max_slowdown_pct"),
+                     (ACCEPT.format(pct=3).replace("    reason:", "    why:"), "missing reason"),
+                     (ACCEPT.format(pct=3) + ACCEPT.format(pct=4)[8:], "accepted twice")):
+        code, _, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                                FakeWorker({}, {}, 2), bad)
+        assert code == gate.BROKEN and why in md, why
+
+
+def test_unused_accept_entry_is_reported_for_removal(tmp_path, monkeypatch):
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({}, {}, 2), ACCEPT.format(pct=3))
+    assert code == gate.PASS
+    assert doc["meta"]["accept_unused"] == [{"case": CASES[0].name, "verdict": "same"}]
+    assert "Accept entry for bf16_d128_b16_s1024 unused (verdict same): remove it" in md
+
+
+def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkeypatch):
+    """Two builds whose SASS differs in one kernel no gate case runs: the gate measures a case
+    for it (counted in the alpha split), and says which and why."""
+    from fa_tools.gate import sassdiff
+    from flash_attention.config_sets import resolve
+
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr("flash_attention.dispatch._tuning", None)
+    default = [c.short for c in resolve("default")]
+    code = {k: [b"\0" * 16] * 10 for k in default}
+    changed = dict(code, **{"sm90_fp16_d64_c96_g3_s3_fwesn": [b"\1" * 16] * 3 + [b"\0" * 16] * 7})
+    base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+    base.src_dir, head.src_dir = "base", "head"
+    base.configs = head.configs = default
+    monkeypatch.setattr(perf, "_binary", lambda src: src)
+    monkeypatch.setattr(sassdiff, "kernel_code",
+                        lambda binary, arch: code if binary == "base" else changed)
+    _, doc, _ = _run_gate(tmp_path, monkeypatch, base, head)
+    assert doc["meta"]["sass"]["note"] == "no GPU architecture known", "nothing to compare"
+
+    verdict, doc, md = _run_gate(tmp_path, monkeypatch, base, head, arch="90")
+    assert verdict == gate.PASS
+    (extra,) = [r for r in doc["results"] if r["why"]]
+    assert extra["case"] == "fp16_d64_b16_s4096"
+    assert "SASS differs (3 instructions changed: +3 -3 of 10)" in extra["why"]
+    assert doc["meta"]["cases"] == len(CASES[:2]) + 1
+    assert doc["meta"]["alpha_per_look"] == pytest.approx(0.01 / (3 * 4))
+    assert "Added case fp16_d64_b16_s4096: kernel sm90_fp16_d64_c96_g3_s3_fwesn: SASS" in md
+
+
+def test_accept_rules_on_results():
+    from fa_tools.gate import accept
+
+    def result(verdict, ratio, hi, norm=math.nan):
+        r = abtest.CaseResult.new("c", "")
+        r.verdict, r.ratio, r.ci_high, r.norm_ratio = verdict, ratio, hi, norm
+        return r
+
+    entry = [accept.Acceptance("c", 4.0, "why", "2026-11-24", "abc1234")]
+    for r, verdict in ((result("slower", 1.03, 1.05), "accepted"),  # the estimate counts
+                       (result("slower", 1.03, 1.05, norm=1.045), "slower"),  # and normalised
+                       (result("inconclusive", 1.02, 1.035), "accepted"),  # all of the CI
+                       (result("inconclusive", 1.02, 1.045), "inconclusive")):
+        assert accept.apply([r], entry) == [] and r.verdict == verdict
+    assert result("x", 1, 1).accepted == ""
+    r = result("slower", 1.03, 1.05)
+    accept.apply([r], entry)
+    assert r.accepted == "why (accepted up to +4%, 2026-11-24, abc1234)"
+    assert accept.apply([result("faster", 0.9, 0.95)], entry) == [{"case": "c",
+                                                                    "verdict": "faster"}]

@@ -86,3 +86,92 @@ def test_case_for_kernel_prefers_the_kernels_own_variant_and_skips_the_undispatc
     local = coverage.case_for_kernel("sm90_bf16_d128_c128_g2_s2_fwoesqrm", rows, sm90=True)
     assert local.window == (1024, 0) and not local.causal
     assert coverage.case_for_kernel("bf16_d64_r128_c64_w8_fseqbrmt", rows, sm90=True) is None
+
+
+# ---- cases chosen by the SASS diff (synthetic code, no build) ---------------------------------
+
+
+def test_changed_kernels_counts_instructions_from_any_code():
+    from fa_tools.gate.sassdiff import changed_kernels
+
+    base = {"a": ["MOV", "FFMA", "HMMA", "EXIT"], "b": ["X", "Y", "Z"], "c": ["S", "T"],
+            "gone": ["Q"]}
+    head = {"a": ["MOV", "FFMA", "HMMA", "EXIT"], "b": ["X", "Y2", "Y3", "Z"], "c": ["T", "S"],
+            "new": ["N"] * 5}
+    changes = {c.kernel: c for c in changed_kernels(base, head)}
+    assert set(changes) == {"b", "c", "new"}, "unchanged kernels and base-only ones drop out"
+    assert (changes["b"].added, changes["b"].removed, changes["b"].changed) == (2, 1, 2)
+    assert "b: SASS differs (2 instructions changed: +2 -1 of 4)" in changes["b"].describe()
+    assert changes["c"].changed == 2, "a reordering counts the positions that moved"
+    assert changes["new"].new and "new in the head (5 instructions)" in changes["new"].describe()
+    assert [c.kernel for c in changed_kernels(base, head)] == ["new", "b", "c"]
+
+
+def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
+    from fa_tools.gate import sassdiff
+
+    def change(kernel, n):
+        return sassdiff.KernelChange(kernel, n, n, 1000)
+
+    changes = [change("fp16_d160_r128_c64_w8_fseqkvbor", 90),  # sm80 fallback: a varlen case
+               change("sm90_bf16_d128_c128_g2_s2_fwoesqr", 50),  # run by bf16_d128_b16_s4096
+               change("bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
+               change("sm90_fp16_d64_c96_g3_s3_fwesn", 30),  # fp16 d 64: no gate case
+               change("sm90_fp16_d256_c64_g2_s2_fwpoer", 20)]  # over the cap
+    sel = sassdiff.select(changes, rows, True, GATE_CASES, cap=2)
+    assert [a["case"] for a in sel.added] == ["fp16_d160_b16_s4096_varlen",
+                                              "fp16_d64_b16_s4096"]
+    assert sel.added[0]["why"] == ("kernel fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
+                                   "(90 instructions changed: +90 -90 of 1000)")
+    for added in sel.cases:
+        assert coverage.route(added, rows, True) in {c.kernel for c in changes}
+    assert sel.covered[0]["case"] == "bf16_d128_b16_s4096"
+    skipped = {s["kernel"]: s["why"] for s in sel.skipped}
+    assert "no dispatch row runs it" in skipped["bf16_d64_r128_c64_w8_fseqbrmt"]
+    assert "over the policy's cap of 2" in skipped["sm90_fp16_d256_c64_g2_s2_fwpoer"]
+    # on an sm_80 GPU the Hopper kernels run nothing: fp16 d 64 runs its sm80 kernel instead
+    sel = sassdiff.select(changes, rows, False, GATE_CASES, cap=6)
+    assert "sm90_fp16_d64_c96_g3_s3_fwesn" in {s["kernel"] for s in sel.skipped}
+
+
+def _elf(sections: dict[str, bytes]) -> bytes:
+    """A minimal 64-bit little-endian ELF file holding these sections (and .shstrtab)."""
+    import struct
+
+    names = b"\0" + b"".join(n.encode() + b"\0" for n in [*sections, ".shstrtab"])
+    body, offsets, pos = b"", [], 64
+    for data in [*sections.values(), names]:
+        offsets.append(pos + len(body))
+        body += data
+    shoff = 64 + len(body)
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(sections) + 2, len(sections) + 1)
+    table, name_pos = bytes(64), 1  # section 0 is the null section
+    for name, data, off in zip([*sections, ".shstrtab"], [*sections.values(), names], offsets):
+        entry = bytearray(64)
+        struct.pack_into("<I", entry, 0, name_pos)
+        struct.pack_into("<QQ", entry, 0x18, off, len(data))
+        table += bytes(entry)
+        name_pos += len(name) + 1
+    return bytes(header) + body + table
+
+
+def test_kernel_code_reads_the_text_sections_of_each_cubin(tmp_path, monkeypatch):
+    from fa_tools.analysis import cubins
+    from fa_tools.gate import sassdiff
+
+    words = [bytes([i]) * 16 for i in range(5)]
+    files = {"fwd_k1.sm_90.cubin": {".nv.info": b"x" * 7, ".text._Z2k1": b"".join(words[:3]),
+                                    ".text.$__internal_0": b"".join(words[3:])},
+             "fwd_k1.sm_80.cubin": {".text._Z2k1": words[0]},
+             "fwd_sm90_k2.sm_90a.cubin": {".text._Z2k2": words[4]}}
+    for name, sections in files.items():
+        (tmp_path / name).write_bytes(_elf(sections))
+    members = [cubins.Member(n.split(".")[0][4:], n.split(".sm_")[1][:-6], n) for n in files]
+    monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
+    monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path)
+    assert cubins.elf_section(tmp_path / "fwd_k1.sm_80.cubin", ".text._Z2k1") == words[0]
+    assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"k1": words, "sm90_k2": [words[4]]}
+    assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"k1": [words[0]]}

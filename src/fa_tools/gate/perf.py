@@ -12,11 +12,24 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..gpu.perfcases import GATE_CASES
-from . import BROKEN, INCONCLUSIVE, INFRA, PASS, REGRESSION, VERDICT, write_part
+from ..analysis.binaries import ToolError
+from ..gpu.perfcases import GATE_CASES, Case
+from . import (
+    BROKEN,
+    INCONCLUSIVE,
+    INFRA,
+    PASS,
+    REGRESSION,
+    VERDICT,
+    accept,
+    coverage,
+    sassdiff,
+    write_part,
+)
 from .abtest import CaseResult, Policy, Worker, WorkerError, compare
 
 log = logging.getLogger(__name__)
@@ -77,7 +90,7 @@ def _energy(r: dict) -> str:
 def _verdict(r: dict) -> str:
     if r["verdict"] == "accepted":
         return f"**accepted**: {r['accepted']}"
-    return f"**{r['verdict']}**"
+    return f"**{r['verdict']}**" + (f" ({r['note']})" if r.get("note") else "")
 
 
 def _row(r: dict) -> str:
@@ -101,6 +114,8 @@ def _notes(meta: dict) -> list[str]:
         lines.append(f"- SASS diff: {sass['note']}")
     for c in sass.get("added", []):
         lines.append(f"- Added case {c['case']}: {c['why']}")
+    for c in sass.get("covered", []):
+        lines.append(f"- {c['why']}")
     for c in sass.get("skipped", []):
         lines.append(f"- Not measured: {c['kernel']}: {c['why']}")
     for a in meta.get("accept_unused", []):
@@ -183,12 +198,58 @@ def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tupl
         base_w.close()
         raise
     meta["gpu"] = head_w.gpu
+    meta["arch"] = "{}{}".format(*torch.cuda.get_device_capability())
     meta["energy"] = {"base": base_w.energy, "head": head_w.energy}
     try:
         yield base_w, head_w
     finally:
         base_w.close()
         head_w.close()
+
+
+def _binary(src: Path) -> Path:
+    found = sorted((Path(src) / "flash_attention").glob("_C*.so"))
+    if not found:
+        raise OSError(f"no built extension in {src}")
+    return found[0]
+
+
+def sass_extras(base_w: Worker, head_w: Worker, rows: list[coverage.Row], policy: Policy,
+                arch: str) -> sassdiff.Selection:
+    """The cases added for kernels whose SASS differs between the two builds (sassdiff); a
+    diff that cannot run (no cuobjdump, an unreadable binary) adds none and says why."""
+    none = sassdiff.Selection([], [], [])
+    if Path(base_w.src_dir) == Path(head_w.src_dir):
+        none.note = "A/A: one build, nothing to compare"
+        return none
+    if policy.sass_extra_cases <= 0 or not arch:
+        none.note = "off (policy sass_extra_cases: 0)" if arch else "no GPU architecture known"
+        return none
+    t0 = time.monotonic()
+    try:
+        sel = sassdiff.extra_cases(_binary(base_w.src_dir), _binary(head_w.src_dir), arch, rows,
+                                   GATE_CASES, policy.sass_extra_cases)
+    except (ToolError, OSError, ValueError) as exc:
+        none.note = f"not run: {exc}"
+        return none
+    log.info("SASS diff of %d kernels in %.1f s: %d cases added", sel.compared,
+             time.monotonic() - t0, len(sel.added))
+    return sel
+
+
+def measurable_names(cases: list[Case], rows: list[coverage.Row], arch: str) -> set[str]:
+    """Every case name the gate can measure with this head: its cases and the case it would
+    add for any kernel of the dispatch table (what an accept entry may name)."""
+    sm90 = arch == "90"
+    kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
+    made = (coverage.case_for_kernel(k, rows, sm90) for k in kernels)
+    return {c.name for c in cases} | {c.name for c in made if c is not None}
+
+
+def _write(out: Path, code: int, meta: dict, rows: list[dict] | None = None) -> int:
+    doc = {"code": code, "meta": meta, **({"results": rows} if rows is not None else {})}
+    write_part(out, "perf", doc, markdown(rows or [], code, meta))  # an error: its text alone
+    return code
 
 
 def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
@@ -203,23 +264,32 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer,
             "alpha_per_look": policy.alpha_per_look(len(cases))}
+    accept_path = ROOT / policy.accept_file
     try:
+        entries = accept.load(accept_path)  # a malformed file fails before any GPU work
         with workers(args, perf, meta) as (base_w, head_w):
+            arch = meta.get("arch", "")
+            rows = coverage.dispatch_rows(head_w.configs)
+            selection = sass_extras(base_w, head_w, rows, policy, arch)
+            meta["sass"] = selection.as_dict()
+            cases += selection.cases
+            accept.check_cases(entries, measurable_names(cases, rows, arch), accept_path)
+            meta["cases"] = len(cases)
+            meta["alpha_per_look"] = policy.alpha_per_look(len(cases))
             results = compare(base_w, head_w, cases, policy, len(cases))
     except WorkerError as exc:
-        code = BROKEN if exc.kind == "broken" else INFRA
         meta["error"] = str(exc)
-        write_part(out, "perf", {"code": code, "meta": meta}, markdown([], code, meta))
-        return code
-    rows = [r.as_dict() for r in results]
-    code = verdict_code(results)
+        return _write(out, BROKEN if exc.kind == "broken" else INFRA, meta)
+    except accept.AcceptError as exc:
+        meta["error"] = f"broken configuration: {exc}"
+        return _write(out, BROKEN, meta)
+    why = {a["case"]: a["why"] for a in meta.get("sass", {}).get("added", [])}
+    for r in results:
+        r.why = why.get(r.case, "")
+    meta["accept_unused"] = accept.apply(results, entries)
+    rows_out = [r.as_dict() for r in results]
     if results and all(r.verdict == "new" for r in results):  # nothing was compared
-        code = INFRA
         meta["error"] = ("the base could run none of the gate's cases; first error: "
                          f"{results[0].note}")
-        write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
-                   markdown([], code, meta))
-        return code
-    write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
-               markdown(rows, code, meta))
-    return code
+        return _write(out, INFRA, meta, rows_out)
+    return _write(out, verdict_code(results), meta, rows_out)
