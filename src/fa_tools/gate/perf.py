@@ -246,6 +246,14 @@ def measurable_names(cases: list[Case], rows: list[coverage.Row], arch: str) -> 
     return {c.name for c in cases} | {c.name for c in made if c is not None}
 
 
+def _tflops(case: Case | None, ms: float) -> float | None:
+    """The head's TFLOP/s on a case (its visible pairs counted under a window), None without a
+    time."""
+    if case is None or not ms > 0:
+        return None
+    return case.flops() / ms / 1e9
+
+
 def _write(out: Path, code: int, meta: dict, rows: list[dict] | None = None) -> int:
     doc = {"code": code, "meta": meta, **({"results": rows} if rows is not None else {})}
     write_part(out, "perf", doc, markdown(rows or [], code, meta))  # an error: its text alone
@@ -283,11 +291,13 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     except accept.AcceptError as exc:
         meta["error"] = f"broken configuration: {exc}"
         return _write(out, BROKEN, meta)
+    by_name = {c.name: c for c in cases}
     why = {a["case"]: a["why"] for a in meta.get("sass", {}).get("added", [])}
     for r in results:
         r.why = why.get(r.case, "")
     meta["accept_unused"] = accept.apply(results, entries)
-    rows_out = [r.as_dict() for r in results]
+    rows_out = [{**r.as_dict(), "head_tflops": _tflops(by_name.get(r.case), r.head_ms)}
+                for r in results]
     if results and all(r.verdict == "new" for r in results):  # nothing was compared
         meta["error"] = ("the base could run none of the gate's cases; first error: "
                          f"{results[0].note}")
