@@ -108,7 +108,7 @@ def _notes(meta: dict) -> list[str]:
     and the acceptances (used or not)."""
     lines = []
     for side, g in (meta.get("energy") or {}).items():
-        lines.append(f"- Energy counter ({side}): {energy_text(g)}.")
+        lines.append(f"- Energy counter ({side}): {_energy_text(g)}.")
     sass = meta.get("sass") or {}
     if sass.get("note"):
         lines.append(f"- SASS diff: {sass['note']}")
@@ -124,7 +124,7 @@ def _notes(meta: dict) -> list[str]:
     return lines
 
 
-def energy_text(g: dict) -> str:
+def _energy_text(g: dict) -> str:
     from ..gpu.energy import Granularity
 
     known = {k: v for k, v in g.items() if k in Granularity.__dataclass_fields__}

@@ -60,14 +60,7 @@ class Case:
     def options(self) -> dict:
         """attention()'s keyword arguments beyond q, k, v: only those that differ from the
         defaults, so a base from before an option existed still runs the cases without it."""
-        opts: dict = {}
-        if self.causal:
-            opts["causal"] = True
-        if self.window is not None:
-            opts["window_size"] = self.window
-        if self.softcap:
-            opts["softcap"] = self.softcap
-        return opts
+        return _attention_options(self.causal, self.window, self.softcap)
 
     def peer_note(self) -> str:
         """Why SDPA cannot be the peer of this case ("" when it can)."""
