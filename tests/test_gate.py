@@ -808,6 +808,7 @@ def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkey
     assert verdict == gate.PASS
     (extra,) = [r for r in doc["results"] if r["why"]]
     assert extra["case"] == "fp16_d64_b16_s4096"
+    assert extra["kernel"] == "sm90_fp16_d64_c96_g3_s3_fwesn", "the kernel dispatch runs for it"
     assert "SASS differs (3 instructions changed: +3 -3 of 10)" in extra["why"]
     assert doc["meta"]["cases"] == len(CASES[:2]) + 1
     assert doc["meta"]["alpha_per_look"] == pytest.approx(0.01 / (3 * 4))

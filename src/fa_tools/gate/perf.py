@@ -283,6 +283,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             cases += selection.cases
             accept.check_cases(entries, measurable_names(cases, rows, arch), accept_path)
             meta["cases"] = len(cases)
+            kernels = {c.name: coverage.route(c, rows, arch == "90") for c in cases}
             meta["alpha_per_look"] = policy.alpha_per_look(len(cases))
             results = compare(base_w, head_w, cases, policy, len(cases))
     except WorkerError as exc:
@@ -296,8 +297,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     for r in results:
         r.why = why.get(r.case, "")
     meta["accept_unused"] = accept.apply(results, entries)
-    rows_out = [{**r.as_dict(), "head_tflops": _tflops(by_name.get(r.case), r.head_ms)}
-                for r in results]
+    rows_out = [{**r.as_dict(), "head_tflops": _tflops(by_name.get(r.case), r.head_ms),
+                 "kernel": kernels.get(r.case)} for r in results]  # the head's dispatch table
     if results and all(r.verdict == "new" for r in results):  # nothing was compared
         meta["error"] = ("the base could run none of the gate's cases; first error: "
                          f"{results[0].note}")
