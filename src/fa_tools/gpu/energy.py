@@ -76,7 +76,7 @@ def _pynvml_counter(uuid: str | None) -> Counter:
 
     pynvml.nvmlInit()
     if uuid is not None:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())  # bytes: every version
     elif pynvml.nvmlDeviceGetCount() == 1:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     else:
