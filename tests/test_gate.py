@@ -4,6 +4,7 @@ the combined report."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 
@@ -136,6 +137,10 @@ def test_slowdown_masked_by_the_machine_is_not_cleared():
 class FakeWorker:
     """Answers like a worker: per case a time factor, noise, and the planted slowdown."""
 
+    configs: list[str] = []  # the kernels of its build (none: the dispatch table is empty)
+    src_dir = "simulated"  # one build for both sides: the SASS diff is not run
+    energy = {"supported": False, "reason": "simulated"}
+
     def __init__(self, factors, noise, seed):
         self.factors, self.noise = factors, noise
         self.rng = random.Random(seed)
@@ -156,6 +161,7 @@ class FakeWorker:
 
 
 CASES = [Case("bf16", 128, 16, 1024), Case("bf16", 128, 16, 4096), Case("fp16", 128, 16, 4096)]
+CASE_1024 = "fp16_d128_b16_s1024"  # a gate case of 1024 keys (the power study tests)
 
 
 def test_sequential_compare_stops_early_extends_undecided_and_plants_only_on_head():
@@ -381,7 +387,7 @@ def test_power_study_tables(tmp_path, monkeypatch):
         yield FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
 
     monkeypatch.setattr(calibrate, "workers", fake_workers)
-    case = perf.GATE_CASES[0].name
+    case = CASE_1024
     args = argparse.Namespace(case=[case], sizes=[0.5, 10], runs=2, aa_runs=2)
     policy = ratchet.load_yaml("ci/gate_policy.yaml")
     assert calibrate.run(args, policy, tmp_path) == gate.PASS
@@ -411,7 +417,7 @@ def test_power_study_flags_a_plant_that_did_not_take_effect(tmp_path, monkeypatc
         yield FakeWorker({}, {}, 1), DeafWorker({}, {}, 2)
 
     monkeypatch.setattr(calibrate, "workers", fake_workers)
-    args = argparse.Namespace(case=[perf.GATE_CASES[0].name], sizes=[5], runs=2, aa_runs=0)
+    args = argparse.Namespace(case=[CASE_1024], sizes=[5], runs=2, aa_runs=0)
     calibrate.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path)
     (row,) = json.loads((tmp_path / "calibrate.json").read_text())["power"]
     assert row["realised"] is False and row["slower"] == 0
@@ -506,11 +512,13 @@ def test_verdict_compares_cycles_and_reports_times_beside():
 
 def test_policy_first_look_can_reach_the_per_look_alpha():
     """With n rounds the smallest one-sided signed-rank p is 2^-n: adding gate cases (or looks)
-    without more first rounds would make the first look unable to convict anything."""
+    without more first rounds would make the first look unable to convict anything. The family
+    is the gate's cases and as many SASS-chosen extras as the policy allows."""
     policy = abtest.Policy.from_dict(
         {k: v for k, v in ratchet.load_yaml("ci/gate_policy.yaml")["perf"].items()
          if k != "build_timeout_s"})
-    assert 0.5 ** policy.rounds < policy.alpha_per_look(len(perf.GATE_CASES))
+    n = len(perf.GATE_CASES) + policy.sass_extra_cases
+    assert 0.5 ** policy.rounds < policy.alpha_per_look(n)
 
 
 def test_clock_stamp_cycles_are_per_sm_deltas():
@@ -573,7 +581,7 @@ def test_power_study_merge(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "workers", fake_workers)
     policy = ratchet.load_yaml("ci/gate_policy.yaml")
-    case = perf.GATE_CASES[0].name
+    case = CASE_1024
     parts = []
     for i, (sizes, aa) in enumerate([([10], 1), ([10, 5], 2)]):
         args = argparse.Namespace(case=[case], sizes=sizes, runs=2, aa_runs=aa)
@@ -608,3 +616,222 @@ def test_window_vs_full_ratio_and_report():
     assert "window 2.450 [2.400, 2.500] ms at 1425 [1400, 1450] MHz" in lines[1]
     assert lines[1].endswith(
         "window/(fraction*full) = 1.100 [1.000, 1.200], in SM cycles 1.150 [1.100, 1.200]")
+
+
+# ---- cases of every kind, peerless cases, energy ----------------------------------------------
+
+
+def test_case_travels_as_json_and_old_requests_still_read():
+    c = Case("bf16", 128, 8, 1024, window=(512, 0), softcap=30.0, kv_heads=4, seqlen_k=8192)
+    back = Case(**json.loads(json.dumps(c.as_dict())))
+    assert back == c and hash(back) == hash(c) and back.window == (512, 0)
+    assert c.name == "bf16_d128_b8_s1024_sk8192_kv4_w512_0_cap30"
+    old = {"dtype": "bf16", "d_head": 128, "batch": 16, "seqlen": 4096, "heads": 16,
+           "causal": True, "varlen": False}  # a request from before the new fields
+    assert Case(**old).name == "bf16_d128_b16_s4096_causal"
+    assert Case(**old).options() == {"causal": True}, "only what differs from the defaults"
+    assert c.options() == {"window_size": (512, 0), "softcap": 30.0}
+    assert Case("bf16", 64, 1, 128, window=(-1, 0)).name == "bf16_d64_b1_s128_winf_0"
+    with pytest.raises(ValueError, match="multiple"):
+        Case("bf16", 128, 1, 128, heads=16, kv_heads=5)
+    with pytest.raises(ValueError, match="varlen"):
+        Case("bf16", 128, 4, 1024, varlen=True, kv_heads=4)
+
+
+def test_gate_case_names_are_unique_and_sdpa_less_cases_say_why():
+    names = [c.name for c in perf.GATE_CASES]
+    assert len(names) == len(set(names))
+    for c in perf.GATE_CASES:
+        assert bool(c.peer_note()) == bool(c.window or c.softcap)
+
+
+class NoPeer(FakeWorker):
+    """A worker's reply for a case SDPA cannot run: no peer keys; energy per call reported."""
+
+    def measure(self, case, reps, timeout_s, slowdown=0.0, warm_ms=0.0):
+        res = super().measure(case, reps, timeout_s, slowdown, warm_ms)
+        res = {k: v for k, v in res.items() if not k.startswith("sdpa_fa2")}
+        return {**res, "ours_mj": 400.0 * res["ours_mcycles"]}
+
+
+def test_a_case_without_peer_is_judged_on_the_raw_ratio_alone():
+    window = Case("bf16", 128, 8, 8192, window=(1024, 1024))
+    slow, same = (abtest.compare(NoPeer({}, {}, 1), NoPeer(f, {}, 2), [window], POL, 7)[0]
+                  for f in ({window.name: 1.05}, {}))
+    assert slow.verdict == "slower" and same.verdict == "same"
+    assert math.isnan(slow.norm_ratio) and slow.peer_note == "SDPA has no sliding window"
+    assert slow.mj_ratio == pytest.approx(1.05, rel=0.01) and slow.head_mj > slow.base_mj
+    md = perf.markdown([slow.as_dict()], 1, {"base_label": "b", "head_label": "h",
+                                             "rounds": 14, "step": 12, "max_rounds": 48,
+                                             "fwer": 0.01, "alpha_per_look": 1e-4,
+                                             "threshold_pct": 1.5, "clear_pct": 3.0})
+    assert "n/a: SDPA has no sliding window" in md
+
+
+def test_energy_window_and_summary():
+    from fa_tools.gpu import energy
+
+    reads = iter([1000, 1900])
+    win = energy.Window(energy.Counter(lambda: next(reads), "fake"))
+    win.start()
+    win.stop(calls=9)
+    assert win.per_call == 100.0
+    broken = energy.Window(energy.Counter(lambda: 1 / 0, "fake"))
+    broken.start()
+    broken.stop(calls=9)
+    assert broken.per_call is None, "a failed read is no data, not an exception"
+    assert energy.Window(None).per_call is None
+    # the counter polled: it changed at 20 ms steps by 5 mJ or more
+    samples = [(t / 1000, 1000 + 5 * (t // 20) + (t >= 60)) for t in range(0, 101)]
+    g = energy.summarise(samples, "fake")
+    assert g.changes == 5 and g.step_mj_min == 5 and g.interval_ms_median == pytest.approx(20)
+    assert "updates every 20.0 ms" in g.describe()
+    assert energy.granularity(None, "no NVML").describe() == "n/a (no NVML)"
+    b, h, r = abtest.energy_summary([10.0, None, 10.0], [11.0, 11.0, None])
+    assert (b, h) == (10.0, 11.0) and r == pytest.approx(1.1)
+    assert all(math.isnan(x) for x in abtest.energy_summary([None], [None]))
+
+
+def test_no_nvml_is_reported_not_faked(monkeypatch):
+    from fa_tools.gpu import energy
+
+    def missing(uuid):
+        raise ImportError("no module named pynvml")
+
+    def unsupported(uuid):
+        raise energy.EnergyUnavailable("NVML nvmlDeviceGetTotalEnergyConsumption failed with "
+                                       "error 3")
+
+    monkeypatch.setattr(energy, "_pynvml_counter", missing)
+    monkeypatch.setattr(energy, "_ctypes_counter", unsupported)
+    monkeypatch.setattr(energy, "_device_uuid", lambda: None)
+    counter, why = energy.open_counter()
+    assert counter is None and "pynvml: not installed" in why and "error 3" in why
+
+
+# ---- accepted regressions and the gate run with its additions ---------------------------------
+
+
+def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:2], arch=""):
+    """perf.run on simulated workers over `cases`, with an accept file of accept_text, on a GPU
+    of `arch` ("90": an H100; "": not known, no SASS diff)."""
+    import argparse
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_workers(args, perf_policy, meta):
+        meta.update(gpu="simulated", base_label="b", head_label="h", arch=arch)
+        yield base, head
+
+    monkeypatch.setattr(perf, "workers", fake_workers)
+    monkeypatch.setattr(perf, "GATE_CASES", tuple(cases))
+    doc = ratchet.load_yaml("ci/gate_policy.yaml")
+    accept_path = tmp_path / "perf_accept.yaml"
+    if accept_text is not None:
+        accept_path.write_text(accept_text)
+    doc["perf"] = {**doc["perf"], "accept_file": str(accept_path)}
+    out = tmp_path / "out"
+    code = perf.run(argparse.Namespace(rounds=None, max_rounds=None), doc, out)
+    return code, json.loads((out / "perf.json").read_text()), (out / "perf.md").read_text()
+
+
+ACCEPT = """accept:
+  - case: bf16_d128_b16_s1024
+    max_slowdown_pct: {pct}
+    reason: "planted: the new mask path costs 5% here, measured on an H100"
+    date: 2026-11-24
+"""
+
+
+def test_accepted_slowdown_within_its_bound_passes_with_the_reason(tmp_path, monkeypatch):
+    slow = CASES[0].name
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({slow: 1.05}, {}, 2), ACCEPT.format(pct=6))
+    assert code == gate.PASS
+    (r,) = [r for r in doc["results"] if r["case"] == slow]
+    assert r["verdict"] == "accepted" and "costs 5% here" in r["accepted"]
+    assert ("**accepted**: planted: the new mask path costs 5% here, measured on an H100 "
+            "(accepted up to +6%, 2026-11-24)") in md
+
+
+def test_slowdown_beyond_the_accepted_bound_still_fails(tmp_path, monkeypatch):
+    slow = CASES[0].name
+    code, _, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({slow: 1.05}, {}, 2), ACCEPT.format(pct=3))
+    assert code == gate.REGRESSION
+    assert "**slower** (beyond the accepted +3% (planted" in md
+
+
+def test_accept_entry_naming_no_case_is_a_broken_configuration(tmp_path, monkeypatch):
+    text = ACCEPT.format(pct=3).replace("bf16_d128_b16_s1024", "bf16_d128_b16_s1025")
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({}, {}, 2), text)
+    assert code == gate.BROKEN and "results" not in doc
+    assert "broken configuration" in md and "bf16_d128_b16_s1025, which is not a case" in md
+    for bad, why in ((ACCEPT.format(pct=0), "max_slowdown_pct"),
+                     (ACCEPT.format(pct=3).replace("    reason:", "    why:"), "missing reason"),
+                     (ACCEPT.format(pct=3) + ACCEPT.format(pct=4)[8:], "accepted twice")):
+        code, _, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                                FakeWorker({}, {}, 2), bad)
+        assert code == gate.BROKEN and why in md, why
+
+
+def test_unused_accept_entry_is_reported_for_removal(tmp_path, monkeypatch):
+    code, doc, md = _run_gate(tmp_path, monkeypatch, FakeWorker({}, {}, 1),
+                              FakeWorker({}, {}, 2), ACCEPT.format(pct=3))
+    assert code == gate.PASS
+    assert doc["meta"]["accept_unused"] == [{"case": CASES[0].name, "verdict": "same"}]
+    assert "Accept entry for bf16_d128_b16_s1024 unused (verdict same): remove it" in md
+
+
+def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkeypatch):
+    """Two builds whose SASS differs in one kernel no gate case runs: the gate measures a case
+    for it (counted in the alpha split), and says which and why."""
+    from fa_tools.gate import sassdiff
+    from flash_attention.config_sets import resolve
+
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr("flash_attention.dispatch._tuning", None)
+    default = [c.short for c in resolve("default")]
+    code = {k: [b"\0" * 16] * 10 for k in default}
+    changed = dict(code, **{"sm90_fp16_d64_c96_g3_s3_fwesn": [b"\1" * 16] * 3 + [b"\0" * 16] * 7})
+    base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+    base.src_dir, head.src_dir = "base", "head"
+    base.configs = head.configs = default
+    monkeypatch.setattr(perf, "_binary", lambda src: src)
+    monkeypatch.setattr(sassdiff, "kernel_code",
+                        lambda binary, arch: code if binary == "base" else changed)
+    _, doc, _ = _run_gate(tmp_path, monkeypatch, base, head)
+    assert doc["meta"]["sass"]["note"] == "no GPU architecture known", "nothing to compare"
+
+    verdict, doc, md = _run_gate(tmp_path, monkeypatch, base, head, arch="90")
+    assert verdict == gate.PASS
+    (extra,) = [r for r in doc["results"] if r["why"]]
+    assert extra["case"] == "fp16_d64_b16_s4096"
+    assert extra["kernel"] == "sm90_fp16_d64_c96_g3_s3_fwesn", "the kernel dispatch runs for it"
+    assert "SASS differs (3 instructions changed: +3 -3 of 10)" in extra["why"]
+    assert doc["meta"]["cases"] == len(CASES[:2]) + 1
+    assert doc["meta"]["alpha_per_look"] == pytest.approx(0.01 / (3 * 4))
+    assert "Added case fp16_d64_b16_s4096: kernel sm90_fp16_d64_c96_g3_s3_fwesn: SASS" in md
+
+
+def test_accept_rules_on_results():
+    from fa_tools.gate import accept
+
+    def result(verdict, ratio, hi, norm=math.nan):
+        r = abtest.CaseResult.new("c", "")
+        r.verdict, r.ratio, r.ci_high, r.norm_ratio = verdict, ratio, hi, norm
+        return r
+
+    entry = [accept.Acceptance("c", 4.0, "why", "2026-11-24", "abc1234")]
+    for r, verdict in ((result("slower", 1.03, 1.05), "accepted"),  # the estimate counts
+                       (result("slower", 1.03, 1.05, norm=1.045), "slower"),  # and normalised
+                       (result("inconclusive", 1.02, 1.035), "accepted"),  # all of the CI
+                       (result("inconclusive", 1.02, 1.045), "inconclusive")):
+        assert accept.apply([r], entry) == [] and r.verdict == verdict
+    assert result("x", 1, 1).accepted == ""
+    r = result("slower", 1.03, 1.05)
+    accept.apply([r], entry)
+    assert r.accepted == "why (accepted up to +4%, 2026-11-24, abc1234)"
+    assert accept.apply([result("faster", 0.9, 0.95)], entry) == [{"case": "c",
+                                                                    "verdict": "faster"}]

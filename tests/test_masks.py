@@ -9,7 +9,14 @@ import random
 import pytest
 import torch
 
-from flash_attention.masks import block_mask, canonical_window, kv_blocks, visible
+from flash_attention.masks import (
+    block_mask,
+    canonical_window,
+    kv_blocks,
+    visible,
+    visible_pairs,
+)
+from flash_attention.timing import attention_flops
 
 
 def test_causal_is_bottom_right():
@@ -98,3 +105,20 @@ def test_block_mask_is_the_element_rule():
         want[:, :ncols] = visible(sq, sk, left, right)[q_row0:q_row0 + rows,
                                                        kv_col0:kv_col0 + ncols]
         assert torch.equal(got, want), (sq, sk, left, right, q_row0, kv_col0)
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 5), (3, 9), (9, 3), (64, 200)])
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (0, 0), (2, 0), (3, 5), (-1, 4),
+                                        (500, 0)])
+def test_visible_pairs_counts_the_mask(sq, sk, left, right):
+    assert visible_pairs(sq, sk, left, right) == int(visible(sq, sk, left, right).sum())
+
+
+def test_flops_count_visible_pairs_under_a_window():
+    full = attention_flops(2, 4, 64, 64, 128)
+    assert attention_flops(2, 4, 64, 64, 128, causal=True) == full / 2, "the Sq == Sk convention"
+    assert attention_flops(2, 4, 64, 64, 128, window_size=(-1, -1)) == full
+    pairs = int(visible(64, 64, 8, 0).sum())
+    assert attention_flops(2, 4, 64, 64, 128, window_size=(8, 0)) == 4.0 * 2 * 4 * 128 * pairs
+    pairs = int(visible(16, 64, -1, 0).sum())  # causal with Sq != Sk: bottom-right, counted
+    assert attention_flops(1, 1, 16, 64, 128, causal=True) == 4.0 * 128 * pairs

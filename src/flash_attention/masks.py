@@ -46,6 +46,17 @@ def visible(seqlen_q: int, seqlen_k: int, left: int, right: int,
     return ok
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """How many (query, key) pairs `visible` marks, in closed form per row (no mask is made):
+    the FLOP count of a causal or windowed call."""
+    off = seqlen_k - seqlen_q
+    rows = torch.arange(seqlen_q, dtype=torch.int64)
+    lo = (rows + off - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    hi = (rows + off + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(
+        rows, seqlen_k - 1)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
 @dataclass(frozen=True)
 class KvBlocks:
     """KV blocks [first, last] of one query block (empty when last < first); those in

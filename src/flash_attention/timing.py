@@ -36,7 +36,14 @@ def median_ms(fn: Callable[[], object], reps: int = 30, warmup: int = 5) -> floa
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, d_head: int,
-                    causal: bool = False) -> float:
+                    causal: bool = False, window_size: tuple[int, int] | None = None) -> float:
     """Forward FLOPs: two matmuls of 2*Sq*Sk*D each per (batch, head), halved for causal (the
-    convention for Sq == Sk)."""
-    return 4.0 * batch * heads * seqlen_q * seqlen_k * d_head / (2 if causal else 1)
+    convention for Sq == Sk). With a window (or causal with Sq != Sk, aligned bottom-right) the
+    pairs the mask leaves visible are counted instead (masks.visible_pairs)."""
+    window = (-1, -1) if window_size is None else tuple(window_size)
+    if window == (-1, -1) and (not causal or seqlen_q == seqlen_k):
+        return 4.0 * batch * heads * seqlen_q * seqlen_k * d_head / (2 if causal else 1)
+    from .masks import canonical_window, visible_pairs
+
+    left, right = canonical_window(causal, window, seqlen_q, seqlen_k)
+    return 4.0 * batch * heads * d_head * visible_pairs(seqlen_q, seqlen_k, left, right)

@@ -81,8 +81,14 @@ def ptx(binary: Path, kernel: str, arch: str) -> Path:
     return _find(binary, kernel, arch, "ptx", list_ptx(binary))
 
 
-def elf_section(path: Path, name: str) -> bytes | None:
-    """Raw contents of one section of a 64-bit little-endian ELF file (None if absent)."""
+def extracted_dir(binary: Path) -> Path:
+    """The directory holding every cubin and PTX of the binary (cuobjdump, once per content);
+    members' `file` names are relative to it."""
+    return _extracted(str(binary), _stamp(binary))
+
+
+def elf_sections(path: Path) -> dict[str, bytes]:
+    """{section name: raw contents} of a 64-bit little-endian ELF file, in header order."""
     data = Path(path).read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise ToolError(f"{path} is not a 64-bit ELF file")
@@ -97,12 +103,17 @@ def elf_section(path: Path, name: str) -> bytes | None:
 
     _, str_off, str_size = header(shstrndx)
     names = data[str_off:str_off + str_size]
+    out: dict[str, bytes] = {}
     for i in range(shnum):
         sh_name, off, size = header(i)
         end = names.index(b"\0", sh_name)
-        if names[sh_name:end].decode() == name:
-            return data[off:off + size]
-    return None
+        out.setdefault(names[sh_name:end].decode(), data[off:off + size])
+    return out
+
+
+def elf_section(path: Path, name: str) -> bytes | None:
+    """Raw contents of one section of a 64-bit little-endian ELF file (None if absent)."""
+    return elf_sections(path).get(name)
 
 
 def embedded_ptx(cubin_path: Path) -> str | None:

@@ -4,7 +4,8 @@
 Exit codes, of every subcommand and of the combined report:
   0 pass
   1 regression: a case is significantly slower beyond the threshold, or a pin got worse
-  2 broken: a build, test or benchmark of the head failed, crashed or ran past its time limit
+  2 broken: a build, test or benchmark of the head failed, crashed or ran past its time limit,
+    or the head's perf accept file is broken (an entry malformed or naming no case)
   3 infrastructure or no data: no GPU, the base does not build, tools or baselines missing
   4 inconclusive: after the most rounds the policy allows, a case could be neither cleared nor
     convicted (its interval still straddles the threshold); re-run the gate on a quiet GPU

@@ -25,6 +25,9 @@ ci/gate_policy.yaml):
   new           the base cannot run the case (a feature the pull request adds): nothing to
                 compare, reported with the base's error, no effect on the exit code
 
+A case SDPA cannot run (a sliding window, a softcap: Case.peer_note) has no normalised ratio;
+it is judged on the raw ratios alone, and the report says so.
+
 Significance is tested on the raw ratios only: rounds alternate which side goes first and pair
 measurements seconds apart, so drift cancels within a pair, and the raw test alone keeps the
 false-positive rate. The normalised ratios (each time divided by the SDPA FA2 time of the same
@@ -90,6 +93,8 @@ class Policy:
     first_call_timeout_s: float = 300.0
     min_timeout_s: float = 60.0
     timeout_factor: float = 20.0
+    sass_extra_cases: int = 6  # at most this many cases added for kernels whose SASS changed
+    accept_file: str = "ci/perf_accept.yaml"  # accepted regressions of named cases (accept.py)
 
     @classmethod
     def from_dict(cls, doc: dict) -> Policy:
@@ -162,6 +167,7 @@ class Worker:
                               "infra")
         self.configs = hello["configs"]
         self.gpu = hello["gpu"]
+        self.energy = hello.get("energy") or {"supported": False, "reason": "not reported"}
         log.info("%s: %s (%d kernels) on %s", label, module.parent, len(self.configs), self.gpu)
 
     @property
@@ -241,6 +247,12 @@ class CaseResult:
     samples: dict = field(default_factory=dict)
     note: str = ""
     time_ratio: float = math.nan  # head / base of the per-round median times (Hodges-Lehmann)
+    peer_note: str = ""  # why there is no normalised ratio (no SDPA peer), "" when there is
+    base_mj: float = math.nan  # millijoules per call, median over rounds (NVML; informational)
+    head_mj: float = math.nan
+    mj_ratio: float = math.nan  # head / base of the paired per-round energies (Hodges-Lehmann)
+    why: str = ""  # why the case was measured when not one of the gate's own (SASS diff)
+    accepted: str = ""  # the accept file's reason, when a slowdown within its bound was accepted
 
     @classmethod
     def new(cls, case: str, why: str) -> CaseResult:
@@ -253,26 +265,51 @@ class CaseResult:
         return asdict(self)
 
 
+def _paired(base: list[float | None], head: list[float | None]) -> tuple[list, list]:
+    """The rounds where both sides have a value."""
+    pairs = [(b, h) for b, h in zip(base, head) if b is not None and h is not None]
+    return [b for b, _ in pairs], [h for _, h in pairs]
+
+
+def energy_summary(base_mj: list[float | None], head_mj: list[float | None]
+                   ) -> tuple[float, float, float]:
+    """(base mJ per call, head mJ per call, head/base) from per-round energies (None where a
+    read failed): medians and the Hodges-Lehmann ratio of the rounds both sides have; nan
+    without any."""
+    b, h = _paired(base_mj, head_mj)
+    b, h = [x for x in b if x > 0], [x for x in h if x > 0]
+    if not b or len(b) != len(h):
+        return math.nan, math.nan, math.nan
+    return statistics.median(b), statistics.median(h), math.exp(
+        hodges_lehmann(log_ratios(h, b))[0])
+
+
 def analyse(case: str, base: list[float], head: list[float], base_peer: list[float],
             head_peer: list[float], policy: Policy, alpha: float, level: float = 0.95,
             base_ms: list[float] | None = None, head_ms: list[float] | None = None
             ) -> CaseResult:
     """Verdict of one case at one look (see the module doc); samples are per-round values of
     the policy's metric (cycles or ms per call), paired by round; base_ms/head_ms: the per-round
-    median times, reported beside (default: the samples themselves)."""
+    median times, reported beside (default: the samples themselves). Without peer samples (a
+    case SDPA cannot run) the verdict rests on the raw ratios alone."""
     d = log_ratios(head, base)
-    nd = [a - b for a, b in zip(d, log_ratios(head_peer, base_peer))]
     est, lo, hi = hodges_lehmann(d, level)
-    nest, nlo, nhi = hodges_lehmann(nd, level)
-    p_slow, np_slow = signed_rank_greater(d), signed_rank_greater(nd)
+    p_slow = signed_rank_greater(d)
     p_fast = signed_rank_greater([-x for x in d])
+    has_peer = len(base_peer) == len(base) and len(head_peer) == len(head) and bool(base)
+    if has_peer:
+        nd = [a - b for a, b in zip(d, log_ratios(head_peer, base_peer))]
+        nest, nlo, nhi = hodges_lehmann(nd, level)
+        np_slow = signed_rank_greater(nd)
+    else:
+        nest = nlo = nhi = np_slow = math.nan
     convict = math.log1p(policy.threshold_pct / 100)
     clear = math.log1p(policy.clear_pct / 100)
-    if p_slow < alpha and est > convict and nest > convict:
+    if p_slow < alpha and est > convict and (not has_peer or nest > convict):
         verdict = "slower"
     elif p_fast < alpha and est < -convict:
         verdict = "faster"
-    elif hi < clear and nest < clear:
+    elif hi < clear and (not has_peer or nest < clear):
         verdict = "same"
     else:
         verdict = "undecided"
@@ -323,6 +360,17 @@ def warm_up(base: Worker, head: Worker, cases: list[Case], policy: Policy,
     return Plan(reps, timeout, new)
 
 
+def _record(samples: dict[str, list], side: str, res: dict[str, float], policy: Policy) -> None:
+    """One worker reply into the case's per-round samples: the metric of ours, of the SDPA
+    peer when the case has one, the time, and the energy per call (None when not read)."""
+    samples[side].append(res[policy.key("ours")])
+    peer = res.get(policy.key("sdpa_fa2"))
+    if peer is not None:
+        samples[f"{side}_peer"].append(peer)
+    samples[f"{side}_ms"].append(res["ours"])
+    samples[f"{side}_mj"].append(res.get("ours_mj"))
+
+
 def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_family: int,
             slowdown: dict[str, float] | None = None) -> list[CaseResult]:
     """The sequential comparison of `cases`; alpha is split over n_family cases (the whole
@@ -330,7 +378,8 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
     slowdown = slowdown or {}
     plan = warm_up(base, head, cases, policy, slowdown)
     alpha = policy.alpha_per_look(n_family)
-    keys = ("base", "head", "base_peer", "head_peer", "base_ms", "head_ms")
+    keys = ("base", "head", "base_peer", "head_peer", "base_ms", "head_ms", "base_mj",
+            "head_mj")
     samples = {c.name: {k: [] for k in keys} for c in cases}
     active = [c for c in cases if c.name not in plan.new]
     done = {name: CaseResult.new(name, why) for name, why in plan.new.items()}
@@ -345,9 +394,7 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
                     res = worker.measure(c, plan.reps[c.name], plan.timeout_s[c.name],
                                          slowdown.get(c.name, 0.0) if side == "head" else 0.0,
                                          policy.warm_ms)
-                    samples[c.name][side].append(res[policy.key("ours")])
-                    samples[c.name][f"{side}_peer"].append(res[policy.key("sdpa_fa2")])
-                    samples[c.name][f"{side}_ms"].append(res["ours"])
+                    _record(samples[c.name], side, res, policy)
             rounds += 1
         final = rounds >= policy.max_rounds
         still = []
@@ -355,6 +402,9 @@ def compare(base: Worker, head: Worker, cases: list[Case], policy: Policy, n_fam
             s = samples[c.name]
             r = analyse(c.name, s["base"], s["head"], s["base_peer"], s["head_peer"], policy,
                         alpha, base_ms=s["base_ms"], head_ms=s["head_ms"])
+            r.peer_note = c.peer_note()
+            r.base_mj, r.head_mj, r.mj_ratio = energy_summary(s["base_mj"], s["head_mj"])
+            r.samples.update(base_mj=s["base_mj"], head_mj=s["head_mj"])
             if r.verdict == "undecided" and not final:
                 still.append(c)
                 continue

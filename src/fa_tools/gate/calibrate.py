@@ -34,10 +34,10 @@ def _row(case: Case, size_pct: float, runs: list[dict]) -> dict:
     verdicts = [r["verdict"] for r in runs]
     ratios = [r["ratio"] for r in runs]
     added = planted_keys(case, size_pct / 100)
-    work_pct = 100 * added / case.seqlen
+    work_pct = 100 * added / case.keys
     realised = statistics.median(ratios) - 1 >= work_pct / 200  # at least half the plant
     return {"case": case.name, "planted": f"{size_pct:g}%",
-            "added": f"+{added} of {case.seqlen} keys",
+            "added": f"+{added} of {case.keys} keys",
             "work_pct": work_pct, "realised": realised, "runs": n,
             "slower": verdicts.count("slower"), "inconclusive": verdicts.count("inconclusive"),
             "same": verdicts.count("same"), "faster": verdicts.count("faster"),

@@ -12,11 +12,24 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..gpu.perfcases import GATE_CASES
-from . import BROKEN, INCONCLUSIVE, INFRA, PASS, REGRESSION, VERDICT, write_part
+from ..analysis.binaries import ToolError
+from ..gpu.perfcases import GATE_CASES, Case
+from . import (
+    BROKEN,
+    INCONCLUSIVE,
+    INFRA,
+    PASS,
+    REGRESSION,
+    VERDICT,
+    accept,
+    coverage,
+    sassdiff,
+    write_part,
+)
 from .abtest import CaseResult, Policy, Worker, WorkerError, compare
 
 log = logging.getLogger(__name__)
@@ -61,6 +74,63 @@ def build_tree(tree: Path, kernels: str, archs: str, timeout_s: float) -> None:
         raise RuntimeError(f"build of {tree} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def _norm(r: dict) -> str:
+    if r.get("peer_note"):
+        return f"n/a: {r['peer_note']}"
+    return f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}]"
+
+
+def _energy(r: dict) -> str:
+    base, head = r.get("base_mj", math.nan), r.get("head_mj", math.nan)
+    if math.isnan(base) or math.isnan(head):
+        return "n/a"
+    return f"{base:.1f} / {head:.1f} ({r['mj_ratio']:.3f})"
+
+
+def _verdict(r: dict) -> str:
+    if r["verdict"] == "accepted":
+        return f"**accepted**: {r['accepted']}"
+    return f"**{r['verdict']}**" + (f" ({r['note']})" if r.get("note") else "")
+
+
+def _row(r: dict) -> str:
+    if r["verdict"] == "new":
+        return (f"| {r['case']} | - | - | - | - | - | - | - | - | - | **new**: the base cannot "
+                f"run it ({r['note']}) |")
+    return (f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
+            f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
+            f"{_norm(r)} | {r['base_cv']:.1%}/{r['head_cv']:.1%} | "
+            f"{r.get('time_ratio', math.nan):.3f} | {_energy(r)} | {_verdict(r)} |")
+
+
+def _notes(meta: dict) -> list[str]:
+    """What the table needs beside it: the energy counter's resolution, the SASS-chosen cases
+    and the acceptances (used or not)."""
+    lines = []
+    for side, g in (meta.get("energy") or {}).items():
+        lines.append(f"- Energy counter ({side}): {_energy_text(g)}.")
+    sass = meta.get("sass") or {}
+    if sass.get("note"):
+        lines.append(f"- SASS diff: {sass['note']}")
+    for c in sass.get("added", []):
+        lines.append(f"- Added case {c['case']}: {c['why']}")
+    for c in sass.get("covered", []):
+        lines.append(f"- {c['why']}")
+    for c in sass.get("skipped", []):
+        lines.append(f"- Not measured: {c['kernel']}: {c['why']}")
+    for a in meta.get("accept_unused", []):
+        lines.append(f"- Accept entry for {a['case']} unused (verdict {a['verdict']}): remove it "
+                     "once the base includes the change")
+    return lines
+
+
+def _energy_text(g: dict) -> str:
+    from ..gpu.energy import Granularity
+
+    known = {k: v for k, v in g.items() if k in Granularity.__dataclass_fields__}
+    return Granularity(**known).describe() if "supported" in known else "n/a (not reported)"
+
+
 def markdown(results: list[dict], code: int, meta: dict) -> str:
     lines = [f"### Performance A/B: {VERDICT[code]}", ""]
     if meta.get("error"):
@@ -73,23 +143,17 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
         f"({meta['alpha_per_look']:.2g} per case and look; one-sided signed-rank tests on "
         "paired per-round log-ratios, Hodges-Lehmann estimates). Slower = significant on raw "
         f"times and estimated beyond {meta['threshold_pct']}% both raw and normalised by SDPA "
-        f"FA2 in the same round; same = the raw 95% interval and the normalised estimate below "
-        f"{meta['clear_pct']}%.")
+        f"FA2 in the same round (raw alone where SDPA cannot run the case); same = the raw 95% "
+        f"interval and the normalised estimate below {meta['clear_pct']}%. Energy: NVML's "
+        "total energy counter over each contender's warm and timed calls in a round, mJ per "
+        "call (median over rounds; informational, not judged).")
     lines += ["", f"| case | rounds | base ms | head ms | head/base {meta.get('metric', 'time')} "
               "[95% CI] | p slower | vs SDPA FA2: head/base [95% CI] | spread base/head | "
-              "head/base time | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if r["verdict"] == "new":
-            lines.append(f"| {r['case']} | - | - | - | - | - | - | - | - | **new**: the base "
-                         f"cannot run it ({r['note']}) |")
-            continue
-        lines.append(
-            f"| {r['case']} | {r['rounds']} | {r['base_ms']:.3f} | {r['head_ms']:.3f} | "
-            f"{r['ratio']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['p_slower']:.2g} | "
-            f"{r['norm_ratio']:.3f} [{r['norm_ci_low']:.3f}, {r['norm_ci_high']:.3f}] | "
-            f"{r['base_cv']:.1%}/{r['head_cv']:.1%} | {r.get('time_ratio', math.nan):.3f} | "
-            f"**{r['verdict']}** |")
-    return "\n".join(lines) + "\n"
+              "head/base time | mJ/call base / head (ratio) | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_row(r) for r in results]
+    notes = _notes(meta)
+    return "\n".join(lines + (["", *notes] if notes else [])) + "\n"
 
 
 def verdict_code(results: list[CaseResult] | list[dict]) -> int:
@@ -134,11 +198,66 @@ def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tupl
         base_w.close()
         raise
     meta["gpu"] = head_w.gpu
+    meta["arch"] = "{}{}".format(*torch.cuda.get_device_capability())
+    meta["energy"] = {"base": base_w.energy, "head": head_w.energy}
     try:
         yield base_w, head_w
     finally:
         base_w.close()
         head_w.close()
+
+
+def _binary(src: Path) -> Path:
+    found = sorted((Path(src) / "flash_attention").glob("_C*.so"))
+    if not found:
+        raise OSError(f"no built extension in {src}")
+    return found[0]
+
+
+def sass_extras(base_w: Worker, head_w: Worker, rows: list[coverage.Row], policy: Policy,
+                arch: str) -> sassdiff.Selection:
+    """The cases added for kernels whose SASS differs between the two builds (sassdiff); a
+    diff that cannot run (no cuobjdump, an unreadable binary) adds none and says why."""
+    none = sassdiff.Selection([], [], [])
+    if Path(base_w.src_dir) == Path(head_w.src_dir):
+        none.note = "A/A: one build, nothing to compare"
+        return none
+    if policy.sass_extra_cases <= 0 or not arch:
+        none.note = "off (policy sass_extra_cases: 0)" if arch else "no GPU architecture known"
+        return none
+    t0 = time.monotonic()
+    try:
+        sel = sassdiff.extra_cases(_binary(base_w.src_dir), _binary(head_w.src_dir), arch, rows,
+                                   GATE_CASES, policy.sass_extra_cases)
+    except (ToolError, OSError, ValueError) as exc:
+        none.note = f"not run: {exc}"
+        return none
+    log.info("SASS diff of %d kernels in %.1f s: %d cases added", sel.compared,
+             time.monotonic() - t0, len(sel.added))
+    return sel
+
+
+def measurable_names(cases: list[Case], rows: list[coverage.Row], arch: str) -> set[str]:
+    """Every case name the gate can measure with this head: its cases and the case it would
+    add for any kernel of the dispatch table (what an accept entry may name)."""
+    sm90 = arch == "90"
+    kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
+    made = (coverage.case_for_kernel(k, rows, sm90) for k in kernels)
+    return {c.name for c in cases} | {c.name for c in made if c is not None}
+
+
+def _tflops(case: Case | None, ms: float) -> float | None:
+    """The head's TFLOP/s on a case (its visible pairs counted under a window), None without a
+    time."""
+    if case is None or not ms > 0:
+        return None
+    return case.flops() / ms / 1e9
+
+
+def _write(out: Path, code: int, meta: dict, rows: list[dict] | None = None) -> int:
+    doc = {"code": code, "meta": meta, **({"results": rows} if rows is not None else {})}
+    write_part(out, "perf", doc, markdown(rows or [], code, meta))  # an error: its text alone
+    return code
 
 
 def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
@@ -153,23 +272,35 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer,
             "alpha_per_look": policy.alpha_per_look(len(cases))}
+    accept_path = ROOT / policy.accept_file
     try:
+        entries = accept.load(accept_path)  # a malformed file fails before any GPU work
         with workers(args, perf, meta) as (base_w, head_w):
+            arch = meta.get("arch", "")
+            rows = coverage.dispatch_rows(head_w.configs)
+            selection = sass_extras(base_w, head_w, rows, policy, arch)
+            meta["sass"] = selection.as_dict()
+            cases += selection.cases
+            accept.check_cases(entries, measurable_names(cases, rows, arch), accept_path)
+            meta["cases"] = len(cases)
+            kernels = {c.name: coverage.route(c, rows, arch == "90") for c in cases}
+            meta["alpha_per_look"] = policy.alpha_per_look(len(cases))
             results = compare(base_w, head_w, cases, policy, len(cases))
     except WorkerError as exc:
-        code = BROKEN if exc.kind == "broken" else INFRA
         meta["error"] = str(exc)
-        write_part(out, "perf", {"code": code, "meta": meta}, markdown([], code, meta))
-        return code
-    rows = [r.as_dict() for r in results]
-    code = verdict_code(results)
+        return _write(out, BROKEN if exc.kind == "broken" else INFRA, meta)
+    except accept.AcceptError as exc:
+        meta["error"] = f"broken configuration: {exc}"
+        return _write(out, BROKEN, meta)
+    by_name = {c.name: c for c in cases}
+    why = {a["case"]: a["why"] for a in meta.get("sass", {}).get("added", [])}
+    for r in results:
+        r.why = why.get(r.case, "")
+    meta["accept_unused"] = accept.apply(results, entries)
+    rows_out = [{**r.as_dict(), "head_tflops": _tflops(by_name.get(r.case), r.head_ms),
+                 "kernel": kernels.get(r.case)} for r in results]  # the head's dispatch table
     if results and all(r.verdict == "new" for r in results):  # nothing was compared
-        code = INFRA
         meta["error"] = ("the base could run none of the gate's cases; first error: "
                          f"{results[0].note}")
-        write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
-                   markdown([], code, meta))
-        return code
-    write_part(out, "perf", {"code": code, "meta": meta, "results": rows},
-               markdown(rows, code, meta))
-    return code
+        return _write(out, INFRA, meta, rows_out)
+    return _write(out, verdict_code(results), meta, rows_out)

@@ -37,7 +37,7 @@ def _detail(name: str, doc: dict) -> str:
         if not rs:
             return (doc.get("meta", {}).get("error", "").strip().splitlines() or [""])[0]
         counts = {v: sum(r["verdict"] == v for r in rs)
-                  for v in ("slower", "inconclusive", "faster", "same", "new")}
+                  for v in ("slower", "inconclusive", "accepted", "faster", "same", "new")}
         return ", ".join(f"{n} {v}" for v, n in counts.items()) + f" of {len(rs)} cases"
     return doc.get("summary", "")
 

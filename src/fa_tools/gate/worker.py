@@ -3,8 +3,14 @@ reports which build it imported, then answers one JSON request per line on stdin
 reply per line on stdout, so the A/B gate pays the torch import once per side and alternates
 rounds between two live workers. Inputs of each case are made once and kept.
 
+    hello:    {"ok": true, "module": ..., "configs": [short forms], "gpu": ...,
+               "energy": gpu.energy.Granularity as a dict (the counter polled for 200 ms)}
     request:  {"case": Case dict, "reps": 10, "slowdown": 0.0, "warm_ms": 100.0}
-    reply:    {"ok": true, "results": {contender: median ms}}  or  {"ok": false, "error": ...}
+    reply:    {"ok": true, "results": {contender: median ms, ...}}  or  {"ok": false, ...}
+
+With warm_ms > 0 the results also hold "<contender>_mcycles" and "<contender>_mhz", and
+"<contender>_mj" (millijoules per call) where the GPU's energy counter could be read; a
+contender the case has no use for (SDPA under a window or a softcap) is absent.
 
 "slowdown" > 0 plants a known slowdown of attention() for the gate's power study (calibrate);
 only that command sends it. "warm_ms" > 0: each contender's timed calls follow that long of its
@@ -33,9 +39,13 @@ def main() -> int:
         from ..gpu.clockstamp import Stamps
 
         Stamps()  # the cycle measure loads here, so a failure of it is the worker's, not a case's
+        from ..gpu import energy
+
+        counter, why = energy.open_counter()  # None (with why) where NVML cannot be read
         hello = {"ok": True, "module": fa.__file__,
                  "configs": [c.short for c in fa.available_configs()],
-                 "gpu": torch.cuda.get_device_name()}
+                 "gpu": torch.cuda.get_device_name(),
+                 "energy": energy.granularity(counter, why).as_dict()}
     except Exception as exc:  # report, do not die silently
         out.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()
@@ -53,7 +63,7 @@ def main() -> int:
                 inputs[case] = Inputs.make(case)
             results = measure_case(case, inputs[case], reps=req.get("reps", 10), warmup=1,
                                    slowdown=req.get("slowdown", 0.0),
-                                   warm_ms=req.get("warm_ms", 0.0))
+                                   warm_ms=req.get("warm_ms", 0.0), energy=counter)
             reply = {"ok": True, "results": results}
         except Exception as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",

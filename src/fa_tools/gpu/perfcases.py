@@ -13,18 +13,73 @@ STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)
 
 @dataclass(frozen=True)
 class Case:
+    """One measured problem. New fields have defaults that leave the call as it was, so an old
+    request (and an old base's flash_attention) reads the same; the case travels to the workers
+    as JSON (as_dict), where a list comes back for `window` and is made a tuple again."""
+
     dtype: str
     d_head: int
     batch: int
-    seqlen: int
+    seqlen: int  # seqlen_q
     heads: int = 16
     causal: bool = False
     varlen: bool = False  # a packed batch of `batch` sequences of varlen_lengths() tokens
+    window: tuple[int, int] | None = None  # (left, right) as attention()'s window_size
+    softcap: float = 0.0
+    kv_heads: int | None = None  # GQA: fewer K/V heads than query heads
+    seqlen_k: int | None = None  # keys per sequence when not seqlen
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(int(x) for x in self.window))
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+        if self.varlen and (self.seqlen_k is not None or self.kv_heads is not None):
+            raise ValueError("a varlen case has seqlen_k = seqlen and all K/V heads")
 
     @property
     def name(self) -> str:
+        def side(n: int) -> str:
+            return "inf" if n < 0 else str(n)
+
         return (f"{self.dtype}_d{self.d_head}_b{self.batch}_s{self.seqlen}"
+                + (f"_sk{self.seqlen_k}" if self.seqlen_k is not None else "")
+                + (f"_kv{self.kv_heads}" if self.kv_heads is not None else "")
+                + (f"_w{side(self.window[0])}_{side(self.window[1])}" if self.window else "")
+                + (f"_cap{self.softcap:g}" if self.softcap else "")
                 + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else ""))
+
+    @property
+    def keys(self) -> int:
+        return self.seqlen if self.seqlen_k is None else self.seqlen_k
+
+    @property
+    def kv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    def options(self) -> dict:
+        """attention()'s keyword arguments beyond q, k, v: only those that differ from the
+        defaults, so a base from before an option existed still runs the cases without it."""
+        return _attention_options(self.causal, self.window, self.softcap)
+
+    def peer_note(self) -> str:
+        """Why SDPA cannot be the peer of this case ("" when it can)."""
+        if self.softcap:
+            return "SDPA has no softcap"
+        if self.window is not None:
+            return "SDPA has no sliding window"
+        return ""
+
+    def flops(self) -> float:
+        """Forward FLOPs of one call, the visible (query, key) pairs counted under a window
+        (flash_attention.timing.attention_flops); a varlen batch sums its sequences."""
+        from flash_attention.timing import attention_flops
+
+        if self.varlen:
+            return sum(attention_flops(1, self.heads, n, n, self.d_head, self.causal,
+                                       self.window) for n in varlen_lengths(self))
+        return attention_flops(self.batch, self.heads, self.seqlen, self.keys, self.d_head,
+                               self.causal, self.window)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -40,16 +95,36 @@ def varlen_lengths(case: Case) -> list[int]:
     return [case.seqlen, *lengths]
 
 
-# The perf gate's cases: both dtypes at d_head 128 over short, mid and long sequences, d 64
-# and 256, causal d 128 (against SDPA FA2 causal) and a causal varlen batch (against SDPA FA2 on
-# the same sequences padded to the longest).
-GATE_CASES = tuple(
-    [Case(dt, 128, b, s) for dt in ("bf16", "fp16")
-     for b, s in ((16, 1024), (16, 4096), (4, 16384))]
-    + [Case("bf16", 64, 16, 4096), Case("bf16", 256, 16, 4096),
-       Case("bf16", 128, 16, 4096, causal=True),
-       Case("bf16", 128, 16, 4096, causal=True, varlen=True)]
-)
+# The perf gate's cases: at least one per kind of kernel the dispatch tables run on an sm_90
+# GPU (every tile of the Hopper table, ignoring dtype; the sm80-family softcap kernels with and
+# without masks; the sm80-family varlen fallback), and each call feature: causal, sliding
+# windows, softcap, GQA, seqlen_q != seqlen_k, short sequences, both dtypes, d_head 64, 128
+# and the 160-256 range (tests/test_gate_coverage.py checks it against dispatch). 16 heads.
+GATE_CASES = tuple([
+    # no mask: d_head 128 over the three Hopper rows (<= 512, <= 2048, longer), both dtypes;
+    # 4 x 16384 is the power study's case (its plants come in the finest steps)
+    Case("bf16", 128, 64, 512),
+    Case("fp16", 128, 16, 1024),
+    Case("bf16", 128, 16, 4096), Case("bf16", 128, 4, 16384),
+    Case("bf16", 64, 16, 4096), Case("bf16", 64, 8, 8192),  # d_head 64: <= 4096, longer
+    Case("bf16", 256, 16, 4096),
+    # causal: d_head 128 over its three rows (the <= 2048 one with GQA, 4 K/V heads), d 64
+    Case("bf16", 128, 16, 2048, causal=True, kv_heads=4),
+    Case("bf16", 128, 16, 4096, causal=True),
+    Case("bf16", 128, 8, 8192, causal=True),
+    Case("bf16", 64, 16, 4096, causal=True),
+    # seqlen_q != seqlen_k: a causal chunk of 1024 queries against 8192 keys (bottom-right)
+    Case("bf16", 128, 8, 1024, causal=True, seqlen_k=8192),
+    # sliding windows (the Hopper local rows): d_head 64, 128, and 192 (on the d 256 kernel)
+    Case("bf16", 64, 16, 4096, window=(512, 0)),
+    Case("bf16", 128, 8, 8192, window=(1024, 1024)),
+    Case("bf16", 192, 8, 4096, window=(1024, 0)),
+    # softcap (sm80-family kernels on every GPU): plain, and with a window at d_head 256
+    Case("bf16", 128, 16, 4096, softcap=30.0),
+    Case("bf16", 256, 4, 8192, window=(2048, 0), softcap=50.0),
+    # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
+    Case("bf16", 128, 16, 4096, causal=True, varlen=True),
+])
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
@@ -91,7 +166,7 @@ def _queued_calls_ms(fn, reps: int, stamps=None) -> list[float]:
 
 
 def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None,
-                      stamps=None) -> list[float]:
+                      stamps=None, energy=None) -> list[float]:
     """CUDA-event milliseconds of each of `reps` calls made after about `warm_ms` of the same
     calls back to back, all queued without a gap: the GPU at the steady state of continuous
     work, clocks settled under its power limit. (A burst after an idle gap runs at boost clocks
@@ -100,26 +175,36 @@ def time_sustained_ms(fn, reps: int, warm_ms: float = 300.0, one_ms: float | Non
     bf16 d128, SDPA cuDNN 3.58 ms and ours 3.64 ms sustained at about 1.5 GHz, against 3.25 and
     3.8 ms median in 10-call bursts; docs/results.md.) one_ms: the time of one call if known
     (else measured first), which sets how many warm calls make warm_ms. stamps: clock stamps
-    around the timed calls (the cycles they took, gpu.clockstamp)."""
+    around the timed calls (the cycles they took, gpu.clockstamp). energy (gpu.energy.Window):
+    the GPU's energy counter read with the GPU idle before the warm calls and after the timed
+    ones, per call over both (the counter updates too seldom to resolve the timed calls
+    alone)."""
     import torch
 
     if one_ms is None:
         fn()
         torch.cuda.synchronize()
         one_ms = statistics.median(time_cuda_ms(fn, reps=3, warmup=0))
-    for _ in range(max(1, int(warm_ms / max(one_ms, 1e-3)))):
+    warm = max(1, int(warm_ms / max(one_ms, 1e-3)))
+    if energy is not None:
+        torch.cuda.synchronize()
+        energy.start()
+    for _ in range(warm):
         fn()
-    return _queued_calls_ms(fn, reps, stamps)
+    times = _queued_calls_ms(fn, reps, stamps)  # ends with a synchronize
+    if energy is not None:
+        energy.stop(warm + reps)
+    return times
 
 
-def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None
-                          ) -> tuple[list[float], float, float]:
+def time_sustained_cycles(fn, reps: int, warm_ms: float = 300.0, one_ms: float | None = None,
+                          energy=None) -> tuple[list[float], float, float]:
     """time_sustained_ms with clock stamps around the timed calls: (milliseconds of each call,
     millions of SM cycles per call, mean SM clock in MHz over the calls)."""
     from .clockstamp import Stamps
 
     stamps = Stamps()
-    times = time_sustained_ms(fn, reps, warm_ms, one_ms, stamps)
+    times = time_sustained_ms(fn, reps, warm_ms, one_ms, stamps, energy)
     return times, stamps.cycles() / reps / 1e6, stamps.mhz()
 
 
@@ -202,50 +287,86 @@ def window_vs_full(configs=("dispatched",), dtype: str = "bf16", rounds: int = 3
     return res
 
 
+def _attention_options(causal: bool, window, softcap: float) -> dict:
+    """attention()'s keyword arguments that differ from the defaults (an older build without
+    an option runs every call that does not use it)."""
+    opts: dict = {}
+    if causal:
+        opts["causal"] = True
+    if window is not None:
+        opts["window_size"] = tuple(window)
+    if softcap:
+        opts["softcap"] = softcap
+    return opts
+
+
+def _sdpa_peer(backend, qt, kt, vt, causal: bool, expand: bool = False):
+    """SDPA restricted to one backend on (B, H, S, D) tensors: K/V heads shared by query heads
+    through enable_gqa (expand: K/V repeated to every query head instead, made once here, for
+    a torch or backend without it); causal with fewer queries than keys aligned bottom-right
+    as ours (a lower-right causal bias, which SDPA runs on its FA2 kernel), else its own
+    is_causal."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    groups = qt.shape[1] // kt.shape[1]
+    extra: dict = {}
+    if groups > 1 and expand:
+        kt, vt = (t.repeat_interleave(groups, dim=1) for t in (kt, vt))
+    elif groups > 1:
+        extra["enable_gqa"] = True
+    if causal and qt.shape[2] != kt.shape[2]:
+        from torch.nn.attention.bias import causal_lower_right
+
+        extra["attn_mask"] = causal_lower_right(qt.shape[2], kt.shape[2])
+    else:
+        extra["is_causal"] = causal
+
+    def peer():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, **extra)
+    return peer
+
+
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
-               varlen=None) -> dict:
+               varlen=None, window=None, softcap: float = 0.0) -> dict:
     """Zero-argument callables, one per contender, on the same inputs: attention() (the given
     config, else dispatch) writing into out, and SDPA restricted to one backend on the
-    (B, H, S, D) view of the same tensors, causal or not. A backend that cannot run the shape is
-    left out. (Without causal, attention() is called exactly as before the argument existed, so
-    a base from then runs.) varlen: (cu_seqlens, max_seqlen, (qp, kp, vp)): ours runs
+    (B, H, S, D) view of the same tensors (_sdpa_peer). A backend that cannot run the shape is
+    left out, and so is SDPA for a window or a softcap, which it does not have. attention()
+    gets only the options that differ from the defaults, so a base from before one existed
+    runs every case without it. varlen: (cu_seqlens, max_seqlen, (qp, kp, vp)): ours runs
     attention_varlen on the packed q, k, v, the peers on the padded qp, kp, vp."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     import flash_attention as fa
 
+    opts = _attention_options(causal, window, softcap)
+    if window is not None or softcap:
+        names = tuple(n for n in names if n == "ours")
     if varlen is not None:
         cu, max_len, padded = varlen
         fns = contenders(*padded, None, names=tuple(n for n in names if n != "ours"),
                          causal=causal)
         if "ours" in names:
-            fns["ours"] = lambda: fa.attention_varlen(q, k, v, cu, cu, max_len, max_len,
-                                                      causal=causal)
+            fns["ours"] = lambda: fa.attention_varlen(q, k, v, cu, cu, max_len, max_len, **opts)
         return fns
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-
-    def make_peer(backend):
-        def peer():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        return peer
-
     fns = {}
-    extra = {"causal": True} if causal else {}
     if "ours" in names:
-        fns["ours"] = (lambda: fa.attention(q, k, v, out=out, **extra)) if config is None else (
-            lambda: fa.attention(q, k, v, out=out, config=config, **extra))
-    for name in names:
-        if name in backends:
-            peer = make_peer(backends[name])
+        fns["ours"] = (lambda: fa.attention(q, k, v, out=out, **opts)) if config is None else (
+            lambda: fa.attention(q, k, v, out=out, config=config, **opts))
+    for name in (n for n in names if n in backends):
+        for expand in (False, True) if k.shape[2] != q.shape[2] else (False,):
             try:
+                peer = _sdpa_peer(backends[name], qt, kt, vt, causal, expand)
                 peer()
-            except RuntimeError:
+            except (RuntimeError, TypeError, ImportError):  # TypeError: no enable_gqa
                 continue
             fns[name] = peer
+            break
     return fns
 
 
@@ -268,8 +389,10 @@ class Inputs:
         import torch
 
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
-        shape = (case.batch, case.seqlen, case.heads, case.d_head)
-        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+        q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device="cuda",
+                        dtype=dtype)
+        k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device="cuda",
+                            dtype=dtype) for _ in range(2))
         if not case.varlen:
             return cls(q, k, v, torch.empty_like(q))
         lengths = varlen_lengths(case)
@@ -283,8 +406,8 @@ class Inputs:
 
 def planted_keys(case: Case, fraction: float) -> int:
     """How many keys a planted slowdown of `fraction` adds to every sequence of the case: the
-    nearest whole number to fraction x seqlen, at least one."""
-    return max(1, round(fraction * case.seqlen))
+    nearest whole number to fraction x the keys per sequence, at least one."""
+    return max(1, round(fraction * case.keys))
 
 
 def planted_attention(case: Case, inputs: Inputs, fraction: float):
@@ -305,33 +428,40 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
 
     import flash_attention as fa
 
-    if case.varlen:
-        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases")
+    if case.varlen or case.window is not None:
+        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases without a "
+                         "window (keys added under a window add no work)")
     if fraction not in inputs.planted:  # made once per worker, kept with the case's inputs
-        shape = (case.batch, case.seqlen + planted_keys(case, fraction), case.heads,
-                 case.d_head)
+        shape = (case.batch, case.keys + planted_keys(case, fraction), case.kv, case.d_head)
         k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(2))
         inputs.planted[fraction] = (k, v)
     k, v = inputs.planted[fraction]
-    q, out = inputs.q, inputs.out
-    extra = {"causal": True} if case.causal else {}
-    return lambda: fa.attention(q, k, v, out=out, **extra)
+    q, out, opts = inputs.q, inputs.out, case.options()
+    return lambda: fa.attention(q, k, v, out=out, **opts)
 
 
 def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
-                 reps: int = 10, warmup: int = 3, slowdown: float = 0.0, warm_ms: float = 0.0
-                 ) -> dict[str, float]:
+                 reps: int = 10, warmup: int = 3, slowdown: float = 0.0, warm_ms: float = 0.0,
+                 energy=None) -> dict[str, float]:
     """{contender: median ms over reps calls} of one case; raises on any failure (a broken
-    benchmark must never look like a slow one). warm_ms > 0: each contender's timed calls
-    follow about warm_ms of its own calls queued back to back (time_sustained_ms: the steady
-    state under the power limit), and the reply also holds, per contender, the SM cycles per
-    call over the timed calls ("<name>_mcycles", millions) and the mean SM clock ("<name>_mhz")
-    from clock stamps around them (gpu.clockstamp); else `warmup` calls and a burst after a
-    device-side sleep."""
+    benchmark must never look like a slow one). SDPA is left out of a case it has no feature
+    for (Case.peer_note: a window, a softcap); any other contender that cannot run raises.
+    warm_ms > 0: each contender's timed calls follow about warm_ms of its own calls queued back
+    to back (time_sustained_ms: the steady state under the power limit), and the reply also
+    holds, per contender, the SM cycles per call over the timed calls ("<name>_mcycles",
+    millions) and the mean SM clock ("<name>_mhz") from clock stamps around them
+    (gpu.clockstamp), and with an energy counter (gpu.energy.Counter) the millijoules per call
+    over the warm and timed calls ("<name>_mj"; left out when a read fails); else `warmup`
+    calls and a burst after a device-side sleep."""
     import torch
 
+    from .energy import Window
+
+    if case.peer_note():
+        contenders_ = tuple(n for n in contenders_ if n == "ours")
     fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
-                     causal=case.causal, varlen=inputs.varlen)
+                     causal=case.causal, varlen=inputs.varlen, window=case.window,
+                     softcap=case.softcap)
     missing = set(contenders_) - set(fns)
     if missing:
         raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
@@ -345,8 +475,11 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     result: dict[str, float] = {}
     for name, fn in fns.items():
         if warm_ms > 0:
+            window = Window(energy) if energy is not None else None
             times, result[f"{name}_mcycles"], result[f"{name}_mhz"] = time_sustained_cycles(
-                fn, reps, warm_ms, inputs.last_ms.get(name))
+                fn, reps, warm_ms, inputs.last_ms.get(name), window)
+            if window is not None and window.per_call is not None:
+                result[f"{name}_mj"] = window.per_call
         else:
             times = time_cuda_ms(fn, reps=reps, warmup=warmup)
         result[name] = inputs.last_ms[name] = statistics.median(times)

@@ -1,0 +1,114 @@
+"""Which kernel a gate case runs, and a case that runs a given kernel: the dispatch table of a
+build (flash_attention.ops.dispatch_rows, the rows the extension looks calls up in) read
+forwards and backwards.
+
+A row (dtype, d_head variant, sequence bucket, mask, local, softcap) names a kernel and its
+fallback: on an sm_90 GPU a fixed-length call runs the kernel (a Hopper one where the table has
+one), a varlen call the fallback (an sm80-family one); on any other GPU every call runs the
+fallback. The extension also falls back for tensors TMA cannot address; the gate's inputs are
+contiguous, so that never applies to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..gpu.perfcases import Case
+
+# A case made for a kernel takes the bucket of its rows nearest this from below (longer only
+# for a kernel that serves nothing shorter): moderate sizes, as the gate's whole run must stay
+# within its time budget.
+CASE_SEQLEN_CAP = 4096
+CASE_TOKENS = 65536  # batch x seqlen of a case made for a row
+CASE_SOFTCAP = 30.0
+
+
+@dataclass(frozen=True)
+class Row:
+    dtype: str
+    d_head: int  # the variant (32, 64, ..., 256)
+    bucket: int  # the longest seqlen_q it serves (a power of two, 64 .. 16384)
+    mask: bool
+    local: bool  # a window bounded on the left
+    softcap: bool
+    kernel: str
+    fallback: str
+
+    @property
+    def key(self) -> tuple[str, int, int, bool, bool, bool]:
+        return (self.dtype, self.d_head, self.bucket, self.mask, self.local, self.softcap)
+
+
+def dispatch_rows(configs: Iterable[str]) -> list[Row]:
+    """The dispatch rows of a build holding these kernels (short forms), as the extension gets
+    them from flash_attention.ops.dispatch_rows (the tuning file included)."""
+    from flash_attention.config import parse_config
+    from flash_attention.ops import dispatch_rows as rows_of
+
+    return [Row(*r) for r in rows_of(tuple(parse_config(c) for c in configs))]
+
+
+def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:
+    """The row key of a case's call, as the extension computes it (d_head variant, bucket of
+    seqlen_q, the canonical window's mask and left bound, softcap)."""
+    from flash_attention.config import variant_for
+    from flash_attention.dispatch import seq_bucket
+    from flash_attention.masks import canonical_window
+
+    left, right = canonical_window(case.causal, case.window or (-1, -1), case.seqlen,
+                                   case.keys)
+    mask = (left, right) != (-1, -1)
+    return (case.dtype, variant_for(case.d_head) or case.d_head, seq_bucket(case.seqlen), mask,
+            mask and left != -1, case.softcap > 0)
+
+
+def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
+    """The kernel the case runs on an sm_90 GPU (sm90=True) or another one; None when the
+    build has no row for it."""
+    by_key = {r.key: r for r in rows}
+    row = by_key.get(call_key(case))
+    if row is None:
+        return None
+    return row.kernel if sm90 and not case.varlen else row.fallback
+
+
+def kind(kernel: str) -> str:
+    """A kernel without its dtype: the tile and flags the coverage is counted in."""
+    return kernel.replace("_bf16_", "_").replace("_fp16_", "_").removeprefix("bf16_") \
+        .removeprefix("fp16_")
+
+
+def _case_of_row(row: Row, varlen: bool) -> Case:
+    """A case whose call the row serves: sequences of the row's bucket, CASE_TOKENS tokens,
+    the row's d_head variant; causal for a masked row, a window of a quarter of the sequence
+    bounded on the left for a local one, a softcap for a softcap row."""
+    seqlen = row.bucket
+    batch = max(2, CASE_TOKENS // seqlen)
+    window = (max(1, seqlen // 4), 0) if row.local else None
+    return Case(row.dtype, row.d_head, batch, seqlen, causal=row.mask and not row.local,
+                window=window, softcap=CASE_SOFTCAP if row.softcap else 0.0,
+                varlen=varlen)
+
+
+def _preference(row: Row, kernel: str) -> tuple:
+    """Rows of one kernel, best first: the kernel's own d_head variant (not a smaller one it
+    zero-pads), no window before a window, the longest bucket up to CASE_SEQLEN_CAP, else the
+    shortest above it."""
+    d_kernel = int(kernel.split("_d")[1].split("_")[0])
+    over = row.bucket > CASE_SEQLEN_CAP
+    return (row.d_head != d_kernel, row.local, over, row.bucket if over else -row.bucket)
+
+
+def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None:
+    """A case dispatch runs `kernel` for on this GPU: a fixed-length one where a row's kernel
+    runs fixed-length calls, else a varlen one where it is a row's fallback (on sm_90 the
+    sm80-family fallback runs varlen batches); None when no row runs it."""
+    fixed = [r for r in rows if (r.kernel if sm90 else r.fallback) == kernel]
+    if fixed:
+        return _case_of_row(min(fixed, key=lambda r: _preference(r, kernel)), varlen=False)
+    if sm90:
+        packed = [r for r in rows if r.fallback == kernel]
+        if packed:
+            return _case_of_row(min(packed, key=lambda r: _preference(r, kernel)), varlen=True)
+    return None

@@ -1,0 +1,177 @@
+"""The perf gate's case list against the dispatch tables (CPU): every kind of kernel the tables
+run on the gate's GPU (sm_90) has a gate case that dispatch routes to it, computed with
+dispatch's own functions on the `default` kernel set, and each call feature has a case."""
+
+from __future__ import annotations
+
+import pytest
+
+from fa_tools.gate import coverage
+from fa_tools.gpu.perfcases import GATE_CASES, Case
+from flash_attention import dispatch
+from flash_attention.config_sets import resolve
+
+
+@pytest.fixture
+def rows(monkeypatch, tmp_path):
+    """The dispatch rows of a `default` build, with no tuning file (the tables alone)."""
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(dispatch, "_tuning", None)
+    return coverage.dispatch_rows(c.short for c in resolve("default"))
+
+
+def _routes(rows, sm90=True) -> dict[str, str]:
+    return {c.name: coverage.route(c, rows, sm90) for c in GATE_CASES}
+
+
+def test_every_gate_case_has_a_kernel_on_either_gpu(rows):
+    for sm90 in (True, False):
+        missing = [name for name, k in _routes(rows, sm90).items() if k is None]
+        assert not missing, f"no dispatch row for {missing} (sm90={sm90})"
+
+
+def test_every_hopper_tile_of_the_table_is_run_by_a_gate_case(rows):
+    """Each kernel of SM90_TABLE (d_head 64, 128, 256; no mask, masks, windows), dtype aside."""
+    run = {coverage.kind(k) for k in _routes(rows).values()}
+    wanted = {coverage.kind(kernel)
+              for (dtype, d, _mask, _local, _softcap), table in dispatch.SM90_TABLE.items()
+              if dtype == "bf16" and d in (64, 128, 256) for _, kernel in table}
+    assert wanted - run == set()
+
+
+def test_softcap_and_varlen_kernels_are_run(rows):
+    """Softcap rows have no Hopper kernel: their sm80-family kernels, with and without masks;
+    a varlen batch runs the sm80-family fallback of its row."""
+    routes = _routes(rows)
+    flags = {k.rsplit("_f", 1)[1] for k in routes.values() if not k.startswith("sm90_")}
+    assert any(f.endswith("t") and "m" not in f for f in flags), "softcap, no mask"
+    assert any(f.endswith("mt") for f in flags), "softcap with masks"
+    varlen = [c for c in GATE_CASES if c.varlen]
+    assert varlen and all(not routes[c.name].startswith("sm90_") for c in varlen)
+
+
+def test_each_call_feature_has_a_case():
+    def has(pred) -> bool:
+        return any(pred(c) for c in GATE_CASES)
+
+    assert has(lambda c: not (c.causal or c.window or c.softcap)), "no mask"
+    assert has(lambda c: c.causal and not c.varlen), "causal"
+    assert has(lambda c: c.window is not None and c.window[0] >= 0), "sliding window"
+    assert has(lambda c: c.softcap > 0), "softcap"
+    assert has(lambda c: c.kv_heads is not None and c.kv_heads < c.heads), "GQA"
+    assert has(lambda c: c.varlen), "varlen"
+    assert has(lambda c: 128 <= c.seqlen <= 512), "short sequences"
+    assert has(lambda c: c.seqlen_k is not None and c.seqlen_k != c.seqlen), "Sq != Sk"
+    assert {c.dtype for c in GATE_CASES} == {"bf16", "fp16"}
+    assert has(lambda c: c.d_head == 64) and has(lambda c: c.d_head in (96, 128))
+    assert has(lambda c: c.d_head in (160, 192, 224)) and has(lambda c: c.d_head == 256)
+
+
+def test_a_case_made_for_a_kernel_routes_back_to_it(rows):
+    """case_for_kernel inverts route for every kernel the table runs, on sm_90 (fixed-length
+    for a row's kernel, varlen for a fallback only) and on other GPUs."""
+    for sm90 in (True, False):
+        kernels = {r.kernel if sm90 else r.fallback for r in rows}
+        if sm90:
+            kernels |= {r.fallback for r in rows}
+        for kernel in sorted(kernels):
+            case = coverage.case_for_kernel(kernel, rows, sm90)
+            assert case is not None and coverage.route(case, rows, sm90) == kernel, kernel
+            assert case.batch * case.seqlen <= coverage.CASE_TOKENS
+
+
+def test_case_for_kernel_prefers_the_kernels_own_variant_and_skips_the_undispatched(rows):
+    case = coverage.case_for_kernel("sm90_bf16_d256_c64_g2_s2_fwpoem", rows, sm90=True)
+    assert case == Case("bf16", 256, 16, 4096, causal=True), "d 256 (not 160), causal first"
+    local = coverage.case_for_kernel("sm90_bf16_d128_c128_g2_s2_fwoesqrm", rows, sm90=True)
+    assert local.window == (1024, 0) and not local.causal
+    assert coverage.case_for_kernel("bf16_d64_r128_c64_w8_fseqbrmt", rows, sm90=True) is None
+
+
+# ---- cases chosen by the SASS diff (synthetic code, no build) ---------------------------------
+
+
+def test_changed_kernels_counts_instructions_from_any_code():
+    from fa_tools.gate.sassdiff import changed_kernels
+
+    base = {"a": ["MOV", "FFMA", "HMMA", "EXIT"], "b": ["X", "Y", "Z"], "c": ["S", "T"],
+            "gone": ["Q"]}
+    head = {"a": ["MOV", "FFMA", "HMMA", "EXIT"], "b": ["X", "Y2", "Y3", "Z"], "c": ["T", "S"],
+            "new": ["N"] * 5}
+    changes = {c.kernel: c for c in changed_kernels(base, head)}
+    assert set(changes) == {"b", "c", "new"}, "unchanged kernels and base-only ones drop out"
+    assert (changes["b"].added, changes["b"].removed, changes["b"].changed) == (2, 1, 2)
+    assert "b: SASS differs (2 instructions changed: +2 -1 of 4)" in changes["b"].describe()
+    assert changes["c"].changed == 2, "a reordering counts the positions that moved"
+    assert changes["new"].new and "new in the head (5 instructions)" in changes["new"].describe()
+    assert [c.kernel for c in changed_kernels(base, head)] == ["new", "b", "c"]
+
+
+def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
+    from fa_tools.gate import sassdiff
+
+    def change(kernel, n):
+        return sassdiff.KernelChange(kernel, n, n, 1000)
+
+    changes = [change("fp16_d160_r128_c64_w8_fseqkvbor", 90),  # sm80 fallback: a varlen case
+               change("sm90_bf16_d128_c128_g2_s2_fwoesqr", 50),  # run by bf16_d128_b16_s4096
+               change("bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
+               change("sm90_fp16_d64_c96_g3_s3_fwesn", 30),  # fp16 d 64: no gate case
+               change("sm90_fp16_d256_c64_g2_s2_fwpoer", 20)]  # over the cap
+    sel = sassdiff.select(changes, rows, True, GATE_CASES, cap=2)
+    assert [a["case"] for a in sel.added] == ["fp16_d160_b16_s4096_varlen",
+                                              "fp16_d64_b16_s4096"]
+    assert sel.added[0]["why"] == ("kernel fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
+                                   "(90 instructions changed: +90 -90 of 1000)")
+    for added in sel.cases:
+        assert coverage.route(added, rows, True) in {c.kernel for c in changes}
+    assert sel.covered[0]["case"] == "bf16_d128_b16_s4096"
+    skipped = {s["kernel"]: s["why"] for s in sel.skipped}
+    assert "no dispatch row runs it" in skipped["bf16_d64_r128_c64_w8_fseqbrmt"]
+    assert "over the policy's cap of 2" in skipped["sm90_fp16_d256_c64_g2_s2_fwpoer"]
+    # on an sm_80 GPU the Hopper kernels run nothing: fp16 d 64 runs its sm80 kernel instead
+    sel = sassdiff.select(changes, rows, False, GATE_CASES, cap=6)
+    assert "sm90_fp16_d64_c96_g3_s3_fwesn" in {s["kernel"] for s in sel.skipped}
+
+
+def _elf(sections: dict[str, bytes]) -> bytes:
+    """A minimal 64-bit little-endian ELF file holding these sections (and .shstrtab)."""
+    import struct
+
+    names = b"\0" + b"".join(n.encode() + b"\0" for n in [*sections, ".shstrtab"])
+    body, offsets, pos = b"", [], 64
+    for data in [*sections.values(), names]:
+        offsets.append(pos + len(body))
+        body += data
+    shoff = 64 + len(body)
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(sections) + 2, len(sections) + 1)
+    table, name_pos = bytes(64), 1  # section 0 is the null section
+    for name, data, off in zip([*sections, ".shstrtab"], [*sections.values(), names], offsets):
+        entry = bytearray(64)
+        struct.pack_into("<I", entry, 0, name_pos)
+        struct.pack_into("<QQ", entry, 0x18, off, len(data))
+        table += bytes(entry)
+        name_pos += len(name) + 1
+    return bytes(header) + body + table
+
+
+def test_kernel_code_reads_the_text_sections_of_each_cubin(tmp_path, monkeypatch):
+    from fa_tools.analysis import cubins
+    from fa_tools.gate import sassdiff
+
+    words = [bytes([i]) * 16 for i in range(5)]
+    files = {"fwd_k1.sm_90.cubin": {".nv.info": b"x" * 7, ".text._Z2k1": b"".join(words[:3]),
+                                    ".text.$__internal_0": b"".join(words[3:])},
+             "fwd_k1.sm_80.cubin": {".text._Z2k1": words[0]},
+             "fwd_sm90_k2.sm_90a.cubin": {".text._Z2k2": words[4]}}
+    for name, sections in files.items():
+        (tmp_path / name).write_bytes(_elf(sections))
+    members = [cubins.Member(n.split(".")[0][4:], n.split(".sm_")[1][:-6], n) for n in files]
+    monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
+    monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path)
+    assert cubins.elf_section(tmp_path / "fwd_k1.sm_80.cubin", ".text._Z2k1") == words[0]
+    assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"k1": words, "sm90_k2": [words[4]]}
+    assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"k1": [words[0]]}
