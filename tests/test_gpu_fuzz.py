@@ -54,9 +54,9 @@ API = SimpleNamespace(
     flash_attn_varlen_func=interface.flash_attn_varlen_func,
 )
 
-# Examples per test in the bounded profile (x10 with FA_FUZZ_PROFILE=long): 150 + 60 + 20 =
-# 230 in all, 2300 in the long profile.
-FIXED_EXAMPLES, VARLEN_EXAMPLES, REFUSED_EXAMPLES = 150, 60, 20
+# Examples per test in the bounded profile (x10 with FA_FUZZ_PROFILE=long): 600 + 200 + 40 =
+# 840 in all (230 of them ran in 4 s on an H100), 8400 in the long profile.
+FIXED_EXAMPLES, VARLEN_EXAMPLES, REFUSED_EXAMPLES = 600, 200, 40
 
 
 @fuzz_settings(FIXED_EXAMPLES)
