@@ -835,3 +835,16 @@ def test_accept_rules_on_results():
     assert r.accepted == "why (accepted up to +4%, 2026-11-24, abc1234)"
     assert accept.apply([result("faster", 0.9, 0.95)], entry) == [{"case": "c",
                                                                     "verdict": "faster"}]
+
+
+def test_energy_resolution_note():
+    """The report says energy is indicative when a round spans few counter updates (H100:
+    one per ~100 ms against 140 ms of calls), and says nothing when it spans many."""
+    from fa_tools.gate import perf
+
+    meta = {"warm_ms": 100, "round_ms": 40,
+            "energy": {"base": {"interval_ms_median": 99.5}, "head": {"interval_ms_median": 99.8}}}
+    assert "indicative only" in perf._energy_resolution(meta)
+    meta["energy"] = {"base": {"interval_ms_median": 5.0}}
+    assert perf._energy_resolution(meta) is None
+    assert perf._energy_resolution({"warm_ms": 100, "round_ms": 40}) is None

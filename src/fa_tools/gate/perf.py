@@ -109,6 +109,9 @@ def _notes(meta: dict) -> list[str]:
     lines = []
     for side, g in (meta.get("energy") or {}).items():
         lines.append(f"- Energy counter ({side}): {_energy_text(g)}.")
+    resolution = _energy_resolution(meta)
+    if resolution:
+        lines.append(f"- {resolution}")
     sass = meta.get("sass") or {}
     if sass.get("note"):
         lines.append(f"- SASS diff: {sass['note']}")
@@ -122,6 +125,25 @@ def _notes(meta: dict) -> list[str]:
         lines.append(f"- Accept entry for {a['case']} unused (verdict {a['verdict']}): remove it "
                      "once the base includes the change")
     return lines
+
+
+def _energy_resolution(meta: dict) -> str | None:
+    """Whether the energy column can be read: the counter must update many times within the
+    calls one round measures (warm-up and timed calls of one contender). On an H100 it updates
+    every ~100 ms, so a round of ~140 ms holds one or two updates: mJ per call then moves by
+    tens of percent between rounds and cases with no change in the kernel."""
+    intervals = [g.get("interval_ms_median") for g in (meta.get("energy") or {}).values()]
+    intervals = [i for i in intervals if i]
+    window = meta.get("warm_ms", 0) + meta.get("round_ms", 0)
+    if not intervals or not window:
+        return None
+    updates = window / max(intervals)
+    if updates >= 10:
+        return None
+    return (f"Energy is indicative only: a round's {window:.0f} ms of calls spans "
+            f"{updates:.1f} counter updates (every {max(intervals):.0f} ms), so mJ per call "
+            f"is quantised to about {100 / max(updates, 1e-9):.0f}% of its value; judge "
+            "energy with rounds of 10 or more updates (fa-tools gate calibrate, power study)")
 
 
 def _energy_text(g: dict) -> str:
@@ -270,7 +292,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
     meta = {"metric": policy.metric, "rounds": policy.rounds, "step": policy.step,
             "max_rounds": policy.max_rounds,
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
-            "fwer": policy.fwer,
+            "fwer": policy.fwer, "warm_ms": policy.warm_ms, "round_ms": policy.round_ms,
             "alpha_per_look": policy.alpha_per_look(len(cases))}
     accept_path = ROOT / policy.accept_file
     try:
