@@ -45,12 +45,6 @@ void append(std::string& out, const std::string& s) {
 void append(std::string& out, c10::string_view s) {
     out.append(s.data(), s.size());
 }
-void append(std::string& out, char c) {
-    out += c;
-}
-void append(std::string& out, bool b) {
-    out += b ? "true" : "false";
-}
 void append(std::string& out, at::ScalarType t) {
     out += c10::toString(t);
 }
@@ -62,7 +56,10 @@ void append(std::string& out, double v) {
     std::snprintf(buf, sizeof buf, "%g", v);
     out += buf;
 }
-template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+// Numbers only: a bool or char argument does not compile (no overload prints them).
+template <typename T,
+          typename = std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> &&
+                                      !std::is_same_v<T, char>>>
 void append(std::string& out, T v) {
     out += std::to_string(v);
 }

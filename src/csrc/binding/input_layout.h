@@ -18,7 +18,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/MaybeOwned.h>
 
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <utility>
@@ -81,7 +80,9 @@ inline bool elements_distinct(const at::Tensor& t) {
     for (int64_t d = 0; d < t.dim() && n < dims.size(); ++d)
         if (t.size(d) > 1)
             dims[n++] = {t.stride(d), t.size(d)};
-    std::sort(dims.begin(), dims.begin() + n);
+    for (size_t i = 1; i < n; ++i)  // insertion sort: at most a few dimensions
+        for (size_t j = i; j > 0 && dims[j] < dims[j - 1]; --j)
+            std::swap(dims[j], dims[j - 1]);
     int64_t reach = 0;  // the largest offset the dimensions so far address
     for (size_t i = 0; i < n; ++i) {
         if (dims[i].first <= reach)
