@@ -127,19 +127,18 @@ DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] =
     for (mask, softcap), letters in FEATURES.items()
 }
 
-# (mask, local) of a call: no mask; causal or a window open on the left; a window bounded on the
-# left (``local`` implies ``mask``); and the calls of SM90_ROWS that each is.
-MASK_KINDS = ((False, False), (True, False), (True, True))
-_SM90_CALLS = {(False, False): "plain", (True, False): "masked", (True, True): "local"}
+# (mask, local) of a call -> its name in SM90_ROWS: no mask; causal or a window open on the
+# left; a window bounded on the left (``local`` implies ``mask``).
+MASK_KINDS = {(False, False): "plain", (True, False): "masked", (True, True): "local"}
 
 # (dtype, d_head variant of the call, mask, local, softcap) -> rows as DEFAULT_TABLE's
 SM90_TABLE: dict[tuple[str, int, bool, bool, bool], list[tuple[int | None, str]]] = {
     (dtype, d, mask, local, False): [(row.max_seq, f"sm90_{dtype}_{row.kernel}")
-                                     for row in _rows_for(SM90_ROWS, _SM90_CALLS[mask, local], d)]
+                                     for row in _rows_for(SM90_ROWS, calls, d)]
     for dtype in DTYPES
     for d in D_HEADS
-    for mask, local in MASK_KINDS
-    if _rows_for(SM90_ROWS, _SM90_CALLS[mask, local], d)
+    for (mask, local), calls in MASK_KINDS.items()
+    if _rows_for(SM90_ROWS, calls, d)
 }
 
 MIN_BUCKET, MAX_BUCKET = 64, 16384
