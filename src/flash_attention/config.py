@@ -15,7 +15,18 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-DTYPES = ("fp16", "bf16")
+from .config_common import (
+    DTYPES,
+    MAX_CTAS_PER_SM,
+    REGS_PER_SM,
+    SMEM_PER_BLOCK_OPTIN,
+    SMEM_PER_SM,
+    THREADS_PER_SM,
+    ConfigError,
+    parse_flags,
+)
+from .config_sm90 import Sm90Config
+
 # Compiled d_head variants; a variant also serves every smaller d_head that is a multiple of 8
 # (see variant_for). Mirrors the static_asserts of FwdConfig.
 D_HEADS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -27,13 +38,6 @@ WARPS = (4, 8)
 # Register budget of one thread for accumulators plus whole-block fragments (32-bit words);
 # above it ptxas spills. Mirrors FwdConfig::kFragRegBudget.
 FRAG_REG_BUDGET = 224
-
-# Shared-memory limits per architecture: the most one CTA may opt in to, and what one SM has.
-SMEM_PER_BLOCK_OPTIN = {80: 163 * 1024, 90: 227 * 1024}
-SMEM_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
-THREADS_PER_SM = {80: 2048, 90: 2048}
-MAX_CTAS_PER_SM = {80: 32, 90: 32}
-REGS_PER_SM = 65536
 
 # Boolean fields, their one-letter code in the short form, and what each changes in the kernel.
 FLAGS: dict[str, tuple[str, str]] = {
@@ -56,21 +60,6 @@ _SHORT_RE = re.compile(
     r"^(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_r(?P<block_r>\d+)_c(?P<block_c>\d+)"
     r"_w(?P<warps>\d+)_f(?P<flags>[a-z]*)$"
 )
-
-
-class ConfigError(ValueError):
-    """A kernel config that cannot be built, or a short form that does not parse."""
-
-
-def parse_flags(text: str, letters: str, flags: dict[str, tuple[str, str]]) -> dict[str, bool]:
-    """{flag name: on} from the flag letters of a short form; the letters must be a subset of
-    the family's letters, in their order."""
-    order = "".join(code for code, _ in flags.values())
-    it = iter(order)
-    if not all(ch in it for ch in letters):  # subsequence check: known letters, in order
-        raise ConfigError(f"cannot parse kernel config {text!r}: flags {letters!r} must be a "
-                          f"subset of {order!r} in that order")
-    return {name: code in letters for name, (code, _) in flags.items()}
 
 
 def variant_for(d_head: int) -> int | None:
@@ -278,11 +267,8 @@ class KernelConfig:
         )
 
 
-
-def parse_config(text: str):  # -> KernelConfig | config_sm90.Sm90Config
+def parse_config(text: str) -> KernelConfig | Sm90Config:
     """Parse the short form of a config of either family (``sm90_...`` is a Hopper one)."""
     if text.strip().startswith("sm90_"):
-        from .config_sm90 import Sm90Config
-
         return Sm90Config.parse(text)
     return KernelConfig.parse(text)

@@ -13,7 +13,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags
+from .config_common import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags
 
 FAMILY = "sm90"
 D_HEADS = (64, 128, 256)

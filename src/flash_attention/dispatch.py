@@ -1,19 +1,14 @@
 """Choosing a kernel for a call: a tuning file if one exists and names a built kernel, else the
-default table by dtype, d_head, features and sequence length, else any built kernel of that
+default tables by dtype, d_head, features and sequence length, else any built kernel of that
 dtype and d_head that has the features the call needs (a kernel with masks also serves unmasked
 calls; a softcap kernel serves only softcap calls).
 
-Features: ``mask`` (causal or a sliding window), ``softcap``. The default table has, per dtype
-and d_head variant (32, 64, ..., 256; a call's d_head maps to the smallest variant not below
-it), the plain kernels, the same tiles with masks, and the long-sequence tile with a softcap,
-with and without masks.
-
-The d_head 64 and 128 tiles come from a sweep of the tune set on an H200 (docs/results.md):
-B_r=128 with 4 warps and B_c=64 win at every measured length. At d_head 64 the table keeps Q
-resident in registers (no slice_q): 314 TFLOP/s against 316 for B_c=128, which spills 16 bytes;
-default kernels must not spill. Very short query sequences (<= 64 rows) use B_r=64. The other
-variants use the first spill-free tile of the same shape (8 warps above d_head 128), not yet
-swept: on an H100 d_head 96 runs at 0.93-0.99x and 256 at 0.82-0.95x SDPA FA2.
+Features: ``mask`` (causal or a sliding window), ``softcap``. The default tables are data: the
+rows of SM80_ROWS and SM90_ROWS, one decision each with a one-line reason. docs/dispatch.md
+holds the measurements behind every row and names the results file that measured it
+(tests/test_dispatch_docs.py keeps the two in step). DEFAULT_TABLE and SM90_TABLE expand the
+rows per dtype, d_head variant (32, 64, ..., 256; a call's d_head maps to the smallest variant
+not below it) and features.
 
 The tuning file (written by ``python -m flash_attention.autotune``) is JSON:
 ``{"version": 1, "device": "...", "entries": {"bf16/d128/q4096": "<short form>", ...}}`` where
@@ -32,29 +27,90 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from .config import D_HEADS, ConfigError, KernelConfig, variant_for
+from .config import D_HEADS, DTYPES, ConfigError, KernelConfig, variant_for
 from .config_sm90 import D_HEADS as SM90_D_HEADS
 from .config_sm90 import Sm90Config
 
 log = logging.getLogger(__name__)
 
-# The long-sequence tile of each d_head variant: B_r=128, B_c=64; 4 warps up to d_head 128 (at
-# d_head 64 with Q resident in registers), 8 warps above (one m16 tile of rows per warp keeps
-# the O accumulators of d_head 256 at 128 registers, and the swizzled copy of a 256-wide row
-# needs 256 threads). All spill-free on sm_80 and sm_90.
-_LONG = {32: "r128_c64_w4_fseqkvbor", 64: "r128_c64_w4_fsekvbor", 96: "r128_c64_w4_fseqkvbor",
-         128: "r128_c64_w4_fseqkvbor", 160: "r128_c64_w8_fseqkvbor",
-         192: "r128_c64_w8_fseqkvbor", 224: "r128_c64_w8_fseqkvbor",
-         256: "r128_c64_w8_fseqkvbor"}
+
+@dataclass(frozen=True)
+class Row:
+    """One decision of a default table: calls of the kinds in ``calls`` at the d_head variants
+    ``d_heads`` with seqlen_q up to ``max_seq`` (None: longer than the key's other rows) run
+    ``kernel``. ``key`` names the row in docs/dispatch.md, which holds the measurements behind
+    ``why``."""
+
+    key: str
+    calls: tuple[str, ...]
+    d_heads: tuple[int, ...]
+    max_seq: int | None
+    kernel: str
+    why: str
 
 
-def _rows(dtype: str, d: int, features: str) -> list[tuple[int | None, str]]:
-    long = f"{dtype}_d{d}_{_LONG[d]}{features}"
-    if "t" in features or d > 128:  # softcap, and the 8-warp variants: one tile for all lengths
-        return [(None, long)]
-    return [(64, f"{dtype}_d{d}_r64_c64_w4_fseqkvbor{features}"), (None, long)]
+# sm80 family: runs on every GPU, and where a Hopper kernel cannot. Kernel: the short form after
+# "<dtype>_d<variant>_"; masked calls run it with flag m, softcap calls with flag t (both: mt).
+ANY = ("plain", "masked", "softcap")
+NO_SOFTCAP = ("plain", "masked")
+SM80_ROWS = (
+    Row("sm80 short", NO_SOFTCAP, (32, 64, 96, 128), 64, "r64_c64_w4_fseqkvbor",
+        "<= 64 query rows fill one B_r=64 tile; softcap calls keep the one long tile"),
+    Row("sm80 d64", ANY, (64,), None, "r128_c64_w4_fsekvbor",
+        "sweep winner's shape with Q resident in registers: B_c=128 spills, defaults must not"),
+    Row("sm80 d128", ANY, (128,), None, "r128_c64_w4_fseqkvbor",
+        "sweep: B_r=128 with 4 warps and B_c=64 win at every length measured"),
+    Row("sm80 d32, d96", ANY, (32, 96), None, "r128_c64_w4_fseqkvbor",
+        "the d128 tile, spill-free; not swept"),
+    Row("sm80 d160-256", ANY, (160, 192, 224, 256), None, "r128_c64_w8_fseqkvbor",
+        "8 warps: O of d256 in 128 registers, 256 threads for the swizzled row; not swept"),
+)
+
+# Hopper (sm_90a): the binding runs these on sm_90 GPUs for fixed-length calls whose tensors TMA
+# can address (16-byte aligned, strides multiples of 8 elements), else the sm80 row of the call.
+# Kernel: the short form after "sm90_<dtype>_". A call's d_head variant runs on the next Hopper
+# d_head (columns past it zero-filled by TMA, never stored); d_head 32 and softcap calls have no
+# Hopper row. Calls: "plain"; "masked" (causal or a window open on the left); "local" (a window
+# bounded on the left, which runs the masked row's kernel when its own is not built).
+SM90_ROWS = (
+    Row("sm90 plain d64 q<=4096", ("plain",), (64,), 4096, "d64_c96_g3_s3_fwesn",
+        "3 consumer warpgroups, persistent; the tile hand-over (n) saves cycles in every row"),
+    Row("sm90 plain d64 q>4096", ("plain",), (64,), None, "d64_c96_g3_s3_fwesnqr",
+        "Q in registers and the lazy rescale gain 3-4% from 8192, lose at 1024-2048"),
+    Row("sm90 plain d128 q<=512", ("plain",), (96, 128), 512, "d128_c128_g2_s2_fwes",
+        "CTA pairs, and Q in registers with the lazy rescale, lose at 512"),
+    Row("sm90 plain d128 q<=2048", ("plain",), (96, 128), 2048, "d128_c128_g2_s2_fwesxqr",
+        "CTA pairs multicasting K/V buy clock at 1024-2048; q and r cut cycles"),
+    Row("sm90 plain d128 q>2048", ("plain",), (96, 128), None, "d128_c128_g2_s2_fwoesqr",
+        "from 4096 one CTA per tile with overlap, q and r needs 5-6% fewer cycles than pairs"),
+    Row("sm90 plain d256", ("plain",), (160, 192, 224, 256), None, "d256_c64_g2_s2_fwpoer",
+        "ping-pong, overlap and the lazy rescale; no room for the persistent grid's O buffer"),
+    Row("sm90 masked d64", ("masked",), (64,), None, "d64_c96_g3_s3_fwesdm",
+        "the dynamic tile schedule evens out the uneven causal tiles over the SMs"),
+    Row("sm90 masked d128 q<=2048", ("masked",), (96, 128), 2048, "d128_c128_g2_s2_fwesdm",
+        "dynamic schedule; q and r save cycles but cost time at 1024-2048"),
+    Row("sm90 masked d128 q<=4096", ("masked",), (96, 128), 4096, "d128_c128_g2_s2_fwesdqrm",
+        "q and r: fewer cycles, and the time follows at 4096"),
+    Row("sm90 masked d128 q>4096", ("masked",), (96, 128), None, "d128_c128_g2_s2_fwoesdqrm",
+        "intra-warpgroup overlap on top leads by 3-5% from 8192"),
+    Row("sm90 masked d256", ("masked",), (160, 192, 224, 256), None, "d256_c64_g2_s2_fwpoem",
+        "ping-pong and overlap beat the plain masked tile; no room for the O buffer"),
+    Row("sm90 local d64", ("local",), (64,), None, "d64_c96_g3_s3_fwesm",
+        "persistent grid: a window's query blocks cost about the same (as at d_head 128)"),
+    Row("sm90 local d128", ("local",), (96, 128), None, "d128_c128_g2_s2_fwoesqrm",
+        "static persistent schedule with overlap, q and r: fewest cycles per window tile"),
+    Row("sm90 local d256", ("local",), (160, 192, 224, 256), None, "d256_c64_g2_s2_fwpoem",
+        "the masked row's kernel: no room for the persistent grid's O buffer"),
+)
+
+
+def _rows_for(rows: Sequence[Row], calls: str, d_head: int) -> list[Row]:
+    """The rows of a table that serve these calls at this d_head variant, shortest first."""
+    mine = [row for row in rows if calls in row.calls and d_head in row.d_heads]
+    return sorted(mine, key=lambda row: (row.max_seq is None, row.max_seq or 0))
 
 
 # Config flag letters of each (mask, softcap) feature set.
@@ -62,94 +118,27 @@ FEATURES = {(False, False): "", (True, False): "m", (False, True): "t", (True, T
 
 # (dtype, d_head variant, mask, softcap) -> [(largest seqlen_q it serves or None, config)]
 DEFAULT_TABLE: dict[tuple[str, int, bool, bool], list[tuple[int | None, str]]] = {
-    (dtype, d, mask, softcap): _rows(dtype, d, letters)
-    for dtype in ("fp16", "bf16")
+    (dtype, d, mask, softcap): [
+        (row.max_seq, f"{dtype}_d{d}_{row.kernel}{letters}")
+        for row in _rows_for(SM80_ROWS, "softcap" if softcap else "masked" if mask else "plain", d)
+    ]
+    for dtype in DTYPES
     for d in D_HEADS
     for (mask, softcap), letters in FEATURES.items()
 }
 
-# Hopper (sm_90a) kernels: (dtype, d_head variant of the call, mask, local, softcap) -> rows
-# [(largest seqlen_q bucket it serves or None, config)], as DEFAULT_TABLE. The
-# binding runs them on sm_90 GPUs for fixed-length calls whose tensors TMA can address (16-byte
-# aligned, strides multiples of 8 elements) and otherwise the sm80 choice of the same row.
-# Tiles from a sweep of the sm90tune set on an H100 (bf16, docs/results.md, 2026-11-23): a
-# producer warpgroup and the TMA-store epilogue everywhere. Timed at the steady state under the
-# 700 W power limit (bench's sustained timing), ping-pong and intra-warpgroup overlap change
-# d_head 64 and 128 by less than the 1-2% spread, and gain 7% at 256 (1.01x cuDNN against
-# 0.94x). A persistent grid gains 5-7% at d_head 64 (B_r = 192, 3 consumer warpgroups) and 1%
-# at 128 over 2048-8192, but lost 5-8% under causal masks with a static round-robin of the
-# uneven tiles; with the dynamic schedule (flag d: a global tile counter, heaviest query blocks
-# first in L2-sized groups of heads) causal d_head 128 runs at 1.02-1.13x cuDNN causal against
-# 0.89-1.04x for the non-persistent kernel (H100, 1024-16384, both dtypes,
-# results/2026-11-23-h100-causal-dynamic-ab.md), and d_head 64 causal at 0.85-1.02x against
-# 0.68-1.00x (results/2026-11-23-h100-causal-dynamic-d64-ab.md). d_head 256 has no room for the
-# persistent grid's O buffer. CTA pairs multicasting K/V (flag x), d_head 128: +2.3 to +8.0% at
-# 2048, -1.2 to +5.4% at 1024, -1.1 to +2.0% from 4096, -6% at 512 (H100, two runs, both dtypes,
-# results/2026-11-23-h100-cluster-ab.md); at 64 and 256 they lose 5-7%. With intra-warpgroup
-# overlap the dynamic causal kernel leads by 3-5% from 8192 (results/2026-11-23-h100-causal-
-# dynamic-ab.md), the one without by 1-9% below. The tile hand-over (flag n: the next tile's
-# S_0 and softmax under the current tile's last P V) needs fewer SM cycles at d_head 64 in every
-# row measured (H100, 2048-16384: +0.2 to +0.5% in the run of the final code, both dtypes; +2 to
-# +5% in a first run, bf16), time within the rows' spread; at d_head 128 it gains nothing (two
-# warpgroups already fill each other's tile changes; results/2026-11-23-h100-tile-overlap-*).
-# Q in registers (flag q) and the lazy rescale (flag r) together take 6-7% off the SM cycles of
-# the d_head 128 kernels (ours/cuDNN in cycles 1.003-1.012 against 0.938-0.942 for fwesx, H100,
-# bf16, 2048-16384; time 0.977 / 1.060 / 1.049 / 1.072x cuDNN against 0.969 / 0.994 / 0.982 /
-# 1.021; fp16 1.011 / 1.055 at 2048 / 8192 against 1.050 / 1.006; each alone gives about half),
-# the sliding window's too (1.058 of its visible share in cycles against 1.117). The lazy
-# rescale alone gives d_head 256 8-10% (1.091 / 1.125x cuDNN at 4096 / 8192 against 1.012 /
-# 1.020); at d_head 64 both together gain 3-4% from 8192 and lose 2-5% at 1024-2048, and under
-# causal masks at 2048 (results/2026-11-23-h100-q-regs-lazy-rescale.md). Causal d_head 128 at
-# 1024 and 2048 kept the plain dynamic kernel: fewer cycles with q and r, but 2-8% more time.
-# Intra-warpgroup overlap on top (fwoesxqr) needs 2-3% fewer cycles from 2048 and is 1.5-3%
-# faster from 8192 (bf16 and fp16, three comparisons in two calls), 2.6-5% slower at 1024-4096.
-# From 4096 one CTA per tile with all of that (fwoesqr, static) needs 5-6% fewer SM cycles than
-# the pairs (ours/cuDNN in cycles 1.086-1.101 against 1.028-1.040, both dtypes) and runs at
-# 1.075-1.102x cuDNN in time against 1.060-1.084 for fwoesxqr and 1.067-1.069 for fwesxqr (two
-# calls, 3 and 5 rounds; the pairs' multicast buys clock under the power limit, not cycles);
-# at 2048 it loses 1-7% (results/2026-11-23-h100-window-tile-cost.md).
-_SM90_PLAIN = {64: [(4096, "c96_g3_s3_fwesn"), (None, "c96_g3_s3_fwesnqr")],
-               128: [(512, "c128_g2_s2_fwes"), (2048, "c128_g2_s2_fwesxqr"),
-                     (None, "c128_g2_s2_fwoesqr")],
-               256: [(None, "c64_g2_s2_fwpoer")]}
-_SM90_MASKED = {64: [(None, "c96_g3_s3_fwesdm")],
-                128: [(2048, "c128_g2_s2_fwesdm"), (4096, "c128_g2_s2_fwesdqrm"),
-                      (None, "c128_g2_s2_fwoesdqrm")],
-                256: [(None, "c64_g2_s2_fwpoem")]}
-# Sliding windows (a bounded left side, ``local`` calls): every query block visits about the same
-# number of KV blocks, so the persistent grid pays again (H100, 8 x 8192, window (1024, 1024):
-# 1.097x the visible fraction of the full time against 1.184x without it). At d_head 128 the
-# dynamic schedule evens out the lighter query blocks at the sequence ends: 1.178 [1.173, 1.203]
-# against 1.224 [1.160, 1.247] for the static one in the same rounds (H100, 3 rounds,
-# results/2026-11-23-h100-edge-halves.md); 1.157 against 1.251 in a second run, and 1.120-1.126
-# in SM cycles in five more (results/2026-11-23-h100-targets-and-masks.md). With flags q and r
-# the window needs 1.058-1.060 of the old full kernel's cycles for its share, 1.131-1.138 of the
-# new one's (which gained more); with intra-warpgroup overlap too 1.101-1.102 against 1.136-1.137
-# in one run (5 rounds, both dtypes; time 1.214 / 1.202 against 1.291 / 1.264, the window
-# kernels at 1366-1424 MHz against 1503-1560 for the full one; results/2026-11-23-h100-q-regs-
-# lazy-rescale.md). CTA pairs multicasting the blocks both CTAs see (de41527, reverted) ran at
-# higher clocks but needed 9-22% more cycles (results/2026-11-23-h100-gemm-in-rounds.md). The
-# static schedule with overlap (fwoesqrm) needs 1.1-1.6% fewer cycles than the dynamic one at
-# windows (256, 256) to (2048, 2048) (H100, 8 x 8192, three calls, both dtypes; time within the
-# clocks' spread: results/2026-11-23-h100-window-tile-cost.md, which also splits the cost of a
-# tile: about 4700 cycles besides its blocks, of which the edge masks 1560 and the epilogue 1370).
-_SM90_LOCAL = {64: [(None, "c96_g3_s3_fwesm")], 128: [(None, "c128_g2_s2_fwoesqrm")],
-               256: [(None, "c64_g2_s2_fwpoem")]}
-# The d_head variants between run on the next Hopper variant (columns past d_head zero-filled by
-# TMA, never stored): 96 on 128, 160-224 on 256 (32 stays on sm80: d_head 32 on the 64 kernel
-# measured 0.94x SDPA FA2 at seq 1024).
-_SM90_OF_VARIANT = {64: 64, 96: 128, 128: 128, 160: 256, 192: 256, 224: 256, 256: 256}
-# (mask, local) of a call: no mask; causal or a window open on the left; a window bounded on the
-# left (``local`` implies ``mask``).
-MASK_KINDS = ((False, False), (True, False), (True, True))
-_SM90_TILES = {(False, False): _SM90_PLAIN, (True, False): _SM90_MASKED,
-               (True, True): _SM90_LOCAL}
+# (mask, local) of a call -> its name in SM90_ROWS: no mask; causal or a window open on the
+# left; a window bounded on the left (``local`` implies ``mask``).
+MASK_KINDS = {(False, False): "plain", (True, False): "masked", (True, True): "local"}
+
+# (dtype, d_head variant of the call, mask, local, softcap) -> rows as DEFAULT_TABLE's
 SM90_TABLE: dict[tuple[str, int, bool, bool, bool], list[tuple[int | None, str]]] = {
-    (dtype, d, mask, local, False): [(max_seq, f"sm90_{dtype}_d{hd}_{tile}")
-                                     for max_seq, tile in _SM90_TILES[mask, local][hd]]
-    for dtype in ("fp16", "bf16")
-    for d, hd in _SM90_OF_VARIANT.items()
-    for mask, local in MASK_KINDS
+    (dtype, d, mask, local, False): [(row.max_seq, f"sm90_{dtype}_{row.kernel}")
+                                     for row in _rows_for(SM90_ROWS, calls, d)]
+    for dtype in DTYPES
+    for d in D_HEADS
+    for (mask, local), calls in MASK_KINDS.items()
+    if _rows_for(SM90_ROWS, calls, d)
 }
 
 MIN_BUCKET, MAX_BUCKET = 64, 16384

@@ -55,9 +55,6 @@ class KernelResources:
         return asdict(self)
 
 
-FIELDS = list(KernelResources.__dataclass_fields__)
-
-
 def _int(pattern: re.Pattern, text: str) -> int:
     m = pattern.search(text)
     return int(m["n"]) if m else 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # asv's bisection finds a planted kernel slowdown in a synthetic history (GPU machine).
 #
-#   WHEELHOUSE=/path/to/wheels ci/asv_find_demo.sh        # exit 0: asv named the planted commit
+#   WHEELHOUSE=/path/to/wheels studies/asv_find_demo.sh        # exit 0: asv named the planted commit
 #
 # Makes a throwaway clone of this repository's HEAD in $WORK, commits a history of
 # $N_COMMITS commits on top of it in which only commit $PLANT_AT changes code: it points the
@@ -103,7 +103,7 @@ for ((i = 1; i <= N_COMMITS; i++)); do
         cat >>src/flash_attention/dispatch.py <<EOF
 
 # (asv find demo) bf16 d_head 128 runs the tile without the shared-memory swizzle
-DEFAULT_TABLE[("bf16", 128)][-1] = (None, "$SLOW")
+DEFAULT_TABLE[("bf16", 128, False, False)][-1] = (None, "$SLOW")
 EOF
         git commit -q -am "Dispatch: bf16 d_head 128 without the smem swizzle"
         planted=$(git rev-parse HEAD)

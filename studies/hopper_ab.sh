@@ -2,7 +2,7 @@
 # Hopper config comparison on a GPU machine (lent device): each candidate beside SDPA cuDNN and
 # FA2 in the same interleaved rounds, so ours/cuDNN compares candidates across rows despite clock
 # drift. Needs the candidates in the build (KERNELS). Logs and tables in $1.
-#   KERNELS=ci,default,$(ci/hopper_ab.sh --kernels) ... build, then ci/hopper_ab.sh LOG_DIR
+#   KERNELS=ci,default,$(studies/hopper_ab.sh --kernels) ... build, then studies/hopper_ab.sh LOG_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
 D128=sm90_bf16_d128_c128_g2_s2_fwes,sm90_bf16_d128_c128_g2_s2_fwoes,sm90_bf16_d128_c128_g2_s2_fwe

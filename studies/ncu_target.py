@@ -1,6 +1,6 @@
 """A target for Nsight Compute (ci/gpu_validate.sh step profile): runs one attention call a few
 times on random inputs, so that ncu can profile the last launch of the kernel it matches.
-    python3 ci/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
+    python3 studies/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
         [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)"""
 
 import argparse

@@ -5,7 +5,7 @@ the same calls). Per masked config it fits cycles = (tiles x T0 + blocks x b) / 
 windows (least squares): b is the SM cycles of one KV block of one tile, T0 the fixed cost of a
 tile, printed in blocks; per full config it prints the cycles of one block (its T0 spread over
 64 blocks) and the clock it ran at.
-    python3 ci/window_sweep.py [--dtype bf16] [--rounds 3] [--windows 256,512,1024,2048]
+    python3 studies/window_sweep.py [--dtype bf16] [--rounds 3] [--windows 256,512,1024,2048]
         --masked CONFIG ... --full CONFIG|dispatched ..."""
 
 import argparse

@@ -4,7 +4,7 @@ full (non-causal) kernel, all interleaved over ROUNDS rounds, each timing after 
 same calls (steady clocks; perfcases.window_vs_full). Prints each contender's time and SM clock
 and window / (visible fraction x full) per config, in time and in SM cycles: the median with
 the range of the rounds' values.
-    python3 ci/window_ab.py [--dtype bf16|fp16] [--rounds 3] CONFIG [CONFIG ...]
+    python3 studies/window_ab.py [--dtype bf16|fp16] [--rounds 3] CONFIG [CONFIG ...]
 (CONFIG: a built sm90 config with masks, or `dispatched`)."""
 
 import argparse

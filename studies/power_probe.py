@@ -1,7 +1,7 @@
 """Clock and power beside per-call time (GPU machine): each contender runs back to back for a
 few seconds while nvidia-smi samples the SM clock, power and temperature every 50 ms; phases
 alternate ours / cuDNN twice. Shows whether a contender's time follows the clock (power limit)
-rather than its own work.   python3 ci/power_probe.py [dtype d_head batch seqlen heads]"""
+rather than its own work.   python3 studies/power_probe.py [dtype d_head batch seqlen heads]"""
 
 import statistics as st
 import subprocess

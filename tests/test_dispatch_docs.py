@@ -1,0 +1,92 @@
+"""docs/dispatch.md in step with the default tables (flash_attention.dispatch SM80_ROWS and
+SM90_ROWS): one docs row per code row, by key and back; the docs row's first five columns are
+the code row's (calls, d_head, seqlen_q, kernel), so a changed decision fails here until its
+measurements are written down; every results file a row names exists. And the rows themselves:
+one open-ended row per (calls, d_head), every kernel a valid config that serves its calls."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from flash_attention import dispatch
+from flash_attention.config import parse_config
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+HEADER = "| Row | Calls | d_head | seqlen_q | Kernel | Measurements | Results |"
+ROWS = {"sm80": dispatch.SM80_ROWS, "sm90": dispatch.SM90_ROWS}
+CODE_ROWS = [row for rows in ROWS.values() for row in rows]
+
+
+def code_cells(row: dispatch.Row) -> list[str]:
+    """The columns of a docs row that the code decides."""
+    return [row.key, ", ".join(row.calls), ", ".join(map(str, row.d_heads)),
+            f"<= {row.max_seq}" if row.max_seq else "the rest", f"`{row.kernel}`"]
+
+
+def doc_rows() -> list[list[str]]:
+    """The cells of every row of docs/dispatch.md's decision tables."""
+    out, in_table = [], False
+    for line in (DOCS / "dispatch.md").read_text().splitlines():
+        if line == HEADER:
+            in_table = True
+        elif in_table and line.startswith("|"):
+            if not line.startswith("|---"):
+                out.append([cell.strip() for cell in line.strip("|").split(" | ")])
+        else:
+            in_table = False
+    return out
+
+
+def test_every_code_row_has_one_docs_row_and_back():
+    keys = [row.key for row in CODE_ROWS]
+    assert len(keys) == len(set(keys)), "row keys must be unique"
+    doc_keys = [cells[0] for cells in doc_rows()]
+    assert len(doc_keys) == len(set(doc_keys)), "docs/dispatch.md names a row twice"
+    assert set(keys) - set(doc_keys) == set(), "code rows without a docs/dispatch.md row"
+    assert set(doc_keys) - set(keys) == set(), "docs/dispatch.md rows the code no longer has"
+
+
+def test_docs_rows_show_the_codes_decisions():
+    docs = {cells[0]: cells for cells in doc_rows()}
+    for row in CODE_ROWS:
+        cells = docs.get(row.key)
+        if cells is None:
+            continue  # reported by the test above
+        want = "| " + " | ".join(code_cells(row)) + " |"
+        assert cells[:5] == code_cells(row), (
+            f"docs/dispatch.md row {row.key!r} does not match the code; it starts: {want}")
+        assert len(cells) == 7 and cells[5], f"row {row.key!r}: no measurements"
+
+
+def test_docs_rows_name_results_files_that_exist():
+    for cells in doc_rows():
+        results = cells[-1]
+        paths = re.findall(r"`([^`]+)`", results)
+        assert paths or results == "not measured", (
+            f"row {cells[0]!r} names no results file (or says `not measured`)")
+        missing = [p for p in paths if not (DOCS / p).is_file()]
+        assert not missing, f"row {cells[0]!r} names missing files (relative to docs/): {missing}"
+
+
+@pytest.mark.parametrize("family", ROWS)
+def test_each_calls_and_d_head_has_rows_by_length_ending_open(family):
+    for calls in {c for row in ROWS[family] for c in row.calls}:
+        for d_head in {d for row in ROWS[family] for d in row.d_heads}:
+            rows = dispatch._rows_for(ROWS[family], calls, d_head)
+            if not rows:
+                continue
+            bounds = [row.max_seq for row in rows]
+            assert bounds[-1] is None and None not in bounds[:-1], (family, calls, d_head)
+            assert bounds[:-1] == sorted(set(bounds[:-1])), (family, calls, d_head)
+
+
+def test_every_table_kernel_serves_its_key():
+    for (dtype, d_head, mask, softcap), rows in dispatch.DEFAULT_TABLE.items():
+        for _, short in rows:
+            assert dispatch.serves(parse_config(short), dtype, d_head, mask, softcap), short
+    for (dtype, d_head, mask, _local, softcap), rows in dispatch.SM90_TABLE.items():
+        for _, short in rows:
+            assert dispatch.serves(parse_config(short), dtype, d_head, mask, softcap), short
