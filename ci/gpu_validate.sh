@@ -226,8 +226,8 @@ workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh cl
         # the last one only (what dispatch runs on these H100/H200 runners, all cases but the
         # causal and varlen ones).
         sed -i 's|return (j + 1) \* Cfg::kBc > seqlen_k;|return j >= 0;  // planted|' \
-            src/csrc/sm90/forward_kernel.cuh
-        grep -q 'return j >= 0;  // planted' src/csrc/sm90/forward_kernel.cuh || return 3
+            src/csrc/sm90/forward_tile.cuh
+        grep -q 'return j >= 0;  // planted' src/csrc/sm90/forward_tile.cuh || return 3
         git commit -qam "planted: key-tail mask on every KV block of the Hopper kernels" \
             || return 3
     fi

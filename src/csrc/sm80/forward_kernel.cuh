@@ -11,40 +11,20 @@
 // keys under a causal mask) to the first, so the longest finish first.
 //
 // Varlen batches (FwdParams::cu_seqlens_q set) run the same code: a CTA finds its sequence's
-// rows and lengths first (SeqSpan) and leaves at once when its query block is past them.
+// rows and lengths first (SeqSpan, common/varlen.cuh) and leaves at once when its query block is
+// past them.
 #pragma once
 
 #include <cstdint>
 
 #include "../common/mask.cuh"
 #include "../common/params.h"
+#include "../common/varlen.cuh"
 #include "gemm.cuh"
 #include "smem_tile.cuh"
 #include "softmax.cuh"
 
 namespace flash {
-
-// This CTA's sequence: where its rows start in q/o and k/v, and its lengths. Varlen offsets are
-// clamped into [0, total] (they are checked on the host, except during CUDA graph capture when
-// they cannot be read), so no offset can address outside the tensors.
-struct SeqSpan {
-    int64_t q_start, k_start;
-    int seqlen_q, seqlen_k;
-};
-
-__device__ __forceinline__ int clamp_to(int x, int hi) {
-    return x < 0 ? 0 : (x > hi ? hi : x);
-}
-
-__device__ __forceinline__ SeqSpan seq_span(const FwdParams& p, int batch) {
-    if (p.cu_seqlens_q == nullptr)
-        return SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
-    const int q0 = clamp_to(p.cu_seqlens_q[batch], p.total_q);
-    const int q1 = clamp_to(p.cu_seqlens_q[batch + 1], p.total_q);
-    const int k0 = clamp_to(p.cu_seqlens_k[batch], p.total_k);
-    const int k1 = clamp_to(p.cu_seqlens_k[batch + 1], p.total_k);
-    return SeqSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
-}
 
 template <class Cfg>
 struct ForwardCta {

@@ -93,8 +93,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         err != cudaSuccess)
         return err;
     constexpr int kCtas = Cfg::kClusterCtas;
-    const int q_tiles = Work<Cfg>::q_tiles(p);  // pairs of query blocks with kCluster
-    prm.q_tiles = FastDiv(q_tiles);
+    const int q_tiles = ForwardTile<Cfg>::tiles_per_head(p);  // pairs with kCluster
+    prm.tiles_per_head = FastDiv(q_tiles);
     prm.heads = FastDiv(p.heads);
     prm.heads_per_kv = FastDiv(p.heads_per_kv);
     cudaLaunchAttribute cluster{};

@@ -1,0 +1,212 @@
+// A forward call from checked inputs to a launched kernel: the kernel chosen (named, or the
+// dispatch table's), the checks, the tensors as the kernels can address them (input_layout.h),
+// the run-time fallback of a Hopper kernel, the kernel arguments and the launch on the current
+// stream; and explain() / layout_report(), which say what a call would run and copy.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "../common/params.h"
+#include "../registry.h"
+#include "device_properties.h"
+#include "dispatch.h"
+#include "input_layout.h"
+#include "message.h"
+#include "validation.h"
+
+namespace flash::binding {
+
+// The kernel arguments of a checked call: q, k, v, o as the kernels address them (o: out or the
+// buffer that stands in for it), and lse if given.
+inline flash::FwdParams forward_params(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& o,
+                                       const std::optional<at::Tensor>& lse, const Varlen& vl,
+                                       const CallShape& s, double softmax_scale,
+                                       int64_t window_left, int64_t window_right, double softcap) {
+    const bool varlen = vl.cu_q != nullptr;
+    const int64_t B = s.batch, H = s.heads, Hk = s.kv_heads, Sq = s.seqlen_q, Sk = s.seqlen_k,
+                  D = s.d_head;
+    const int64_t lse_rows = varlen ? q.size(0) : Sq;
+    flash::FwdParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = o.data_ptr();
+    p.lse = lse ? lse->data_ptr<float>() : nullptr;
+    // Strides by role: (batch, row, head); varlen tensors have no batch dimension.
+    const int r = varlen ? 0 : 1;
+    p.q_batch_stride = varlen ? 0 : q.stride(0);
+    p.q_row_stride = q.stride(r);
+    p.q_head_stride = q.stride(r + 1);
+    p.k_batch_stride = varlen ? 0 : k.stride(0);
+    p.k_row_stride = k.stride(r);
+    p.k_head_stride = k.stride(r + 1);
+    p.v_batch_stride = varlen ? 0 : v.stride(0);
+    p.v_row_stride = v.stride(r);
+    p.v_head_stride = v.stride(r + 1);
+    p.o_batch_stride = varlen ? 0 : o.stride(0);
+    p.o_row_stride = o.stride(r);
+    p.o_head_stride = o.stride(r + 1);
+    p.lse_batch_stride = varlen ? 0 : H * Sq;
+    p.lse_head_stride = lse_rows;
+    p.batch = static_cast<int>(B);
+    p.heads = static_cast<int>(H);
+    p.heads_per_kv = static_cast<int>(H / Hk);
+    p.seqlen_q = static_cast<int>(Sq);
+    p.seqlen_k = static_cast<int>(Sk);
+    p.d_head = static_cast<int>(D);
+    // With a softcap, scores become softcap * tanh(scale * s / softcap): the kernel applies
+    // scale / softcap inside the tanh and folds softcap into the exp2 scale.
+    p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
+    p.softcap_scale = static_cast<float>(softcap > 0 ? softmax_scale / softcap : 0.0);
+    p.window_left = static_cast<int>(window_left);
+    p.window_right = static_cast<int>(window_right);
+    if (varlen) {
+        p.cu_seqlens_q = vl.cu_q->data_ptr<int32_t>();
+        p.cu_seqlens_k = vl.cu_k->data_ptr<int32_t>();
+        p.total_q = static_cast<int>(q.size(0));
+        p.total_k = static_cast<int>(k.size(0));
+    }
+    return p;
+}
+
+// Runs q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given, lse (B, H, Sq)
+// fp32 contiguous; varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
+// window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
+// are -1. softcap: 0 off, else a kernel built for it. Any strides: what the kernels cannot
+// address goes through a copy (binding/input_layout.h); out_is_fresh: out was allocated by the
+// operator (contiguous, shares no memory), so its layout needs no test.
+inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                        const at::Tensor& out, bool out_is_fresh,
+                        const std::optional<at::Tensor>& lse, const Varlen& vl,
+                        c10::string_view name, double softmax_scale, int64_t window_left,
+                        int64_t window_right, double softcap) {
+    const bool varlen = vl.cu_q != nullptr;
+    const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen);
+    const CallShape s = call_shape(q_in, k_in, vl);
+    const int64_t B = s.batch, H = s.heads, Sq = s.seqlen_q, Sk = s.seqlen_k;
+    const bool mask = window_left != -1 || window_right != -1;
+    const Choice chosen =
+        choose_kernel(name, dtype, s.d_head, Sq, mask, window_left != -1, softcap > 0);
+    check_call(*chosen.kernel, q_in, k_in, out, out_is_fresh, lse, varlen, s, dtype, softmax_scale,
+               window_left, window_right, softcap);
+    const auto device = q_in.device();
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    if (varlen)
+        check_varlen(vl, q_in.size(0), k_in.size(0), device, stream);
+    if (B == 0 || Sq == 0 || H == 0 || q_in.size(0) == 0)
+        return;
+    if (!varlen && Sk == 0) {  // no key for any row: out 0, LSE -inf
+        out.zero_();
+        if (lse)
+            lse->fill_(-std::numeric_limits<float>::infinity());
+        return;
+    }
+
+    const cudaDeviceProp& prop = device_properties(device.index());
+    FA_CHECK(prop.major >= 8,
+             "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
+             prop.major, ".", prop.minor);
+
+    // The tensors as the kernels address them: the caller's, or copies (input_layout.h).
+    const c10::MaybeOwned<at::Tensor> q_addr = addressable(q_in);
+    const c10::MaybeOwned<at::Tensor> k_addr = addressable(k_in);
+    const c10::MaybeOwned<at::Tensor> v_addr = addressable(v_in);
+    const at::Tensor &q = *q_addr, &k = *k_addr, &v = *v_addr;
+    const bool out_direct =
+        out_is_fresh || (unaddressable(out) == nullptr && !spans_overlap(out, q_in) &&
+                         !spans_overlap(out, k_in) && !spans_overlap(out, v_in));
+    const c10::MaybeOwned<at::Tensor> out_addr =
+        out_direct ? c10::MaybeOwned<at::Tensor>::borrowed(out)
+                   : c10::MaybeOwned<at::Tensor>::owned(at::empty(q_in.sizes(), q_in.options()));
+    const at::Tensor& o = *out_addr;
+
+    // A Hopper kernel runs only what TMA can address on an sm_90 GPU; else its row's fallback.
+    const flash::KernelEntry* pick = chosen.kernel;
+    if (pick->arch == 90) {
+        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &o})) {
+            FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
+                     " (sm_90a) cannot run this call: ", why);
+            pick = chosen.fallback;
+        }
+    }
+    const flash::KernelEntry& e = *pick;
+    FA_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
+             " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
+             prop.sharedMemPerBlockOptin);
+
+    flash::FwdParams p =
+        forward_params(q, k, v, o, lse, vl, s, softmax_scale, window_left, window_right, softcap);
+    at::Tensor tile_counter;  // zeroed by the launcher on the stream; freed in stream order
+    if (e.tile_counter) {
+        tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+        p.tile_counter = tile_counter.data_ptr<int>();
+    }
+    const cudaError_t err = e.launch(p, stream);
+    FA_CHECK(err == cudaSuccess, "launch of kernel ", e.name, " failed: ", cudaGetErrorString(err));
+    if (!out_direct)
+        out.copy_(o);
+}
+
+// What dispatch runs for a fixed-length call and why (for debug logging): the table's kernel,
+// or its fallback with the reason the Hopper kernel cannot run the call, and the inputs copied
+// because the kernels cannot address them (input_layout.h). The window is the operator's
+// (canonical_window: causal folded in, sides that bound nothing -1).
+inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           int64_t window_left, int64_t window_right, bool softcap) {
+    const int64_t D = q.size(-1);
+    const bool mask = window_left != -1 || window_right != -1;
+    const Choice c =
+        lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
+    if (c.kernel == nullptr)
+        return "no kernel in the dispatch table";
+    std::string copies;
+    const std::pair<const char*, const at::Tensor*> inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+    for (const auto& [name, t] : inputs)
+        if (const char* why = unaddressable(*t))
+            copies += message(", copies ", name, " (", why, ")");
+    if (c.kernel->arch != 90)
+        return c.kernel->name + copies;
+    const auto qa = addressable(q), ka = addressable(k), va = addressable(v);
+    const char* why = sm90_unfit(device_properties(q.device().index()), false, {&*qa, &*ka, &*va});
+    return why == nullptr
+               ? c.kernel->name + copies
+               : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")", copies);
+}
+
+// How the operator will address each tensor of a call (input_layout.h), for tests and debug
+// logging; reads only metadata, so CPU tensors do too: {name: "" (in place) or why a copy}, and
+// for out "refused: ..." when its elements overlap.
+inline py::dict layout_report(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& out) {
+    py::dict report;
+    const std::pair<const char*, const at::Tensor*> inputs[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+    for (const auto& [name, t] : inputs) {
+        const char* why = unaddressable(*t);
+        report[name] = why == nullptr ? "" : why;
+    }
+    if (out) {
+        if (!elements_distinct(*out))
+            report["out"] = "refused: its elements share memory";
+        else if (const char* why = unaddressable(*out))
+            report["out"] = why;
+        else if (spans_overlap(*out, q) || spans_overlap(*out, k) || spans_overlap(*out, v))
+            report["out"] = "its memory overlaps q, k or v";
+        else
+            report["out"] = "";
+    }
+    return report;
+}
+
+}  // namespace flash::binding

@@ -1,0 +1,227 @@
+// Checks of a call's inputs, before any launch: ranks, dtypes and shapes of q, k, v, out and
+// lse, the scalar arguments, what the chosen kernel serves, and the cu_seqlens of a varlen batch
+// (their metadata and, on the host, their values). Any strides are accepted: what the kernels
+// cannot address is copied (input_layout.h). Mirrors flash_attention.validation, which raises
+// the same errors from Python (and under tracing).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../registry.h"
+#include "input_layout.h"
+#include "message.h"
+
+namespace flash::binding {
+
+// Any strides are accepted: what the kernels cannot address is copied (binding/input_layout.h).
+inline void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* dims) {
+    FA_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got ", t.dim(), "-D");
+}
+
+// q (B, Sq, H, D) or varlen (total_q, H, D); the element type of q, k, v (and out).
+inline at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                bool varlen) {
+    const int64_t rank = varlen ? 3 : 4;
+    const char* dims = varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)";
+    check_rank(q, "q", rank, dims);
+    check_rank(k, "k", rank, dims);
+    check_rank(v, "v", rank, dims);
+    const auto dtype = q.scalar_type();
+    FA_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
+                  "; supported: torch.float16, torch.bfloat16");
+    FA_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
+                  "q, k and v must share a dtype");
+    FA_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
+                   " and ", v.sizes());
+    const int64_t D = q.size(rank - 1), H = q.size(rank - 2), Hk = k.size(rank - 2);
+    FA_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
+                   " is not supported; supported: every multiple of 8 up to 256");
+    FA_CHECK_VALUE(k.size(rank - 1) == D, "d_head of k/v (", k.size(rank - 1),
+                   ") differs from d_head of q (", D, ")");
+    FA_CHECK_VALUE((Hk == 0 && H == 0) || (Hk > 0 && H % Hk == 0), "heads of q (", H,
+                   ") must be a multiple of heads of k/v (", Hk, ")");
+    if (!varlen)
+        FA_CHECK_VALUE(k.size(0) == q.size(0), "batch of k/v (", k.size(0),
+                       ") differs from batch of q (", q.size(0), ")");
+    FA_CHECK_VALUE(q.is_cuda(), "q, k and v are on ", q.device(),
+                   "; flash_attention runs on CUDA tensors (use .cuda())");
+    FA_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
+                   "q, k and v must be on the same device");
+    return dtype;
+}
+
+// The cu_seqlens of a varlen call (cu_q == nullptr: a fixed-length batch).
+struct Varlen {
+    const at::Tensor* cu_q = nullptr;
+    const at::Tensor* cu_k = nullptr;
+    int64_t max_q = 0, max_k = 0;
+};
+
+// The sizes of a call: q (B, Sq, H, D), k/v (B, Sk, Hk, D); varlen: B from cu_seqlens, Sq and Sk
+// the longest sequences (max_seqlen_q/k). After check_qkv().
+struct CallShape {
+    int64_t batch, heads, kv_heads, seqlen_q, seqlen_k, d_head;
+};
+
+inline CallShape call_shape(const at::Tensor& q, const at::Tensor& k, const Varlen& vl) {
+    const bool varlen = vl.cu_q != nullptr;
+    const int64_t rank = q.dim();
+    CallShape s;
+    s.d_head = q.size(rank - 1);
+    s.heads = q.size(rank - 2);
+    s.kv_heads = k.size(rank - 2);
+    s.batch = varlen ? vl.cu_q->numel() - 1 : q.size(0);
+    s.seqlen_q = varlen ? vl.max_q : q.size(1);
+    s.seqlen_k = varlen ? vl.max_k : k.size(1);
+    return s;
+}
+
+// The rest of a call against its kernel `c` (or its fallback: they share dtype, d_head variant,
+// masks and softcap, so these checks hold for whichever runs): out and lse, the limits of the
+// kernels' index arithmetic, softmax_scale, the window and the softcap.
+inline void check_call(const flash::KernelEntry& c, const at::Tensor& q_in, const at::Tensor& k_in,
+                       const at::Tensor& out, bool out_is_fresh,
+                       const std::optional<at::Tensor>& lse, bool varlen, const CallShape& s,
+                       at::ScalarType dtype, double softmax_scale, int64_t window_left,
+                       int64_t window_right, double softcap) {
+    const int64_t rank = q_in.dim();
+    const int64_t B = s.batch, H = s.heads, Sq = s.seqlen_q, Sk = s.seqlen_k, D = s.d_head;
+    const bool mask = window_left != -1 || window_right != -1;
+    const auto device = q_in.device();
+
+    const auto want = c.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
+    FA_CHECK_TYPE(dtype == want, "kernel ", c.name, " needs ", want, " tensors");
+    FA_CHECK_VALUE(D <= c.d_head, "kernel ", c.name, " serves d_head multiples of 8 up to ",
+                   c.d_head, ", got ", D);
+    check_rank(out, "out", rank, "like q");
+    FA_CHECK_VALUE(out.sizes() == q_in.sizes(), "out must have the shape of q ", q_in.sizes(),
+                   ", got ", out.sizes());
+    FA_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
+    FA_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
+                   ") must each be at most 65535");
+    // kMaxSeqlen leaves room for the largest tile past the last row in 32-bit row indices.
+    constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 256;
+    FA_CHECK_VALUE(Sq <= kMaxSeqlen && Sk <= kMaxSeqlen &&
+                       q_in.size(0) <= std::numeric_limits<int>::max() &&
+                       k_in.size(0) <= std::numeric_limits<int>::max(),
+                   "sequence lengths and token counts must be at most 2^31 - 257");
+    FA_CHECK_VALUE(std::isfinite(softmax_scale) && softmax_scale > 0,
+                   "softmax_scale must be finite and positive, got ", softmax_scale);
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
+                       window_left <= std::numeric_limits<int>::max() &&
+                       window_right <= std::numeric_limits<int>::max(),
+                   "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    FA_CHECK_VALUE(c.mask || !mask, "kernel ", c.name,
+                   " has no masks (config flag m): it cannot run causal or windowed attention");
+    FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                   "softcap must be 0 (off) or finite and positive, got ", softcap);
+    FA_CHECK_VALUE(c.softcap == (softcap > 0), "kernel ", c.name,
+                   c.softcap ? " applies a softcap: call it with softcap > 0"
+                             : " has no softcap (config flag t)");
+    FA_CHECK_VALUE(out.device() == device, "out must be on ", device);
+    FA_CHECK_VALUE(out_is_fresh || elements_distinct(out),
+                   "out has elements that share memory (an expanded tensor: a stride of 0?); "
+                   "pass a tensor whose elements are distinct, e.g. torch.empty_like(q)");
+    const int64_t lse_rows = varlen ? q_in.size(0) : Sq;
+    if (lse) {
+        const bool shape_ok =
+            varlen
+                ? (lse->dim() == 2 && lse->size(0) == H && lse->size(1) == lse_rows)
+                : (lse->dim() == 3 && lse->size(0) == B && lse->size(1) == H && lse->size(2) == Sq);
+        FA_CHECK_VALUE(lse->device() == device && lse->scalar_type() == at::kFloat &&
+                           lse->is_contiguous() && shape_ok,
+                       "lse must be a contiguous fp32 ",
+                       varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)",
+                       " tensor on q's device");
+    }
+}
+
+// cu_seqlens: int32, 1-D, contiguous, on q's device, batch + 1 entries.
+inline void check_cu_seqlens_meta(const at::Tensor& cu, const char* name,
+                                  const at::Device& device) {
+    FA_CHECK_TYPE(cu.scalar_type() == at::kInt, name, " must be int32 (torch.int32), got ",
+                  cu.scalar_type());
+    FA_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2, name,
+                   " must be 1-D with batch + 1 >= 2 entries, got shape ", cu.sizes());
+    FA_CHECK_VALUE(cu.device() == device, name, " must be on ", device, " (q's device), got ",
+                   cu.device());
+    FA_CHECK_VALUE(cu.is_contiguous(), name, " must be contiguous");
+}
+
+// The values of cu_seqlens, checked on the host before any launch: 0 first, non-decreasing,
+// `total` last, no sequence longer than max_seqlen. A device-to-host copy (it synchronises), so
+// a tensor already checked and not modified since (same TensorImpl, same version counter) is not
+// read again: a model's layers reuse one cu_seqlens. The cache holds weak references: they keep
+// a dead TensorImpl's memory from being reused by a new tensor (so an address match is the same
+// object) without keeping it alive, whose last release would run Python code without the GIL.
+// During CUDA graph capture device memory cannot be read; the kernel then clamps every offset
+// into the tensors instead.
+struct CheckedSeqlens {
+    c10::weak_intrusive_ptr<c10::TensorImpl> impl;
+    uint32_t version;
+    int64_t total, max_seqlen;
+};
+
+inline void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total,
+                                    int64_t max_seqlen, cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FA_CHECK(cudaStreamIsCapturing(stream, &capture) == cudaSuccess,
+             "cudaStreamIsCapturing failed");
+    if (capture != cudaStreamCaptureStatusNone)
+        return;
+    static std::mutex mutex;
+    static std::vector<CheckedSeqlens> checked;  // the last few, most recent last
+    const uint32_t version = cu.unsafeGetTensorImpl()->version_counter().current_version();
+    {
+        const std::lock_guard<std::mutex> lock(mutex);
+        for (const CheckedSeqlens& c : checked)
+            if (c.impl._unsafe_get_target() == cu.unsafeGetTensorImpl() && c.version == version &&
+                c.total == total && c.max_seqlen <= max_seqlen)
+                return;
+    }
+    const at::Tensor host = cu.to(at::kCPU);
+    const int32_t* values = host.data_ptr<int32_t>();
+    const int64_t n = host.numel();
+    FA_CHECK_VALUE(values[0] == 0, name, "[0] must be 0, got ", values[0]);
+    int64_t longest = 0;
+    for (int64_t i = 1; i < n; ++i) {
+        FA_CHECK_VALUE(values[i] >= values[i - 1], name, " must be non-decreasing: ", name, "[", i,
+                       "] = ", values[i], " < ", name, "[", i - 1, "] = ", values[i - 1]);
+        longest = std::max<int64_t>(longest, values[i] - values[i - 1]);
+    }
+    FA_CHECK_VALUE(values[n - 1] == total, name, "[-1] = ", values[n - 1],
+                   " must equal the number of tokens, ", total);
+    FA_CHECK_VALUE(longest <= max_seqlen, "a sequence of ", longest, " tokens is longer than ",
+                   name == std::string("cu_seqlens_q") ? "max_seqlen_q" : "max_seqlen_k", " = ",
+                   max_seqlen);
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (checked.size() >= 8)
+        checked.erase(checked.begin());
+    checked.push_back(
+        {c10::weak_intrusive_ptr<c10::TensorImpl>(cu.getIntrusivePtr()), version, total, longest});
+}
+
+// Both cu_seqlens of a varlen call (total_q, total_k: the packed token counts of q and k), on the
+// call's stream (the values are read on the host unless the stream is capturing).
+inline void check_varlen(const Varlen& vl, int64_t total_q, int64_t total_k,
+                         const at::Device& device, cudaStream_t stream) {
+    check_cu_seqlens_meta(*vl.cu_q, "cu_seqlens_q", device);
+    check_cu_seqlens_meta(*vl.cu_k, "cu_seqlens_k", device);
+    FA_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
+                   "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
+    FA_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
+    check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", total_q, vl.max_q, stream);
+    check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", total_k, vl.max_k, stream);
+}
+
+}  // namespace flash::binding

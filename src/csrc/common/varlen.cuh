@@ -1,0 +1,34 @@
+// Varlen (packed) batches: where one sequence's rows lie in the packed tensors, read from
+// FwdParams::cu_seqlens_q/k; for a fixed-length batch every sequence is the whole tensor. Any
+// kernel that takes varlen batches (forward or backward) starts a CTA by finding its sequence.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flash {
+
+// This CTA's sequence: where its rows start in q/o and k/v, and its lengths. Varlen offsets are
+// clamped into [0, total] (they are checked on the host, except during CUDA graph capture when
+// they cannot be read), so no offset can address outside the tensors.
+struct SeqSpan {
+    int64_t q_start, k_start;
+    int seqlen_q, seqlen_k;
+};
+
+__device__ __forceinline__ int clamp_to(int x, int hi) {
+    return x < 0 ? 0 : (x > hi ? hi : x);
+}
+
+__device__ __forceinline__ SeqSpan seq_span(const FwdParams& p, int batch) {
+    if (p.cu_seqlens_q == nullptr)
+        return SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int q0 = clamp_to(p.cu_seqlens_q[batch], p.total_q);
+    const int q1 = clamp_to(p.cu_seqlens_q[batch + 1], p.total_q);
+    const int k0 = clamp_to(p.cu_seqlens_k[batch], p.total_k);
+    const int k1 = clamp_to(p.cu_seqlens_k[batch + 1], p.total_k);
+    return SeqSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
+}
+
+}  // namespace flash

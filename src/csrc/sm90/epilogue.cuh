@@ -1,0 +1,76 @@
+// The epilogue of one consumer warpgroup (kTmaStore): its 64 rows x d_head accumulator tile
+// (fp32, in the wgmma accumulator layout) leaves as 16-bit elements through a shared-memory
+// staging buffer and TMA stores. It knows nothing of attention: the caller names the buffer and
+// the destination (a tensor map and coordinates), so a kernel that stores other accumulators
+// (dK, dV) can reuse it. Without kTmaStore the forward writes O straight from registers
+// (ForwardConsumer::write_output).
+#pragma once
+
+#include <cstdint>
+
+#include "../common/ldmatrix.cuh"
+#include "../common/numeric.cuh"
+#include "named_barriers.cuh"
+#include "ptx.cuh"
+
+namespace flash::sm90 {
+
+// kTileRows: the CTA's rows in the staging buffer (each 64-column panel is kTileRows x 128
+// bytes, the layout of the CTA's TMA tiles); warpgroup wg owns rows 64 wg .. 64 wg + 63.
+template <class Cfg, int kTileRows = Cfg::kBr>
+struct Epilogue {
+    using Elem = typename Cfg::Elem;
+    static constexpr int kNO = Cfg::kNTilesO;
+
+    const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
+
+    // Through `buffer` (1024-byte aligned; swizzled as the map's 128-byte swizzle) and TMA stores
+    // of this warpgroup's rows to rows row0 + 64 wg .. of (head, batch) of `map` (box: 64
+    // columns x 64 rows); rows and columns outside the tensor are not written. On a persistent
+    // grid the buffer is reused by the next tile: this call first waits until the previous
+    // tile's stores have read it; else it returns once the stores have read it.
+    __device__ __forceinline__ void store_tma(const float (&acc)[kNO][4], unsigned char* buffer,
+                                              const CUtensorMap* map, int row0, int head,
+                                              int batch) const {
+        if constexpr (Cfg::kPersistent) {
+            if (threadIdx.x % 128 == 0)
+                tma_store_wait_read();
+            named_sync(kEpilogueBarrier + wg, 128);  // the previous tile's rows have been read
+        }
+        // One stmatrix.x4 per two n8 tiles t, t + 1 (t even): its 8x8 matrices are rows +0
+        // and +8 of tile t, then of t + 1; lane l gives the address of row l % 8 of matrix
+        // l / 8, CTA row r below, tile t + l / 16. That tile's chunk (t % 8 + l / 16) ^ (r & 7)
+        // is (t % 8) ^ (l / 16) ^ (l % 8): the 128-byte-aligned row address with the lane's
+        // chunk, XORed with the compile-time (t % 8) * 16.
+        const int r = warp * 16 + 8 * ((lane / 8) % 2) + lane % 8;
+        const uint32_t row = smem_u32(buffer) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
+#pragma unroll
+        for (int t = 0; t < kNO; t += 2) {
+            const uint32_t frag[4] = {pack2<Elem>(acc[t][0], acc[t][1]),
+                                      pack2<Elem>(acc[t][2], acc[t][3]),
+                                      pack2<Elem>(acc[t + 1][0], acc[t + 1][1]),
+                                      pack2<Elem>(acc[t + 1][2], acc[t + 1][3])};
+            stmatrix_x4((row ^ ((t % 8) * 16)) + (t / 8) * kTileRows * 128, frag);
+        }
+        fence_proxy_async_smem();                // the TMA store reads what these stores wrote
+        named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int c = 0; c < Cfg::kPanels; ++c)
+                tma_store_4d(map, buffer + c * kTileRows * 128 + wg * 64 * 128, c * 64,
+                             row0 + wg * 64, head, batch);
+            tma_store_commit();
+            if constexpr (!Cfg::kPersistent)
+                tma_store_wait_read();  // smem stays valid until the store has read it
+        }
+    }
+
+    // Before the CTA exits (persistent grid: store_tma() returns before its stores have read
+    // the buffer): shared memory stays valid until the last store has read it.
+    __device__ __forceinline__ static void wait_stores_read() {
+        if (threadIdx.x % 128 == 0)
+            tma_store_wait_read();
+    }
+};
+
+}  // namespace flash::sm90

@@ -1,0 +1,15 @@
+// The named barrier ids of the Hopper kernels (ids 1..15; 0 is __syncthreads), in one place so
+// that roles written in different headers never share an id.
+#pragma once
+
+namespace flash::sm90 {
+
+enum NamedBarrier : int {
+    // Ping-pong (mainloop): consumer warpgroup g waits on kTurnBarrier + g for its turn to issue
+    // GEMMs, the other warpgroup arrives on it when it passes the turn (2 x 128 threads).
+    kTurnBarrier = 1,  // and 2
+    // Epilogue: the 128 threads of consumer warpgroup g around its O staging buffer.
+    kEpilogueBarrier = 3,  // and 4 (5 with a third warpgroup)
+};
+
+}  // namespace flash::sm90

@@ -1,0 +1,53 @@
+// The producer's tools: TMA copies of whole tiles (64-column panels, 128-byte swizzled) into
+// shared memory, completing on an mbarrier, optionally split across the CTAs of a cluster and
+// multicast, and the wait for a buffer the consumers have released. Nothing here knows which
+// tensors a kernel loads (the forward's loads: ForwardLoader in forward_mainloop.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "ptx.cuh"
+
+namespace flash::sm90 {
+
+// Producer: waits until a buffer may be refilled for its use `use` (the first use needs no
+// wait): its empty barrier has completed use - 1, i.e. the consumers (of both CTAs with a cluster)
+// have released what they read. A CTA-scope wait: the producer reads nothing they wrote, it only
+// orders its next copy after their reads.
+__device__ __forceinline__ void wait_buffer_free(uint64_t* empty, int use) {
+    if (use > 0)
+        mbar_wait(empty, (use - 1) & 1);
+}
+
+// Producer: copies of whole tiles, kRows rows x Cfg::kPanels 64-column panels (panel c at
+// dst + c * kRows * 128 bytes), tile `block` being rows block * kRows .. of (head, batch) of a
+// 4-D tensor map (d_head, rows, heads, batch).
+template <class Cfg>
+struct TmaLoader {
+    const int rank;  // this CTA's rank in its cluster (0 without kCluster)
+
+    // Arms `full` with the tile's bytes, then issues the copies, which complete on it.
+    // kShared: every CTA of the cluster needs the tile; this CTA copies its 1 / kClusterCtas of
+    // the rows and multicasts them into the same offsets of every CTA (with kCluster; else it
+    // copies the whole tile), so each CTA's full barrier still expects the whole tile.
+    template <int kRows, bool kShared>
+    __device__ __forceinline__ void load_tile(unsigned char* dst, const CUtensorMap* map,
+                                              uint64_t* full, int block, int head,
+                                              int batch) const {
+        mbar_arrive_expect_tx(full, kRows * Cfg::kPanels * 128);
+        // This CTA's rows: a multiple of 8, so its part of each panel stays 1024-byte aligned.
+        constexpr int kPart = kShared ? kRows / Cfg::kClusterCtas : kRows;
+        const int row0 = block * kRows + (kShared ? rank * kPart : 0);
+#pragma unroll
+        for (int c = 0; c < Cfg::kPanels; ++c) {
+            unsigned char* panel = dst + c * kRows * 128 + (kShared ? rank * kPart * 128 : 0);
+            if constexpr (kShared && Cfg::kCluster)
+                tma_load_4d_multicast(panel, map, full, uint16_t((1u << Cfg::kClusterCtas) - 1),
+                                      c * 64, row0, head, batch);
+            else
+                tma_load_4d(panel, map, full, c * 64, row0, head, batch);
+        }
+    }
+};
+
+}  // namespace flash::sm90
