@@ -1,0 +1,389 @@
+// FlashAttention-2 backward, sm80 family (mma.sync, ldmatrix, cp.async; runs on sm_80+).
+//
+//   preprocess   D = rowsum(dO * O) - dLSE per query row (fp32); zero the dQ accumulator
+//   main         one CTA per (KV block j of B_c keys, KV head, batch); for each query head of
+//                the group and each query block i that sees block j:
+//                  dP^T = V dO_i^T,  S^T = K Q_i^T  (softcap: t = tanh(S * scale / c))
+//                  P^T = exp2(S^T * scale_log2 - LSE_i * log2 e)       (masked: 0)
+//                  dS^T = P^T * (dP^T - D_i)     (softcap: times 1 - t^2)
+//                  dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i += dS K  (fp32 atomics)
+//                then dK * scale and dV are written once.
+//   convert      dQ = scale * dQ accumulator, in the input dtype
+//
+// Rows that see no key (LSE = -inf) and rows past seqlen_q get P = 0 through an LSE of +inf,
+// so every gradient they touch is exactly 0. With BwdParams::dq_semaphore (deterministic) the
+// KV blocks of a query block add their dQ in KV-block order, so the sums are bitwise
+// reproducible.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/bwd_params.h"
+#include "../common/numeric.cuh"
+#include "backward_config.cuh"
+#include "backward_gemm.cuh"
+#include "smem_tile.cuh"
+
+namespace flash::bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The keys a query row sees, off = seqlen_k - seqlen_q: [row + off - left, row + off + right].
+struct Window {
+    int64_t off;
+    int left, right;  // -1: unbounded
+
+    // The first and last key any of rows [r0, r1] sees, clamped to [0, seqlen_k - 1].
+    __device__ __forceinline__ void keys(int r0, int r1, int seqlen_k, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = left < 0 ? 0 : r0 + off - left;
+        hi = right < 0 ? seqlen_k - 1 : r1 + off + right;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_k - 1 ? hi : seqlen_k - 1;
+    }
+    // The first and last query row that sees any of keys [k0, k1], clamped to [0, seqlen_q - 1].
+    __device__ __forceinline__ void rows(int k0, int k1, int seqlen_q, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = right < 0 ? 0 : k0 - off - right;
+        hi = left < 0 ? seqlen_q - 1 : k1 - off + left;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_q - 1 ? hi : seqlen_q - 1;
+    }
+    __device__ __forceinline__ bool sees(int64_t row, int64_t key) const {
+        const int64_t rel = key - row - off;
+        return (left < 0 || rel >= -left) && (right < 0 || rel <= right);
+    }
+};
+
+// Two 16-bit values of one 32-bit word -> fp32 (torch builds disable the implicit conversions).
+__device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+// ---- preprocess --------------------------------------------------------------------------------
+
+// One warp per query row: D = rowsum(dO * O) - dLSE (rows < seqlen_q), and the row's dQ
+// accumulator zeroed (rows < seqlen_q_pad). Lane l reads the 16-byte chunk l of the row.
+template <typename Elem>
+__global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * 4 + threadIdx.x / 32;
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q_pad)
+        return;
+    float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+    for (int c = lane * 4; c < p.d_pad; c += 32 * 4)
+        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row >= p.seqlen_q)
+        return;
+    float sum = 0.f;
+    if (lane * 8 < p.d_head) {
+        const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
+                        head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+        const Elem* d = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                        head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+        const uint4 ov = *reinterpret_cast<const uint4*>(o);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d);
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 a = unpack2(ow[e], Elem{}), b = unpack2(dw[e], Elem{});
+            sum += a.x * b.x + a.y * b.y;
+        }
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (lane == 0) {
+        const int64_t at = (batch * p.heads + head) * p.seqlen_q + row;
+        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[at] : 0.f);
+    }
+}
+
+// ---- dQ conversion ----------------------------------------------------------------------------
+
+// dQ = scale * accumulator in the input dtype; one thread per 8 columns of a row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const int chunks = p.d_head / 8;
+    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    const int64_t row = idx / chunks;
+    const int chunk = static_cast<int>(idx % chunks);
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q)
+        return;
+    const float* acc =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad + chunk * 8;
+    const float4 a = *reinterpret_cast<const float4*>(acc);
+    const float4 b = *reinterpret_cast<const float4*>(acc + 4);
+    const float s = p.softmax_scale;
+    uint4 out;
+    out.x = pack2<Elem>(a.x * s, a.y * s);
+    out.y = pack2<Elem>(a.z * s, a.w * s);
+    out.z = pack2<Elem>(b.x * s, b.y * s);
+    out.w = pack2<Elem>(b.z * s, b.w * s);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + chunk * 8;
+    *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// ---- main kernel ------------------------------------------------------------------------------
+
+template <class Cfg>
+struct BackwardCta {
+    using Elem = typename Cfg::Elem;
+    using P1 = typename Cfg::Phase1;
+    using P2 = typename Cfg::Phase2;
+    using P3 = typename Cfg::Phase3;
+    using PTile = typename Cfg::PTile;
+    static constexpr int kBr = Cfg::kBr, kBc = Cfg::kBc;
+
+    const BwdParams& p;
+    const int lane, warp;
+    const int kv_block, k_row0;
+    const int64_t batch, kv_head;
+    const Window win;
+    const uint32_t sQ, sdO, sK, sV, sP, sdS;
+    float* const sLse;  // LSE * log2(e) of the query block's rows; +inf where P must be 0
+    float* const sD;    // D of the query block's rows
+    const TileCopy<Cfg, kBr> q_copy, do_copy;
+
+    float dK[P2::kMT][P2::kNT][4];
+    float dV[P2::kMT][P2::kNT][4];
+
+    __device__ __forceinline__ BackwardCta(const BwdParams& params, unsigned char* smem)
+        : p(params),
+          lane(threadIdx.x % 32),
+          warp(threadIdx.x / 32),
+          kv_block(blockIdx.x),
+          k_row0(blockIdx.x * kBc),
+          batch(blockIdx.z),
+          kv_head(blockIdx.y),
+          win{int64_t(params.seqlen_k) - params.seqlen_q, params.window_left, params.window_right},
+          sQ(smem_addr(smem)),
+          sdO(sQ + Cfg::kQTileBytes),
+          sK(sdO + Cfg::kQTileBytes),
+          sV(sK + Cfg::kKTileBytes),
+          sP(sV + Cfg::kKTileBytes),
+          sdS(sP + Cfg::kPTileBytes),
+          sLse(reinterpret_cast<float*>(smem + 2 * Cfg::kQTileBytes + 2 * Cfg::kKTileBytes +
+                                        2 * Cfg::kPTileBytes)),
+          sD(sLse + kBr),
+          q_copy(threadIdx.x, params.q_row_stride, params.d_head),
+          do_copy(threadIdx.x, params.do_row_stride, params.d_head) {}
+
+    __device__ __forceinline__ void run() {
+        zero(dK);
+        zero(dV);
+        const int k_last = (k_row0 + kBc < p.seqlen_k ? k_row0 + kBc : p.seqlen_k) - 1;
+        int64_t q_lo, q_hi;
+        win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
+        if (q_hi >= q_lo) {  // else no query row sees these keys: dK = dV = 0
+            const int i_first = static_cast<int>(q_lo / kBr), i_last = static_cast<int>(q_hi / kBr);
+            const Elem* k = static_cast<const Elem*>(p.k) + batch * p.k_batch_stride +
+                            kv_head * p.k_head_stride + int64_t(k_row0) * p.k_row_stride;
+            const Elem* v = static_cast<const Elem*>(p.v) + batch * p.v_batch_stride +
+                            kv_head * p.v_head_stride + int64_t(k_row0) * p.v_row_stride;
+            TileCopy<Cfg, kBc>(threadIdx.x, p.k_row_stride, p.d_head)
+                .issue(sK, k, p.seqlen_k - k_row0);
+            TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
+                .issue(sV, v, p.seqlen_k - k_row0);
+            cp_async_commit();  // K and V land with the first query block's Q and dO
+            const int64_t head0 = kv_head * p.heads_per_kv;
+            for (int64_t head = head0; head < head0 + p.heads_per_kv; ++head)
+                for (int i = i_first; i <= i_last; ++i)
+                    query_block(head, i);
+        }
+        write_dk_dv();
+    }
+
+    __device__ __forceinline__ void query_block(int64_t head, int i) {
+        const int q_row0 = i * kBr;
+        const int64_t q_row = q_row0;
+        const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
+                        head * p.q_head_stride + q_row * p.q_row_stride;
+        const Elem* dout = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                           head * p.do_head_stride + q_row * p.do_row_stride;
+        // sQ, sdO, sLse and sD are free: the barrier closing the previous block ordered their
+        // last reads.
+        q_copy.issue(sQ, q, p.seqlen_q - q_row0);
+        do_copy.issue(sdO, dout, p.seqlen_q - q_row0);
+        cp_async_commit();
+        if (threadIdx.x < kBr) {
+            const int row = q_row0 + threadIdx.x;
+            const int64_t at = (batch * p.heads + head) * p.seqlen_q + row;
+            const float lse = row < p.seqlen_q ? p.lse[at] : -INFINITY;
+            sLse[threadIdx.x] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+            sD[threadIdx.x] = row < p.seqlen_q ? p.d_rows[at] : 0.f;
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // Q_i, dO_i (K and V on the first block), LSE_i and D_i are in smem
+
+        probabilities(q_row0);
+        __syncthreads();  // P^T and dS^T are complete in smem
+
+        accumulate_dk_dv();
+        accumulate_dq(head, i);
+        __syncthreads();  // every warp is done with sQ, sdO, sP, sdS, sLse, sD
+    }
+
+    // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype.
+    __device__ __forceinline__ void probabilities(int q_row0) {
+        constexpr int kMT = P1::kMT, kNT = P1::kNT, kSteps = Cfg::kDHead / 16;
+        const int r0 = P1::row0(warp), c0 = P1::col0(warp);
+        float dP[kMT][kNT][4];
+        float S[kMT][kNT][4];
+        zero(dP);
+        warp_gemm<Elem, kSteps>(dP, LoadA<Cfg, kMT>(sV, r0, 0, lane),
+                                LoadB<Cfg, kNT>(sdO, c0, 0, lane));
+        zero(S);
+        warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
+                                LoadB<Cfg, kNT>(sQ, c0, 0, lane));
+
+        // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
+        // key tail need it.
+        const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
+        const bool masked =
+            k_last >= p.seqlen_k || !win.sees(q_last, k_row0) || !win.sees(q_row0, k_last);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                float pv[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    float s = S[mt][nt][e];
+                    float dtanh = 1.f;
+                    if constexpr (Cfg::kSoftcap) {
+                        s = tanh_fast(s * p.softcap_scale);
+                        dtanh = 1.f - s * s;
+                    }
+                    float prob = fast_exp2(fmaf(s, p.scale_log2, -sLse[col]));
+                    if (masked && (k_row0 + key >= p.seqlen_k ||
+                                   !win.sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
+                        prob = 0.f;
+                    pv[e] = prob;
+                    ds[e] = prob * (dP[mt][nt][e] - sD[col]) * dtanh;
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int key = r0 + mt * 16 + lane / 4 + 8 * h;
+                    const uint32_t off =
+                        tile_offset<PTile>(key, (c0 + nt * 8) / 8) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off),
+                                 "r"(pack2<Elem>(pv[2 * h], pv[2 * h + 1])));
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off),
+                                 "r"(pack2<Elem>(ds[2 * h], ds[2 * h + 1])));
+                }
+            }
+    }
+
+    // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
+    __device__ __forceinline__ void accumulate_dk_dv() {
+        constexpr int kMT = P2::kMT, kNT = P2::kNT, kSteps = kBr / 16;
+        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        warp_gemm<Elem, kSteps>(dV, LoadA<PTile, kMT>(sP, r0, 0, lane),
+                                LoadBTrans<Cfg, kNT>(sdO, c0 / 8, lane));
+        warp_gemm<Elem, kSteps>(dK, LoadA<PTile, kMT>(sdS, r0, 0, lane),
+                                LoadBTrans<Cfg, kNT>(sQ, c0 / 8, lane));
+    }
+
+    // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in KV-block order when
+    // deterministic).
+    __device__ __forceinline__ void accumulate_dq(int64_t head, int i) {
+        constexpr int kMT = P3::kMT, kNT = P3::kNT, kSteps = kBc / 16;
+        const int r0 = P3::row0(warp), c0 = P3::col0(warp);
+        float dQ[kMT][kNT][4];
+        zero(dQ);
+        warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
+                                LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+
+        int* sem = nullptr;
+        int turn = 0;
+        if (p.dq_semaphore != nullptr) {  // uniform over the CTA
+            const int q_blocks = p.seqlen_q_pad / kBr;
+            sem = p.dq_semaphore + (batch * p.heads + head) * q_blocks + i;
+            const int q_last = (i * kBr + kBr < p.seqlen_q ? i * kBr + kBr : p.seqlen_q) - 1;
+            int64_t k_lo, k_hi;
+            win.keys(i * kBr, q_last, p.seqlen_k, k_lo, k_hi);
+            turn = kv_block - static_cast<int>(k_lo / kBc);  // KV blocks before this one
+            if (threadIdx.x == 0)
+                while (ld_acquire(sem) != turn) {
+                }
+            __syncthreads();  // the previous KV block's additions are visible
+        }
+        float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + i * kBr) * p.d_pad;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    atomicAdd(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][e]);
+                }
+        if (sem != nullptr) {
+            __threadfence();
+            __syncthreads();  // every thread's additions are done and fenced
+            if (threadIdx.x == 0)
+                st_release(sem, turn + 1);
+        }
+    }
+
+    // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
+    // written.
+    __device__ __forceinline__ void write_dk_dv() {
+        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        Elem* dk = static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
+                   kv_head * p.dk_head_stride + int64_t(k_row0) * p.dk_row_stride;
+        Elem* dv = static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
+                   kv_head * p.dv_head_stride + int64_t(k_row0) * p.dv_row_stride;
+        const float scale = p.softmax_scale;
+#pragma unroll
+        for (int mt = 0; mt < P2::kMT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + mt * 16 + lane / 4 + 8 * h;
+                if (k_row0 + row >= p.seqlen_k)
+                    continue;
+#pragma unroll
+                for (int nt = 0; nt < P2::kNT; ++nt) {
+                    const int col = c0 + nt * 8 + 2 * (lane % 4);
+                    if (col >= p.d_head)
+                        continue;
+                    *reinterpret_cast<uint32_t*>(dk + row * p.dk_row_stride + col) =
+                        pack2<Elem>(dK[mt][nt][2 * h] * scale, dK[mt][nt][2 * h + 1] * scale);
+                    *reinterpret_cast<uint32_t*>(dv + row * p.dv_row_stride + col) =
+                        pack2<Elem>(dV[mt][nt][2 * h], dV[mt][nt][2 * h + 1]);
+                }
+            }
+    }
+};
+
+// One CTA per SM at most (8 warps, large tiles): ptxas may use up to 255 registers.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParams params) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    BackwardCta<Cfg> cta(params, smem);
+    cta.run();
+}
+
+}  // namespace flash::bwd

@@ -1,0 +1,126 @@
+"""The backward pass in torch: the fake implementation of ``flash_attention::bwd`` (defined
+and implemented for CUDA in src/csrc/binding/backward.cpp) and the autograd formula of the
+forward operator ``flash_attention::attention``, registered with
+``torch.library.register_autograd`` so that eager autograd, ``torch.compile`` (AOTAutograd)
+and ``torch.library.opcheck`` all see one operator per direction.
+
+The forward saves q, k, v, out and the LSE (nothing of size seqlen^2); the public functions ask
+the operator for the LSE whenever an input requires grad. ``flash_attention::attention_det``
+is the same forward whose backward is deterministic (flash_attn_func(deterministic=True)):
+the dQ contributions of the KV blocks are added in a fixed order, so gradients are bitwise
+identical run to run. Varlen batches have no backward yet (refused with NotImplementedError).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import validation
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Fake implementation of bwd, the deterministic forward op, and both autograd formulas
+    (once per process, after the extension defined the operators)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    torch.library.register_fake("flash_attention::bwd")(_bwd_fake)
+    torch.library.register_autograd("flash_attention::attention", _attention_backward,
+                                    setup_context=_setup_context)
+    _define_deterministic_op()
+    _REGISTERED = True
+
+
+# ---- the backward operator's fake -------------------------------------------------------------
+
+def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+              deterministic, kernel):
+    """dq, dk, dv like q, k, v (contiguous), after the checks that need no GPU."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        raise NotImplementedError(VARLEN_MESSAGE)
+    prob = validation.check_inputs(q, k, v)
+    validation.check_scale(softmax_scale, prob.d_head)
+    validation.check_window(causal, (window_left, window_right))
+    validation.check_softcap(softcap)
+    for name, t in (("out", out), ("dout", dout)):
+        if t.shape != q.shape or t.dtype != q.dtype:
+            raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)}, got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
+    for name, t in (("lse", lse), ("dlse", dlse)):
+        if t is not None and (tuple(t.shape) != lse_shape or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be fp32 of shape {lse_shape} (the forward's LSE), got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+VARLEN_MESSAGE = ("flash_attention has no varlen backward yet: attention_varlen / "
+                  "flash_attn_varlen_func are forward only (call them under torch.no_grad())")
+
+
+# ---- autograd of flash_attention::attention ---------------------------------------------------
+
+def _setup_context(ctx, inputs, output) -> None:
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, _max_seqlen_q, _max_seqlen_k, softmax_scale, causal,
+     window_left, window_right, softcap, return_lse, _kernel) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ctx.return_lse = return_lse
+    ctx.features = (softmax_scale, causal, window_left, window_right, softcap)
+    ctx.deterministic = False
+
+
+def _attention_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if ctx.varlen:
+        raise NotImplementedError(VARLEN_MESSAGE)
+    if not ctx.return_lse:
+        raise RuntimeError(
+            "flash_attention::attention ran without return_lse, so its LSE was not kept for the "
+            "backward; call it with return_lse=True (fa.attention does when an input requires "
+            "grad)")
+    softmax_scale, causal, window_left, window_right, softcap = ctx.features
+    dq, dk, dv = torch.ops.flash_attention.bwd.default(
+        dout, q, k, v, out, lse, dlse, None, None, 0, 0, softmax_scale, causal, window_left,
+        window_right, softcap, ctx.deterministic, "")
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+# ---- the deterministic variant ------------------------------------------------------------------
+
+def _define_deterministic_op() -> None:
+    @torch.library.custom_op("flash_attention::attention_det", mutates_args=())
+    def attention_det(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      softmax_scale: float | None, causal: bool, window_left: int,
+                      window_right: int, softcap: float,
+                      kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """flash_attention::attention (fixed length, with the LSE) whose backward adds dQ in a
+        fixed order."""
+        return torch.ops.flash_attention.attention.default(
+            q, k, v, None, None, 0, 0, softmax_scale, causal, window_left, window_right,
+            softcap, True, kernel)
+
+    @attention_det.register_fake
+    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, kernel):
+        return torch.ops.flash_attention.attention.default(
+            q, k, v, None, None, 0, 0, softmax_scale, causal, window_left, window_right,
+            softcap, True, kernel)
+
+    def setup(ctx, inputs, output):
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _kernel = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.features = (softmax_scale, causal, window_left, window_right, softcap)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        softmax_scale, causal, window_left, window_right, softcap = ctx.features
+        dq, dk, dv = torch.ops.flash_attention.bwd.default(
+            dout, q, k, v, out, lse, dlse, None, None, 0, 0, softmax_scale, causal,
+            window_left, window_right, softcap, True, "")
+        return dq, dk, dv, None, None, None, None, None, None
+
+    attention_det.register_autograd(backward, setup_context=setup)

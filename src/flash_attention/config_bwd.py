@@ -1,0 +1,243 @@
+"""Backward kernel configs: the single source of truth for what a backward kernel is.
+
+A :class:`BwdConfig` names one instantiation of the C++ template ``flash::BwdConfig``
+(src/csrc/sm80/backward_config.cuh), the sm80-family FlashAttention-2 backward (runs on sm_80
+and sm_90). Its short form (``bwd_bf16_d128_c128_r64_w8_f``) parses back to the same config and
+is the kernel's name in the build, the backward registry and every report. The rules here
+mirror the static_asserts of backward_config.cuh.
+
+Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
+``none`` builds no backward):
+
+- ``ci``: three kernels: bf16 d_head 64 and 128 (the two B_c tiles), fp16 d_head 256 with a
+  softcap (the split-column warp grid, the padded 256-wide rows).
+- ``default``: every d_head variant (32 .. 256) in both dtypes, and a softcap kernel for each.
+- ``all``: the union.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass
+
+from .config import D_HEADS, DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags, smem_d_head
+
+BLOCK_C = (64, 128)
+BLOCK_R = (64, 128)
+WARPS = (4, 8)
+REG_BUDGET = 200  # mirrors BwdConfig::kRegBudget: fp32 accumulator registers per thread
+
+FLAGS: dict[str, tuple[str, str]] = {
+    "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
+}
+
+_SHORT_RE = re.compile(
+    r"^bwd_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
+    r"_w(?P<warps>\d+)_f(?P<flags>[a-z]*)$"
+)
+
+
+@dataclass(frozen=True)
+class WarpGrid:
+    """Mirrors flash::WarpGrid: warps over a (rows x cols) tile, each with m_tiles m16 tiles and
+    n_tiles n8 tiles."""
+
+    rows: int
+    cols: int
+    warps: int
+
+    @property
+    def warp_rows(self) -> int:
+        return min(self.rows // 16, self.warps)
+
+    @property
+    def warp_cols(self) -> int:
+        return self.warps // self.warp_rows
+
+    @property
+    def m_tiles(self) -> int:
+        return self.rows // self.warp_rows // 16
+
+    @property
+    def n_tiles(self) -> int:
+        return self.cols // self.warp_cols // 8
+
+    def problems(self, what: str) -> list[str]:
+        if self.warps % self.warp_rows:
+            return [f"{what}: {self.warps} warps do not split into {self.warp_rows} rows"]
+        if self.rows % (16 * self.warp_rows) or self.cols % (16 * self.warp_cols):
+            return [f"{what}: a {self.rows} x {self.cols} tile over {self.warp_rows} x "
+                    f"{self.warp_cols} warps leaves a warp without whole 16 x 16 tiles"]
+        return []
+
+
+@dataclass(frozen=True, order=True)
+class BwdConfig:
+    """One FA2 backward kernel: B_c keys per CTA, B_r query rows per iteration."""
+
+    dtype: str
+    d_head: int
+    block_c: int
+    block_r: int
+    warps: int
+    softcap: bool = False
+
+    family = "sm80-bwd"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid backward config {self._raw_name()}: "
+                              + "; ".join(problems))
+
+    def _raw_name(self) -> str:
+        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
+        return (f"bwd_{self.dtype}_d{self.d_head}_c{self.block_c}_r{self.block_r}"
+                f"_w{self.warps}_f{flags}")
+
+    @property
+    def short(self) -> str:
+        """Short form, e.g. ``bwd_bf16_d128_c128_r64_w8_f``; a valid C identifier."""
+        return self._raw_name()
+
+    def __str__(self) -> str:
+        return self.short
+
+    @classmethod
+    def parse(cls, text: str) -> BwdConfig:
+        m = _SHORT_RE.match(text.strip())
+        if m is None:
+            raise ConfigError(
+                f"cannot parse backward config {text!r}: expected "
+                "bwd_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_w<warps>_f<flags>, flags a subset of "
+                f"{''.join(code for code, _ in FLAGS.values())!r}, "
+                "e.g. bwd_bf16_d128_c128_r64_w8_f")
+        return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
+                   block_r=int(m["block_r"]), warps=int(m["warps"]),
+                   **parse_flags(text, m["flags"], FLAGS))
+
+    def replace(self, **changes: object) -> BwdConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived (mirror backward_config.cuh) -----------------------------------------------
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def phase1(self) -> WarpGrid:  # S^T, dP^T: keys x queries
+        return WarpGrid(self.block_c, self.block_r, self.warps)
+
+    @property
+    def phase2(self) -> WarpGrid:  # dK, dV: keys x d_head
+        return WarpGrid(self.block_c, self.d_head, self.warps)
+
+    @property
+    def phase3(self) -> WarpGrid:  # dQ: queries x d_head
+        return WarpGrid(self.block_r, self.d_head, self.warps)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q, dO, K, V tiles (rows padded to smem_d_head), P^T and dS^T, LSE and D."""
+        row = smem_d_head(self.d_head) * 2
+        return (2 * self.block_r * row + 2 * self.block_c * row
+                + 2 * self.block_c * self.block_r * 2 + 2 * self.block_r * 4)
+
+    @property
+    def accum_regs(self) -> int:
+        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        p1 = 2 * self.phase1.m_tiles * self.phase1.n_tiles * 4
+        p3 = self.phase3.m_tiles * self.phase3.n_tiles * 4
+        return resident + max(p1, p3)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.d_head not in D_HEADS:
+            out.append(f"d_head must be one of {D_HEADS}, got {self.d_head}")
+        if self.block_c not in BLOCK_C:
+            out.append(f"B_c must be one of {BLOCK_C}, got {self.block_c}")
+        if self.block_r not in BLOCK_R:
+            out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
+        if self.warps not in WARPS:
+            out.append(f"warps must be one of {WARPS}, got {self.warps}")
+        if not isinstance(self.softcap, bool):
+            out.append("softcap must be a bool")
+        if out:
+            return out
+        for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dK, dV)", self.phase2),
+                           ("phase 3 (dQ)", self.phase3)):
+            out += grid.problems(what)
+        rows_per_pass = self.threads // (smem_d_head(self.d_head) // 8)
+        if rows_per_pass % 8:
+            out.append(f"d_head={self.d_head} over {self.warps} warps copies {rows_per_pass} smem "
+                       "rows per pass; the swizzled copy needs a multiple of 8 (8 warps above "
+                       "d_head 128)")
+        elif self.block_r % rows_per_pass or self.block_c % rows_per_pass:
+            out.append(f"B_r and B_c must be multiples of the {rows_per_pass} rows a copy pass "
+                       "covers")
+        if out:
+            return out
+        if self.accum_regs > REG_BUDGET:
+            out.append(f"accumulators need {self.accum_regs} registers per thread, over the "
+                       f"budget of {REG_BUDGET}: use more warps or a smaller tile")
+        if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_80 limit")
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.short}: backward, {self.dtype}, d_head={self.d_head}, B_c={self.block_c}, "
+                f"B_r={self.block_r}, {self.warps} warps, smem={self.smem_bytes} B, "
+                f"softcap={'on' if self.softcap else 'off'}")
+
+
+def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
+    """The backward tile of a d_head variant: B_c=128, B_r=64, 8 warps up to d_head 128 (each
+    warp owns 16 keys of dK and dV across d_head); B_c=64 above (warps split d_head in two,
+    keeping dK and dV at 128 registers)."""
+    block_c = 128 if d_head <= 128 else 64
+    return BwdConfig(dtype, d_head, block_c, 64, 8, softcap=softcap)
+
+
+P = BwdConfig.parse
+
+CI: tuple[BwdConfig, ...] = (
+    P("bwd_bf16_d64_c128_r64_w8_f"),
+    P("bwd_bf16_d128_c128_r64_w8_f"),
+    P("bwd_fp16_d256_c64_r64_w8_ft"),
+)
+DEFAULT: tuple[BwdConfig, ...] = tuple(
+    default_tile(dtype, d, softcap)
+    for dtype, d, softcap in itertools.product(DTYPES, D_HEADS, (False, True)))
+
+SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "none": ()}
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT))
+
+
+def resolve(spec: str) -> tuple[BwdConfig, ...]:
+    """Backward configs named by comma-separated set names and/or short forms, in order,
+    without duplicates (``none``: no backward kernels)."""
+    out: list[BwdConfig] = []
+    for item in (i.strip() for i in spec.split(",")):
+        if not item:
+            continue
+        if item in SETS:
+            out.extend(SETS[item])
+        else:
+            try:
+                out.append(BwdConfig.parse(item))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or name a backward set: {', '.join(SETS)}") from None
+    return tuple(dict.fromkeys(out))
+
+
+def select(dtype: str, d_head: int, softcap: bool,
+           built: tuple[BwdConfig, ...]) -> BwdConfig | None:
+    """The backward kernel for a call: the built config of the dtype and softcap flag with the
+    smallest d_head variant not below d_head (what the operator picks in C++)."""
+    fits = [c for c in built if c.dtype == dtype and c.softcap == softcap and c.d_head >= d_head]
+    return min(fits, key=lambda c: c.d_head) if fits else None
