@@ -30,6 +30,14 @@ if [ "${TESTS:-1}" = 1 ]; then
     grep -E "passed|failed|error" "$out/pytest.log" | tail -3
     grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
 fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+    for tool in memcheck racecheck synccheck; do
+        PYTHONPATH=src compute-sanitizer --tool "$tool" python3 ci/backward_sanitize.py \
+            >"$out/sanitize-$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $? ($(grep -c "ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards" "$out/sanitize-$tool.log") clean summaries)"
+        grep -E "SUMMARY" "$out/sanitize-$tool.log" | head -3
+    done
+fi
 if [ "${BENCH:-0}" = 1 ]; then
     PYTHONPATH=src python3 ci/backward_bench.py 2>&1 | tee "$out/bench.log"
 fi

@@ -14,7 +14,7 @@ namespace flash {
 using BwdLaunchFn = cudaError_t (*)(const BwdParams&, cudaStream_t);
 
 struct BwdKernelEntry {
-    const char* name;  // config short form, e.g. bwd_bf16_d128_c128_r64_w8_f
+    const char* name;  // config short form, e.g. bwd_bf16_d128_c128_r64_w8_fb
     DType dtype;
     int d_head;   // the variant: serves every multiple of 8 up to it
     int block_c;  // B_c: keys per CTA

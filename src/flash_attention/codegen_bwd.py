@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .codegen import ELEM_TYPES, HEADER, _write_if_changed
-from .config_bwd import BwdConfig, resolve
+from .config_bwd import FLAGS, BwdConfig, resolve
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,10 @@ REGISTRY = "bwd_registry.cu"
 
 def template_args(cfg: BwdConfig) -> str:
     """Template arguments of flash::BwdConfig, in its parameter order."""
-    return ", ".join([ELEM_TYPES[cfg.dtype], str(cfg.d_head), str(cfg.block_c),
-                      str(cfg.block_r), str(cfg.warps),
-                      f"/*softcap=*/{'true' if cfg.softcap else 'false'}"])
+    args = [ELEM_TYPES[cfg.dtype], str(cfg.d_head), str(cfg.block_c), str(cfg.block_r),
+            str(cfg.warps)]
+    args += [f"/*{name}=*/{'true' if getattr(cfg, name) else 'false'}" for name in FLAGS]
+    return ", ".join(args)
 
 
 def kernel_source(cfg: BwdConfig) -> str:

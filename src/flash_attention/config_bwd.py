@@ -2,16 +2,17 @@
 
 A :class:`BwdConfig` names one instantiation of the C++ template ``flash::BwdConfig``
 (src/csrc/sm80/backward_config.cuh), the sm80-family FlashAttention-2 backward (runs on sm_80
-and sm_90). Its short form (``bwd_bf16_d128_c128_r64_w8_f``) parses back to the same config and
+and sm_90). Its short form (``bwd_bf16_d128_c128_r64_w8_fb``) parses back to the same config and
 is the kernel's name in the build, the backward registry and every report. The rules here
 mirror the static_asserts of backward_config.cuh.
 
 Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
 ``none`` builds no backward):
 
-- ``ci``: three kernels: bf16 d_head 64 and 128 (the two B_c tiles), fp16 d_head 256 with a
-  softcap (the split-column warp grid, the padded 256-wide rows).
-- ``default``: every d_head variant (32 .. 256) in both dtypes, and a softcap kernel for each.
+- ``ci``: three kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
+  softcap and without (the split-column warp grid, the padded 256-wide rows).
+- ``default``: the tile of :func:`default_tile` for every d_head variant (32 .. 256) in both
+  dtypes, with and without a softcap.
 - ``all``: the union.
 """
 
@@ -30,8 +31,11 @@ WARPS = (4, 8)
 REG_BUDGET = 200  # mirrors BwdConfig::kRegBudget: fp32 accumulator registers per thread
 
 FLAGS: dict[str, tuple[str, str]] = {
+    "prefetch": ("b", "double-buffered query blocks: Q, dO, LSE and D of the next block load "
+                      "while this one computes"),
     "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
 }
+P1_CHUNK_TILES = 4  # mirrors BwdConfig::kP1ChunkNT: m16 x n8 tiles of S^T per phase-1 chunk
 
 _SHORT_RE = re.compile(
     r"^bwd_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
@@ -42,7 +46,8 @@ _SHORT_RE = re.compile(
 @dataclass(frozen=True)
 class WarpGrid:
     """Mirrors flash::WarpGrid: warps over a (rows x cols) tile, each with m_tiles m16 tiles and
-    n_tiles n8 tiles."""
+    n_tiles n8 tiles; of the splits into whole 16 x 16 tiles per warp, the squarest warp tile
+    (least smem read per k-step), more warp rows on a tie."""
 
     rows: int
     cols: int
@@ -50,11 +55,20 @@ class WarpGrid:
 
     @property
     def warp_rows(self) -> int:
-        return min(self.rows // 16, self.warps)
+        best, best_cost = 0, 1 << 30
+        wr = 1
+        while wr <= self.warps:
+            wc = self.warps // wr
+            if not (self.warps % wr or self.rows % (16 * wr) or self.cols % (16 * wc)):
+                cost = self.rows // wr + self.cols // wc
+                if cost <= best_cost:
+                    best, best_cost = wr, cost
+            wr *= 2
+        return best
 
     @property
     def warp_cols(self) -> int:
-        return self.warps // self.warp_rows
+        return self.warps // self.warp_rows if self.warp_rows else 0
 
     @property
     def m_tiles(self) -> int:
@@ -65,11 +79,9 @@ class WarpGrid:
         return self.cols // self.warp_cols // 8
 
     def problems(self, what: str) -> list[str]:
-        if self.warps % self.warp_rows:
-            return [f"{what}: {self.warps} warps do not split into {self.warp_rows} rows"]
-        if self.rows % (16 * self.warp_rows) or self.cols % (16 * self.warp_cols):
-            return [f"{what}: a {self.rows} x {self.cols} tile over {self.warp_rows} x "
-                    f"{self.warp_cols} warps leaves a warp without whole 16 x 16 tiles"]
+        if not self.warp_rows:
+            return [f"{what}: no split of a {self.rows} x {self.cols} tile over {self.warps} "
+                    "warps gives each warp whole 16 x 16 tiles"]
         return []
 
 
@@ -82,6 +94,7 @@ class BwdConfig:
     block_c: int
     block_r: int
     warps: int
+    prefetch: bool = False
     softcap: bool = False
 
     family = "sm80-bwd"
@@ -99,7 +112,7 @@ class BwdConfig:
 
     @property
     def short(self) -> str:
-        """Short form, e.g. ``bwd_bf16_d128_c128_r64_w8_f``; a valid C identifier."""
+        """Short form, e.g. ``bwd_bf16_d128_c128_r64_w8_fb``; a valid C identifier."""
         return self._raw_name()
 
     def __str__(self) -> str:
@@ -113,7 +126,7 @@ class BwdConfig:
                 f"cannot parse backward config {text!r}: expected "
                 "bwd_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_w<warps>_f<flags>, flags a subset of "
                 f"{''.join(code for code, _ in FLAGS.values())!r}, "
-                "e.g. bwd_bf16_d128_c128_r64_w8_f")
+                "e.g. bwd_bf16_d128_c128_r64_w8_fb")
         return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
                    block_r=int(m["block_r"]), warps=int(m["warps"]),
                    **parse_flags(text, m["flags"], FLAGS))
@@ -141,15 +154,22 @@ class BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Q, dO, K, V tiles (rows padded to smem_d_head), P^T and dS^T, LSE and D."""
+        """Per query stage (two with prefetch) Q, dO (rows padded to smem_d_head), LSE and D;
+        then K, V, P^T and dS^T."""
         row = smem_d_head(self.d_head) * 2
-        return (2 * self.block_r * row + 2 * self.block_c * row
-                + 2 * self.block_c * self.block_r * 2 + 2 * self.block_r * 4)
+        stage = 2 * self.block_r * row + 2 * self.block_r * 4
+        return ((2 if self.prefetch else 1) * stage + 2 * self.block_c * row
+                + 2 * self.block_c * self.block_r * 2)
+
+    @property
+    def p1_chunk_n_tiles(self) -> int:
+        """n8 tiles of a phase-1 chunk: at most P1_CHUNK_TILES m16 x n8 tiles, at least 2."""
+        return min(self.phase1.n_tiles, max(P1_CHUNK_TILES // self.phase1.m_tiles, 2))
 
     @property
     def accum_regs(self) -> int:
         resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
-        p1 = 2 * self.phase1.m_tiles * self.phase1.n_tiles * 4
+        p1 = 2 * self.phase1.m_tiles * self.p1_chunk_n_tiles * 4
         p3 = self.phase3.m_tiles * self.phase3.n_tiles * 4
         return resident + max(p1, p3)
 
@@ -165,8 +185,9 @@ class BwdConfig:
             out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
         if self.warps not in WARPS:
             out.append(f"warps must be one of {WARPS}, got {self.warps}")
-        if not isinstance(self.softcap, bool):
-            out.append("softcap must be a bool")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be a bool")
         if out:
             return out
         for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dK, dV)", self.phase2),
@@ -190,24 +211,26 @@ class BwdConfig:
         return out
 
     def describe(self) -> str:
+        on = [name for name in FLAGS if getattr(self, name)]
         return (f"{self.short}: backward, {self.dtype}, d_head={self.d_head}, B_c={self.block_c}, "
                 f"B_r={self.block_r}, {self.warps} warps, smem={self.smem_bytes} B, "
-                f"softcap={'on' if self.softcap else 'off'}")
+                f"flags={','.join(on) or 'none'}")
 
 
 def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
     """The backward tile of a d_head variant: B_c=128, B_r=64, 8 warps up to d_head 128 (each
-    warp owns 16 keys of dK and dV across d_head); B_c=64 above (warps split d_head in two,
-    keeping dK and dV at 128 registers)."""
+    warp owns 16 keys of dK and dV across d_head), with the prefetch; B_c=64 above (warps split
+    d_head in two, keeping dK and dV at 128 registers), without it (two stages of 256-wide Q
+    and dO rows exceed sm_80's shared memory)."""
     block_c = 128 if d_head <= 128 else 64
-    return BwdConfig(dtype, d_head, block_c, 64, 8, softcap=softcap)
+    return BwdConfig(dtype, d_head, block_c, 64, 8, prefetch=d_head <= 128, softcap=softcap)
 
 
 P = BwdConfig.parse
 
 CI: tuple[BwdConfig, ...] = (
-    P("bwd_bf16_d64_c128_r64_w8_f"),
-    P("bwd_bf16_d128_c128_r64_w8_f"),
+    P("bwd_bf16_d64_c128_r64_w8_fb"),
+    P("bwd_bf16_d128_c128_r64_w8_fb"),
     P("bwd_fp16_d256_c64_r64_w8_ft"),
 )
 DEFAULT: tuple[BwdConfig, ...] = tuple(

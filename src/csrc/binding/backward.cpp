@@ -211,7 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const int64_t Sq_pad = (Sq + e.block_r - 1) / e.block_r * e.block_r;
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor dq_accum = at::empty({B, H, Sq_pad, e.d_head}, f32);
-    at::Tensor d_rows = at::empty({B, H, Sq}, f32);
+    at::Tensor d_rows = at::empty({B, H, Sq_pad}, f32);
+    at::Tensor lse_log2 = at::empty({B, H, Sq_pad}, f32);
     at::Tensor semaphore;
     if (deterministic)
         semaphore = at::zeros({B, H, Sq_pad / e.block_r}, q.options().dtype(at::kInt));
@@ -228,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.lse = lse.data_ptr<float>();
     p.dlse = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
     p.d_rows = d_rows.data_ptr<float>();
+    p.lse_log2 = lse_log2.data_ptr<float>();
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_semaphore = deterministic ? semaphore.data_ptr<int>() : nullptr;
     const auto strides = [](const at::Tensor& t, int64_t& b, int64_t& r, int64_t& h) {

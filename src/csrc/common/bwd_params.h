@@ -19,7 +19,11 @@ struct BwdParams {
 
     const float* lse;   // the forward's natural-log LSE, (batch, heads, seqlen_q) contiguous
     const float* dlse;  // dL/dlse like lse, or nullptr (no gradient flows into the LSE)
-    float* d_rows;      // D = rowsum(dout * o) - dlse, (batch, heads, seqlen_q) contiguous
+    // Written by the preprocess, (batch, heads, seqlen_q_pad) contiguous: D = rowsum(dout * o)
+    // - dlse, and LSE * log2(e) with +inf for rows that see no key and rows past seqlen_q (so
+    // their P is 0); both whole query blocks, loaded with 16-byte copies.
+    float* d_rows;
+    float* lse_log2;
     // fp32 dQ accumulator, (batch, heads, seqlen_q_pad, d_pad) contiguous: seqlen_q rounded up
     // to the main kernel's B_r, d_head to its variant, so its atomics need no bounds checks.
     float* dq_accum;

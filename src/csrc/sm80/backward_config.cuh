@@ -16,20 +16,37 @@
 
 namespace flash {
 
+// The warp rows of a grid over a (rows x cols) tile: of the splits into whole 16 x 16 tiles per
+// warp, the one whose warp tile has the smallest rows + cols (each warp reads rows + cols
+// operand rows from smem per k-step: the squarest tile reads least); on a tie the one with
+// more warp rows (fewer m16 tiles, so fewer A fragment registers).
+template <int kRows, int kCols, int kWarps>
+constexpr int squarest_warp_rows() {
+    int best = 0, best_cost = 1 << 30;
+    for (int wr = 1; wr <= kWarps; wr *= 2) {
+        const int wc = kWarps / wr;
+        if (kWarps % wr != 0 || kRows % (16 * wr) != 0 || kCols % (16 * wc) != 0)
+            continue;
+        const int cost = kRows / wr + kCols / wc;
+        if (cost <= best_cost) {
+            best = wr;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
 // A warp grid over a (rows x cols) tile: kWarpRows x kWarpCols warps, each owning kMT m16 tiles
 // of rows and kNT n8 tiles of columns.
 template <int kRows, int kCols, int kWarps>
 struct WarpGrid {
-    static constexpr int kWarpRows = kRows / 16 < kWarps ? kRows / 16 : kWarps;
+    static constexpr int kWarpRows = squarest_warp_rows<kRows, kCols, kWarps>();
+    static_assert(kWarpRows > 0, "no split of the tile gives each warp whole 16 x 16 tiles");
     static constexpr int kWarpCols = kWarps / kWarpRows;
     static constexpr int kRowsPerWarp = kRows / kWarpRows;
     static constexpr int kColsPerWarp = kCols / kWarpCols;
     static constexpr int kMT = kRowsPerWarp / 16;
     static constexpr int kNT = kColsPerWarp / 8;
-    static_assert(kWarps % kWarpRows == 0, "warps must split into whole rows of the grid");
-    static_assert(kRows % (16 * kWarpRows) == 0, "each warp needs whole m16 tiles of rows");
-    static_assert(kCols % (16 * kWarpCols) == 0,
-                  "each warp needs whole pairs of n8 tiles (one x4 ldmatrix covers two)");
 
     __device__ __forceinline__ static int row0(int warp) {
         return (warp / kWarpCols) * kRowsPerWarp;
@@ -39,7 +56,8 @@ struct WarpGrid {
     }
 };
 
-template <typename Elem_, int kDHead_, int kBc_, int kBr_, int kWarps_, bool kSoftcap_>
+template <typename Elem_, int kDHead_, int kBc_, int kBr_, int kWarps_, bool kPrefetch_,
+          bool kSoftcap_>
 struct BwdConfig {
     using Elem = Elem_;
 
@@ -50,6 +68,9 @@ struct BwdConfig {
     static constexpr int kBc = kBc_;  // B_c: keys per CTA
     static constexpr int kBr = kBr_;  // B_r: query rows per iteration
     static constexpr int kWarps = kWarps_;
+    // Double-buffered query blocks: Q, dO, LSE and D of the next block stream into a second
+    // buffer while this one is computed (else each block is loaded when it starts).
+    static constexpr bool kPrefetch = kPrefetch_;
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr bool kSwizzle = true;       // the tile copies' XOR swizzle (always on)
 
@@ -71,15 +92,24 @@ struct BwdConfig {
     static constexpr int kQTileBytes = kBr * kSmemDHead * int(sizeof(Elem));
     static constexpr int kKTileBytes = kBc * kSmemDHead * int(sizeof(Elem));
     static constexpr int kPTileBytes = kBc * kBr * int(sizeof(Elem));
-    // Q, dO, K, V, P^T, dS^T, then LSE * log2(e) and D of the query block (fp32).
-    static constexpr int kSmemBytes =
-        2 * kQTileBytes + 2 * kKTileBytes + 2 * kPTileBytes + 2 * kBr * int(sizeof(float));
+    static constexpr int kRowVecBytes = kBr * int(sizeof(float));  // LSE or D of a query block
+    static constexpr int kQStages = kPrefetch ? 2 : 1;
+    // Per stage: Q, dO, LSE * log2(e), D. Then K, V, P^T, dS^T.
+    static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kRowVecBytes;
+    static constexpr int kSmemBytes = kQStages * kStageBytes + 2 * kKTileBytes + 2 * kPTileBytes;
 
-    // fp32 registers of one thread: dK and dV stay resident; phase 1 adds S^T and dP^T (the
-    // softcap derivative is used where it is computed), phase 3 the dQ tile (when phase 1's are
-    // dead).
+    // Phase 1 computes a warp's query columns in chunks of kP1ChunkNT n8 tiles: at most 4 m16 x
+    // n8 tiles of S^T (and of dP^T) at a time, at least a pair of n8 tiles.
+    static constexpr int kP1ChunkTiles = 4 / Phase1::kMT > 2 ? 4 / Phase1::kMT : 2;
+    static constexpr int kP1ChunkNT = Phase1::kNT < kP1ChunkTiles ? Phase1::kNT : kP1ChunkTiles;
+    static_assert(Phase1::kNT % kP1ChunkNT == 0 && kP1ChunkNT % 2 == 0,
+                  "phase 1 chunks must be whole pairs of n8 tiles");
+
+    // fp32 registers of one thread: dK and dV stay resident; phase 1 adds a chunk of S^T and
+    // dP^T (the softcap derivative is used where it is computed), phase 3 the dQ tile (when
+    // phase 1's are dead).
     static constexpr int kResidentRegs = 2 * Phase2::kMT * Phase2::kNT * 4;
-    static constexpr int kPhase1Regs = 2 * Phase1::kMT * Phase1::kNT * 4;
+    static constexpr int kPhase1Regs = 2 * Phase1::kMT * kP1ChunkNT * 4;
     static constexpr int kPhase3Regs = Phase3::kMT * Phase3::kNT * 4;
     static constexpr int kRegBudget = 200;
 
@@ -94,7 +124,7 @@ struct BwdConfig {
                   "d_head > 128)");
     static_assert(kBr % (kThreads / kChunksPerRow) == 0 && kBc % (kThreads / kChunksPerRow) == 0,
                   "tile copies must split evenly over the threads");
-    static_assert(kBr <= kThreads, "one thread per query row loads LSE and D");
+    static_assert(kBr / 2 <= kThreads, "one 16-byte copy per thread loads LSE and D");
     static_assert(kResidentRegs + (kPhase1Regs > kPhase3Regs ? kPhase1Regs : kPhase3Regs) <=
                       kRegBudget,
                   "accumulators exceed the register budget: use more warps or a smaller tile");

@@ -20,11 +20,6 @@ struct AFrag {
     uint32_t r[kMT][4];
 };
 
-template <int kNT>
-struct BFrag {
-    uint32_t r[kNT][2];
-};
-
 // A, row-major: the warp's m rows start at tile row `row0`, its k columns at chunk `chunk0`.
 template <class Tile, int kMT>
 struct LoadA {
@@ -60,13 +55,10 @@ struct LoadB {
     LdsmAddr<Tile> at;
     __device__ __forceinline__ LoadB(uint32_t tile, int row0, int chunk0, int lane)
         : at(tile, row0 + (lane / 16) * 8 + lane % 8, chunk0 + (lane / 8) % 2) {}
-    __device__ __forceinline__ void operator()(BFrag<kNT>& f, int step) const {
-#pragma unroll
-        for (int pair = 0; pair < kNT / 2; ++pair) {
-            uint32_t r[4];
-            ldmatrix_x4(r, at(pair * 16, step));
-            split_pair(f.r, pair, r);
-        }
+    static constexpr int kPairs = kNT / 2;
+    // n8 tiles 2*pair and 2*pair+1 of k-step `step`: registers {0, 1} and {2, 3}.
+    __device__ __forceinline__ void pair(uint32_t (&r)[4], int step, int pair) const {
+        ldmatrix_x4(r, at(pair * 16, step));
     }
 };
 
@@ -77,13 +69,9 @@ struct LoadBTrans {
     LdsmAddr<Tile> at;
     __device__ __forceinline__ LoadBTrans(uint32_t tile, int chunk0, int lane)
         : at(tile, lane % 16, chunk0 + lane / 16) {}
-    __device__ __forceinline__ void operator()(BFrag<kNT>& f, int step) const {
-#pragma unroll
-        for (int pair = 0; pair < kNT / 2; ++pair) {
-            uint32_t r[4];
-            ldmatrix_x4_trans(r, at(step * 16, pair));
-            split_pair(f.r, pair, r);
-        }
+    static constexpr int kPairs = kNT / 2;
+    __device__ __forceinline__ void pair(uint32_t (&r)[4], int step, int pair) const {
+        ldmatrix_x4_trans(r, at(step * 16, pair));
     }
 };
 
@@ -98,25 +86,35 @@ __device__ __forceinline__ void zero(float (&acc)[kMT][kNT][4]) {
                 acc[mt][nt][e] = 0.f;
 }
 
-// acc += A B over kSteps k16 steps; the fragments of step s+1 load before the MMAs of step s.
+// acc += A B over kSteps k16 steps. B is loaded a pair of n8 tiles at a time, the pair after
+// next in flight while the MMAs of this one run, so only two x4 fragments of B are live (a
+// whole k-step of B for d_head 128 columns would hold 64 registers); A of step s+1 loads before
+// the MMAs of step s.
 template <typename Elem, int kSteps, int kMT, int kNT, class LA, class LB>
 __device__ __forceinline__ void warp_gemm(float (&acc)[kMT][kNT][4], const LA& load_a,
                                           const LB& load_b) {
+    constexpr int kPairs = kNT / 2;
     AFrag<kMT> a[2];
-    BFrag<kNT> b[2];
+    uint32_t b[2][4];
     load_a(a[0], 0);
-    load_b(b[0], 0);
+    load_b.pair(b[0], 0, 0);
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-        if (s + 1 < kSteps) {
+        if (s + 1 < kSteps)
             load_a(a[(s + 1) % 2], s + 1);
-            load_b(b[(s + 1) % 2], s + 1);
+#pragma unroll
+        for (int pr = 0; pr < kPairs; ++pr) {
+            const int idx = s * kPairs + pr;
+            if (idx + 1 < kSteps * kPairs)
+                load_b.pair(b[(idx + 1) % 2], (idx + 1) / kPairs, (idx + 1) % kPairs);
+            const uint32_t (&r)[4] = b[idx % 2];
+            const uint32_t lo[2] = {r[0], r[1]}, hi[2] = {r[2], r[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                mma_16816<Elem>(acc[mt][2 * pr], a[s % 2].r[mt], lo);
+                mma_16816<Elem>(acc[mt][2 * pr + 1], a[s % 2].r[mt], hi);
+            }
         }
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-                mma_16816<Elem>(acc[mt][nt], a[s % 2].r[mt], b[s % 2].r[nt]);
     }
 }
 

@@ -35,28 +35,39 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
+// p[0] += a, p[1] += b (fp32 reductions, no result): one vector reduction on sm_90, two scalar
+// ones before. p is 8-byte aligned.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 // The keys a query row sees, off = seqlen_k - seqlen_q: [row + off - left, row + off + right].
 struct Window {
-    int64_t off;
+    int off;          // fits 32 bits: both lengths are below 2^31 - 256
     int left, right;  // -1: unbounded
 
     // The first and last key any of rows [r0, r1] sees, clamped to [0, seqlen_k - 1].
     __device__ __forceinline__ void keys(int r0, int r1, int seqlen_k, int64_t& lo,
                                          int64_t& hi) const {
-        lo = left < 0 ? 0 : r0 + off - left;
-        hi = right < 0 ? seqlen_k - 1 : r1 + off + right;
+        lo = left < 0 ? 0 : int64_t(r0) + off - left;
+        hi = right < 0 ? seqlen_k - 1 : int64_t(r1) + off + right;
         lo = lo > 0 ? lo : 0;
         hi = hi < seqlen_k - 1 ? hi : seqlen_k - 1;
     }
     // The first and last query row that sees any of keys [k0, k1], clamped to [0, seqlen_q - 1].
     __device__ __forceinline__ void rows(int k0, int k1, int seqlen_q, int64_t& lo,
                                          int64_t& hi) const {
-        lo = right < 0 ? 0 : k0 - off - right;
-        hi = left < 0 ? seqlen_q - 1 : k1 - off + left;
+        lo = right < 0 ? 0 : int64_t(k0) - off - right;
+        hi = left < 0 ? seqlen_q - 1 : int64_t(k1) - off + left;
         lo = lo > 0 ? lo : 0;
         hi = hi < seqlen_q - 1 ? hi : seqlen_q - 1;
     }
@@ -76,8 +87,9 @@ __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
 
 // ---- preprocess --------------------------------------------------------------------------------
 
-// One warp per query row: D = rowsum(dO * O) - dLSE (rows < seqlen_q), and the row's dQ
-// accumulator zeroed (rows < seqlen_q_pad). Lane l reads the 16-byte chunk l of the row.
+// One warp per query row (rows < seqlen_q_pad): D = rowsum(dO * O) - dLSE and LSE * log2(e)
+// (0 and +inf past seqlen_q; +inf for an LSE of -inf), and the row's dQ accumulator zeroed.
+// Lane l reads the 16-byte chunk l of the row.
 template <typename Elem>
 __global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const int lane = threadIdx.x % 32;
@@ -88,8 +100,14 @@ __global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_consta
     float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
     for (int c = lane * 4; c < p.d_pad; c += 32 * 4)
         *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (row >= p.seqlen_q)
+    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
+    if (row >= p.seqlen_q) {
+        if (lane == 0) {
+            p.d_rows[at] = 0.f;
+            p.lse_log2[at] = INFINITY;
+        }
         return;
+    }
     float sum = 0.f;
     if (lane * 8 < p.d_head) {
         const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
@@ -109,8 +127,10 @@ __global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_consta
     for (int s = 16; s > 0; s /= 2)
         sum += __shfl_xor_sync(0xffffffffu, sum, s);
     if (lane == 0) {
-        const int64_t at = (batch * p.heads + head) * p.seqlen_q + row;
-        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[at] : 0.f);
+        const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
+        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+        const float lse = p.lse[in];
+        p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
     }
 }
 
@@ -152,15 +172,18 @@ struct BackwardCta {
     using PTile = typename Cfg::PTile;
     static constexpr int kBr = Cfg::kBr, kBc = Cfg::kBc;
 
+    // One stage of query-block data in smem: Q, dO, LSE * log2(e) (+inf where P must be 0), D.
+    struct Stage {
+        uint32_t q, dout, lse, d;
+    };
+
     const BwdParams& p;
     const int lane, warp;
     const int kv_block, k_row0;
-    const int64_t batch, kv_head;
+    const int batch, kv_head;
     const Window win;
-    const uint32_t sQ, sdO, sK, sV, sP, sdS;
-    float* const sLse;  // LSE * log2(e) of the query block's rows; +inf where P must be 0
-    float* const sD;    // D of the query block's rows
-    const TileCopy<Cfg, kBr> q_copy, do_copy;
+    const uint32_t sStage0, sK, sV, sP, sdS;
+    const float* const sRowVecs;  // generic pointer to the LSE of stage 0
 
     float dK[P2::kMT][P2::kNT][4];
     float dV[P2::kMT][P2::kNT][4];
@@ -173,18 +196,23 @@ struct BackwardCta {
           k_row0(blockIdx.x * kBc),
           batch(blockIdx.z),
           kv_head(blockIdx.y),
-          win{int64_t(params.seqlen_k) - params.seqlen_q, params.window_left, params.window_right},
-          sQ(smem_addr(smem)),
-          sdO(sQ + Cfg::kQTileBytes),
-          sK(sdO + Cfg::kQTileBytes),
+          win{params.seqlen_k - params.seqlen_q, params.window_left, params.window_right},
+          sStage0(smem_addr(smem)),
+          sK(sStage0 + Cfg::kQStages * Cfg::kStageBytes),
           sV(sK + Cfg::kKTileBytes),
           sP(sV + Cfg::kKTileBytes),
           sdS(sP + Cfg::kPTileBytes),
-          sLse(reinterpret_cast<float*>(smem + 2 * Cfg::kQTileBytes + 2 * Cfg::kKTileBytes +
-                                        2 * Cfg::kPTileBytes)),
-          sD(sLse + kBr),
-          q_copy(threadIdx.x, params.q_row_stride, params.d_head),
-          do_copy(threadIdx.x, params.do_row_stride, params.d_head) {}
+          sRowVecs(reinterpret_cast<const float*>(smem + 2 * Cfg::kQTileBytes)) {}
+
+    __device__ __forceinline__ Stage stage(int buf) const {
+        const uint32_t base = sStage0 + buf * Cfg::kStageBytes;
+        return Stage{base, base + Cfg::kQTileBytes, base + 2 * Cfg::kQTileBytes,
+                     base + 2 * Cfg::kQTileBytes + Cfg::kRowVecBytes};
+    }
+    __device__ __forceinline__ const float* lse_of(int buf) const {
+        return sRowVecs + buf * (Cfg::kStageBytes / 4);
+    }
+    __device__ __forceinline__ const float* d_of(int buf) const { return lse_of(buf) + kBr; }
 
     __device__ __forceinline__ void run() {
         zero(dK);
@@ -193,7 +221,10 @@ struct BackwardCta {
         int64_t q_lo, q_hi;
         win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
         if (q_hi >= q_lo) {  // else no query row sees these keys: dK = dV = 0
-            const int i_first = static_cast<int>(q_lo / kBr), i_last = static_cast<int>(q_hi / kBr);
+            const int i_first = static_cast<int>(q_lo / kBr);
+            const int n_q = static_cast<int>(q_hi / kBr) - i_first + 1;
+            const int n = n_q * p.heads_per_kv;  // (head, query block) pairs, head-major
+            const int64_t head0 = kv_head * p.heads_per_kv;
             const Elem* k = static_cast<const Elem*>(p.k) + batch * p.k_batch_stride +
                             kv_head * p.k_head_stride + int64_t(k_row0) * p.k_row_stride;
             const Elem* v = static_cast<const Elem*>(p.v) + batch * p.v_batch_stride +
@@ -202,63 +233,93 @@ struct BackwardCta {
                 .issue(sK, k, p.seqlen_k - k_row0);
             TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
                 .issue(sV, v, p.seqlen_k - k_row0);
-            cp_async_commit();  // K and V land with the first query block's Q and dO
-            const int64_t head0 = kv_head * p.heads_per_kv;
-            for (int64_t head = head0; head < head0 + p.heads_per_kv; ++head)
-                for (int i = i_first; i <= i_last; ++i)
-                    query_block(head, i);
+            issue_query_block(head0, i_first, 0);
+            cp_async_commit();  // K and V land with the first query block
+            for (int t = 0; t < n; ++t) {
+                const int64_t head = head0 + t / n_q;
+                const int i = i_first + t % n_q;
+                const int buf = Cfg::kPrefetch ? t % 2 : 0;
+                if (Cfg::kPrefetch && t + 1 < n) {
+                    // The other stage is free: the barrier closing block t - 1 ordered its
+                    // last reads.
+                    issue_query_block(head0 + (t + 1) / n_q, i_first + (t + 1) % n_q, buf ^ 1);
+                    cp_async_commit();
+                    cp_async_wait<1>();  // block t has landed; t + 1 may still be in flight
+                } else {
+                    if (!Cfg::kPrefetch && t > 0) {
+                        issue_query_block(head, i, 0);  // free since the closing barrier
+                        cp_async_commit();
+                    }
+                    cp_async_wait<0>();
+                }
+                __syncthreads();  // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem
+
+                probabilities(i * kBr, stage(buf), lse_of(buf), d_of(buf));
+                __syncthreads();  // P^T and dS^T are complete in smem
+
+                accumulate_dk_dv(stage(buf));
+                accumulate_dq(head, i);
+                __syncthreads();  // every warp is done with this stage, sP and sdS
+            }
         }
         write_dk_dv();
     }
 
-    __device__ __forceinline__ void query_block(int64_t head, int i) {
+    // Q, dO, LSE * log2(e) and D of query block i of `head` into stage `buf` (async copies;
+    // the caller commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
+    __device__ __forceinline__ void issue_query_block(int64_t head, int i, int buf) const {
         const int q_row0 = i * kBr;
         const int64_t q_row = q_row0;
+        const Stage st = stage(buf);
         const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
                         head * p.q_head_stride + q_row * p.q_row_stride;
         const Elem* dout = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
                            head * p.do_head_stride + q_row * p.do_row_stride;
-        // sQ, sdO, sLse and sD are free: the barrier closing the previous block ordered their
-        // last reads.
-        q_copy.issue(sQ, q, p.seqlen_q - q_row0);
-        do_copy.issue(sdO, dout, p.seqlen_q - q_row0);
-        cp_async_commit();
-        if (threadIdx.x < kBr) {
-            const int row = q_row0 + threadIdx.x;
-            const int64_t at = (batch * p.heads + head) * p.seqlen_q + row;
-            const float lse = row < p.seqlen_q ? p.lse[at] : -INFINITY;
-            sLse[threadIdx.x] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-            sD[threadIdx.x] = row < p.seqlen_q ? p.d_rows[at] : 0.f;
+        // The copies' per-thread offsets are recomputed here rather than kept in registers
+        // across the loop.
+        TileCopy<Cfg, kBr>(threadIdx.x, p.q_row_stride, p.d_head)
+            .issue(st.q, q, p.seqlen_q - q_row0);
+        TileCopy<Cfg, kBr>(threadIdx.x, p.do_row_stride, p.d_head)
+            .issue(st.dout, dout, p.seqlen_q - q_row0);
+        constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
+        if (threadIdx.x < 2 * kVecChunks) {
+            const int c = threadIdx.x % kVecChunks;
+            const bool is_d = threadIdx.x >= kVecChunks;
+            const float* src = (is_d ? p.d_rows : p.lse_log2) +
+                               (int64_t(batch) * p.heads + head) * p.seqlen_q_pad + q_row0 + c * 4;
+            cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
         }
-        cp_async_wait<0>();
-        __syncthreads();  // Q_i, dO_i (K and V on the first block), LSE_i and D_i are in smem
-
-        probabilities(q_row0);
-        __syncthreads();  // P^T and dS^T are complete in smem
-
-        accumulate_dk_dv();
-        accumulate_dq(head, i);
-        __syncthreads();  // every warp is done with sQ, sdO, sP, sdS, sLse, sD
     }
 
-    // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype.
-    __device__ __forceinline__ void probabilities(int q_row0) {
-        constexpr int kMT = P1::kMT, kNT = P1::kNT, kSteps = Cfg::kDHead / 16;
-        const int r0 = P1::row0(warp), c0 = P1::col0(warp);
-        float dP[kMT][kNT][4];
-        float S[kMT][kNT][4];
-        zero(dP);
-        warp_gemm<Elem, kSteps>(dP, LoadA<Cfg, kMT>(sV, r0, 0, lane),
-                                LoadB<Cfg, kNT>(sdO, c0, 0, lane));
-        zero(S);
-        warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
-                                LoadB<Cfg, kNT>(sQ, c0, 0, lane));
-
+    // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
+    // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
+    // dP^T hold at most 32 registers next to the resident dK and dV.
+    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, const float* sLse,
+                                                  const float* sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
         // key tail need it.
         const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
         const bool masked =
             k_last >= p.seqlen_k || !win.sees(q_last, k_row0) || !win.sees(q_row0, k_last);
+#pragma unroll 1
+        for (int chunk = 0; chunk < P1::kNT / Cfg::kP1ChunkNT; ++chunk)
+            probabilities_chunk(q_row0, P1::col0(warp) + chunk * Cfg::kP1ChunkNT * 8, masked, st,
+                                sLse, sD);
+    }
+
+    __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, bool masked,
+                                                        const Stage& st, const float* sLse,
+                                                        const float* sD) {
+        constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
+        const int r0 = P1::row0(warp);
+        float dP[kMT][kNT][4];
+        float S[kMT][kNT][4];
+        zero(dP);
+        warp_gemm<Elem, kSteps>(dP, LoadA<Cfg, kMT>(sV, r0, 0, lane),
+                                LoadB<Cfg, kNT>(st.dout, c0, 0, lane));
+        zero(S);
+        warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
+                                LoadB<Cfg, kNT>(st.q, c0, 0, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -295,13 +356,13 @@ struct BackwardCta {
     }
 
     // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
-    __device__ __forceinline__ void accumulate_dk_dv() {
+    __device__ __forceinline__ void accumulate_dk_dv(const Stage& st) {
         constexpr int kMT = P2::kMT, kNT = P2::kNT, kSteps = kBr / 16;
         const int r0 = P2::row0(warp), c0 = P2::col0(warp);
         warp_gemm<Elem, kSteps>(dV, LoadA<PTile, kMT>(sP, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(sdO, c0 / 8, lane));
+                                LoadBTrans<Cfg, kNT>(st.dout, c0 / 8, lane));
         warp_gemm<Elem, kSteps>(dK, LoadA<PTile, kMT>(sdS, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(sQ, c0 / 8, lane));
+                                LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane));
     }
 
     // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in KV-block order when
@@ -318,7 +379,7 @@ struct BackwardCta {
         int turn = 0;
         if (p.dq_semaphore != nullptr) {  // uniform over the CTA
             const int q_blocks = p.seqlen_q_pad / kBr;
-            sem = p.dq_semaphore + (batch * p.heads + head) * q_blocks + i;
+            sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
             const int q_last = (i * kBr + kBr < p.seqlen_q ? i * kBr + kBr : p.seqlen_q) - 1;
             int64_t k_lo, k_hi;
             win.keys(i * kBr, q_last, p.seqlen_k, k_lo, k_hi);
@@ -328,16 +389,18 @@ struct BackwardCta {
                 }
             __syncthreads();  // the previous KV block's additions are visible
         }
-        float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + i * kBr) * p.d_pad;
+        float* acc =
+            p.dq_accum + ((int64_t(batch) * p.heads + head) * p.seqlen_q_pad + i * kBr) * p.d_pad;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
-                    atomicAdd(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][e]);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = r0 + mt * 16 + lane / 4 + 8 * h;
+                    const int col = c0 + nt * 8 + 2 * (lane % 4);
+                    red_add2(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][2 * h],
+                             dQ[mt][nt][2 * h + 1]);
                 }
         if (sem != nullptr) {
             __threadfence();

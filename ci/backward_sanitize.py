@@ -1,0 +1,31 @@
+"""A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
+kernel of the backward (preprocess, main with and without the ordered dQ, conversion) on tails,
+masks, GQA and a padded d_head.
+
+    compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flash_attention as fa
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for d, causal, det, (sq, sk), (h, hk) in [(128, True, False, (130, 200), (4, 2)),
+                                              (64, False, True, (77, 77), (2, 1)),
+                                              (40, True, True, (200, 90), (2, 2)),
+                                              (256, False, False, (65, 100), (2, 2))]:
+        q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        fa.attention(q, k, v, causal=causal, deterministic=det).sum().backward()
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    print("sanitize cases done")
+
+
+if __name__ == "__main__":
+    main()
