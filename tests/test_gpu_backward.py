@@ -177,3 +177,40 @@ def test_opcheck(require_extension, features):
     torch.library.opcheck(torch.ops.flash_attention.bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, None, None, None,
                            0, 0, 0.088, False, left, right, softcap, False, ""))
+
+
+def test_lse_gradient(require_extension):
+    """A loss that uses the LSE too (return_lse=True): dS gains P * dLSE."""
+    torch.manual_seed(8)
+    q, k, v = rand_inputs(2, 150, 170, 4, 2, 64, torch.bfloat16)
+    dout = torch.randn_like(q)
+    dlse = torch.randn(2, 4, 150, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+        return [t.grad for t in leaves]
+
+    ours = grads(lambda *t: fa.attention(*t, return_lse=True), torch.bfloat16)
+    ref = grads(lambda *t: attention_reference(*t), torch.float32)
+    low = grads(lambda *t: attention_reference(*t, upcast=False), torch.bfloat16)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        err, err_pt = (g.float() - r).abs().max().item(), (lo.float() - r).abs().max().item()
+        assert err <= 2 * err_pt + GRAD_FLOOR, f"{name}: {err:.3e} > 2 x {err_pt:.3e}"
+
+
+def test_backward_memory_is_linear_in_seqlen(require_extension):
+    """Forward + backward of 8192 x 8192 keeps nothing of size seqlen^2 (one head's fp32 scores
+    alone would be 256 MB)."""
+    q, k, v = (t.requires_grad_() for t in rand_inputs(1, 8192, 8192, 2, 2, 64,
+                                                        torch.bfloat16))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fa.attention(q, k, v, causal=True).backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    inputs = 4 * q.numel() * q.element_size()  # out, dq, dk, dv are each the size of q
+    assert extra < 3 * inputs + (16 << 20), f"peak {extra >> 20} MB over the inputs"

@@ -13,9 +13,12 @@ identical run to run. Varlen batches have no backward yet (refused with NotImple
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import validation
+from .config_bwd import BwdConfig, select
 
 _REGISTERED = False
 
@@ -49,12 +52,35 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seq
         if t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)}, got "
                              f"{tuple(t.shape)} {t.dtype}")
+    _check_kernel(kernel, prob.dtype, prob.d_head, softcap > 0)
     lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and (tuple(t.shape) != lse_shape or t.dtype != torch.float32):
             raise ValueError(f"{name} must be fp32 of shape {lse_shape} (the forward's LSE), got "
                              f"{tuple(t.shape)} {t.dtype}")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@functools.cache
+def built() -> tuple[BwdConfig, ...]:
+    """The backward kernels of this build (from the extension's backward registry)."""
+    names = torch.ops.flash_attention.bwd_kernels()
+    return tuple(BwdConfig.parse(n) for n in names.split(",") if n)
+
+
+def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
+    """The named backward kernel is built, or the build has one for the call (as the operator
+    picks it)."""
+    configs = built()
+    if kernel:
+        if kernel not in {c.short for c in configs}:
+            raise RuntimeError(f"backward kernel {kernel} is not in this build; rebuild with "
+                               f"FLASH_ATTENTION_BWD_KERNELS={kernel}")
+        return
+    if select(dtype, d_head, softcap, configs) is None:
+        raise RuntimeError(f"this build has no backward kernel for {dtype} with d_head={d_head}"
+                           + (" with a softcap" if softcap else "")
+                           + "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default")
 
 
 VARLEN_MESSAGE = ("flash_attention has no varlen backward yet: attention_varlen / "

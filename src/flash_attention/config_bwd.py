@@ -11,8 +11,9 @@ Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names o
 
 - ``ci``: three kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
   softcap and without (the split-column warp grid, the padded 256-wide rows).
-- ``default``: the tile of :func:`default_tile` for every d_head variant (32 .. 256) in both
-  dtypes, with and without a softcap.
+- ``default``: the tile of :func:`default_tile` for d_head 64, 128 and 256 in both dtypes,
+  with and without a softcap (12 kernels); every other d_head runs zero-padded on the next.
+- ``variants``: the same for every d_head variant (32 .. 256 but 224, which runs on 256).
 - ``all``: the union.
 """
 
@@ -23,7 +24,18 @@ import itertools
 import re
 from dataclasses import dataclass
 
-from .config import D_HEADS, DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags, smem_d_head
+from .config import (
+    D_HEADS,
+    DTYPES,
+    MAX_CTAS_PER_SM,
+    REGS_PER_SM,
+    SMEM_PER_BLOCK_OPTIN,
+    SMEM_PER_SM,
+    THREADS_PER_SM,
+    ConfigError,
+    parse_flags,
+    smem_d_head,
+)
 
 BLOCK_C = (64, 128)
 BLOCK_R = (64, 128)
@@ -163,8 +175,11 @@ class BwdConfig:
 
     @property
     def p1_chunk_n_tiles(self) -> int:
-        """n8 tiles of a phase-1 chunk: at most P1_CHUNK_TILES m16 x n8 tiles, at least 2."""
-        return min(self.phase1.n_tiles, max(P1_CHUNK_TILES // self.phase1.m_tiles, 2))
+        """n8 tiles of a phase-1 chunk: at most P1_CHUNK_TILES m16 x n8 tiles (twice that when
+        dK and dV hold at most 64 registers), at least 2."""
+        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        tiles = P1_CHUNK_TILES * (2 if resident <= 64 else 1)
+        return min(self.phase1.n_tiles, max(tiles // self.phase1.m_tiles, 2))
 
     @property
     def accum_regs(self) -> int:
@@ -210,6 +225,22 @@ class BwdConfig:
             out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_80 limit")
         return out
 
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """Resident CTAs per SM on sm_<arch> and what limits them (as KernelConfig.occupancy;
+        without a measured register count, 255)."""
+        if arch not in SMEM_PER_SM:
+            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
+        regs_alloc = ((max(regs_per_thread or 255, 1) + 7) // 8) * 8
+        limits = {
+            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
+            "by_smem": SMEM_PER_SM[arch] // (self.smem_bytes + static_smem + 1024),
+            "by_threads": THREADS_PER_SM[arch] // self.threads,
+            "by_cap": MAX_CTAS_PER_SM[arch],
+        }
+        ctas = max(0, min(limits.values()))
+        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+
     def describe(self) -> str:
         on = [name for name in FLAGS if getattr(self, name)]
         return (f"{self.short}: backward, {self.dtype}, d_head={self.d_head}, B_c={self.block_c}, "
@@ -218,12 +249,23 @@ class BwdConfig:
 
 
 def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
-    """The backward tile of a d_head variant: B_c=128, B_r=64, 8 warps up to d_head 128 (each
-    warp owns 16 keys of dK and dV across d_head), with the prefetch; B_c=64 above (warps split
-    d_head in two, keeping dK and dV at 128 registers), without it (two stages of 256-wide Q
-    and dO rows exceed sm_80's shared memory)."""
+    """The backward tile of a d_head variant, 8 warps: B_c=128 up to d_head 128 with the
+    prefetch, B_r=128 up to d_head 64 (H100: 0.79-0.94x SDPA FA2 against 0.74-0.87x with
+    B_r=64) and 64 above; B_c=64, B_r=64 above d_head 128, without the prefetch (two stages of
+    256-wide Q and dO rows exceed sm_80's shared memory), dK and dV at 128 registers."""
     block_c = 128 if d_head <= 128 else 64
-    return BwdConfig(dtype, d_head, block_c, 64, 8, prefetch=d_head <= 128, softcap=softcap)
+    block_r = 128 if d_head <= 64 else 64
+    return BwdConfig(dtype, d_head, block_c, block_r, 8, prefetch=d_head <= 128,
+                     softcap=softcap)
+
+
+# d_head variants of the default set, few for compile time (each backward kernel takes about
+# 35 s of one core for sm_80 and sm_90): a call's d_head runs on the smallest one not below it,
+# zero-padded (d_head 96 on the 128 kernel, 160 and 192 on the 256 one).
+DEFAULT_D_HEADS = (64, 128, 256)
+# The ``variants`` set: every variant but 224 (which spills 16 bytes on sm_90: a 224-column tile
+# splits over two warp columns only; d_head 224 runs on the 256 kernel).
+VARIANT_D_HEADS = tuple(d for d in D_HEADS if d != 224)
 
 
 P = BwdConfig.parse
@@ -235,10 +277,14 @@ CI: tuple[BwdConfig, ...] = (
 )
 DEFAULT: tuple[BwdConfig, ...] = tuple(
     default_tile(dtype, d, softcap)
-    for dtype, d, softcap in itertools.product(DTYPES, D_HEADS, (False, True)))
+    for dtype, d, softcap in itertools.product(DTYPES, DEFAULT_D_HEADS, (False, True)))
+VARIANTS: tuple[BwdConfig, ...] = tuple(
+    default_tile(dtype, d, softcap)
+    for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
 
-SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "none": ()}
-SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT))
+SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "variants": VARIANTS,
+                                          "none": ()}
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
 
 
 def resolve(spec: str) -> tuple[BwdConfig, ...]:

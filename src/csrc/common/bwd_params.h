@@ -28,7 +28,7 @@ struct BwdParams {
     // to the main kernel's B_r, d_head to its variant, so its atomics need no bounds checks.
     float* dq_accum;
     // deterministic: an int per (batch, head, query block), zeroed: the number of KV blocks
-    // whose dQ contributions were added, so they are added in KV-block order. nullptr: atomics
+    // whose dQ contributions were added, so they are added in a fixed order. nullptr: atomics
     // in any order (the default).
     int* dq_semaphore;
 

@@ -99,8 +99,10 @@ struct BwdConfig {
     static constexpr int kSmemBytes = kQStages * kStageBytes + 2 * kKTileBytes + 2 * kPTileBytes;
 
     // Phase 1 computes a warp's query columns in chunks of kP1ChunkNT n8 tiles: at most 4 m16 x
-    // n8 tiles of S^T (and of dP^T) at a time, at least a pair of n8 tiles.
-    static constexpr int kP1ChunkTiles = 4 / Phase1::kMT > 2 ? 4 / Phase1::kMT : 2;
+    // n8 tiles of S^T (and of dP^T) at a time, 8 where dK and dV hold at most 64 registers;
+    // at least a pair of n8 tiles. (Each chunk reads the warp's K and V rows again.)
+    static constexpr int kP1Tiles = 2 * Phase2::kMT * Phase2::kNT * 4 <= 64 ? 8 : 4;
+    static constexpr int kP1ChunkTiles = kP1Tiles / Phase1::kMT > 2 ? kP1Tiles / Phase1::kMT : 2;
     static constexpr int kP1ChunkNT = Phase1::kNT < kP1ChunkTiles ? Phase1::kNT : kP1ChunkTiles;
     static_assert(Phase1::kNT % kP1ChunkNT == 0 && kP1ChunkNT % 2 == 0,
                   "phase 1 chunks must be whole pairs of n8 tiles");

@@ -12,8 +12,8 @@
 //
 // Rows that see no key (LSE = -inf) and rows past seqlen_q get P = 0 through an LSE of +inf,
 // so every gradient they touch is exactly 0. With BwdParams::dq_semaphore (deterministic) the
-// KV blocks of a query block add their dQ in KV-block order, so the sums are bitwise
-// reproducible.
+// KV blocks of a query block add their dQ in a fixed order (last KV block first), so the sums
+// are bitwise reproducible.
 #pragma once
 
 #include <cmath>
@@ -192,8 +192,10 @@ struct BackwardCta {
         : p(params),
           lane(threadIdx.x % 32),
           warp(threadIdx.x / 32),
-          kv_block(blockIdx.x),
-          k_row0(blockIdx.x * kBc),
+          // Deterministic: the last KV block first (see accumulate_dq).
+          kv_block(params.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x)
+                                                  : int(blockIdx.x)),
+          k_row0(kv_block * kBc),
           batch(blockIdx.z),
           kv_head(blockIdx.y),
           win{params.seqlen_k - params.seqlen_q, params.window_left, params.window_right},
@@ -383,7 +385,11 @@ struct BackwardCta {
             const int q_last = (i * kBr + kBr < p.seqlen_q ? i * kBr + kBr : p.seqlen_q) - 1;
             int64_t k_lo, k_hi;
             win.keys(i * kBr, q_last, p.seqlen_k, k_lo, k_hi);
-            turn = kv_block - static_cast<int>(k_lo / kBc);  // KV blocks before this one
+            // The KV blocks of query block i add from the last to the first: those CTAs were
+            // launched earlier (so waiting on them cannot deadlock), and under a causal mask
+            // the last KV block that sees query block i meets it first, so each CTA trails the
+            // one before by a single query block.
+            turn = static_cast<int>(k_hi / kBc) - kv_block;  // KV blocks added before this one
             if (threadIdx.x == 0)
                 while (ld_acquire(sem) != turn) {
                 }
