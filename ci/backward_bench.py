@@ -9,6 +9,7 @@ and cuDNN). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for c
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -105,7 +106,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, 16 heads")
     print(f"{'batch':>5} {'seq':>5} {'d':>4} {'causal':>6} {'det':>5} {'ours ms':>8} "
           f"{'sdpa ms':>8} {'ours TF':>8} {'sdpa TF':>8} {'sdpa/ours':>9}")
-    cases = [(16, s, d, c, False) for d in (64, 128) for s in (1024, 4096) for c in (False, True)]
+    d_heads = [int(d) for d in os.environ.get("BENCH_D", "64,128").split(",")]
+    cases = [(16, s, d, c, False) for d in d_heads for s in (1024, 4096) for c in (False, True)]
     cases += [(16, 4096, 128, False, True), (16, 4096, 128, True, True)]
     built = set(torch.ops.flash_attention.bwd_kernels().split(","))
     for case in cases:
