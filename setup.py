@@ -155,14 +155,19 @@ class BuildWithReport(BuildExtension):
             print(f"flash_attention: object cache: {hits} hits, {misses} compiled "
                   f"({os.environ.get('FA_BUILD_CACHE') or '~/.cache/fa-build'})", flush=True)
 
-    def _write_report(self, ext_dir: Path) -> None:
+    def _collect_logs(self, cfg_files: list[str]) -> str:
         logs = []
-        for cfg_file in [*(f"fwd_{c.short}" for c in CONFIGS), "registry",
-                         *(c.short for c in BWD_CONFIGS), "bwd_registry"]:
+        for cfg_file in cfg_files:
             found = sorted(Path(self.build_temp).rglob(f"{cfg_file}.o.ptxas.log"))
             if found:
                 logs.append(f"### {cfg_file}.cu\n{found[-1].read_text()}")
-        report = "".join(logs)
+        return "".join(logs)
+
+    def _write_report(self, ext_dir: Path) -> None:
+        report = self._collect_logs([*(f"fwd_{c.short}" for c in CONFIGS), "registry"])
+        # The backward kernels' report stays apart (ptxas_bwd.log; `fa-tools resources --log`
+        # reads it) until the SASS tools and the static ratchet know backward kernels.
+        bwd_report = self._collect_logs([*(c.short for c in BWD_CONFIGS), "bwd_registry"])
         info = {
             "kernels": KERNELS,
             "configs": [c.short for c in CONFIGS],
@@ -175,6 +180,7 @@ class BuildWithReport(BuildExtension):
         for directory in (ext_dir, ROOT / "build"):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "ptxas.log").write_text(report)
+            (directory / "ptxas_bwd.log").write_text(bwd_report)
             (directory / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"flash_attention: ptxas report in {ext_dir / 'ptxas.log'}", flush=True)
 
