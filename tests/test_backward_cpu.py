@@ -139,8 +139,9 @@ def test_autograd_formula_traces_with_fake_tensors(mode):
         out, lse = torch.ops.flash_attention.attention.default(*inputs)
         ctx = _Ctx()
         backward._setup_context(ctx, inputs, (out, lse))
-        assert [t.shape for t in ctx.saved_tensors] == [q.shape, k.shape, k.shape, q.shape,
-                                                        (2, 4, 33)]
+        saved = ctx.saved_tensors
+        assert [t.shape for t in saved[:5]] == [q.shape, k.shape, k.shape, q.shape, (2, 4, 33)]
+        assert saved[5:] == (None, None)  # cu_seqlens of a varlen call
         grads = backward._attention_backward(ctx, torch.randn_like(out), None)
         assert len(grads) == len(inputs) and all(g is None for g in grads[3:])
         for g, t in zip(grads[:3], (q, k, k)):
@@ -176,8 +177,13 @@ def test_bwd_fake_checks_its_arguments(mode):
         with pytest.raises(ValueError, match="lse must be fp32"):
             bwd(*[*args[:5], lse[:, :1], *args[6:]])
         cu = torch.zeros(2, dtype=torch.int32, device="cuda")
-        with pytest.raises(NotImplementedError, match="no varlen backward"):
+        with pytest.raises(ValueError, match="3-D"):  # varlen tensors are packed
             bwd(*[*args[:7], cu, cu, *args[9:]])
+        packed_q, packed_k = q[0], k[0]
+        lse_v = torch.empty(2, 20, dtype=torch.float32, device="cuda")
+        dq, dk, dv = bwd(packed_q, packed_q, packed_k, packed_k, packed_q, lse_v, None, cu, cu,
+                         20, 30, None, causal, -1, -1, softcap, False, "")
+        assert dq.shape == packed_q.shape and dk.shape == dv.shape == packed_k.shape
         with pytest.raises(RuntimeError, match="not in this build"):
             bwd(*[*args[:-1], "bwd_bf16_d32_c64_r64_w8_f"])
 
@@ -190,7 +196,7 @@ def test_calls_without_a_backward_are_refused(mode):
             fa.attention(q, q, q, out=torch.empty(1, 20, 2, d, dtype=dtype, device="cuda"))
         packed = torch.empty(20, 2, d, dtype=dtype, device="cuda", requires_grad=True)
         cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
-        with pytest.raises(RuntimeError, match="no backward for varlen"):
-            flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20)
+        with pytest.raises(NotImplementedError, match="no deterministic mode"):
+            flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20, deterministic=True)
         with pytest.raises(NotImplementedError, match="dropout_p"):
             flash_attn_func(q, q, q, dropout_p=0.1)

@@ -74,10 +74,6 @@ def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
     return cfg.short
 
 
-class _Checked(Exception):
-    """Leave the fast path for the checked one (which raises the error that applies)."""
-
-
 def _check_call(q: object, k: object, v: object, causal: object, window_size: object,
                 softcap: object, softmax_scale: object, out: object = None) -> Problem:
     """Every check of a fixed-length call in Python, each error naming the argument."""
@@ -210,19 +206,17 @@ def attention_varlen(
     bottom-right in each). Returns out (total_q, heads, d_head) and, with return_lse, lse
     (heads, total_q) fp32. The values of cu_seqlens are checked before any launch (one
     device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
-    where the kernel clamps offsets into the tensors instead).
+    where the kernel clamps offsets into the tensors instead). Inputs that require grad get
+    gradients through autograd (the dQ sums in atomic order: no deterministic mode yet).
     """
     if (type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
             and not torch.compiler.is_compiling()):
         try:
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad):
-                raise _Checked
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                or v.requires_grad)
             o, lse = torch.ops.flash_attention.attention.default(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, window_size[0], window_size[1], softcap, return_lse, "")
-        except _Checked:
-            pass
+                causal, window_size[0], window_size[1], softcap, return_lse or grad, "")
         except Exception:
             _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, window_size, softcap, softmax_scale)
@@ -234,7 +228,7 @@ def attention_varlen(
     left, right = window_size
     o, lse = torch.ops.flash_attention.attention.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        left, right, float(softcap), return_lse, "")
+        left, right, float(softcap), return_lse or needs_grad(q, k, v), "")
     return (o, lse) if return_lse else o
 
 
@@ -244,7 +238,6 @@ def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     check_scale(softmax_scale, vp.d_head)
     check_window(causal, window_size)
     check_softcap(softcap)
-    check_no_grad(q, k, v, call="varlen batches (no varlen backward yet)")
     ops.require()
 
 

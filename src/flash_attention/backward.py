@@ -8,7 +8,7 @@ The forward saves q, k, v, out and the LSE (nothing of size seqlen^2); the publi
 the operator for the LSE whenever an input requires grad. ``flash_attention::attention_det``
 is the same forward whose backward is deterministic (flash_attn_func(deterministic=True)):
 the dQ contributions of the KV blocks are added in a fixed order, so gradients are bitwise
-identical run to run. Varlen batches have no backward yet (refused with NotImplementedError).
+identical run to run (fixed-length calls; varlen ones use the atomic order).
 """
 
 from __future__ import annotations
@@ -43,17 +43,21 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seq
               deterministic, kernel):
     """dq, dk, dv like q, k, v (contiguous), after the checks that need no GPU."""
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        raise NotImplementedError(VARLEN_MESSAGE)
-    prob = validation.check_inputs(q, k, v)
-    validation.check_scale(softmax_scale, prob.d_head)
+        vp = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k)
+        dtype, d_head, lse_shape = vp.dtype, vp.d_head, (vp.heads, vp.total_q)
+    else:
+        prob = validation.check_inputs(q, k, v)
+        dtype, d_head = prob.dtype, prob.d_head
+        lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
+    validation.check_scale(softmax_scale, d_head)
     validation.check_window(causal, (window_left, window_right))
     validation.check_softcap(softcap)
     for name, t in (("out", out), ("dout", dout)):
         if t.shape != q.shape or t.dtype != q.dtype:
             raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)}, got "
                              f"{tuple(t.shape)} {t.dtype}")
-    _check_kernel(kernel, prob.dtype, prob.d_head, softcap > 0)
-    lse_shape = (prob.batch, prob.heads, prob.seqlen_q)
+    _check_kernel(kernel, dtype, d_head, softcap > 0)
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and (tuple(t.shape) != lse_shape or t.dtype != torch.float32):
             raise ValueError(f"{name} must be fp32 of shape {lse_shape} (the forward's LSE), got "
@@ -83,27 +87,21 @@ def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
                            + "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default")
 
 
-VARLEN_MESSAGE = ("flash_attention has no varlen backward yet: attention_varlen / "
-                  "flash_attn_varlen_func are forward only (call them under torch.no_grad())")
-
-
 # ---- autograd of flash_attention::attention ---------------------------------------------------
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, _max_seqlen_q, _max_seqlen_k, softmax_scale, causal,
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
      window_left, window_right, softcap, return_lse, _kernel) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.return_lse = return_lse
     ctx.features = (softmax_scale, causal, window_left, window_right, softcap)
     ctx.deterministic = False
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if ctx.varlen:
-        raise NotImplementedError(VARLEN_MESSAGE)
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if not ctx.return_lse:
         raise RuntimeError(
             "flash_attention::attention ran without return_lse, so its LSE was not kept for the "
@@ -111,8 +109,8 @@ def _attention_backward(ctx, dout, dlse):
             "grad)")
     softmax_scale, causal, window_left, window_right, softcap = ctx.features
     dq, dk, dv = torch.ops.flash_attention.bwd.default(
-        dout, q, k, v, out, lse, dlse, None, None, 0, 0, softmax_scale, causal, window_left,
-        window_right, softcap, ctx.deterministic, "")
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+        softmax_scale, causal, window_left, window_right, softcap, ctx.deterministic, "")
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -47,6 +47,7 @@ FLAGS: dict[str, tuple[str, str]] = {
                       "while this one computes"),
     "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
 }
+STATIC_SMEM = 128  # the CTA's sequence span (static __shared__), beside the dynamic tiles
 P1_CHUNK_TILES = 4  # mirrors BwdConfig::kP1ChunkNT: m16 x n8 tiles of S^T per phase-1 chunk
 
 _SHORT_RE = re.compile(
@@ -182,10 +183,15 @@ class BwdConfig:
         return min(self.phase1.n_tiles, max(tiles // self.phase1.m_tiles, 2))
 
     @property
+    def p3_chunk_n_tiles(self) -> int:
+        """n8 tiles of a phase-3 (dQ) chunk: at most 8 m16 x n8 tiles, at least 2."""
+        return min(self.phase3.n_tiles, max(8 // self.phase3.m_tiles, 2))
+
+    @property
     def accum_regs(self) -> int:
         resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
         p1 = 2 * self.phase1.m_tiles * self.p1_chunk_n_tiles * 4
-        p3 = self.phase3.m_tiles * self.phase3.n_tiles * 4
+        p3 = self.phase3.m_tiles * self.p3_chunk_n_tiles * 4
         return resident + max(p1, p3)
 
     def problems(self) -> list[str]:
@@ -221,7 +227,7 @@ class BwdConfig:
         if self.accum_regs > REG_BUDGET:
             out.append(f"accumulators need {self.accum_regs} registers per thread, over the "
                        f"budget of {REG_BUDGET}: use more warps or a smaller tile")
-        if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
+        if self.smem_bytes + STATIC_SMEM > SMEM_PER_BLOCK_OPTIN[80]:
             out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_80 limit")
         return out
 

@@ -109,17 +109,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, bool deterministic, c10::string_view kernel) {
-    (void)max_seqlen_q;
-    (void)max_seqlen_k;
-    TORCH_CHECK_NOT_IMPLEMENTED(!cu_seqlens_q.has_value() && !cu_seqlens_k.has_value(),
-                                "flash_attention has no varlen backward yet: "
-                                "attention_varlen / flash_attn_varlen_func are forward only "
-                                "(call them under torch.no_grad())");
+    TORCH_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                      "give both cu_seqlens_q and cu_seqlens_k, or neither");
+    const bool varlen = cu_seqlens_q.has_value();
+    const int64_t rank = varlen ? 3 : 4;
     for (const auto& [t, name] :
          {std::pair{&q_in, "q"}, std::pair{&k_in, "k"}, std::pair{&v_in, "v"}})
-        TORCH_CHECK_VALUE(t->dim() == 4, std::string(name) +
-                                             " must be 4-D (batch, seq, heads, d_head), got " +
-                                             str(t->dim()) + "-D");
+        TORCH_CHECK_VALUE(t->dim() == rank, std::string(name) + " must be " +
+                                                (varlen ? "3-D (total_tokens, heads, d_head)"
+                                                        : "4-D (batch, seq, heads, d_head)") +
+                                                ", got " + str(t->dim()) + "-D");
     const auto dtype = q_in.scalar_type();
     TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16,
                      "q must be torch.float16 or torch.bfloat16");
@@ -130,10 +129,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     TORCH_CHECK_VALUE(
         k_in.sizes() == v_in.sizes(),
         "k and v must have the same shape, got " + str(k_in.sizes()) + " and " + str(v_in.sizes()));
-    const int64_t B = q_in.size(0), Sq = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
-    const int64_t Sk = k_in.size(1), Hk = k_in.size(2);
-    TORCH_CHECK_VALUE(k_in.size(0) == B, "batch of k/v differs from batch of q");
-    TORCH_CHECK_VALUE(k_in.size(3) == D, "d_head of k/v differs from d_head of q");
+    // By role: (batch, row, head, d) fixed-length; varlen (token, head, d), the batch from
+    // cu_seqlens and the lengths their longest (max_seqlen_q/k, checked by the forward).
+    const int64_t H = q_in.size(rank - 2), D = q_in.size(rank - 1), Hk = k_in.size(rank - 2);
+    const int64_t B = varlen ? cu_seqlens_q->numel() - 1 : q_in.size(0);
+    const int64_t Sq = varlen ? max_seqlen_q : q_in.size(1);
+    const int64_t Sk = varlen ? max_seqlen_k : k_in.size(1);
+    const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
+    if (varlen) {
+        for (const auto& [cu, name] : {std::pair{&*cu_seqlens_q, "cu_seqlens_q"},
+                                       std::pair{&*cu_seqlens_k, "cu_seqlens_k"}}) {
+            TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, std::string(name) + " must be int32");
+            TORCH_CHECK_VALUE(cu->dim() == 1 && cu->numel() == B + 1 && B >= 1 &&
+                                  cu->is_contiguous() && cu->device() == q_in.device(),
+                              std::string(name) +
+                                  " must be a contiguous 1-D tensor of batch + 1 >= 2 entries "
+                                  "on q's device, the same length as the other");
+        }
+        TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q/k must be >= 0");
+        TORCH_CHECK_VALUE(total_q <= std::numeric_limits<int>::max() - 512 &&
+                              total_k <= std::numeric_limits<int>::max() - 512,
+                          "token counts must be at most 2^31 - 513");
+    } else {
+        TORCH_CHECK_VALUE(k_in.size(0) == B, "batch of k/v differs from batch of q");
+    }
+    TORCH_CHECK_VALUE(k_in.size(rank - 1) == D, "d_head of k/v differs from d_head of q");
     TORCH_CHECK_VALUE(
         D > 0 && D % 8 == 0 && D <= 256,
         "d_head=" + str(D) + " is not supported; supported: every multiple of 8 up to 256");
@@ -150,10 +170,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                                           "; flash_attention runs on CUDA tensors");
     TORCH_CHECK_VALUE(k_in.device() == device && v_in.device() == device,
                       "q, k and v must be on the same device");
-    const std::vector<int64_t> lse_shape{B, H, Sq};
+    const std::vector<int64_t> lse_shape =
+        varlen ? std::vector<int64_t>{H, total_q} : std::vector<int64_t>{B, H, Sq};
     TORCH_CHECK_VALUE(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == lse_shape &&
                           lse_in.device() == device,
-                      "lse must be the forward's fp32 (batch, heads, seqlen_q) = " +
+                      std::string("lse must be the forward's fp32 ") +
+                          (varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)") + " = " +
                           str(lse_shape) + " tensor on q's device, got " + str(lse_in.sizes()));
     if (dlse_in)
         TORCH_CHECK_VALUE(dlse_in->scalar_type() == at::kFloat && dlse_in->sizes() == lse_shape &&
@@ -179,7 +201,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
     at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
     at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
-    if (B == 0 || H == 0 || Sq == 0 || Sk == 0) {  // nothing to attend: every gradient is 0
+    if (B == 0 || H == 0 || Sq == 0 || Sk == 0 || total_q == 0 ||
+        total_k == 0) {  // nothing to attend: every gradient is 0
         dq.zero_();
         dk.zero_();
         dv.zero_();
@@ -208,14 +231,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor lse = lse_in.contiguous();
     const at::Tensor dlse = dlse_in ? dlse_in->contiguous() : at::Tensor();
 
-    const int64_t Sq_pad = (Sq + e.block_r - 1) / e.block_r * e.block_r;
+    // Rows of the fp32 buffers per (batch, head): whole query blocks; varlen, every token of a
+    // head with a block of slack past the last (a sequence's last block may reach past it).
+    const int64_t Sq_pad = varlen ? (total_q + e.block_r - 1) / e.block_r * e.block_r + e.block_r
+                                  : (Sq + e.block_r - 1) / e.block_r * e.block_r;
+    const int64_t B_rows = varlen ? 1 : B;
     const auto f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq_accum = at::empty({B, H, Sq_pad, e.d_head}, f32);
-    at::Tensor d_rows = at::empty({B, H, Sq_pad}, f32);
-    at::Tensor lse_log2 = at::empty({B, H, Sq_pad}, f32);
+    at::Tensor dq_accum = at::empty({B_rows, H, Sq_pad, e.d_head}, f32);
+    at::Tensor d_rows = at::empty({B_rows, H, Sq_pad}, f32);
+    at::Tensor lse_log2 = at::empty({B_rows, H, Sq_pad}, f32);
     at::Tensor semaphore;
     if (deterministic)
-        semaphore = at::zeros({B, H, Sq_pad / e.block_r}, q.options().dtype(at::kInt));
+        semaphore =
+            at::zeros({B, H, (Sq + e.block_r - 1) / e.block_r}, q.options().dtype(at::kInt));
 
     flash::BwdParams p{};
     p.q = q.data_ptr();
@@ -232,10 +260,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.lse_log2 = lse_log2.data_ptr<float>();
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_semaphore = deterministic ? semaphore.data_ptr<int>() : nullptr;
-    const auto strides = [](const at::Tensor& t, int64_t& b, int64_t& r, int64_t& h) {
-        b = t.stride(0);
-        r = t.stride(1);
-        h = t.stride(2);
+    const auto strides = [varlen](const at::Tensor& t, int64_t& b, int64_t& r, int64_t& h) {
+        b = varlen ? 0 : t.stride(0);
+        r = t.stride(varlen ? 0 : 1);
+        h = t.stride(varlen ? 1 : 2);
     };
     strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
     strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
@@ -257,6 +285,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : scale) * M_LOG2E);
     p.softcap_scale = static_cast<float>(softcap > 0 ? scale / softcap : 0.0);
     p.softmax_scale = static_cast<float>(scale);
+    if (varlen) {
+        p.cu_seqlens_q = cu_seqlens_q->data_ptr<int32_t>();
+        p.cu_seqlens_k = cu_seqlens_k->data_ptr<int32_t>();
+        p.total_q = static_cast<int>(total_q);
+        p.total_k = static_cast<int>(total_k);
+    }
     p.window_left = static_cast<int>(left);
     p.window_right = static_cast<int>(right);
     const cudaError_t err = e.launch(p, stream);

@@ -55,6 +55,16 @@ struct BwdParams {
     float softcap_scale;  // kernels with kSoftcap: softmax_scale / softcap
     float softmax_scale;  // dq, dk = softmax_scale * (dS K, dS^T Q)
 
+    // Varlen batches (cu_seqlens_q != nullptr), as FwdParams: q, o, dout, dq are (total_q,
+    // heads, d_head), k, v, dk, dv (total_k, kv_heads, d_head), every batch stride 0; sequence
+    // b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and [cu_seqlens_k[b], ...); seqlen_q/k
+    // are the longest; lse and dlse are (heads, total_q); the fp32 row buffers are (heads,
+    // seqlen_q_pad) with seqlen_q_pad >= total_q + B_r.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int total_q;
+    int total_k;
+
     // As FwdParams: query i sees key j iff i + off - window_left <= j <= i + off + window_right,
     // off = seqlen_k - seqlen_q, -1 leaving a side unbounded; causal is (-1, 0).
     int window_left;

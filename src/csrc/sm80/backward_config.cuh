@@ -107,12 +107,19 @@ struct BwdConfig {
     static_assert(Phase1::kNT % kP1ChunkNT == 0 && kP1ChunkNT % 2 == 0,
                   "phase 1 chunks must be whole pairs of n8 tiles");
 
+    // Phase 3 computes a warp's dQ columns in chunks of kP3ChunkNT n8 tiles: at most 8 m16 x
+    // n8 tiles (32 registers) at a time, at least a pair. (Each chunk reads dS again.)
+    static constexpr int kP3ChunkTiles = 8 / Phase3::kMT > 2 ? 8 / Phase3::kMT : 2;
+    static constexpr int kP3ChunkNT = Phase3::kNT < kP3ChunkTiles ? Phase3::kNT : kP3ChunkTiles;
+    static_assert(Phase3::kNT % kP3ChunkNT == 0 && kP3ChunkNT % 2 == 0,
+                  "phase 3 chunks must be whole pairs of n8 tiles");
+
     // fp32 registers of one thread: dK and dV stay resident; phase 1 adds a chunk of S^T and
-    // dP^T (the softcap derivative is used where it is computed), phase 3 the dQ tile (when
-    // phase 1's are dead).
+    // dP^T (the softcap derivative is used where it is computed), phase 3 a chunk of the dQ
+    // tile (when phase 1's are dead).
     static constexpr int kResidentRegs = 2 * Phase2::kMT * Phase2::kNT * 4;
     static constexpr int kPhase1Regs = 2 * Phase1::kMT * kP1ChunkNT * 4;
-    static constexpr int kPhase3Regs = Phase3::kMT * Phase3::kNT * 4;
+    static constexpr int kPhase3Regs = Phase3::kMT * kP3ChunkNT * 4;
     static constexpr int kRegBudget = 200;
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
@@ -130,7 +137,8 @@ struct BwdConfig {
     static_assert(kResidentRegs + (kPhase1Regs > kPhase3Regs ? kPhase1Regs : kPhase3Regs) <=
                       kRegBudget,
                   "accumulators exceed the register budget: use more warps or a smaller tile");
-    static_assert(kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit");
+    // (plus 128 bytes of static smem: the CTA's span)
+    static_assert(kSmemBytes + 128 <= 163 * 1024, "shared memory exceeds the sm_80 limit");
 };
 
 }  // namespace flash

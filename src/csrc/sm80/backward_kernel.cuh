@@ -77,6 +77,38 @@ struct Window {
     }
 };
 
+// This CTA's sequence: where its rows start in q/dout/dq (and the fp32 row buffers) and in
+// k/v/dk/dv, and its lengths. Fixed-length batches: 0 and the call's lengths. Varlen offsets are
+// clamped into [0, total] as in the forward (the kernels never address outside the tensors).
+struct BwdSpan {
+    int q_start, k_start;
+    int seqlen_q, seqlen_k;
+};
+
+__device__ __forceinline__ int clamp_total(int x, int hi) {
+    return x < 0 ? 0 : (x > hi ? hi : x);
+}
+
+__device__ __forceinline__ BwdSpan bwd_span(const BwdParams& p, int batch) {
+    if (p.cu_seqlens_q == nullptr)
+        return BwdSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int q0 = clamp_total(p.cu_seqlens_q[batch], p.total_q);
+    const int q1 = clamp_total(p.cu_seqlens_q[batch + 1], p.total_q);
+    const int k0 = clamp_total(p.cu_seqlens_k[batch], p.total_k);
+    const int k1 = clamp_total(p.cu_seqlens_k[batch + 1], p.total_k);
+    return BwdSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
+}
+
+// The CTA's span in shared memory: read where needed, so that none of it stays in registers
+// across the main loop (the accumulators leave none to spare). Written by thread 0 before the
+// first barrier of bwd_kernel.
+__shared__ BwdSpan bwd_cta_span;
+
+// 4-byte async copy (the row vectors of a varlen sequence start at any row).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
 // Two 16-bit values of one 32-bit word -> fp32 (torch builds disable the implicit conversions).
 __device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
@@ -181,7 +213,6 @@ struct BackwardCta {
     const int lane, warp;
     const int kv_block, k_row0;
     const int batch, kv_head;
-    const Window win;
     const uint32_t sStage0, sK, sV, sP, sdS;
     const float* const sRowVecs;  // generic pointer to the LSE of stage 0
 
@@ -198,7 +229,6 @@ struct BackwardCta {
           k_row0(kv_block * kBc),
           batch(blockIdx.z),
           kv_head(blockIdx.y),
-          win{params.seqlen_k - params.seqlen_q, params.window_left, params.window_right},
           sStage0(smem_addr(smem)),
           sK(sStage0 + Cfg::kQStages * Cfg::kStageBytes),
           sV(sK + Cfg::kKTileBytes),
@@ -216,25 +246,42 @@ struct BackwardCta {
     }
     __device__ __forceinline__ const float* d_of(int buf) const { return lse_of(buf) + kBr; }
 
+    // This CTA's sequence (the whole call unless varlen) and its window.
+    __device__ __forceinline__ const BwdSpan& span() const { return bwd_cta_span; }
+    __device__ __forceinline__ Window win() const {
+        return Window{bwd_cta_span.seqlen_k - bwd_cta_span.seqlen_q, p.window_left, p.window_right};
+    }
+
+    // Element offset of row 0 of this sequence and `head` in the fp32 row buffers (d_rows,
+    // lse_log2, and in units of d_pad dq_accum): (batch, head, row) fixed-length; varlen
+    // (head, token), the sequence starting at its first token.
+    __device__ __forceinline__ int64_t vec_base(int64_t head) const {
+        return p.cu_seqlens_q == nullptr ? (int64_t(batch) * p.heads + head) * p.seqlen_q_pad
+                                         : head * p.seqlen_q_pad + span().q_start;
+    }
+
     __device__ __forceinline__ void run() {
+        if (k_row0 >= span().seqlen_k)
+            return;  // past this sequence's keys (varlen: the grid covers the longest)
         zero(dK);
         zero(dV);
-        const int k_last = (k_row0 + kBc < p.seqlen_k ? k_row0 + kBc : p.seqlen_k) - 1;
+        const int k_last = (k_row0 + kBc < span().seqlen_k ? k_row0 + kBc : span().seqlen_k) - 1;
         int64_t q_lo, q_hi;
-        win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
+        win().rows(k_row0, k_last, span().seqlen_q, q_lo, q_hi);
         if (q_hi >= q_lo) {  // else no query row sees these keys: dK = dV = 0
             const int i_first = static_cast<int>(q_lo / kBr);
             const int n_q = static_cast<int>(q_hi / kBr) - i_first + 1;
             const int n = n_q * p.heads_per_kv;  // (head, query block) pairs, head-major
             const int64_t head0 = kv_head * p.heads_per_kv;
+            const int64_t k_row = int64_t(span().k_start) + k_row0;
             const Elem* k = static_cast<const Elem*>(p.k) + batch * p.k_batch_stride +
-                            kv_head * p.k_head_stride + int64_t(k_row0) * p.k_row_stride;
+                            kv_head * p.k_head_stride + k_row * p.k_row_stride;
             const Elem* v = static_cast<const Elem*>(p.v) + batch * p.v_batch_stride +
-                            kv_head * p.v_head_stride + int64_t(k_row0) * p.v_row_stride;
+                            kv_head * p.v_head_stride + k_row * p.v_row_stride;
             TileCopy<Cfg, kBc>(threadIdx.x, p.k_row_stride, p.d_head)
-                .issue(sK, k, p.seqlen_k - k_row0);
+                .issue(sK, k, span().seqlen_k - k_row0);
             TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
-                .issue(sV, v, p.seqlen_k - k_row0);
+                .issue(sV, v, span().seqlen_k - k_row0);
             issue_query_block(head0, i_first, 0);
             cp_async_commit();  // K and V land with the first query block
             for (int t = 0; t < n; ++t) {
@@ -271,7 +318,7 @@ struct BackwardCta {
     // the caller commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
     __device__ __forceinline__ void issue_query_block(int64_t head, int i, int buf) const {
         const int q_row0 = i * kBr;
-        const int64_t q_row = q_row0;
+        const int64_t q_row = int64_t(span().q_start) + q_row0;
         const Stage st = stage(buf);
         const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
                         head * p.q_head_stride + q_row * p.q_row_stride;
@@ -280,16 +327,24 @@ struct BackwardCta {
         // The copies' per-thread offsets are recomputed here rather than kept in registers
         // across the loop.
         TileCopy<Cfg, kBr>(threadIdx.x, p.q_row_stride, p.d_head)
-            .issue(st.q, q, p.seqlen_q - q_row0);
+            .issue(st.q, q, span().seqlen_q - q_row0);
         TileCopy<Cfg, kBr>(threadIdx.x, p.do_row_stride, p.d_head)
-            .issue(st.dout, dout, p.seqlen_q - q_row0);
-        constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
-        if (threadIdx.x < 2 * kVecChunks) {
-            const int c = threadIdx.x % kVecChunks;
-            const bool is_d = threadIdx.x >= kVecChunks;
-            const float* src = (is_d ? p.d_rows : p.lse_log2) +
-                               (int64_t(batch) * p.heads + head) * p.seqlen_q_pad + q_row0 + c * 4;
-            cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
+            .issue(st.dout, dout, span().seqlen_q - q_row0);
+        if (p.cu_seqlens_q == nullptr) {         // whole blocks of 16-byte chunks (rows padded)
+            constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
+            if (threadIdx.x < 2 * kVecChunks) {
+                const int c = threadIdx.x % kVecChunks;
+                const bool is_d = threadIdx.x >= kVecChunks;
+                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + c * 4;
+                cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
+            }
+        } else {  // varlen: a sequence starts at any row; rows past it are masked in phase 1
+            for (int t = threadIdx.x; t < 2 * kBr; t += Cfg::kThreads) {
+                const int r = t % kBr;
+                const bool is_d = t >= kBr;
+                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + r;
+                cp_async_4((is_d ? st.d : st.lse) + r * 4, src);
+            }
         }
     }
 
@@ -300,18 +355,23 @@ struct BackwardCta {
                                                   const float* sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
         // key tail need it.
+        // Rows past seqlen_q matter only for varlen (their LSE and D are the next sequence's);
+        // fixed-length ones have an LSE of +inf already.
         const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
-        const bool masked =
-            k_last >= p.seqlen_k || !win.sees(q_last, k_row0) || !win.sees(q_row0, k_last);
+        const bool masked = k_last >= span().seqlen_k || q_last >= span().seqlen_q ||
+                            !win().sees(q_last, k_row0) || !win().sees(q_row0, k_last);
+        // Rows and keys of the block inside the sequence (masked blocks only).
+        const int q_valid = span().seqlen_q - q_row0, k_valid = span().seqlen_k - k_row0;
 #pragma unroll 1
         for (int chunk = 0; chunk < P1::kNT / Cfg::kP1ChunkNT; ++chunk)
-            probabilities_chunk(q_row0, P1::col0(warp) + chunk * Cfg::kP1ChunkNT * 8, masked, st,
-                                sLse, sD);
+            probabilities_chunk(q_row0, P1::col0(warp) + chunk * Cfg::kP1ChunkNT * 8,
+                                masked ? q_valid : -1, k_valid, st, sLse, sD);
     }
 
-    __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, bool masked,
-                                                        const Stage& st, const float* sLse,
-                                                        const float* sD) {
+    // q_valid < 0: a block seen whole (no element masked).
+    __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, int q_valid,
+                                                        int k_valid, const Stage& st,
+                                                        const float* sLse, const float* sD) {
         constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
         const int r0 = P1::row0(warp);
         float dP[kMT][kNT][4];
@@ -338,8 +398,8 @@ struct BackwardCta {
                         dtanh = 1.f - s * s;
                     }
                     float prob = fast_exp2(fmaf(s, p.scale_log2, -sLse[col]));
-                    if (masked && (k_row0 + key >= p.seqlen_k ||
-                                   !win.sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
+                    if (q_valid >= 0 && (key >= k_valid || col >= q_valid ||
+                                         !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
                         prob = 0.f;
                     pv[e] = prob;
                     ds[e] = prob * (dP[mt][nt][e] - sD[col]) * dtanh;
@@ -367,24 +427,18 @@ struct BackwardCta {
                                 LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane));
     }
 
-    // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in KV-block order when
-    // deterministic).
+    // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in a fixed order when
+    // deterministic). A warp's d_head columns go in chunks of Cfg::kP3ChunkNT n8 tiles.
     __device__ __forceinline__ void accumulate_dq(int64_t head, int i) {
-        constexpr int kMT = P3::kMT, kNT = P3::kNT, kSteps = kBc / 16;
-        const int r0 = P3::row0(warp), c0 = P3::col0(warp);
-        float dQ[kMT][kNT][4];
-        zero(dQ);
-        warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
-                                LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
-
         int* sem = nullptr;
         int turn = 0;
-        if (p.dq_semaphore != nullptr) {  // uniform over the CTA
-            const int q_blocks = p.seqlen_q_pad / kBr;
+        if (p.dq_semaphore != nullptr) {                        // uniform over the CTA
+            const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;  // of the longest sequence
             sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
-            const int q_last = (i * kBr + kBr < p.seqlen_q ? i * kBr + kBr : p.seqlen_q) - 1;
+            const int q_last =
+                (i * kBr + kBr < span().seqlen_q ? i * kBr + kBr : span().seqlen_q) - 1;
             int64_t k_lo, k_hi;
-            win.keys(i * kBr, q_last, p.seqlen_k, k_lo, k_hi);
+            win().keys(i * kBr, q_last, span().seqlen_k, k_lo, k_hi);
             // The KV blocks of query block i add from the last to the first: those CTAs were
             // launched earlier (so waiting on them cannot deadlock), and under a causal mask
             // the last KV block that sees query block i meets it first, so each CTA trails the
@@ -395,8 +449,25 @@ struct BackwardCta {
                 }
             __syncthreads();  // the previous KV block's additions are visible
         }
-        float* acc =
-            p.dq_accum + ((int64_t(batch) * p.heads + head) * p.seqlen_q_pad + i * kBr) * p.d_pad;
+        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * p.d_pad;
+#pragma unroll 1
+        for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk)
+            dq_chunk(acc, P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8);
+        if (sem != nullptr) {
+            __threadfence();
+            __syncthreads();  // every thread's additions are done and fenced
+            if (threadIdx.x == 0)
+                st_release(sem, turn + 1);
+        }
+    }
+
+    __device__ __forceinline__ void dq_chunk(float* acc, int c0) {
+        constexpr int kMT = P3::kMT, kNT = Cfg::kP3ChunkNT, kSteps = kBc / 16;
+        const int r0 = P3::row0(warp);
+        float dQ[kMT][kNT][4];
+        zero(dQ);
+        warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
+                                LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -408,29 +479,24 @@ struct BackwardCta {
                     red_add2(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][2 * h],
                              dQ[mt][nt][2 * h + 1]);
                 }
-        if (sem != nullptr) {
-            __threadfence();
-            __syncthreads();  // every thread's additions are done and fenced
-            if (threadIdx.x == 0)
-                st_release(sem, turn + 1);
-        }
     }
 
     // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
     // written.
     __device__ __forceinline__ void write_dk_dv() {
         const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        const int64_t k_row = int64_t(span().k_start) + k_row0;
         Elem* dk = static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
-                   kv_head * p.dk_head_stride + int64_t(k_row0) * p.dk_row_stride;
+                   kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
         Elem* dv = static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
-                   kv_head * p.dv_head_stride + int64_t(k_row0) * p.dv_row_stride;
+                   kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
         const float scale = p.softmax_scale;
 #pragma unroll
         for (int mt = 0; mt < P2::kMT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = r0 + mt * 16 + lane / 4 + 8 * h;
-                if (k_row0 + row >= p.seqlen_k)
+                if (k_row0 + row >= span().seqlen_k)
                     continue;
 #pragma unroll
                 for (int nt = 0; nt < P2::kNT; ++nt) {
@@ -451,6 +517,9 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
+    if (threadIdx.x == 0)
+        bwd_cta_span = bwd_span(params, blockIdx.z);
+    __syncthreads();  // the span is readable by every thread
     BackwardCta<Cfg> cta(params, smem);
     cta.run();
 }

@@ -28,8 +28,15 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
         err != cudaSuccess)
         return err;
 
-    const dim3 pre_grid((p.seqlen_q_pad + 3) / 4, p.heads, p.batch);
-    bwd::bwd_preprocess_kernel<Elem><<<pre_grid, 128, 0, stream>>>(p);
+    // The preprocess and the conversion work per query row: a varlen batch is one sequence of
+    // total_q rows to them.
+    BwdParams rows = p;
+    if (p.cu_seqlens_q != nullptr) {
+        rows.batch = 1;
+        rows.seqlen_q = p.total_q;
+    }
+    const dim3 pre_grid((rows.seqlen_q_pad + 3) / 4, rows.heads, rows.batch);
+    bwd::bwd_preprocess_kernel<Elem><<<pre_grid, 128, 0, stream>>>(rows);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
         return err;
 
@@ -38,9 +45,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
         return err;
 
-    const int64_t chunks = int64_t(p.seqlen_q) * (p.d_head / 8);
-    const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), p.heads, p.batch);
-    bwd::bwd_convert_dq_kernel<Elem><<<cvt_grid, 256, 0, stream>>>(p);
+    const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
+    const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
+    bwd::bwd_convert_dq_kernel<Elem><<<cvt_grid, 256, 0, stream>>>(rows);
     return cudaGetLastError();
 }
 
