@@ -24,6 +24,12 @@ def main() -> None:
         fa.attention(q, k, v, causal=causal, deterministic=det).sum().backward()
         torch.cuda.synchronize()
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    cu = torch.tensor([0, 1, 71, 74, 204], dtype=torch.int32, device="cuda")  # 1, 70, 3, 130
+    q = torch.randn(204, 4, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    kv = torch.randn(204, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    fa.attention_varlen(q, kv, kv, cu, cu, 130, 130, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
     print("sanitize cases done")
 
 
