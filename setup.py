@@ -12,6 +12,8 @@ every commit in a fresh checkout).
 Environment:
   FLASH_ATTENTION_KERNELS  config sets and/or short forms, comma-separated (default: "default";
                            sets: ci, default, tune, prog, all)
+  FLASH_ATTENTION_BWD_KERNELS  backward config sets and/or short forms (default: "ci" when
+                           FLASH_ATTENTION_KERNELS is "ci", else "default"; "none": no backward)
   FLASH_ATTENTION_ARCHS    SM architectures, comma-separated (default: "80,90"; "90a" allowed)
   MAX_JOBS                 parallel compile jobs
   FA_BUILD_CACHE           object cache directory (default ~/.cache/fa-build; "off" disables it)
@@ -43,6 +45,8 @@ GENERATED = CSRC / "generated"
 
 sys.path.insert(0, str(ROOT / "src"))
 from flash_attention.codegen import generate  # noqa: E402
+from flash_attention.codegen_bwd import generate as generate_bwd  # noqa: E402
+from flash_attention.config_bwd import resolve as resolve_bwd  # noqa: E402
 from flash_attention.config_sets import resolve  # noqa: E402
 
 sys.path.pop(0)
@@ -79,6 +83,10 @@ def gencode_flags(archs: list[str]) -> list[str]:
 ARCHS = parse_archs(ARCHS_SPEC)
 CONFIGS = resolve(KERNELS)
 SOURCES = [str(p.relative_to(ROOT)) for p in generate(CONFIGS, GENERATED)]
+BWD_KERNELS = os.environ.get("FLASH_ATTENTION_BWD_KERNELS",
+                             "ci" if KERNELS.strip() == "ci" else "default")
+BWD_CONFIGS = resolve_bwd(BWD_KERNELS)
+SOURCES += [str(p.relative_to(ROOT)) for p in generate_bwd(BWD_CONFIGS, GENERATED / "backward")]
 if CUDA_HOME:
     os.environ["CUDA_HOME"] = CUDA_HOME  # the nvcc wrapper runs the same toolkit as torch found
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[0]}.{a[1:]}" for a in ARCHS))
@@ -99,7 +107,8 @@ class BuildWithReport(BuildExtension):
     """torch's BuildExtension, then the ptxas report and build info beside the extension."""
 
     def run(self) -> None:
-        print(f"flash_attention: building {len(CONFIGS)} kernels ({KERNELS}) for "
+        print(f"flash_attention: building {len(CONFIGS)} kernels ({KERNELS}) and "
+              f"{len(BWD_CONFIGS)} backward kernels ({BWD_KERNELS}) for "
               f"{', '.join('sm_' + a for a in ARCHS)}", flush=True)
         self._started = time.time()
         super().run()
@@ -146,16 +155,24 @@ class BuildWithReport(BuildExtension):
             print(f"flash_attention: object cache: {hits} hits, {misses} compiled "
                   f"({os.environ.get('FA_BUILD_CACHE') or '~/.cache/fa-build'})", flush=True)
 
-    def _write_report(self, ext_dir: Path) -> None:
+    def _collect_logs(self, cfg_files: list[str]) -> str:
         logs = []
-        for cfg_file in [*(f"fwd_{c.short}" for c in CONFIGS), "registry"]:
+        for cfg_file in cfg_files:
             found = sorted(Path(self.build_temp).rglob(f"{cfg_file}.o.ptxas.log"))
             if found:
                 logs.append(f"### {cfg_file}.cu\n{found[-1].read_text()}")
-        report = "".join(logs)
+        return "".join(logs)
+
+    def _write_report(self, ext_dir: Path) -> None:
+        report = self._collect_logs([*(f"fwd_{c.short}" for c in CONFIGS), "registry"])
+        # The backward kernels' report stays apart (ptxas_bwd.log; `fa-tools resources --log`
+        # reads it) until the SASS tools and the static ratchet know backward kernels.
+        bwd_report = self._collect_logs([*(c.short for c in BWD_CONFIGS), "bwd_registry"])
         info = {
             "kernels": KERNELS,
             "configs": [c.short for c in CONFIGS],
+            "bwd_kernels": BWD_KERNELS,
+            "bwd_configs": [c.short for c in BWD_CONFIGS],
             "archs": ARCHS,
             "nvcc": _nvcc_version(),
             "torch": _torch_version(),
@@ -163,6 +180,7 @@ class BuildWithReport(BuildExtension):
         for directory in (ext_dir, ROOT / "build"):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "ptxas.log").write_text(report)
+            (directory / "ptxas_bwd.log").write_text(bwd_report)
             (directory / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"flash_attention: ptxas report in {ext_dir / 'ptxas.log'}", flush=True)
 
@@ -187,7 +205,7 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="flash_attention._C",
-            sources=["src/csrc/binding.cpp", *SOURCES],
+            sources=["src/csrc/binding.cpp", "src/csrc/binding/backward.cpp", *SOURCES],
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},
         )

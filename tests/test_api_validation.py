@@ -141,11 +141,11 @@ def test_feature_argument_errors(kwargs, exc, message):
             fa.attention(q, q, q, **kwargs)
 
 
-def test_inputs_that_require_grad_are_refused():
+def test_inputs_that_require_grad_are_refused_where_there_is_no_backward():
     with FakeTensorMode():
         q = torch.empty(*Q, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-        with pytest.raises(RuntimeError, match=r"forward pass only.*torch\.no_grad"):
-            fa.attention(q, q, q)
+        with pytest.raises(RuntimeError, match=r"no backward for a call with out=.*no_grad"):
+            fa.attention(q, q, q, out=torch.empty(*Q, dtype=torch.bfloat16, device="cuda"))
 
 
 def test_import_without_extension_message():

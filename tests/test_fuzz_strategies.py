@@ -259,7 +259,7 @@ def test_varlen_strategy_reaches_every_feature():
 
 
 def _fake_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
-                    softmax_scale=None, return_lse=False, out=None):
+                    softmax_scale=None, return_lse=False, out=None, deterministic=False):
     o, lse = attention_reference(q.contiguous(), k.contiguous(), v.contiguous(), softmax_scale,
                                  causal=causal, window_size=window_size, softcap=softcap)
     o = o.to(q.dtype)

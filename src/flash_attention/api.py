@@ -28,6 +28,7 @@ from .validation import (
     check_softcap,
     check_varlen_inputs,
     check_window,
+    needs_grad,
 )
 
 ops.load()
@@ -73,10 +74,6 @@ def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
     return cfg.short
 
 
-class _Checked(Exception):
-    """Leave the fast path for the checked one (which raises the error that applies)."""
-
-
 def _check_call(q: object, k: object, v: object, causal: object, window_size: object,
                 softcap: object, softmax_scale: object, out: object = None) -> Problem:
     """Every check of a fixed-length call in Python, each error naming the argument."""
@@ -86,7 +83,7 @@ def _check_call(q: object, k: object, v: object, causal: object, window_size: ob
     check_softcap(softcap)
     if out is not None:
         check_out(out, q)  # type: ignore[arg-type]
-    check_no_grad(q, k, v)  # type: ignore[arg-type]
+        check_no_grad(q, k, v, call="a call with out=")  # type: ignore[arg-type]
     ops.require()
     return prob
 
@@ -103,6 +100,7 @@ def attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     config: KernelConfig | str | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(scores) v, FlashAttention-2 forward, scores = q k^T * softmax_scale.
 
@@ -119,24 +117,24 @@ def attention(
     softmax_scale defaults to 1/sqrt(d_head). With return_lse, also returns the fp32
     log-sum-exp of the scores, shape (batch, heads, seqlen_q). out, if given, receives the
     result. config picks a kernel (KernelConfig or short form); by default dispatch chooses.
-    Forward only: inputs that require grad (with grad mode on) are refused.
+    Inputs that require grad (with grad mode on) get gradients through autograd (the
+    FlashAttention-2 backward; the forward keeps out and the LSE, nothing of size seqlen^2);
+    deterministic=True makes that backward bitwise reproducible. A call with out= has no
+    backward.
 
     The common call (no out, no config) is one operator call that checks everything in C++;
     the Python checks run only when it fails (to raise the error that names the argument) and
     when torch.compile traces the call.
     """
-    if (out is None and config is None and type(causal) is bool
+    if (out is None and config is None and not deterministic and type(causal) is bool
             and type(window_size) is tuple and len(window_size) == 2
             and not torch.compiler.is_compiling()):
         try:
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad):
-                raise _Checked
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                or v.requires_grad)
             o, lse = torch.ops.flash_attention.attention.default(
                 q, k, v, None, None, 0, 0, softmax_scale, causal, window_size[0],
-                window_size[1], softcap, return_lse, "")
-        except _Checked:
-            pass
+                window_size[1], softcap, return_lse or grad, "")
         except Exception:
             _check_call(q, k, v, causal, window_size, softcap, softmax_scale)
             raise  # the Python checks pass: the operator's own error stands
@@ -152,9 +150,14 @@ def attention(
         kernel = "" if config is None else _explicit_kernel(
             config, prob, masks_needed(causal, window_size, prob), softcap > 0)
         left, right = window_size
-        o, lse = torch.ops.flash_attention.attention.default(
-            q, k, v, None, None, 0, 0, softmax_scale, causal, left, right, float(softcap),
-            return_lse, kernel)
+        grad = needs_grad(q, k, v)
+        if grad and deterministic:
+            o, lse = torch.ops.flash_attention.attention_det.default(
+                q, k, v, softmax_scale, causal, left, right, float(softcap), kernel)
+        else:
+            o, lse = torch.ops.flash_attention.attention.default(
+                q, k, v, None, None, 0, 0, softmax_scale, causal, left, right, float(softcap),
+                return_lse or grad, kernel)
         return (o, lse) if return_lse else o
     scale = check_scale(softmax_scale, prob.d_head)
     left, right = canonical_window(causal, tuple(window_size), prob.seqlen_q, prob.seqlen_k)
@@ -203,19 +206,17 @@ def attention_varlen(
     bottom-right in each). Returns out (total_q, heads, d_head) and, with return_lse, lse
     (heads, total_q) fp32. The values of cu_seqlens are checked before any launch (one
     device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
-    where the kernel clamps offsets into the tensors instead).
+    where the kernel clamps offsets into the tensors instead). Inputs that require grad get
+    gradients through autograd (the dQ sums in atomic order: no deterministic mode yet).
     """
     if (type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
             and not torch.compiler.is_compiling()):
         try:
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad):
-                raise _Checked
+            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                or v.requires_grad)
             o, lse = torch.ops.flash_attention.attention.default(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                causal, window_size[0], window_size[1], softcap, return_lse, "")
-        except _Checked:
-            pass
+                causal, window_size[0], window_size[1], softcap, return_lse or grad, "")
         except Exception:
             _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, window_size, softcap, softmax_scale)
@@ -227,7 +228,7 @@ def attention_varlen(
     left, right = window_size
     o, lse = torch.ops.flash_attention.attention.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        left, right, float(softcap), return_lse, "")
+        left, right, float(softcap), return_lse or needs_grad(q, k, v), "")
     return (o, lse) if return_lse else o
 
 
@@ -237,7 +238,6 @@ def _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     check_scale(softmax_scale, vp.d_head)
     check_window(causal, window_size)
     check_softcap(softcap)
-    check_no_grad(q, k, v)
     ops.require()
 
 

@@ -5,10 +5,11 @@ conventions of ``flash_attn`` (v2), on this package's forward kernels.
 
 Supported as in flash_attn: softmax_scale, causal (aligned bottom-right), window_size,
 softcap, GQA/MQA, varlen (packed) batches, return_attn_probs (returns out, softmax_lse, None:
-no attention matrix is ever materialised). Not supported, refused with an error naming the
-argument rather than silently ignored: dropout_p > 0, alibi_slopes, block_table (paged KV),
-and a backward pass (inputs that require grad with grad mode on). ``deterministic`` is
-accepted: the forward pass is deterministic anyway.
+no attention matrix is ever materialised), and the backward pass through autograd (the
+packed functions give the gradient of the packed tensor); ``deterministic=True`` makes the
+fixed-length backward bitwise reproducible (the forward always is). Not supported, refused with
+an error naming the argument rather than silently ignored: dropout_p > 0, alibi_slopes,
+block_table (paged KV), and deterministic=True for a varlen backward.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ def _check_unsupported(dropout_p: float, alibi_slopes: object, block_table: obje
         raise NotImplementedError("block_table: flash_attention has no paged KV cache; pass None")
     if dropout_p != 0.0:
         raise NotImplementedError(
-            f"dropout_p={dropout_p}: flash_attention has no dropout (forward inference only); "
-            "pass dropout_p=0.0")
+            f"dropout_p={dropout_p}: flash_attention has no dropout; pass dropout_p=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: flash_attention has no ALiBi bias; pass None")
 
@@ -48,10 +48,11 @@ def flash_attn_func(
     _check_unsupported(dropout_p, alibi_slopes)
     if return_attn_probs:
         out, lse = attention(q, k, v, causal=causal, window_size=window_size,
-                             softcap=softcap, softmax_scale=softmax_scale, return_lse=True)
+                             softcap=softcap, softmax_scale=softmax_scale, return_lse=True,
+                             deterministic=deterministic)
         return out, lse, None
     return attention(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                     softmax_scale=softmax_scale)
+                     softmax_scale=softmax_scale, deterministic=deterministic)
 
 
 def flash_attn_qkvpacked_func(
@@ -118,6 +119,10 @@ def flash_attn_varlen_func(
     (total_q, heads, d_head), or with return_attn_probs (out, softmax_lse (heads, total_q)
     fp32, None). Masks align per sequence."""
     _check_unsupported(dropout_p, alibi_slopes, block_table)
+    if deterministic and torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("deterministic=True: the varlen backward has no deterministic "
+                                  "mode yet (it sums dQ in atomic order); pass False")
     if return_attn_probs:
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal=causal, window_size=window_size,

@@ -53,6 +53,9 @@ def load() -> bool:
     BUILT_NAMES = frozenset(c.short for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention::attention")(_attention_fake)
+    from . import backward  # the backward operator's fake and attention's autograd
+
+    backward.register()
     LOADED = True
     refresh_dispatch()
     return True

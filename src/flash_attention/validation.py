@@ -89,13 +89,18 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
                    q.device)
 
 
-def check_no_grad(*tensors: torch.Tensor) -> None:
-    """Forward only: an input that requires grad, with grad mode on, would silently get no
-    gradient."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Grad mode is on and an input requires grad: the call must keep what its backward needs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def check_no_grad(*tensors: torch.Tensor, call: str = "this call") -> None:
+    """Calls without a backward (out=, varlen): an input that requires grad, with grad mode on,
+    would silently get no gradient."""
+    if needs_grad(*tensors):
         raise RuntimeError(
-            "flash_attention computes the forward pass only (no backward): an input requires "
-            "grad; call it under torch.no_grad() or torch.inference_mode(), or detach the inputs"
+            f"flash_attention has no backward for {call}: an input requires grad; call it "
+            "under torch.no_grad() or torch.inference_mode(), or detach the inputs"
         )
 
 

@@ -10,6 +10,8 @@ import re
 
 from flash_attention.codegen import ELEM_TYPES
 from flash_attention.config import FLAGS, KernelConfig
+from flash_attention.config_bwd import FLAGS as BWD_FLAGS
+from flash_attention.config_bwd import BwdConfig
 from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
 from flash_attention.config_sm90 import Sm90Config
 
@@ -38,11 +40,32 @@ def _sm90_config_of(mangled: str) -> Sm90Config | None:
                       int(m["stages"]), **flags)
 
 
-def config_of(mangled: str) -> KernelConfig | Sm90Config | None:
-    """The config of a mangled kernel symbol of either family, None for any other symbol."""
+_MANGLED_BWD = re.compile(
+    r"_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI(?P<elem>6__half|13__nv_bfloat16)"
+    r"Li(?P<d>\d+)ELi(?P<bc>\d+)ELi(?P<br>\d+)ELi(?P<w>\d+)E(?P<flags>(?:Lb[01]E)+)"
+    r"EEEEvNS_9BwdParamsE"
+)
+
+
+def _bwd_config_of(mangled: str) -> BwdConfig | None:
+    """flash::bwd::bwd_kernel<flash::BwdConfig<Elem, D, B_c, B_r, warps, flags...>>."""
+    m = _MANGLED_BWD.search(mangled)
+    if m is None:
+        return None
+    bits = re.findall(r"Lb([01])E", m["flags"])
+    if len(bits) != len(BWD_FLAGS):
+        return None
+    flags = {name: bit == "1" for name, bit in zip(BWD_FLAGS, bits)}
+    return BwdConfig(_ELEM[m["elem"]], int(m["d"]), int(m["bc"]), int(m["br"]), int(m["w"]),
+                     **flags)
+
+
+def config_of(mangled: str) -> KernelConfig | Sm90Config | BwdConfig | None:
+    """The config of a mangled kernel symbol of either family (or a backward one), None for
+    any other symbol."""
     m = _MANGLED.search(mangled)
     if m is None:
-        return _sm90_config_of(mangled)
+        return _sm90_config_of(mangled) or _bwd_config_of(mangled)
     bits = re.findall(r"Lb([01])E", m["flags"])
     if len(bits) != len(FLAGS):
         return None

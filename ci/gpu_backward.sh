@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build the backward kernels with the forward kernels its tests need, then run the backward GPU
+# tests (and, with BENCH=1, the backward timing against SDPA). Logs go to $OUT (or ./out).
+#   BWD=default FWD_D="32 64 96 128 160 192 256" ci/gpu_backward.sh [pytest args...]
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+fwd_d=${FWD_D:-32 64 96 128 160 192 256}
+fwd=$(python3 - "$fwd_d" <<'PY'
+import sys
+sys.path.insert(0, "src")
+from flash_attention.dispatch import _LONG
+names = [f"{dt}_d{d}_{_LONG[d]}{f}" for dt in ("fp16", "bf16") for d in map(int, sys.argv[1].split())
+         for f in ("m", "mt")]
+print(",".join(names))
+PY
+)
+start=$(date +%s)
+FLASH_ATTENTION_KERNELS="$fwd" FLASH_ATTENTION_BWD_KERNELS="${BWD:-default}" \
+    FLASH_ATTENTION_ARCHS="${ARCHS:-90}" MAX_JOBS="${MAX_JOBS:-16}" \
+    python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+cp build/ptxas_bwd.log "$out/ptxas_bwd.log" 2>/dev/null
+grep -A2 "bwd_kernel" build/ptxas_bwd.log | grep -E "registers|spill" | sort | uniq -c | head -20
+rc=0
+if [ "${TESTS:-1}" = 1 ]; then
+    PYTHONPATH=src FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu_backward.py "$@" >"$out/pytest.log" 2>&1
+    rc=$?
+    grep -E "passed|failed|error" "$out/pytest.log" | tail -3
+    grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -30
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+    for tool in memcheck racecheck synccheck; do
+        PYTHONPATH=src compute-sanitizer --tool "$tool" python3 ci/backward_sanitize.py \
+            >"$out/sanitize-$tool.log" 2>&1
+        echo "compute-sanitizer $tool: exit $? ($(grep -c "ERROR SUMMARY: 0 errors\|RACECHECK SUMMARY: 0 hazards" "$out/sanitize-$tool.log") clean summaries)"
+        grep -E "SUMMARY" "$out/sanitize-$tool.log" | head -3
+    done
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+    PYTHONPATH=src python3 ci/backward_bench.py 2>&1 | tee "$out/bench.log"
+fi
+exit $rc

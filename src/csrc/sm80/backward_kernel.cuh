@@ -1,0 +1,527 @@
+// FlashAttention-2 backward, sm80 family (mma.sync, ldmatrix, cp.async; runs on sm_80+).
+//
+//   preprocess   D = rowsum(dO * O) - dLSE per query row (fp32); zero the dQ accumulator
+//   main         one CTA per (KV block j of B_c keys, KV head, batch); for each query head of
+//                the group and each query block i that sees block j:
+//                  dP^T = V dO_i^T,  S^T = K Q_i^T  (softcap: t = tanh(S * scale / c))
+//                  P^T = exp2(S^T * scale_log2 - LSE_i * log2 e)       (masked: 0)
+//                  dS^T = P^T * (dP^T - D_i)     (softcap: times 1 - t^2)
+//                  dV += P^T dO_i,  dK += dS^T Q_i,  dQ_i += dS K  (fp32 atomics)
+//                then dK * scale and dV are written once.
+//   convert      dQ = scale * dQ accumulator, in the input dtype
+//
+// Rows that see no key (LSE = -inf) and rows past seqlen_q get P = 0 through an LSE of +inf,
+// so every gradient they touch is exactly 0. With BwdParams::dq_semaphore (deterministic) the
+// KV blocks of a query block add their dQ in a fixed order (last KV block first), so the sums
+// are bitwise reproducible.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/bwd_params.h"
+#include "../common/numeric.cuh"
+#include "backward_config.cuh"
+#include "backward_gemm.cuh"
+#include "smem_tile.cuh"
+
+namespace flash::bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// p[0] += a, p[1] += b (fp32 reductions, no result): one vector reduction on sm_90, two scalar
+// ones before. p is 8-byte aligned.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The keys a query row sees, off = seqlen_k - seqlen_q: [row + off - left, row + off + right].
+struct Window {
+    int off;          // fits 32 bits: both lengths are below 2^31 - 256
+    int left, right;  // -1: unbounded
+
+    // The first and last key any of rows [r0, r1] sees, clamped to [0, seqlen_k - 1].
+    __device__ __forceinline__ void keys(int r0, int r1, int seqlen_k, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = left < 0 ? 0 : int64_t(r0) + off - left;
+        hi = right < 0 ? seqlen_k - 1 : int64_t(r1) + off + right;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_k - 1 ? hi : seqlen_k - 1;
+    }
+    // The first and last query row that sees any of keys [k0, k1], clamped to [0, seqlen_q - 1].
+    __device__ __forceinline__ void rows(int k0, int k1, int seqlen_q, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = right < 0 ? 0 : int64_t(k0) - off - right;
+        hi = left < 0 ? seqlen_q - 1 : int64_t(k1) - off + left;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_q - 1 ? hi : seqlen_q - 1;
+    }
+    __device__ __forceinline__ bool sees(int64_t row, int64_t key) const {
+        const int64_t rel = key - row - off;
+        return (left < 0 || rel >= -left) && (right < 0 || rel <= right);
+    }
+};
+
+// This CTA's sequence: where its rows start in q/dout/dq (and the fp32 row buffers) and in
+// k/v/dk/dv, and its lengths. Fixed-length batches: 0 and the call's lengths. Varlen offsets are
+// clamped into [0, total] as in the forward (the kernels never address outside the tensors).
+struct BwdSpan {
+    int q_start, k_start;
+    int seqlen_q, seqlen_k;
+};
+
+__device__ __forceinline__ int clamp_total(int x, int hi) {
+    return x < 0 ? 0 : (x > hi ? hi : x);
+}
+
+__device__ __forceinline__ BwdSpan bwd_span(const BwdParams& p, int batch) {
+    if (p.cu_seqlens_q == nullptr)
+        return BwdSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int q0 = clamp_total(p.cu_seqlens_q[batch], p.total_q);
+    const int q1 = clamp_total(p.cu_seqlens_q[batch + 1], p.total_q);
+    const int k0 = clamp_total(p.cu_seqlens_k[batch], p.total_k);
+    const int k1 = clamp_total(p.cu_seqlens_k[batch + 1], p.total_k);
+    return BwdSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
+}
+
+// The CTA's span in shared memory: read where needed, so that none of it stays in registers
+// across the main loop (the accumulators leave none to spare). Written by thread 0 before the
+// first barrier of bwd_kernel.
+__shared__ BwdSpan bwd_cta_span;
+
+// 4-byte async copy (the row vectors of a varlen sequence start at any row).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
+// Two 16-bit values of one 32-bit word -> fp32 (torch builds disable the implicit conversions).
+__device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+// ---- preprocess --------------------------------------------------------------------------------
+
+// One warp per query row (rows < seqlen_q_pad): D = rowsum(dO * O) - dLSE and LSE * log2(e)
+// (0 and +inf past seqlen_q; +inf for an LSE of -inf), and the row's dQ accumulator zeroed.
+// Lane l reads the 16-byte chunk l of the row.
+template <typename Elem>
+__global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * 4 + threadIdx.x / 32;
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q_pad)
+        return;
+    float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+    for (int c = lane * 4; c < p.d_pad; c += 32 * 4)
+        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
+    if (row >= p.seqlen_q) {
+        if (lane == 0) {
+            p.d_rows[at] = 0.f;
+            p.lse_log2[at] = INFINITY;
+        }
+        return;
+    }
+    float sum = 0.f;
+    if (lane * 8 < p.d_head) {
+        const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
+                        head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+        const Elem* d = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                        head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+        const uint4 ov = *reinterpret_cast<const uint4*>(o);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d);
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 a = unpack2(ow[e], Elem{}), b = unpack2(dw[e], Elem{});
+            sum += a.x * b.x + a.y * b.y;
+        }
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (lane == 0) {
+        const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
+        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+        const float lse = p.lse[in];
+        p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    }
+}
+
+// ---- dQ conversion ----------------------------------------------------------------------------
+
+// dQ = scale * accumulator in the input dtype; one thread per 8 columns of a row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const int chunks = p.d_head / 8;
+    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    const int64_t row = idx / chunks;
+    const int chunk = static_cast<int>(idx % chunks);
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q)
+        return;
+    const float* acc =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad + chunk * 8;
+    const float4 a = *reinterpret_cast<const float4*>(acc);
+    const float4 b = *reinterpret_cast<const float4*>(acc + 4);
+    const float s = p.softmax_scale;
+    uint4 out;
+    out.x = pack2<Elem>(a.x * s, a.y * s);
+    out.y = pack2<Elem>(a.z * s, a.w * s);
+    out.z = pack2<Elem>(b.x * s, b.y * s);
+    out.w = pack2<Elem>(b.z * s, b.w * s);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + chunk * 8;
+    *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// ---- main kernel ------------------------------------------------------------------------------
+
+template <class Cfg>
+struct BackwardCta {
+    using Elem = typename Cfg::Elem;
+    using P1 = typename Cfg::Phase1;
+    using P2 = typename Cfg::Phase2;
+    using P3 = typename Cfg::Phase3;
+    using PTile = typename Cfg::PTile;
+    static constexpr int kBr = Cfg::kBr, kBc = Cfg::kBc;
+
+    // One stage of query-block data in smem: Q, dO, LSE * log2(e) (+inf where P must be 0), D.
+    struct Stage {
+        uint32_t q, dout, lse, d;
+    };
+
+    const BwdParams& p;
+    const int lane, warp;
+    const int kv_block, k_row0;
+    const int batch, kv_head;
+    const uint32_t sStage0, sK, sV, sP, sdS;
+    const float* const sRowVecs;  // generic pointer to the LSE of stage 0
+
+    float dK[P2::kMT][P2::kNT][4];
+    float dV[P2::kMT][P2::kNT][4];
+
+    __device__ __forceinline__ BackwardCta(const BwdParams& params, unsigned char* smem)
+        : p(params),
+          lane(threadIdx.x % 32),
+          warp(threadIdx.x / 32),
+          // Deterministic: the last KV block first (see accumulate_dq).
+          kv_block(params.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x)
+                                                  : int(blockIdx.x)),
+          k_row0(kv_block * kBc),
+          batch(blockIdx.z),
+          kv_head(blockIdx.y),
+          sStage0(smem_addr(smem)),
+          sK(sStage0 + Cfg::kQStages * Cfg::kStageBytes),
+          sV(sK + Cfg::kKTileBytes),
+          sP(sV + Cfg::kKTileBytes),
+          sdS(sP + Cfg::kPTileBytes),
+          sRowVecs(reinterpret_cast<const float*>(smem + 2 * Cfg::kQTileBytes)) {}
+
+    __device__ __forceinline__ Stage stage(int buf) const {
+        const uint32_t base = sStage0 + buf * Cfg::kStageBytes;
+        return Stage{base, base + Cfg::kQTileBytes, base + 2 * Cfg::kQTileBytes,
+                     base + 2 * Cfg::kQTileBytes + Cfg::kRowVecBytes};
+    }
+    __device__ __forceinline__ const float* lse_of(int buf) const {
+        return sRowVecs + buf * (Cfg::kStageBytes / 4);
+    }
+    __device__ __forceinline__ const float* d_of(int buf) const { return lse_of(buf) + kBr; }
+
+    // This CTA's sequence (the whole call unless varlen) and its window.
+    __device__ __forceinline__ const BwdSpan& span() const { return bwd_cta_span; }
+    __device__ __forceinline__ Window win() const {
+        return Window{bwd_cta_span.seqlen_k - bwd_cta_span.seqlen_q, p.window_left, p.window_right};
+    }
+
+    // Element offset of row 0 of this sequence and `head` in the fp32 row buffers (d_rows,
+    // lse_log2, and in units of d_pad dq_accum): (batch, head, row) fixed-length; varlen
+    // (head, token), the sequence starting at its first token.
+    __device__ __forceinline__ int64_t vec_base(int64_t head) const {
+        return p.cu_seqlens_q == nullptr ? (int64_t(batch) * p.heads + head) * p.seqlen_q_pad
+                                         : head * p.seqlen_q_pad + span().q_start;
+    }
+
+    __device__ __forceinline__ void run() {
+        if (k_row0 >= span().seqlen_k)
+            return;  // past this sequence's keys (varlen: the grid covers the longest)
+        zero(dK);
+        zero(dV);
+        const int k_last = (k_row0 + kBc < span().seqlen_k ? k_row0 + kBc : span().seqlen_k) - 1;
+        int64_t q_lo, q_hi;
+        win().rows(k_row0, k_last, span().seqlen_q, q_lo, q_hi);
+        if (q_hi >= q_lo) {  // else no query row sees these keys: dK = dV = 0
+            const int i_first = static_cast<int>(q_lo / kBr);
+            const int n_q = static_cast<int>(q_hi / kBr) - i_first + 1;
+            const int n = n_q * p.heads_per_kv;  // (head, query block) pairs, head-major
+            const int64_t head0 = kv_head * p.heads_per_kv;
+            const int64_t k_row = int64_t(span().k_start) + k_row0;
+            const Elem* k = static_cast<const Elem*>(p.k) + batch * p.k_batch_stride +
+                            kv_head * p.k_head_stride + k_row * p.k_row_stride;
+            const Elem* v = static_cast<const Elem*>(p.v) + batch * p.v_batch_stride +
+                            kv_head * p.v_head_stride + k_row * p.v_row_stride;
+            TileCopy<Cfg, kBc>(threadIdx.x, p.k_row_stride, p.d_head)
+                .issue(sK, k, span().seqlen_k - k_row0);
+            TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
+                .issue(sV, v, span().seqlen_k - k_row0);
+            issue_query_block(head0, i_first, 0);
+            cp_async_commit();  // K and V land with the first query block
+            for (int t = 0; t < n; ++t) {
+                const int64_t head = head0 + t / n_q;
+                const int i = i_first + t % n_q;
+                const int buf = Cfg::kPrefetch ? t % 2 : 0;
+                if (Cfg::kPrefetch && t + 1 < n) {
+                    // The other stage is free: the barrier closing block t - 1 ordered its
+                    // last reads.
+                    issue_query_block(head0 + (t + 1) / n_q, i_first + (t + 1) % n_q, buf ^ 1);
+                    cp_async_commit();
+                    cp_async_wait<1>();  // block t has landed; t + 1 may still be in flight
+                } else {
+                    if (!Cfg::kPrefetch && t > 0) {
+                        issue_query_block(head, i, 0);  // free since the closing barrier
+                        cp_async_commit();
+                    }
+                    cp_async_wait<0>();
+                }
+                __syncthreads();  // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem
+
+                probabilities(i * kBr, stage(buf), lse_of(buf), d_of(buf));
+                __syncthreads();  // P^T and dS^T are complete in smem
+
+                accumulate_dk_dv(stage(buf));
+                accumulate_dq(head, i);
+                __syncthreads();  // every warp is done with this stage, sP and sdS
+            }
+        }
+        write_dk_dv();
+    }
+
+    // Q, dO, LSE * log2(e) and D of query block i of `head` into stage `buf` (async copies;
+    // the caller commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
+    __device__ __forceinline__ void issue_query_block(int64_t head, int i, int buf) const {
+        const int q_row0 = i * kBr;
+        const int64_t q_row = int64_t(span().q_start) + q_row0;
+        const Stage st = stage(buf);
+        const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
+                        head * p.q_head_stride + q_row * p.q_row_stride;
+        const Elem* dout = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                           head * p.do_head_stride + q_row * p.do_row_stride;
+        // The copies' per-thread offsets are recomputed here rather than kept in registers
+        // across the loop.
+        TileCopy<Cfg, kBr>(threadIdx.x, p.q_row_stride, p.d_head)
+            .issue(st.q, q, span().seqlen_q - q_row0);
+        TileCopy<Cfg, kBr>(threadIdx.x, p.do_row_stride, p.d_head)
+            .issue(st.dout, dout, span().seqlen_q - q_row0);
+        if (p.cu_seqlens_q == nullptr) {         // whole blocks of 16-byte chunks (rows padded)
+            constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
+            if (threadIdx.x < 2 * kVecChunks) {
+                const int c = threadIdx.x % kVecChunks;
+                const bool is_d = threadIdx.x >= kVecChunks;
+                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + c * 4;
+                cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
+            }
+        } else {  // varlen: a sequence starts at any row; rows past it are masked in phase 1
+            for (int t = threadIdx.x; t < 2 * kBr; t += Cfg::kThreads) {
+                const int r = t % kBr;
+                const bool is_d = t >= kBr;
+                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + r;
+                cp_async_4((is_d ? st.d : st.lse) + r * 4, src);
+            }
+        }
+    }
+
+    // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
+    // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
+    // dP^T hold at most 32 registers next to the resident dK and dV.
+    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, const float* sLse,
+                                                  const float* sD) {
+        // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
+        // key tail need it.
+        // Rows past seqlen_q matter only for varlen (their LSE and D are the next sequence's);
+        // fixed-length ones have an LSE of +inf already.
+        const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
+        const bool masked = k_last >= span().seqlen_k || q_last >= span().seqlen_q ||
+                            !win().sees(q_last, k_row0) || !win().sees(q_row0, k_last);
+        // Rows and keys of the block inside the sequence (masked blocks only).
+        const int q_valid = span().seqlen_q - q_row0, k_valid = span().seqlen_k - k_row0;
+#pragma unroll 1
+        for (int chunk = 0; chunk < P1::kNT / Cfg::kP1ChunkNT; ++chunk)
+            probabilities_chunk(q_row0, P1::col0(warp) + chunk * Cfg::kP1ChunkNT * 8,
+                                masked ? q_valid : -1, k_valid, st, sLse, sD);
+    }
+
+    // q_valid < 0: a block seen whole (no element masked).
+    __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, int q_valid,
+                                                        int k_valid, const Stage& st,
+                                                        const float* sLse, const float* sD) {
+        constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
+        const int r0 = P1::row0(warp);
+        float dP[kMT][kNT][4];
+        float S[kMT][kNT][4];
+        zero(dP);
+        warp_gemm<Elem, kSteps>(dP, LoadA<Cfg, kMT>(sV, r0, 0, lane),
+                                LoadB<Cfg, kNT>(st.dout, c0, 0, lane));
+        zero(S);
+        warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
+                                LoadB<Cfg, kNT>(st.q, c0, 0, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                float pv[4], ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    float s = S[mt][nt][e];
+                    float dtanh = 1.f;
+                    if constexpr (Cfg::kSoftcap) {
+                        s = tanh_fast(s * p.softcap_scale);
+                        dtanh = 1.f - s * s;
+                    }
+                    float prob = fast_exp2(fmaf(s, p.scale_log2, -sLse[col]));
+                    if (q_valid >= 0 && (key >= k_valid || col >= q_valid ||
+                                         !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
+                        prob = 0.f;
+                    pv[e] = prob;
+                    ds[e] = prob * (dP[mt][nt][e] - sD[col]) * dtanh;
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int key = r0 + mt * 16 + lane / 4 + 8 * h;
+                    const uint32_t off =
+                        tile_offset<PTile>(key, (c0 + nt * 8) / 8) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off),
+                                 "r"(pack2<Elem>(pv[2 * h], pv[2 * h + 1])));
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off),
+                                 "r"(pack2<Elem>(ds[2 * h], ds[2 * h + 1])));
+                }
+            }
+    }
+
+    // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
+    __device__ __forceinline__ void accumulate_dk_dv(const Stage& st) {
+        constexpr int kMT = P2::kMT, kNT = P2::kNT, kSteps = kBr / 16;
+        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        warp_gemm<Elem, kSteps>(dV, LoadA<PTile, kMT>(sP, r0, 0, lane),
+                                LoadBTrans<Cfg, kNT>(st.dout, c0 / 8, lane));
+        warp_gemm<Elem, kSteps>(dK, LoadA<PTile, kMT>(sdS, r0, 0, lane),
+                                LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane));
+    }
+
+    // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in a fixed order when
+    // deterministic). A warp's d_head columns go in chunks of Cfg::kP3ChunkNT n8 tiles.
+    __device__ __forceinline__ void accumulate_dq(int64_t head, int i) {
+        int* sem = nullptr;
+        int turn = 0;
+        if (p.dq_semaphore != nullptr) {                        // uniform over the CTA
+            const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;  // of the longest sequence
+            sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
+            const int q_last =
+                (i * kBr + kBr < span().seqlen_q ? i * kBr + kBr : span().seqlen_q) - 1;
+            int64_t k_lo, k_hi;
+            win().keys(i * kBr, q_last, span().seqlen_k, k_lo, k_hi);
+            // The KV blocks of query block i add from the last to the first: those CTAs were
+            // launched earlier (so waiting on them cannot deadlock), and under a causal mask
+            // the last KV block that sees query block i meets it first, so each CTA trails the
+            // one before by a single query block.
+            turn = static_cast<int>(k_hi / kBc) - kv_block;  // KV blocks added before this one
+            if (threadIdx.x == 0)
+                while (ld_acquire(sem) != turn) {
+                }
+            __syncthreads();  // the previous KV block's additions are visible
+        }
+        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * p.d_pad;
+#pragma unroll 1
+        for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk)
+            dq_chunk(acc, P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8);
+        if (sem != nullptr) {
+            __threadfence();
+            __syncthreads();  // every thread's additions are done and fenced
+            if (threadIdx.x == 0)
+                st_release(sem, turn + 1);
+        }
+    }
+
+    __device__ __forceinline__ void dq_chunk(float* acc, int c0) {
+        constexpr int kMT = P3::kMT, kNT = Cfg::kP3ChunkNT, kSteps = kBc / 16;
+        const int r0 = P3::row0(warp);
+        float dQ[kMT][kNT][4];
+        zero(dQ);
+        warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
+                                LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = r0 + mt * 16 + lane / 4 + 8 * h;
+                    const int col = c0 + nt * 8 + 2 * (lane % 4);
+                    red_add2(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][2 * h],
+                             dQ[mt][nt][2 * h + 1]);
+                }
+    }
+
+    // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
+    // written.
+    __device__ __forceinline__ void write_dk_dv() {
+        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        const int64_t k_row = int64_t(span().k_start) + k_row0;
+        Elem* dk = static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
+                   kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
+        Elem* dv = static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
+                   kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
+        const float scale = p.softmax_scale;
+#pragma unroll
+        for (int mt = 0; mt < P2::kMT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + mt * 16 + lane / 4 + 8 * h;
+                if (k_row0 + row >= span().seqlen_k)
+                    continue;
+#pragma unroll
+                for (int nt = 0; nt < P2::kNT; ++nt) {
+                    const int col = c0 + nt * 8 + 2 * (lane % 4);
+                    if (col >= p.d_head)
+                        continue;
+                    *reinterpret_cast<uint32_t*>(dk + row * p.dk_row_stride + col) =
+                        pack2<Elem>(dK[mt][nt][2 * h] * scale, dK[mt][nt][2 * h + 1] * scale);
+                    *reinterpret_cast<uint32_t*>(dv + row * p.dv_row_stride + col) =
+                        pack2<Elem>(dV[mt][nt][2 * h], dV[mt][nt][2 * h + 1]);
+                }
+            }
+    }
+};
+
+// One CTA per SM at most (8 warps, large tiles): ptxas may use up to 255 registers.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParams params) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (threadIdx.x == 0)
+        bwd_cta_span = bwd_span(params, blockIdx.z);
+    __syncthreads();  // the span is readable by every thread
+    BackwardCta<Cfg> cta(params, smem);
+    cta.run();
+}
+
+}  // namespace flash::bwd

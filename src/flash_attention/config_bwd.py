@@ -1,0 +1,318 @@
+"""Backward kernel configs: the single source of truth for what a backward kernel is.
+
+A :class:`BwdConfig` names one instantiation of the C++ template ``flash::BwdConfig``
+(src/csrc/sm80/backward_config.cuh), the sm80-family FlashAttention-2 backward (runs on sm_80
+and sm_90). Its short form (``bwd_bf16_d128_c128_r64_w8_fb``) parses back to the same config and
+is the kernel's name in the build, the backward registry and every report. The rules here
+mirror the static_asserts of backward_config.cuh.
+
+Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
+``none`` builds no backward):
+
+- ``ci``: three kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
+  softcap and without (the split-column warp grid, the padded 256-wide rows).
+- ``default``: the tile of :func:`default_tile` for d_head 64, 128 and 256 in both dtypes,
+  with and without a softcap (12 kernels); every other d_head runs zero-padded on the next.
+- ``variants``: the same for every d_head variant (32 .. 256 but 224, which runs on 256).
+- ``all``: the union.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass
+
+from .config import (
+    D_HEADS,
+    DTYPES,
+    MAX_CTAS_PER_SM,
+    REGS_PER_SM,
+    SMEM_PER_BLOCK_OPTIN,
+    SMEM_PER_SM,
+    THREADS_PER_SM,
+    ConfigError,
+    parse_flags,
+    smem_d_head,
+)
+
+BLOCK_C = (64, 128)
+BLOCK_R = (64, 128)
+WARPS = (4, 8)
+REG_BUDGET = 200  # mirrors BwdConfig::kRegBudget: fp32 accumulator registers per thread
+
+FLAGS: dict[str, tuple[str, str]] = {
+    "prefetch": ("b", "double-buffered query blocks: Q, dO, LSE and D of the next block load "
+                      "while this one computes"),
+    "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
+}
+STATIC_SMEM = 128  # the CTA's sequence span (static __shared__), beside the dynamic tiles
+P1_CHUNK_TILES = 4  # mirrors BwdConfig::kP1ChunkNT: m16 x n8 tiles of S^T per phase-1 chunk
+
+_SHORT_RE = re.compile(
+    r"^bwd_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
+    r"_w(?P<warps>\d+)_f(?P<flags>[a-z]*)$"
+)
+
+
+@dataclass(frozen=True)
+class WarpGrid:
+    """Mirrors flash::WarpGrid: warps over a (rows x cols) tile, each with m_tiles m16 tiles and
+    n_tiles n8 tiles; of the splits into whole 16 x 16 tiles per warp, the squarest warp tile
+    (least smem read per k-step), more warp rows on a tie."""
+
+    rows: int
+    cols: int
+    warps: int
+
+    @property
+    def warp_rows(self) -> int:
+        best, best_cost = 0, 1 << 30
+        wr = 1
+        while wr <= self.warps:
+            wc = self.warps // wr
+            if not (self.warps % wr or self.rows % (16 * wr) or self.cols % (16 * wc)):
+                cost = self.rows // wr + self.cols // wc
+                if cost <= best_cost:
+                    best, best_cost = wr, cost
+            wr *= 2
+        return best
+
+    @property
+    def warp_cols(self) -> int:
+        return self.warps // self.warp_rows if self.warp_rows else 0
+
+    @property
+    def m_tiles(self) -> int:
+        return self.rows // self.warp_rows // 16
+
+    @property
+    def n_tiles(self) -> int:
+        return self.cols // self.warp_cols // 8
+
+    def problems(self, what: str) -> list[str]:
+        if not self.warp_rows:
+            return [f"{what}: no split of a {self.rows} x {self.cols} tile over {self.warps} "
+                    "warps gives each warp whole 16 x 16 tiles"]
+        return []
+
+
+@dataclass(frozen=True, order=True)
+class BwdConfig:
+    """One FA2 backward kernel: B_c keys per CTA, B_r query rows per iteration."""
+
+    dtype: str
+    d_head: int
+    block_c: int
+    block_r: int
+    warps: int
+    prefetch: bool = False
+    softcap: bool = False
+
+    family = "sm80-bwd"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid backward config {self._raw_name()}: "
+                              + "; ".join(problems))
+
+    def _raw_name(self) -> str:
+        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
+        return (f"bwd_{self.dtype}_d{self.d_head}_c{self.block_c}_r{self.block_r}"
+                f"_w{self.warps}_f{flags}")
+
+    @property
+    def short(self) -> str:
+        """Short form, e.g. ``bwd_bf16_d128_c128_r64_w8_fb``; a valid C identifier."""
+        return self._raw_name()
+
+    def __str__(self) -> str:
+        return self.short
+
+    @classmethod
+    def parse(cls, text: str) -> BwdConfig:
+        m = _SHORT_RE.match(text.strip())
+        if m is None:
+            raise ConfigError(
+                f"cannot parse backward config {text!r}: expected "
+                "bwd_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_w<warps>_f<flags>, flags a subset of "
+                f"{''.join(code for code, _ in FLAGS.values())!r}, "
+                "e.g. bwd_bf16_d128_c128_r64_w8_fb")
+        return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
+                   block_r=int(m["block_r"]), warps=int(m["warps"]),
+                   **parse_flags(text, m["flags"], FLAGS))
+
+    def replace(self, **changes: object) -> BwdConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived (mirror backward_config.cuh) -----------------------------------------------
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def phase1(self) -> WarpGrid:  # S^T, dP^T: keys x queries
+        return WarpGrid(self.block_c, self.block_r, self.warps)
+
+    @property
+    def phase2(self) -> WarpGrid:  # dK, dV: keys x d_head
+        return WarpGrid(self.block_c, self.d_head, self.warps)
+
+    @property
+    def phase3(self) -> WarpGrid:  # dQ: queries x d_head
+        return WarpGrid(self.block_r, self.d_head, self.warps)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Per query stage (two with prefetch) Q, dO (rows padded to smem_d_head), LSE and D;
+        then K, V, P^T and dS^T."""
+        row = smem_d_head(self.d_head) * 2
+        stage = 2 * self.block_r * row + 2 * self.block_r * 4
+        return ((2 if self.prefetch else 1) * stage + 2 * self.block_c * row
+                + 2 * self.block_c * self.block_r * 2)
+
+    @property
+    def p1_chunk_n_tiles(self) -> int:
+        """n8 tiles of a phase-1 chunk: at most P1_CHUNK_TILES m16 x n8 tiles (twice that when
+        dK and dV hold at most 64 registers), at least 2."""
+        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        tiles = P1_CHUNK_TILES * (2 if resident <= 64 else 1)
+        return min(self.phase1.n_tiles, max(tiles // self.phase1.m_tiles, 2))
+
+    @property
+    def p3_chunk_n_tiles(self) -> int:
+        """n8 tiles of a phase-3 (dQ) chunk: at most 8 m16 x n8 tiles, at least 2."""
+        return min(self.phase3.n_tiles, max(8 // self.phase3.m_tiles, 2))
+
+    @property
+    def accum_regs(self) -> int:
+        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        p1 = 2 * self.phase1.m_tiles * self.p1_chunk_n_tiles * 4
+        p3 = self.phase3.m_tiles * self.p3_chunk_n_tiles * 4
+        return resident + max(p1, p3)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.dtype not in DTYPES:
+            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.d_head not in D_HEADS:
+            out.append(f"d_head must be one of {D_HEADS}, got {self.d_head}")
+        if self.block_c not in BLOCK_C:
+            out.append(f"B_c must be one of {BLOCK_C}, got {self.block_c}")
+        if self.block_r not in BLOCK_R:
+            out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
+        if self.warps not in WARPS:
+            out.append(f"warps must be one of {WARPS}, got {self.warps}")
+        for name in FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be a bool")
+        if out:
+            return out
+        for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dK, dV)", self.phase2),
+                           ("phase 3 (dQ)", self.phase3)):
+            out += grid.problems(what)
+        rows_per_pass = self.threads // (smem_d_head(self.d_head) // 8)
+        if rows_per_pass % 8:
+            out.append(f"d_head={self.d_head} over {self.warps} warps copies {rows_per_pass} smem "
+                       "rows per pass; the swizzled copy needs a multiple of 8 (8 warps above "
+                       "d_head 128)")
+        elif self.block_r % rows_per_pass or self.block_c % rows_per_pass:
+            out.append(f"B_r and B_c must be multiples of the {rows_per_pass} rows a copy pass "
+                       "covers")
+        if out:
+            return out
+        if self.accum_regs > REG_BUDGET:
+            out.append(f"accumulators need {self.accum_regs} registers per thread, over the "
+                       f"budget of {REG_BUDGET}: use more warps or a smaller tile")
+        if self.smem_bytes + STATIC_SMEM > SMEM_PER_BLOCK_OPTIN[80]:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_80 limit")
+        return out
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """Resident CTAs per SM on sm_<arch> and what limits them (as KernelConfig.occupancy;
+        without a measured register count, 255)."""
+        if arch not in SMEM_PER_SM:
+            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
+        regs_alloc = ((max(regs_per_thread or 255, 1) + 7) // 8) * 8
+        limits = {
+            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
+            "by_smem": SMEM_PER_SM[arch] // (self.smem_bytes + static_smem + 1024),
+            "by_threads": THREADS_PER_SM[arch] // self.threads,
+            "by_cap": MAX_CTAS_PER_SM[arch],
+        }
+        ctas = max(0, min(limits.values()))
+        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+
+    def describe(self) -> str:
+        on = [name for name in FLAGS if getattr(self, name)]
+        return (f"{self.short}: backward, {self.dtype}, d_head={self.d_head}, B_c={self.block_c}, "
+                f"B_r={self.block_r}, {self.warps} warps, smem={self.smem_bytes} B, "
+                f"flags={','.join(on) or 'none'}")
+
+
+def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
+    """The backward tile of a d_head variant, 8 warps: B_c=128 up to d_head 128 with the
+    prefetch, B_r=128 up to d_head 64 (H100: 0.79-0.94x SDPA FA2 against 0.74-0.87x with
+    B_r=64) and 64 above; B_c=64, B_r=64 above d_head 128, without the prefetch (two stages of
+    256-wide Q and dO rows exceed sm_80's shared memory), dK and dV at 128 registers."""
+    block_c = 128 if d_head <= 128 else 64
+    block_r = 128 if d_head <= 64 else 64
+    return BwdConfig(dtype, d_head, block_c, block_r, 8, prefetch=d_head <= 128,
+                     softcap=softcap)
+
+
+# d_head variants of the default set, few for compile time (each backward kernel takes about
+# 35 s of one core for sm_80 and sm_90): a call's d_head runs on the smallest one not below it,
+# zero-padded (d_head 96 on the 128 kernel, 160 and 192 on the 256 one).
+DEFAULT_D_HEADS = (64, 128, 256)
+# The ``variants`` set: every variant but 224 (which spills 16 bytes on sm_90: a 224-column tile
+# splits over two warp columns only; d_head 224 runs on the 256 kernel).
+VARIANT_D_HEADS = tuple(d for d in D_HEADS if d != 224)
+
+
+P = BwdConfig.parse
+
+CI: tuple[BwdConfig, ...] = (
+    P("bwd_bf16_d64_c128_r64_w8_fb"),
+    P("bwd_bf16_d128_c128_r64_w8_fb"),
+    P("bwd_fp16_d256_c64_r64_w8_ft"),
+)
+DEFAULT: tuple[BwdConfig, ...] = tuple(
+    default_tile(dtype, d, softcap)
+    for dtype, d, softcap in itertools.product(DTYPES, DEFAULT_D_HEADS, (False, True)))
+VARIANTS: tuple[BwdConfig, ...] = tuple(
+    default_tile(dtype, d, softcap)
+    for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
+
+SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "variants": VARIANTS,
+                                          "none": ()}
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
+
+
+def resolve(spec: str) -> tuple[BwdConfig, ...]:
+    """Backward configs named by comma-separated set names and/or short forms, in order,
+    without duplicates (``none``: no backward kernels)."""
+    out: list[BwdConfig] = []
+    for item in (i.strip() for i in spec.split(",")):
+        if not item:
+            continue
+        if item in SETS:
+            out.extend(SETS[item])
+        else:
+            try:
+                out.append(BwdConfig.parse(item))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or name a backward set: {', '.join(SETS)}") from None
+    return tuple(dict.fromkeys(out))
+
+
+def select(dtype: str, d_head: int, softcap: bool,
+           built: tuple[BwdConfig, ...]) -> BwdConfig | None:
+    """The backward kernel for a call: the built config of the dtype and softcap flag with the
+    smallest d_head variant not below d_head (what the operator picks in C++)."""
+    fits = [c for c in built if c.dtype == dtype and c.softcap == softcap and c.d_head >= d_head]
+    return min(fits, key=lambda c: c.d_head) if fits else None

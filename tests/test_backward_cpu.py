@@ -1,0 +1,202 @@
+"""The backward on a machine without a GPU: its configs (the mirror of backward_config.cuh),
+code generation, and the backward operator's fake implementation and validation, with a
+training step traced under FakeTensorMode (fake CUDA tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+import flash_attention as fa
+from flash_attention import codegen_bwd, ops
+from flash_attention.config import ConfigError
+from flash_attention.config_bwd import SETS, BwdConfig, WarpGrid, default_tile, resolve, select
+from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
+
+# ---- configs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", SETS["all"], ids=str)
+def test_short_forms_round_trip(cfg):
+    assert BwdConfig.parse(cfg.short) == cfg
+    assert cfg.short.isidentifier()
+    assert cfg.accum_regs <= 200 and cfg.smem_bytes <= 163 * 1024
+
+
+def test_sets_cover_both_dtypes_and_softcap():
+    assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["default"]}) == 2 * 3 * 2
+    assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["variants"]}) == 2 * 7 * 2
+    # every d_head up to 256 has a default kernel (zero-padded up to its variant)
+    assert all(select(dt, d, sc, SETS["default"]) for dt in ("fp16", "bf16")
+               for d in range(8, 257, 8) for sc in (False, True))
+    assert default_tile("bf16", 128).short == "bwd_bf16_d128_c128_r64_w8_fb"
+    assert default_tile("fp16", 256, softcap=True).short == "bwd_fp16_d256_c64_r64_w8_ft"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bwd_bf16_d48_c128_r64_w8_f", "d_head must be one of"),
+    ("bwd_bf16_d128_c32_r64_w8_f", "B_c must be one of"),
+    ("bwd_bf16_d256_c64_r64_w4_f", "copies 4 smem rows per pass"),
+    ("bwd_bf16_d256_c64_r64_w8_fb", "over the sm_80 limit"),
+    ("bwd_bf16_d256_c128_r64_w8_f", "registers per thread"),
+    ("bwd_bf16_d128_c128_r64_w8_ftb", "cannot parse"),
+    ("bf16_d128_c128_r64_w8_f", "cannot parse backward config"),
+])
+def test_invalid_configs_are_refused_with_the_reason(text, message):
+    with pytest.raises(ConfigError, match=message):
+        BwdConfig.parse(text)
+
+
+def test_warp_grids_take_the_squarest_tile():
+    # mirrors flash::squarest_warp_rows: S^T of 128 keys x 64 queries over 8 warps is 4 x 2
+    g = WarpGrid(128, 64, 8)
+    assert (g.warp_rows, g.warp_cols, g.m_tiles, g.n_tiles) == (4, 2, 2, 4)
+    g = WarpGrid(64, 256, 8)  # dK, dV of d_head 256: warps split d_head
+    assert (g.warp_rows, g.warp_cols, g.m_tiles, g.n_tiles) == (2, 4, 2, 8)
+    assert WarpGrid(64, 224, 8).warp_rows == 4  # 224 splits in two only
+    assert WarpGrid(16, 16, 8).problems("x")
+
+
+def test_resolve_and_select():
+    assert resolve("none") == ()
+    assert resolve("ci,ci") == SETS["ci"]
+    with pytest.raises(ConfigError, match="backward set"):
+        resolve("ci,nonsense")
+    built = SETS["variants"]
+    assert select("bf16", 40, False, built).d_head == 64
+    assert select("bf16", 200, False, built).d_head == 256
+    assert select("fp16", 256, True, built).softcap
+    assert select("bf16", 72, False, SETS["ci"]).d_head == 128
+    assert select("fp16", 64, False, SETS["ci"]) is None
+
+
+# ---- code generation --------------------------------------------------------------------------
+
+
+def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
+    configs = SETS["ci"]
+    paths = codegen_bwd.generate(configs, tmp_path)
+    assert [p.name for p in paths] == [f"{c.short}.cu" for c in configs] + ["bwd_registry.cu"]
+    text = (tmp_path / "bwd_bf16_d128_c128_r64_w8_fb.cu").read_text()
+    assert ("BwdConfig<__nv_bfloat16, 128, 128, 64, 8, /*prefetch=*/true, /*softcap=*/false>"
+            in text)
+    registry = (tmp_path / "bwd_registry.cu").read_text()
+    assert all(f"&entry_{c.short}" in registry for c in configs)
+    assert f"*count = {len(configs)};" in registry
+    # a smaller selection removes the stale files; an empty one keeps a valid registry
+    codegen_bwd.generate(configs[:1], tmp_path)
+    assert not (tmp_path / f"{configs[1].short}.cu").exists()
+    codegen_bwd.generate((), tmp_path)
+    assert "*count = 0;" in (tmp_path / "bwd_registry.cu").read_text()
+
+
+# ---- the operator's fake, validation and tracing ----------------------------------------------
+
+
+@pytest.fixture
+def mode(require_extension):
+    from flash_attention import backward
+
+    if not backward.built():
+        pytest.skip("this build has no backward kernels")
+    return FakeTensorMode()
+
+
+def traceable_call():
+    """(torch dtype, d_head, causal, softcap) that this build serves forward and backward."""
+    from flash_attention import backward
+
+    bwd = backward.built()
+    for dtype, d, _, mask, _, softcap, _, _ in ops.dispatch_rows(ops.BUILT):
+        if select(dtype, d, softcap, bwd) is not None:
+            return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
+                    5.0 if softcap else 0.0)
+    pytest.skip("this build serves no call both ways")
+
+
+class _Ctx:
+    """What the autograd formula uses of torch's context object."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def test_autograd_formula_traces_with_fake_tensors(mode):
+    """The forward op's autograd formula on fake CUDA tensors: the forward saves q, k, v, out
+    and the LSE (nothing of size seqlen^2) and the backward op gives gradients shaped like the
+    inputs. (The autograd engine itself needs a GPU to run a CUDA backward, fake or not: the
+    GPU tests run it, eagerly and under torch.compile.)"""
+    from flash_attention import backward
+
+    dtype, d, causal, softcap = traceable_call()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flash_attention::attention",
+                                                          "Autograd")
+    with mode:
+        q = torch.randn(2, 33, 4, d, dtype=dtype, device="cuda")
+        k = torch.randn(2, 40, 2, d, dtype=dtype, device="cuda")
+        inputs = (q, k, k, None, None, 0, 0, None, causal, -1, -1, softcap, True, "")
+        out, lse = torch.ops.flash_attention.attention.default(*inputs)
+        ctx = _Ctx()
+        backward._setup_context(ctx, inputs, (out, lse))
+        saved = ctx.saved_tensors
+        assert [t.shape for t in saved[:5]] == [q.shape, k.shape, k.shape, q.shape, (2, 4, 33)]
+        assert saved[5:] == (None, None)  # cu_seqlens of a varlen call
+        grads = backward._attention_backward(ctx, torch.randn_like(out), None)
+        assert len(grads) == len(inputs) and all(g is None for g in grads[3:])
+        for g, t in zip(grads[:3], (q, k, k)):
+            assert isinstance(g, FakeTensor) and g.shape == t.shape and g.dtype == dtype
+        ctx.return_lse = False  # a forward without the LSE cannot be differentiated
+        with pytest.raises(RuntimeError, match="return_lse=True"):
+            backward._attention_backward(ctx, out, None)
+
+
+def test_requires_grad_keeps_the_lse_and_the_deterministic_op(mode):
+    dtype, d, causal, softcap = traceable_call()
+    with mode:
+        q = torch.randn(2, 33, 4, d, dtype=dtype, device="cuda", requires_grad=True)
+        out = fa.attention(q, q, q, causal=causal, softcap=softcap)
+        det = flash_attn_func(q, q, q, causal=causal, softcap=softcap, deterministic=True)
+    assert out.grad_fn is not None and "attention" in out.grad_fn.name()
+    assert det.grad_fn is not None and out.shape == det.shape == q.shape
+
+
+def test_bwd_fake_checks_its_arguments(mode):
+    dtype, d, causal, softcap = traceable_call()
+    with mode:
+        q = torch.empty(1, 20, 2, d, dtype=dtype, device="cuda")
+        k = torch.empty(1, 30, 1, d, dtype=dtype, device="cuda")
+        lse = torch.empty(1, 2, 20, dtype=torch.float32, device="cuda")
+        bwd = torch.ops.flash_attention.bwd.default
+        args = [q, q, k, k, q, lse, None, None, None, 0, 0, None, causal, -1, -1, softcap,
+                False, ""]
+        dq, dk, dv = bwd(*args)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+        with pytest.raises(ValueError, match="dout must have the shape"):
+            bwd(*[q[:, :10], *args[1:]])
+        with pytest.raises(ValueError, match="lse must be fp32"):
+            bwd(*[*args[:5], lse[:, :1], *args[6:]])
+        cu = torch.zeros(2, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match="3-D"):  # varlen tensors are packed
+            bwd(*[*args[:7], cu, cu, *args[9:]])
+        packed_q, packed_k = q[0], k[0]
+        lse_v = torch.empty(2, 20, dtype=torch.float32, device="cuda")
+        dq, dk, dv = bwd(packed_q, packed_q, packed_k, packed_k, packed_q, lse_v, None, cu, cu,
+                         20, 30, None, causal, -1, -1, softcap, False, "")
+        assert dq.shape == packed_q.shape and dk.shape == dv.shape == packed_k.shape
+        with pytest.raises(RuntimeError, match="not in this build"):
+            bwd(*[*args[:-1], "bwd_bf16_d32_c64_r64_w8_f"])
+
+
+def test_calls_without_a_backward_are_refused(mode):
+    dtype, d, _, _ = traceable_call()
+    with mode:
+        q = torch.empty(1, 20, 2, d, dtype=dtype, device="cuda", requires_grad=True)
+        with pytest.raises(RuntimeError, match="no backward for a call with out="):
+            fa.attention(q, q, q, out=torch.empty(1, 20, 2, d, dtype=dtype, device="cuda"))
+        packed = torch.empty(20, 2, d, dtype=dtype, device="cuda", requires_grad=True)
+        cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
+        with pytest.raises(NotImplementedError, match="no deterministic mode"):
+            flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20, deterministic=True)
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            flash_attn_func(q, q, q, dropout_p=0.1)

@@ -1,0 +1,286 @@
+"""The backward pass on a GPU, by FlashAttention's rule: for each of dq, dk, dv, the max error
+against the gradient of the fp32 reference is at most 2x that of the same reference computed
+in the inputs' dtype (plus a tiny floor). Over odd (seqlen_q, seqlen_k) pairs, every d_head
+variant and ones between, MHA/GQA/MQA, causal, sliding windows, softcap, rows that see no key,
+strided layouts and packed inputs; determinism; autograd through flash_attn_func,
+torch.compile and opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention.interface import (
+    flash_attn_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+)
+from flash_attention.reference import attention_reference
+
+from .gpu_support import rand_inputs
+
+pytestmark = pytest.mark.gpu
+
+GRAD_FLOOR = 1e-4
+SHAPES = [(113, 203), (128, 217), (1023, 1024), (1, 300), (256, 256), (512, 512), (300, 113)]
+
+
+def reference_grads(q, k, v, dout, upcast, softmax_scale=None, **features):
+    """(dq, dk, dv) of the reference: fp32 leaves and math (upcast), or the inputs' dtype."""
+    dtype = torch.float32 if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, _ = attention_reference(*leaves, softmax_scale, upcast=upcast, **features)
+    out.backward(dout.to(dtype))
+    return [t.grad for t in leaves]
+
+
+def check_grads(grads, q, k, v, dout, what="", softmax_scale=None, **features):
+    ref = reference_grads(q, k, v, dout, True, softmax_scale, **features)
+    low = reference_grads(q, k, v, dout, False, softmax_scale, **features)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+        assert g.shape == r.shape and g.dtype == q.dtype, f"{what}: {name} shape/dtype"
+        assert torch.isfinite(g).all(), f"{what}: {name} has NaN/inf"
+        err = (g.float() - r).abs().max().item()
+        err_pt = (lo.float() - r).abs().max().item()
+        assert err <= 2 * err_pt + GRAD_FLOOR, (
+            f"{what}: {name} max error {err:.3e} > 2 x low-precision error {err_pt:.3e}")
+
+
+def run_backward(q, k, v, dout, deterministic=False, **features):
+    """Gradients through autograd of fa.attention."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fa.attention(*leaves, deterministic=deterministic, **features)
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+def case(batch, sq, sk, heads, kv_heads, d, dtype, seed=0, layout="bshd", **features):
+    torch.manual_seed(seed)
+    q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, d, dtype, layout)
+    dout = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype)
+    grads = run_backward(q, k, v, dout, **features)
+    check_grads(grads, q, k, v, dout, what=f"{dtype} {(batch, sq, sk, heads, kv_heads, d)} "
+                f"{layout} {features}", **features)
+    return grads
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("sq, sk", SHAPES)
+def test_shapes(require_extension, sq, sk, d_head, causal):
+    case(2, sq, sk, 4, 2, d_head, torch.bfloat16, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d_head", [32, 40, 64, 72, 96, 128, 136, 160, 192, 256])
+def test_d_heads(require_extension, d_head, dtype):
+    case(2, 113, 203, 4, 4, d_head, dtype, causal=d_head % 16 == 0)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_mqa(require_extension, heads, kv_heads, causal):
+    case(2, 257, 200, heads, kv_heads, 128, torch.float16, causal=causal)
+
+
+@pytest.mark.parametrize("window", [(32, 0), (50, -1), (-1, 17), (0, 0), (64, 64)])
+@pytest.mark.parametrize("sq, sk", [(113, 203), (256, 256), (300, 113)])
+def test_windows(require_extension, window, sq, sk):
+    case(1, sq, sk, 4, 2, 64, torch.bfloat16, window_size=window)
+
+
+@pytest.mark.parametrize("d_head", [64, 128, 256])
+@pytest.mark.parametrize("causal, softcap", [(False, 30.0), (True, 5.0)])
+def test_softcap(require_extension, d_head, causal, softcap):
+    case(2, 200, 177, 4, 2, d_head, torch.bfloat16, causal=causal, softcap=softcap)
+
+
+def test_scale_and_layouts(require_extension):
+    case(2, 150, 150, 4, 4, 64, torch.float16, layout="bhsd", softmax_scale=0.3, causal=True)
+    torch.manual_seed(5)
+    qkv = torch.randn(2, 190, 3, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(2, 190, 4, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attn_qkvpacked_func(qkv, causal=True).backward(dout)
+    q, k, v = qkv.detach().unbind(2)
+    check_grads(qkv.grad.unbind(2), q, k, v, dout, what="qkvpacked", causal=True)
+
+
+def test_rows_without_keys_get_zero_gradients(require_extension):
+    # causal with seqlen_q > seqlen_k: the first 200 rows see no key (out 0, LSE -inf)
+    grads = case(1, 300, 100, 2, 2, 64, torch.bfloat16, causal=True)
+    assert torch.count_nonzero(grads[0][:, :200]) == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(require_extension, causal):
+    torch.manual_seed(11)
+    q, k, v = rand_inputs(2, 700, 900, 8, 2, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    first = run_backward(q, k, v, dout, deterministic=True, causal=causal)
+    for _ in range(3):
+        again = run_backward(q, k, v, dout, deterministic=True, causal=causal)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    check_grads(first, q, k, v, dout, what="deterministic", causal=causal)
+
+
+def test_flash_attn_func_training_step(require_extension):
+    torch.manual_seed(2)
+    q, k, v = rand_inputs(2, 333, 333, 8, 4, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True, window_size=(100, 0))
+    out.backward(dout)
+    check_grads([t.grad for t in leaves], q, k, v, dout, what="flash_attn_func", causal=True,
+                window_size=(100, 0))
+
+
+def test_refusals(require_extension):
+    q, k, v = (t.requires_grad_() for t in rand_inputs(1, 64, 64, 2, 2, 64, torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device="cuda"))
+    with pytest.raises(RuntimeError, match="no backward for a call with out="):
+        fa.attention(q, k, v, out=torch.empty_like(q))
+
+
+def test_compile_fullgraph_training_step_matches_eager(require_extension):
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return (out.float() ** 2).sum()
+
+    torch.manual_seed(4)
+    q, k, v = rand_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    step(*leaves).backward()
+    eager = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    torch.compile(step, fullgraph=True)(*leaves).backward()
+    for a, b in zip(eager, (t.grad for t in leaves)):
+        # the compiled loss may round differently: the same bound as the accuracy rule
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("features", [(-1, -1, 0.0), (-1, 0, 0.0), (64, 0, 20.0)])
+def test_opcheck(require_extension, features):
+    left, right, softcap = features
+    torch.manual_seed(6)
+    q, k, v = (t.requires_grad_() for t in rand_inputs(1, 130, 200, 4, 2, 128, torch.bfloat16))
+    torch.library.opcheck(torch.ops.flash_attention.attention.default,
+                          (q, k, v, None, None, 0, 0, 0.088, False, left, right, softcap, True,
+                           ""))
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(
+        q.detach(), k.detach(), v.detach(), None, None, 0, 0, 0.088, False, left, right, softcap,
+        True, "")
+    torch.library.opcheck(torch.ops.flash_attention.bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, None, None, None,
+                           0, 0, 0.088, False, left, right, softcap, False, ""))
+
+
+def test_lse_gradient(require_extension):
+    """A loss that uses the LSE too (return_lse=True): dS gains P * dLSE."""
+    torch.manual_seed(8)
+    q, k, v = rand_inputs(2, 150, 170, 4, 2, 64, torch.bfloat16)
+    dout = torch.randn_like(q)
+    dlse = torch.randn(2, 4, 150, device="cuda")
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+        return [t.grad for t in leaves]
+
+    ours = grads(lambda *t: fa.attention(*t, return_lse=True), torch.bfloat16)
+    ref = grads(lambda *t: attention_reference(*t), torch.float32)
+    low = grads(lambda *t: attention_reference(*t, upcast=False), torch.bfloat16)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low):
+        err, err_pt = (g.float() - r).abs().max().item(), (lo.float() - r).abs().max().item()
+        assert err <= 2 * err_pt + GRAD_FLOOR, f"{name}: {err:.3e} > 2 x {err_pt:.3e}"
+
+
+def test_backward_memory_is_linear_in_seqlen(require_extension):
+    """Forward + backward of 8192 x 8192 keeps nothing of size seqlen^2 (one head's fp32 scores
+    alone would be 256 MB)."""
+    q, k, v = (t.requires_grad_() for t in rand_inputs(1, 8192, 8192, 2, 2, 64,
+                                                        torch.bfloat16))
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fa.attention(q, k, v, causal=True).backward(dout)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    inputs = 4 * q.numel() * q.element_size()  # out, dq, dk, dv are each the size of q
+    assert extra < 3 * inputs + (16 << 20), f"peak {extra >> 20} MB over the inputs"
+
+
+def test_cuda_graph_captures_a_training_step(require_extension):
+    torch.manual_seed(9)
+    q, k, v = rand_inputs(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+
+    def step():
+        fa.attention(*leaves, causal=True).backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        for _ in range(2):
+            step()
+            for t in leaves:
+                t.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    grads = [t.grad for t in leaves]
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for t in (*leaves, dout):
+                t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = run_backward(*(t.detach() for t in leaves), dout, causal=True)
+        for a, b in zip(grads, fresh):
+            assert torch.equal(a, b) or (a.float() - b.float()).abs().max() < 1e-2
+        check_grads(grads, *(t.detach() for t in leaves), dout, what="graph replay",
+                    causal=True)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))])
+def test_varlen(require_extension, causal, window):
+    """Packed sequences of lengths 0 and 1 among others: each sequence's gradients against the
+    reference of that sequence alone; sequences without keys give dq 0, without queries dk and
+    dv 0."""
+    torch.manual_seed(12)
+    lens_q, lens_k = [0, 1, 130, 64, 257, 3], [5, 1, 200, 0, 257, 1]
+    heads, kv_heads, d, dtype = 4, 2, 64, torch.bfloat16
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    q = torch.randn(sum(lens_q), heads, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn_like(q)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 window_size=window)
+    out.backward(dout)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        sq, sk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(),
+                                                                   cu_k[b + 1].item())
+        grads = [q.grad[sq], k.grad[sk], v.grad[sk]]
+        if lq == 0 or lk == 0:
+            assert all(torch.count_nonzero(g) == 0 for g in grads), f"sequence {b}"
+            continue
+        check_grads([g[None] for g in grads], q.detach()[sq][None], k.detach()[sk][None],
+                    v.detach()[sk][None], dout[sq][None], what=f"varlen sequence {b}",
+                    causal=causal, window_size=window)
