@@ -39,6 +39,6 @@ if [ "${SANITIZE:-0}" = 1 ]; then
     done
 fi
 if [ "${BENCH:-0}" = 1 ]; then
-    PYTHONPATH=src python3 ci/backward_bench.py 2>&1 | tee "$out/bench.log"
+    PYTHONPATH=src python3 studies/backward_bench.py 2>&1 | tee "$out/bench.log"
 fi
 exit $rc

@@ -284,3 +284,22 @@ def test_varlen(require_extension, causal, window):
         check_grads([g[None] for g in grads], q.detach()[sq][None], k.detach()[sk][None],
                     v.detach()[sk][None], dout[sq][None], what=f"varlen sequence {b}",
                     causal=causal, window_size=window)
+
+
+def test_varlen_backward_checks_cu_seqlens_values(require_extension):
+    """A direct call of the backward op with a max_seqlen below a sequence's length is refused
+    before any launch (it would leave that sequence's tail without gradients), and the process
+    stays healthy."""
+    torch.manual_seed(13)
+    cu = torch.tensor([0, 100, 130], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(130, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = torch.ops.flash_attention.attention.default(
+        q, k, v, cu, cu, 100, 100, None, False, -1, -1, 0.0, True, "")
+    dout = torch.randn_like(q)
+    with pytest.raises(ValueError, match="longer than max_seqlen_q"):
+        torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, cu, cu, 64, 100,
+                                              None, False, -1, -1, 0.0, False, "")
+    torch.cuda.synchronize()  # the context is still usable
+    dq, _, _ = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, cu, cu, 100,
+                                                     100, None, False, -1, -1, 0.0, False, "")
+    assert torch.isfinite(dq).all()

@@ -1,4 +1,4 @@
-// The backward operator, in its own translation unit (torch's library headers only, no pybind):
+// The backward operator, in its own translation unit:
 //   flash_attention::bwd(dout, q, k, v, out, lse, dlse?, cu_seqlens_q?, cu_seqlens_k?,
 //       max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap,
 //       deterministic, kernel) -> (dq, dk, dv)
@@ -21,6 +21,7 @@
 
 #include "../backward_registry.h"
 #include "input_layout.h"
+#include "validation.h"
 
 namespace {
 
@@ -221,6 +222,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                 std::string("backward kernel ") + e.name + " needs " + str(int64_t(e.smem_bytes)) +
                     " bytes of shared memory per block; this GPU allows " + str(int64_t(optin)));
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    if (varlen) {
+        // The values, as the forward checks them (a cached no-op for the cu_seqlens the forward
+        // of this backward already read): a max_seqlen below a sequence's length would leave
+        // that sequence's tail without gradients.
+        layout::check_cu_seqlens_values(*cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q,
+                                        stream);
+        layout::check_cu_seqlens_values(*cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k,
+                                        stream);
+    }
 
     const c10::MaybeOwned<at::Tensor> q_a = layout::addressable(q_in),
                                       k_a = layout::addressable(k_in),

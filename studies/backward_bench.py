@@ -4,7 +4,7 @@ backend (autograd.grad with the graph kept), bf16, 16 heads; the cost of determi
 and forward + backward through autograd (time against SDPA FA2, peak memory against SDPA FA2
 and cuDNN). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for causal).
 
-    PYTHONPATH=src python3 ci/backward_bench.py
+    PYTHONPATH=src python3 studies/backward_bench.py
 """
 
 from __future__ import annotations
