@@ -1,7 +1,8 @@
 """A measuring process bound to one build (the flash_attention found first on its path). It
 reports which build it imported, then answers one JSON request per line on stdin with one JSON
 reply per line on stdout, so the A/B gate pays the torch import once per side and alternates
-rounds between two live workers. Inputs of each case are made once and kept.
+rounds between two live workers. Each request gets new inputs at a new place in device memory
+(see fresh_inputs).
 
     hello:    {"ok": true, "module": ..., "configs": [short forms], "gpu": ...,
                "energy": gpu.energy.Granularity as a dict (the counter polled for 200 ms)}
@@ -20,6 +21,7 @@ own calls back to back (steady-state timing, perfcases.measure_case); 0: a burst
 from __future__ import annotations
 
 import json
+import random
 import sys
 import traceback
 
@@ -32,7 +34,7 @@ def main() -> int:
 
         import flash_attention as fa
 
-        from ..gpu.perfcases import Case, Inputs, measure_case
+        from ..gpu.perfcases import Case, measure_case
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA GPU")
@@ -52,16 +54,19 @@ def main() -> int:
         return 3
     out.write(json.dumps(hello) + "\n")
     out.flush()
-    inputs: dict[Case, Inputs] = {}
+    placement = random.Random()
+    last_ms: dict[Case, dict] = {}  # per case: each contender's last median, the warm-up's guide
+    inputs = _pad = None
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
             case = Case(**req["case"])
-            if case not in inputs:
-                inputs[case] = Inputs.make(case)
-            results = measure_case(case, inputs[case], reps=req.get("reps", 10), warmup=1,
+            inputs = _pad = None  # the last request's are freed first
+            inputs, _pad = fresh_inputs(case, placement)  # _pad: kept with the inputs
+            inputs.last_ms = last_ms.setdefault(case, {})
+            results = measure_case(case, inputs, reps=req.get("reps", 10), warmup=1,
                                    slowdown=req.get("slowdown", 0.0),
                                    warm_ms=req.get("warm_ms", 0.0), energy=counter)
             reply = {"ok": True, "results": results}
@@ -71,6 +76,24 @@ def main() -> int:
         out.write(json.dumps(reply) + "\n")
         out.flush()
     return 0
+
+
+def fresh_inputs(case, placement: random.Random) -> tuple:
+    """New random inputs for one request, placed anew: the cached blocks go back to the driver
+    and a pad of random size (0.06-32 MB, freed with the inputs) is allocated first. Some
+    cases' SM cycles depend on where their tensors lie in memory by several percent (H100, bf16
+    d_head 192 window 1024 on 8 x 4096: a spread of 4% over placements); inputs made once per
+    worker put that whole difference between the two workers into every round (unchanged
+    trees: head/base 0.918-0.939, "faster", in 5 runs of 5, whichever worker started first),
+    where new placements per request make it noise that the sequential test sees (A/A: 0.983
+    [0.953, 1.014], "same"; docs/results/2026-11-25-h100-gpu-job-after-house.md)."""
+    import torch
+
+    from ..gpu.perfcases import Inputs
+
+    torch.cuda.empty_cache()
+    pad = torch.empty(placement.randrange(1, 512) * 65536, dtype=torch.uint8, device="cuda")
+    return Inputs.make(case), pad  # the caller keeps the pad as long as the inputs
 
 
 if __name__ == "__main__":

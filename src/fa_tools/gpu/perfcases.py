@@ -431,7 +431,7 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
     if case.varlen or case.window is not None:
         raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases without a "
                          "window (keys added under a window add no work)")
-    if fraction not in inputs.planted:  # made once per worker, kept with the case's inputs
+    if fraction not in inputs.planted:  # made once per request's inputs, kept with them
         shape = (case.batch, case.keys + planted_keys(case, fraction), case.kv, case.d_head)
         k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(2))
         inputs.planted[fraction] = (k, v)
