@@ -323,9 +323,12 @@ def test_kernel_code_picks_one_kernel_of_a_backward_cubin():
         {"opcode": "FMUL"}]
     assert sass.kernel_code([pre, main], "b.cubin", "bwd_bf16_d128_c128_r64_w8_fb") == [
         {"opcode": "HMMA"}]
-    text = (f"\t.headerflags x\n\t.section\t.text.{BWD_PRE},\"ax\",@progbits\n  FMUL\n"
+    text = (f"\t.headerflags x\n//----- .text.{BWD_PRE} -----\n"
+            f"\t.section\t.text.{BWD_PRE},\"ax\",@progbits\n  FMUL\n"
+            f"//----- .text.{BWD_MAIN} -----\n"
             f"\t.section\t.text.{BWD_MAIN},\"ax\",@progbits\n  HMMA\n")
     assert "HMMA" not in sass.function_text(text, "bwd_preprocess_bf16")
+    assert BWD_MAIN not in sass.function_text(text, "bwd_preprocess_bf16")
     assert "FMUL" not in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
     assert ".headerflags" in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
 

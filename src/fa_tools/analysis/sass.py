@@ -38,13 +38,14 @@ def _demangle_text(text: str) -> str:
     return text
 
 
-_SECTION = re.compile(r"^\s*\.section\s+(?P<name>[^,\s]+)", re.M)
+# A section's `.section` line, with the `//---- name ----` banner nvdisasm prints before it.
+_SECTION = re.compile(r"^(?://-+ \S+ -+\n)?\s*\.section\s+(?P<name>[^,\s]+)", re.M)
 
 
 def function_text(text: str, kernel: str) -> str:
     """nvdisasm's text of a cubin with the code sections of its other kernels left out (a
     backward cubin holds three kernels; a forward one is returned as is). A section runs from
-    its `.section` line to the next; code sections are `.text.<symbol>`."""
+    its banner and `.section` line to the next; code sections are `.text.<symbol>`."""
     starts = list(_SECTION.finditer(text))
     kernels = {m["name"] for m in starts if m["name"].startswith(".text.")
                and short_of(m["name"][len(".text."):]) is not None}
