@@ -164,10 +164,10 @@ class BuildWithReport(BuildExtension):
         return "".join(logs)
 
     def _write_report(self, ext_dir: Path) -> None:
-        report = self._collect_logs([*(f"fwd_{c.short}" for c in CONFIGS), "registry"])
-        # The backward kernels' report stays apart (ptxas_bwd.log; `fa-tools resources --log`
-        # reads it) until the SASS tools and the static ratchet know backward kernels.
-        bwd_report = self._collect_logs([*(c.short for c in BWD_CONFIGS), "bwd_registry"])
+        # One report of every kernel (forward, backward and their registries): the SASS tools
+        # and the static ratchet name each by its config short form.
+        report = self._collect_logs([*(f"fwd_{c.short}" for c in CONFIGS), "registry",
+                                     *(c.short for c in BWD_CONFIGS), "bwd_registry"])
         info = {
             "kernels": KERNELS,
             "configs": [c.short for c in CONFIGS],
@@ -180,7 +180,7 @@ class BuildWithReport(BuildExtension):
         for directory in (ext_dir, ROOT / "build"):
             directory.mkdir(parents=True, exist_ok=True)
             (directory / "ptxas.log").write_text(report)
-            (directory / "ptxas_bwd.log").write_text(bwd_report)
+            (directory / "ptxas_bwd.log").unlink(missing_ok=True)  # an older build's
             (directory / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
         print(f"flash_attention: ptxas report in {ext_dir / 'ptxas.log'}", flush=True)
 

@@ -20,8 +20,8 @@ FLASH_ATTENTION_KERNELS="$fwd" FLASH_ATTENTION_BWD_KERNELS="${BWD:-default}" \
     FLASH_ATTENTION_ARCHS="${ARCHS:-90}" MAX_JOBS="${MAX_JOBS:-16}" \
     python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-cp build/ptxas_bwd.log "$out/ptxas_bwd.log" 2>/dev/null
-grep -A2 "bwd_kernel" build/ptxas_bwd.log | grep -E "registers|spill" | sort | uniq -c | head -20
+cp build/ptxas.log "$out/ptxas.log" 2>/dev/null
+PYTHONPATH=src python3 -m fa_tools resources --kernel 'bwd_*' | head -40
 rc=0
 if [ "${TESTS:-1}" = 1 ]; then
     PYTHONPATH=src FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \

@@ -37,6 +37,8 @@ def test_ptxas_report_kept(ext):
     info = fa.build_info()
     for short in info["configs"]:
         assert f"### fwd_{short}.cu" in text
+    for short in info.get("bwd_configs", []):  # the backward's in the same report
+        assert f"### {short}.cu" in text
     sm80 = [c for c in info["configs"] if not c.startswith("sm90_")]
     for arch in info["archs"]:
         assert text.count(f"for 'sm_{arch}'") >= len(sm80)

@@ -273,6 +273,26 @@ def test_ratchet_fails_serialized_wgmma_whatever_the_pin():
         ("*", "unpinned"), ("wgmma_serialized", "worse")}
 
 
+def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
+    """The policy's bwd_kernels set is pinned with the helpers of its dtypes, and
+    bwd_zero_spills_for makes any spill of those kernels fail whatever the pin."""
+    policy = {"static": {**POLICY["static"], "bwd_kernels": "default",
+                         "bwd_zero_spills_for": "default"}}
+    scope = ratchet.scope_kernels(policy)
+    assert "bwd_bf16_d128_c128_r64_w8_fbt" in scope and K in scope
+    assert {"bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
+            "bwd_convert_dq_bf16"} <= set(scope)
+    assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 4
+    bwd = "bwd_fp16_d256_c64_r64_w8_ft"
+    pinned = {"kernels": {bwd: _metrics(spill_bytes=8)[K]}}
+    (f,) = [f for f in ratchet.compare(pinned, {bwd: _metrics(spill_bytes=8)[K]}, policy)
+            if f.failed]
+    assert f.kernel == bwd and f.metric == "spill_bytes" and "must stay 0" in f.rule
+    from flash_attention.config_sets import resolve
+
+    assert ratchet.scope_kernels(POLICY) == [c.short for c in resolve("ci")]
+
+
 def test_ratchet_new_and_missing_kernels():
     other = "fp16_d64_r64_c32_w4_fqkv"
     findings = ratchet.compare({"kernels": _metrics()}, {other: _metrics()[K]}, POLICY)

@@ -13,7 +13,7 @@ import pytest
 
 import flash_attention as fa
 from fa_tools.analysis import binaries, cubins, diff, opcodes, ptx2sass, ptxas_report, sass
-from fa_tools.analysis.kernel_names import archs_of
+from fa_tools.analysis.kernel_names import archs_of, parse_kernel
 from fa_tools.cli import main as cli
 from fa_tools.gate import ratchet
 
@@ -41,17 +41,65 @@ def built():
 # ---- resources ---------------------------------------------------------------------------------
 
 
+def _built_kernels(info: dict) -> list[str]:
+    """Short forms of every kernel the build holds: forward, backward and the backward's
+    helpers (preprocess, dQ conversion) of its dtypes."""
+    from flash_attention.config_bwd import BwdConfig, aux_kernels
+
+    bwd = [BwdConfig.parse(k) for k in info.get("bwd_configs", [])]
+    return [*info["configs"], *(c.short for c in (*bwd, *aux_kernels(bwd)))]
+
+
 def test_resource_report_covers_every_built_kernel_and_arch(built):
     _, info = built
     records = ptxas_report.load(binaries.ptxas_log_path())
     got = {(r.kernel, r.arch) for r in records}
-    assert got == {(k, a) for k in info["configs"]
-                   for a in archs_of(fa.parse_config(k), info["archs"])}
+    assert got == {(k, a) for k in _built_kernels(info)
+                   for a in archs_of(parse_kernel(k), info["archs"])}
     for r in records:
-        cfg = fa.parse_config(r.kernel)
-        assert 0 < r.registers <= 255 and r.barriers >= 1
+        cfg = parse_kernel(r.kernel)
+        assert 0 < r.registers <= 255
+        assert r.barriers >= 1 or r.kernel.startswith(("bwd_preprocess_", "bwd_convert_dq_"))
         assert r.dynamic_smem == cfg.smem_bytes
         assert r.ctas_per_sm >= 1 and r.warps_per_sm == r.ctas_per_sm * cfg.warps
+
+
+def test_backward_kernels_in_the_sass_tools(built, capsys):
+    """A backward cubin holds the main kernel and its dtype's two helpers: each is listed,
+    counted and dumped alone, by short form."""
+    binary, info = built
+    if not info.get("bwd_configs"):
+        pytest.skip("no backward kernels built")
+    main = info["bwd_configs"][0]
+    dtype = main.split("_")[1]
+    helpers = [f"bwd_preprocess_{dtype}", f"bwd_convert_dq_{dtype}"]
+    listed = {m.kernel for m in cubins.list_cubins(binary) if m.arch == "90"}
+    assert {main, *helpers} <= listed
+    mmas = {k: opcodes.histogram(k, "90", sass.instructions(binary, k, "90"))
+            .categories["tensor_mma"] for k in (main, *helpers)}
+    assert mmas[main] > 0 and mmas[helpers[0]] == mmas[helpers[1]] == 0, mmas
+    text = sass.dump(binary, main, "90")
+    assert "flash::bwd::bwd_kernel<" in text and "bwd_preprocess_kernel" not in text
+    text = sass.dump(binary, helpers[0], "90")
+    assert "bwd_preprocess_kernel" in text and "flash::bwd::bwd_kernel<" not in text
+    assert cli(["count", "bwd:default", "--arch", "80", "--format", "csv"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert {r.split(",")[0] for r in rows} >= {main, *helpers} & {
+        m.kernel for m in cubins.list_cubins(binary) if m.arch == "80"}
+
+
+def test_default_backward_kernels_do_not_spill(built):
+    """The backward kernels users run (the `default` backward set and its helpers), as built
+    (the build compiles them for both architectures; ptxas's word): no spill, no stack."""
+    from flash_attention.config_bwd import DEFAULT, aux_kernels
+
+    wanted = {c.short for c in (*DEFAULT, *aux_kernels(DEFAULT))}
+    records = [r for r in ptxas_report.load(binaries.ptxas_log_path()) if r.kernel in wanted]
+    if not records:
+        pytest.skip("the default backward set is not built")
+    spilling = [(r.kernel, r.arch, r.spill_stores, r.stack_frame) for r in records
+                if r.spill_stores or r.spill_loads or r.stack_frame]
+    assert not spilling, f"default backward kernels spill: {spilling}"
 
 
 def test_recorded_log_edge_cases():
@@ -249,6 +297,40 @@ def test_kernel_code_includes_internal_subroutines_listed_apart():
         "HMMA", "CALL.REL", "IMAD", "RET.REL"]
     with pytest.raises(binaries.ToolError, match="expected one kernel"):
         sass.kernel_code([kernel, {**kernel, "function-name": "_ZN5other"}], "k.cubin")
+
+
+BWD_MAIN = ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI13__nv_bfloat16Li128ELi128ELi64ELi8ELb1ELb0E"
+            "EEEEvNS_9BwdParamsE")
+BWD_PRE = "_ZN5flash3bwd21bwd_preprocess_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+
+
+def test_backward_kernel_names():
+    assert parse_kernel("bwd_bf16_d128_c128_r64_w8_fb").block_r == 64
+    assert parse_kernel("bwd_convert_dq_fp16").threads == 256
+    from fa_tools.analysis.kernel_names import short_of
+
+    assert short_of(BWD_MAIN) == "bwd_bf16_d128_c128_r64_w8_fb"
+    assert short_of(BWD_PRE) == "bwd_preprocess_bf16"
+    assert short_of(BWD_PRE.replace("preprocess", "convert_dq").replace("13__nv_bfloat16",
+                                                                        "6__half")) \
+        == "bwd_convert_dq_fp16"
+
+
+def test_kernel_code_picks_one_kernel_of_a_backward_cubin():
+    main = {"function-name": BWD_MAIN, "start": 0, "sass-instructions": [{"opcode": "HMMA"}]}
+    pre = {"function-name": BWD_PRE, "start": 16, "sass-instructions": [{"opcode": "FMUL"}]}
+    assert sass.kernel_code([pre, main], "b.cubin", "bwd_preprocess_bf16") == [
+        {"opcode": "FMUL"}]
+    assert sass.kernel_code([pre, main], "b.cubin", "bwd_bf16_d128_c128_r64_w8_fb") == [
+        {"opcode": "HMMA"}]
+    text = (f"\t.headerflags x\n//----- .text.{BWD_PRE} -----\n"
+            f"\t.section\t.text.{BWD_PRE},\"ax\",@progbits\n  FMUL\n"
+            f"//----- .text.{BWD_MAIN} -----\n"
+            f"\t.section\t.text.{BWD_MAIN},\"ax\",@progbits\n  HMMA\n")
+    assert "HMMA" not in sass.function_text(text, "bwd_preprocess_bf16")
+    assert BWD_MAIN not in sass.function_text(text, "bwd_preprocess_bf16")
+    assert "FMUL" not in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
+    assert ".headerflags" in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
 
 
 def _other_sass_tools() -> Path | None:

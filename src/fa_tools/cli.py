@@ -12,8 +12,10 @@
   gate        static ratchet, sequential A/B perf gate and its power study (GPU), rebaseline,
               combined report
 
-Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor); a kernel
-argument may also be a set name (ci, default, ...) or 'all' (everything built).
+Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor; backward:
+bwd_bf16_d128_c128_r64_w8_fb, and its helpers bwd_preprocess_bf16, bwd_convert_dq_bf16); a
+kernel argument may also be a set name (ci, default, ...; bwd:default for the backward's) or
+'all' (everything built). `resources` reads the one ptxas report of forward and backward.
 Exit status: 0 ok, 1 errors found (sanitize, debug), 2 bad usage, 3 missing tool, binary or GPU.
 """
 
@@ -42,7 +44,9 @@ def _binary(args: argparse.Namespace) -> Path:
 
 
 def _kernels(binary: Path, names: list[str]) -> list[str]:
-    """Config short forms of the given names / set names / 'all', as built in binary."""
+    """Config short forms of the given names / set names / 'all', as built in binary. A
+    backward set is named bwd:<set> (bwd:default: its kernels and their helpers)."""
+    from flash_attention import config_bwd
     from flash_attention.config_sets import SETS
 
     built = sorted({m.kernel for m in cubins.list_cubins(binary)})
@@ -52,6 +56,10 @@ def _kernels(binary: Path, names: list[str]) -> list[str]:
             out += built
         elif name in SETS:
             out += [c.short for c in SETS[name] if c.short in built]
+        elif name.startswith("bwd:") and name[4:] in config_bwd.SETS:
+            configs = config_bwd.SETS[name[4:]]
+            out += [c.short for c in (*configs, *config_bwd.aux_kernels(configs))
+                    if c.short in built]
         else:
             out.append(name)
     return list(dict.fromkeys(out))
@@ -181,6 +189,10 @@ def cmd_sanitize(args: argparse.Namespace) -> int:
 
     binary = _binary(args)
     kernels = _kernels(binary, args.kernels)
+    backward = [k for k in kernels if k.startswith("bwd_")]
+    if backward:  # its runs are forward calls; ci/gpu_backward.sh sanitizes the backward
+        print(f"left out {len(backward)} backward kernels (ci/gpu_backward.sh sanitizes them)")
+        kernels = [k for k in kernels if not k.startswith("bwd_")]
     results = sanitize.run(kernels, tuple(args.tools.split(",")), timeout=args.timeout)
     rows = [{"tool": r.tool, "errors": r.errors if r.errors >= 0 else "unknown",
              "exit": r.returncode, "ok": "yes" if r.ok else "NO"} for r in results]
@@ -250,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sass)
 
     p = sub.add_parser("count", help="opcode histograms per kernel")
-    p.add_argument("kernels", nargs="+", help="short forms, set names or 'all'")
+    p.add_argument("kernels", nargs="+", help="short forms, set names (bwd:<set> for the "
+                   "backward's) or 'all'")
     p.add_argument("--arch", default="90")
     p.add_argument("--opcodes", choices=("none", "base", "full"), default="none")
     p.add_argument("--format", choices=formats.FORMATS, default="table")

@@ -254,6 +254,81 @@ class BwdConfig:
                 f"flags={','.join(on) or 'none'}")
 
 
+# The two helper kernels every backward launch runs around the main one (backward_kernel.cuh):
+# templates on the element type alone, instantiated by every backward .cu file of that dtype.
+AUX_KINDS: dict[str, int] = {"preprocess": 128, "convert_dq": 256}  # kind -> threads per CTA
+_AUX_RE = re.compile(r"^bwd_(?P<kind>preprocess|convert_dq)_(?P<dtype>fp16|bf16)$")
+
+
+@dataclass(frozen=True, order=True)
+class BwdAuxKernel:
+    """``flash::bwd::bwd_<kind>_kernel<Elem>``: the preprocess (D, LSE log2 e, the zeroed dQ
+    accumulator) or the dQ conversion. Short form ``bwd_preprocess_bf16``,
+    ``bwd_convert_dq_fp16``."""
+
+    kind: str
+    dtype: str
+
+    family = "sm80-bwd"
+    smem_bytes = 0  # no dynamic shared memory
+
+    def __post_init__(self) -> None:
+        if self.kind not in AUX_KINDS or self.dtype not in DTYPES:
+            raise ConfigError(f"invalid backward helper kernel {self.kind!r}/{self.dtype!r}: "
+                              f"kinds {tuple(AUX_KINDS)}, dtypes {DTYPES}")
+
+    @property
+    def short(self) -> str:
+        return f"bwd_{self.kind}_{self.dtype}"
+
+    def __str__(self) -> str:
+        return self.short
+
+    @property
+    def threads(self) -> int:
+        return AUX_KINDS[self.kind]
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    @classmethod
+    def parse(cls, text: str) -> BwdAuxKernel:
+        m = _AUX_RE.match(text.strip())
+        if m is None:
+            raise ConfigError(f"cannot parse backward helper kernel {text!r}: expected "
+                              "bwd_<preprocess|convert_dq>_<fp16|bf16>")
+        return cls(m["kind"], m["dtype"])
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """Resident CTAs per SM (as BwdConfig.occupancy; no dynamic shared memory)."""
+        if arch not in SMEM_PER_SM:
+            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
+        regs_alloc = ((max(regs_per_thread or 255, 1) + 7) // 8) * 8
+        limits = {
+            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
+            "by_smem": SMEM_PER_SM[arch] // (static_smem + 1024),
+            "by_threads": THREADS_PER_SM[arch] // self.threads,
+            "by_cap": MAX_CTAS_PER_SM[arch],
+        }
+        ctas = max(0, min(limits.values()))
+        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+
+
+def aux_kernels(configs: tuple[BwdConfig, ...] | list[BwdConfig]) -> tuple[BwdAuxKernel, ...]:
+    """The helper kernels a build of these backward configs holds (one of each kind per dtype)."""
+    dtypes = [d for d in DTYPES if any(c.dtype == d for c in configs)]
+    return tuple(BwdAuxKernel(kind, d) for d in dtypes for kind in AUX_KINDS)
+
+
+def parse_kernel(text: str) -> BwdConfig | BwdAuxKernel:
+    """A backward main kernel's short form or a helper kernel's."""
+    if _AUX_RE.match(text.strip()):
+        return BwdAuxKernel.parse(text)
+    return BwdConfig.parse(text)
+
+
 def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
     """The backward tile of a d_head variant, 8 warps: B_c=128 up to d_head 128 with the
     prefetch, B_r=128 up to d_head 64 (H100: 0.79-0.94x SDPA FA2 against 0.74-0.87x with

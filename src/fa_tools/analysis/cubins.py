@@ -1,5 +1,10 @@
 """The device code inside the built extension: which kernels it holds per architecture, their
-cubins and PTX, extracted with cuobjdump into a directory kept for the session."""
+cubins and PTX, extracted with cuobjdump into a directory kept for the session.
+
+A forward translation unit (fwd_<short>.cu) holds one kernel. A backward one (<bwd short>.cu)
+holds three: the main kernel and the two helpers of its dtype (bwd_preprocess_<dtype>,
+bwd_convert_dq_<dtype>), the same code in every unit of that dtype; each helper is listed once
+per arch, from the first such unit in name order."""
 
 from __future__ import annotations
 
@@ -14,8 +19,9 @@ from pathlib import Path
 
 from .binaries import ToolError, run_tool
 
-_ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>fwd_(?P<kernel>\w+?)\.sm_(?P<arch>\w+)\.cubin)")
-_PTX_NAME = re.compile(r"PTX file\s+\d+:\s+(?P<file>fwd_(?P<kernel>\w+?)\.sm_(?P<arch>\w+)\.ptx)")
+_UNIT = r"(?P<unit>(?:fwd|bwd)_\w+?)\.sm_(?P<arch>\w+)"
+_ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>" + _UNIT + r"\.cubin)")
+_PTX_NAME = re.compile(r"PTX file\s+\d+:\s+(?P<file>" + _UNIT + r"\.ptx)")
 
 
 @dataclass(frozen=True)
@@ -25,16 +31,34 @@ class Member:
     file: str  # name cuobjdump gives it
 
 
+def _members(listing: str, pattern: re.Pattern) -> list[Member]:
+    """The kernels of every forward and backward unit in cuobjdump's listing."""
+    from flash_attention.config_bwd import BwdConfig, ConfigError, aux_kernels
+
+    members: list[Member] = []
+    for m in pattern.finditer(listing):
+        unit = m["unit"]
+        if unit.startswith("fwd_"):
+            members.append(Member(unit[4:], m["arch"], m["file"]))
+            continue
+        try:
+            cfg = BwdConfig.parse(unit)
+        except ConfigError:  # bwd_registry: no kernels
+            continue
+        members.append(Member(unit, m["arch"], m["file"]))
+        members += [Member(aux.short, m["arch"], m["file"]) for aux in aux_kernels([cfg])]
+    seen: dict[tuple[str, str], Member] = {}
+    for member in sorted(members, key=lambda m: m.file):
+        seen.setdefault((member.kernel, member.arch), member)
+    return sorted(seen.values(), key=lambda m: (m.kernel, m.arch))
+
+
 def list_cubins(binary: Path) -> list[Member]:
-    out = run_tool("cuobjdump", "--list-elf", str(binary))
-    members = [Member(m["kernel"], m["arch"], m["file"]) for m in _ELF_NAME.finditer(out)]
-    return sorted(members, key=lambda m: (m.kernel, m.arch))
+    return _members(run_tool("cuobjdump", "--list-elf", str(binary)), _ELF_NAME)
 
 
 def list_ptx(binary: Path) -> list[Member]:
-    out = run_tool("cuobjdump", "--list-ptx", str(binary))
-    members = [Member(m["kernel"], m["arch"], m["file"]) for m in _PTX_NAME.finditer(out)]
-    return sorted(members, key=lambda m: (m.kernel, m.arch))
+    return _members(run_tool("cuobjdump", "--list-ptx", str(binary)), _PTX_NAME)
 
 
 @lru_cache(maxsize=4)

@@ -1,8 +1,8 @@
-"""Parsing the ptxas resource report the build keeps (ptxas.log) into one record per kernel
-and architecture, with the occupancy those resources allow, and whether ptxas serialized the
-kernel's wgmma instructions (its "Potential Performance Loss" notes, C75xx: each wgmma then
-waits for the previous one, which cost a Hopper kernel here 1.5x the cycles per KV block with
-no other sign in the resource lines)."""
+"""Parsing the ptxas resource report the build keeps (ptxas.log: forward and backward
+kernels) into one record per kernel and architecture, with the occupancy those resources
+allow, and whether ptxas serialized the kernel's wgmma instructions (its "Potential
+Performance Loss" notes, C75xx: each wgmma then waits for the previous one, which cost a Hopper
+kernel here 1.5x the cycles per KV block with no other sign in the resource lines)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _PERF_LOSS = re.compile(r"\((?P<code>C\d{4})\) Potential Performance Loss: (?P<w
 
 @dataclass(frozen=True)
 class KernelResources:
-    kernel: str  # config short form (the mangled name if not a fwd_kernel)
+    kernel: str  # config short form (the mangled name if not a known kernel)
     arch: str  # "80", "90", "90a"
     registers: int
     spill_stores: int  # bytes
@@ -61,7 +61,9 @@ def _int(pattern: re.Pattern, text: str) -> int:
 
 
 def parse(text: str) -> list[KernelResources]:
-    """Records for every 'Compiling entry function' block, sorted by (kernel, arch).
+    """Records for every 'Compiling entry function' block, sorted by (kernel, arch); a kernel
+    compiled in several translation units (the backward's helpers, instantiated by every
+    backward unit of their dtype: the same code) is recorded once, from its first block.
     Raises ValueError on a block that lacks its register line (a truncated log)."""
     blocks: list[tuple[str, str, list[str], list[str]]] = []
     pending: dict[str, list[str]] = {}  # serialization notes of functions not yet entered
@@ -78,7 +80,11 @@ def parse(text: str) -> list[KernelResources]:
         elif blocks:
             blocks[-1][2].append(line)
     records = []
+    seen: set[tuple[str, str]] = set()
     for name, arch, lines, serialized in blocks:
+        if (name, arch) in seen:
+            continue
+        seen.add((name, arch))
         body = "\n".join(line for line in lines if "Compiling entry" not in line)
         # A block ends where the next file's or function's lines begin; only the first Used /
         # properties / compile-time lines after the entry belong to it.

@@ -17,7 +17,7 @@ import yaml
 
 from ..analysis import cubins, opcodes, ptxas_report, sass
 from ..analysis.binaries import tool_version, tools_in_use
-from ..analysis.kernel_names import archs_of
+from ..analysis.kernel_names import archs_of, parse_kernel
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,32 @@ class Finding:
         return asdict(self)
 
 
+def _bwd_set(spec: str | None) -> list[str]:
+    """Short forms of a backward set: its main kernels, then the helpers (preprocess, dQ
+    conversion) of their dtypes."""
+    from flash_attention.config_bwd import aux_kernels, resolve
+
+    configs = resolve(spec) if spec else ()
+    return [c.short for c in (*configs, *aux_kernels(configs))]
+
+
 def scope_kernels(policy: dict) -> list[str]:
+    """The kernels pinned: the forward sets of `kernels`, the backward sets of `bwd_kernels`
+    (with their helper kernels)."""
     from flash_attention.config_sets import resolve
 
-    return [c.short for c in resolve(policy["static"]["kernels"])]
+    static = policy["static"]
+    return [*(c.short for c in resolve(static["kernels"])), *_bwd_set(static.get("bwd_kernels"))]
+
+
+def zero_spill_kernels(policy: dict) -> set[str]:
+    """The kernels that must not spill (bar the policy's exceptions): the forward sets of
+    `zero_spills_for`, the backward sets of `bwd_zero_spills_for` (with their helpers)."""
+    from flash_attention.config_sets import resolve
+
+    static = policy["static"]
+    forward = resolve(static["zero_spills_for"]) if static.get("zero_spills_for") else ()
+    return {c.short for c in forward} | set(_bwd_set(static.get("bwd_zero_spills_for")))
 
 
 def toolchain(build_info: dict | None) -> dict[str, str]:
@@ -62,11 +84,9 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
     sm90 kernel under 90a, whatever `archs` says). The kernels are disassembled side by side
     (one nvdisasm process per kernel and arch, as many at once as there are CPUs): 195 entries
     took 2-3 min one after another on a 2-core machine."""
-    from flash_attention.config import parse_config
-
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
     todo = [(kernel, arch) for kernel in kernels
-            for arch in archs_of(parse_config(kernel), archs) if (kernel, arch) in records]
+            for arch in archs_of(parse_kernel(kernel), archs) if (kernel, arch) in records]
     if todo:
         cubins.extracted_dir(binary)  # extract once, before the threads read the cubins
 
@@ -123,11 +143,7 @@ _SERIALIZED = ("ptxas serialized this kernel's wgmma (its 'Potential Performance
 def compare(baseline: dict, current: dict, policy: dict) -> list[Finding]:
     static = policy["static"]
     rules = static["metrics"]
-    zero_spill = set()
-    if static.get("zero_spills_for"):
-        from flash_attention.config_sets import resolve
-
-        zero_spill = {c.short for c in resolve(static["zero_spills_for"])}
+    zero_spill = zero_spill_kernels(policy)
     spill_allowed = {k: v["bytes"] for k, v in (static.get("spill_exceptions") or {}).items()}
     findings: list[Finding] = []
     pinned = baseline.get("kernels", {})

@@ -16,6 +16,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..analysis.kernel_names import short_of
 from ..gpu.perfcases import Case
 from .coverage import Row, case_for_kernel, route
 
@@ -30,6 +31,13 @@ def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
     return gpu_arch
 
 
+def _code_of(section: str, kernel: str) -> bool:
+    """Whether a .text section is the kernel's code: its own, or a compiler subroutine (a
+    backward cubin also holds the two helper kernels of its dtype, each listed apart)."""
+    owner = short_of(section[len(".text."):])
+    return owner is None or owner == kernel
+
+
 def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
     """{kernel short form: its SASS instruction words} for every kernel of the binary with code
     for this GPU (the concatenated .text sections of its cubin)."""
@@ -41,7 +49,8 @@ def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
         if member.arch != arch_of_kernel(member.kernel, gpu_arch):
             continue
         sections = cubins.elf_sections(root / member.file)
-        code = b"".join(data for name, data in sections.items() if name.startswith(".text."))
+        code = b"".join(data for name, data in sections.items()
+                        if name.startswith(".text.") and _code_of(name, member.kernel))
         out[member.kernel] = [code[i:i + INSTRUCTION_BYTES]
                               for i in range(0, len(code), INSTRUCTION_BYTES)]
     return out
@@ -123,6 +132,10 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], sm90: bool,
         if ch.kernel in runs:
             sel.covered.append({"kernel": ch.kernel, "case": runs[ch.kernel],
                                 "why": f"{ch.describe()}; measured by {runs[ch.kernel]}"})
+            continue
+        if ch.kernel.startswith("bwd_"):
+            sel.skipped.append({"kernel": ch.kernel, "why": f"{ch.describe()}; a backward "
+                                "kernel: the A/B gate has no backward cases yet"})
             continue
         case = case_for_kernel(ch.kernel, rows, sm90)
         if case is None:
