@@ -104,6 +104,14 @@ __device__ __forceinline__ BwdSpan bwd_span(const BwdParams& p, int batch) {
 // first barrier of bwd_kernel.
 __shared__ BwdSpan bwd_cta_span;
 
+// Two fp32 values from shared memory (addr 8-byte aligned). volatile: the address of a stage
+// repeats across iterations, so the load must not be hoisted over the loop's barriers.
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
 // 4-byte async copy (the row vectors of a varlen sequence start at any row).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
@@ -214,7 +222,6 @@ struct BackwardCta {
     const int kv_block, k_row0;
     const int batch, kv_head;
     const uint32_t sStage0, sK, sV, sP, sdS;
-    const float* const sRowVecs;  // generic pointer to the LSE of stage 0
 
     float dK[P2::kMT][P2::kNT][4];
     float dV[P2::kMT][P2::kNT][4];
@@ -233,18 +240,17 @@ struct BackwardCta {
           sK(sStage0 + Cfg::kQStages * Cfg::kStageBytes),
           sV(sK + Cfg::kKTileBytes),
           sP(sV + Cfg::kKTileBytes),
-          sdS(sP + Cfg::kPTileBytes),
-          sRowVecs(reinterpret_cast<const float*>(smem + 2 * Cfg::kQTileBytes)) {}
+          sdS(sP + Cfg::kPTileBytes) {}
 
     __device__ __forceinline__ Stage stage(int buf) const {
         const uint32_t base = sStage0 + buf * Cfg::kStageBytes;
         return Stage{base, base + Cfg::kQTileBytes, base + 2 * Cfg::kQTileBytes,
                      base + 2 * Cfg::kQTileBytes + Cfg::kRowVecBytes};
     }
-    __device__ __forceinline__ const float* lse_of(int buf) const {
-        return sRowVecs + buf * (Cfg::kStageBytes / 4);
-    }
-    __device__ __forceinline__ const float* d_of(int buf) const { return lse_of(buf) + kBr; }
+    // Shared addresses of the LSE and D of stage `buf` (32-bit: a generic pointer would hold
+    // two registers across the loop).
+    __device__ __forceinline__ uint32_t lse_of(int buf) const { return stage(buf).lse; }
+    __device__ __forceinline__ uint32_t d_of(int buf) const { return stage(buf).d; }
 
     // This CTA's sequence (the whole call unless varlen) and its window.
     __device__ __forceinline__ const BwdSpan& span() const { return bwd_cta_span; }
@@ -288,27 +294,26 @@ struct BackwardCta {
                 const int64_t head = head0 + t / n_q;
                 const int i = i_first + t % n_q;
                 const int buf = Cfg::kPrefetch ? t % 2 : 0;
+                if (!Cfg::kPrefetch && t > 0) {
+                    __syncthreads();  // every warp is done with block t - 1's stage
+                    issue_query_block(head, i, 0);
+                    cp_async_commit();
+                }
+                cp_async_wait<0>();  // block t (the only one in flight) has landed
+                // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem, and every warp is
+                // done with block t - 1: its stage, sP and sdS are free.
+                __syncthreads();
                 if (Cfg::kPrefetch && t + 1 < n) {
-                    // The other stage is free: the barrier closing block t - 1 ordered its
-                    // last reads.
+                    // Block t + 1 streams into the other stage while this one computes.
                     issue_query_block(head0 + (t + 1) / n_q, i_first + (t + 1) % n_q, buf ^ 1);
                     cp_async_commit();
-                    cp_async_wait<1>();  // block t has landed; t + 1 may still be in flight
-                } else {
-                    if (!Cfg::kPrefetch && t > 0) {
-                        issue_query_block(head, i, 0);  // free since the closing barrier
-                        cp_async_commit();
-                    }
-                    cp_async_wait<0>();
                 }
-                __syncthreads();  // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem
 
                 probabilities(i * kBr, stage(buf), lse_of(buf), d_of(buf));
                 __syncthreads();  // P^T and dS^T are complete in smem
 
                 accumulate_dk_dv(stage(buf));
                 accumulate_dq(head, i);
-                __syncthreads();  // every warp is done with this stage, sP and sdS
             }
         }
         write_dk_dv();
@@ -351,8 +356,8 @@ struct BackwardCta {
     // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
     // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
     // dP^T hold at most 32 registers next to the resident dK and dV.
-    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, const float* sLse,
-                                                  const float* sD) {
+    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, uint32_t sLse,
+                                                  uint32_t sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
         // key tail need it.
         // Rows past seqlen_q matter only for varlen (their LSE and D are the next sequence's);
@@ -371,7 +376,7 @@ struct BackwardCta {
     // q_valid < 0: a block seen whole (no element masked).
     __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, int q_valid,
                                                         int k_valid, const Stage& st,
-                                                        const float* sLse, const float* sD) {
+                                                        uint32_t sLse, uint32_t sD) {
         constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
         const int r0 = P1::row0(warp);
         float dP[kMT][kNT][4];
@@ -386,23 +391,27 @@ struct BackwardCta {
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
+                // The two columns of this thread in the n8 tile: their LSE and D.
+                const int col0 = c0 + nt * 8 + 2 * (lane % 4);
+                const float2 lse = ld_shared_f32x2(sLse + col0 * 4);
+                const float2 dd = ld_shared_f32x2(sD + col0 * 4);
                 float pv[4], ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    const int col = col0 + e % 2;
                     float s = S[mt][nt][e];
                     float dtanh = 1.f;
                     if constexpr (Cfg::kSoftcap) {
                         s = tanh_fast(s * p.softcap_scale);
                         dtanh = 1.f - s * s;
                     }
-                    float prob = fast_exp2(fmaf(s, p.scale_log2, -sLse[col]));
+                    float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
                     if (q_valid >= 0 && (key >= k_valid || col >= q_valid ||
                                          !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
                         prob = 0.f;
                     pv[e] = prob;
-                    ds[e] = prob * (dP[mt][nt][e] - sD[col]) * dtanh;
+                    ds[e] = prob * (dP[mt][nt][e] - (e % 2 ? dd.y : dd.x)) * dtanh;
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
