@@ -112,6 +112,14 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
     return v;
 }
 
+// The query blocks [lo, hi] of this CTA's KV block that need no mask (lo > hi: none), set by
+// thread 0 before the main loop's first barrier.
+__shared__ int2 bwd_cta_unmasked;
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
 // 4-byte async copy (the row vectors of a varlen sequence start at any row).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
@@ -288,11 +296,20 @@ struct BackwardCta {
                 .issue(sK, k, span().seqlen_k - k_row0);
             TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
                 .issue(sV, v, span().seqlen_k - k_row0);
+            if (threadIdx.x == 0)
+                bwd_cta_unmasked = unmasked_blocks();
             issue_query_block(head0, i_first, 0);
             cp_async_commit();  // K and V land with the first query block
+            // (head, i) of block t and of block t + 1, stepped without divisions.
+            int64_t head = head0, next_head = head0;
+            int i = i_first, next_i = i_first;
             for (int t = 0; t < n; ++t) {
-                const int64_t head = head0 + t / n_q;
-                const int i = i_first + t % n_q;
+                head = next_head;
+                i = next_i;
+                if (++next_i == i_first + n_q) {
+                    next_i = i_first;
+                    ++next_head;
+                }
                 const int buf = Cfg::kPrefetch ? t % 2 : 0;
                 if (!Cfg::kPrefetch && t > 0) {
                     __syncthreads();  // every warp is done with block t - 1's stage
@@ -305,11 +322,11 @@ struct BackwardCta {
                 __syncthreads();
                 if (Cfg::kPrefetch && t + 1 < n) {
                     // Block t + 1 streams into the other stage while this one computes.
-                    issue_query_block(head0 + (t + 1) / n_q, i_first + (t + 1) % n_q, buf ^ 1);
+                    issue_query_block(next_head, next_i, buf ^ 1);
                     cp_async_commit();
                 }
 
-                probabilities(i * kBr, stage(buf), lse_of(buf), d_of(buf));
+                probabilities(i, stage(buf), lse_of(buf), d_of(buf));
                 __syncthreads();  // P^T and dS^T are complete in smem
 
                 accumulate_dk_dv(stage(buf));
@@ -317,6 +334,28 @@ struct BackwardCta {
             }
         }
         write_dk_dv();
+    }
+
+    // The query blocks that see all B_c keys of this CTA and lie whole inside the sequence: the
+    // block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside the window iff its corners are, i.e.
+    // i B_r + B_r - 1 <= k0 - off + left and i B_r >= k1 - off - right. Rows past seqlen_q matter
+    // only for varlen (their LSE and D are the next sequence's; fixed-length ones have an LSE of
+    // +inf already), but a whole block costs the same either way.
+    __device__ __forceinline__ int2 unmasked_blocks() const {
+        const int64_t k0 = k_row0, k1 = int64_t(k_row0) + kBc - 1;
+        const Window w = win();
+        int64_t lo = 0, hi = int64_t(span().seqlen_q) / kBr - 1;  // whole blocks of rows
+        if (k1 >= span().seqlen_k)
+            hi = -1;  // the key tail: every block is masked
+        if (w.right >= 0) {
+            const int64_t need = k1 - w.off - w.right;
+            lo = need > 0 ? (need + kBr - 1) / kBr : 0;
+        }
+        if (w.left >= 0) {
+            const int64_t b = floor_div(k0 - w.off + w.left - kBr + 1, kBr);
+            hi = b < hi ? b : hi;
+        }
+        return make_int2(static_cast<int>(lo), static_cast<int>(hi < lo ? lo - 1 : hi));
     }
 
     // Q, dO, LSE * log2(e) and D of query block i of `head` into stage `buf` (async copies;
@@ -356,15 +395,13 @@ struct BackwardCta {
     // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
     // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
     // dP^T hold at most 32 registers next to the resident dK and dV.
-    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, uint32_t sLse,
+    __device__ __forceinline__ void probabilities(int i, const Stage& st, uint32_t sLse,
                                                   uint32_t sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
-        // key tail need it.
-        // Rows past seqlen_q matter only for varlen (their LSE and D are the next sequence's);
-        // fixed-length ones have an LSE of +inf already.
-        const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
-        const bool masked = k_last >= span().seqlen_k || q_last >= span().seqlen_q ||
-                            !win().sees(q_last, k_row0) || !win().sees(q_row0, k_last);
+        // tails need it.
+        const int2 unmasked = bwd_cta_unmasked;
+        const bool masked = i < unmasked.x || i > unmasked.y;
+        const int q_row0 = i * kBr;
         // Rows and keys of the block inside the sequence (masked blocks only).
         const int q_valid = span().seqlen_q - q_row0, k_valid = span().seqlen_k - k_row0;
 #pragma unroll 1
@@ -378,6 +415,8 @@ struct BackwardCta {
                                                         int k_valid, const Stage& st,
                                                         uint32_t sLse, uint32_t sD) {
         constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
+        static_assert((kNT & (kNT - 1)) == 0 && kNT <= 8,
+                      "the n8 tiles of a chunk are the low bits of its swizzled chunk index");
         const int r0 = P1::row0(warp);
         float dP[kMT][kNT][4];
         float S[kMT][kNT][4];
@@ -415,9 +454,11 @@ struct BackwardCta {
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+                    // c0 / 8 is a multiple of the chunk's n8 tiles (a power of 2), so chunk
+                    // c0 / 8 + nt of a row sits at the swizzled place of chunk c0 / 8, XOR nt.
                     const int key = r0 + mt * 16 + lane / 4 + 8 * h;
                     const uint32_t off =
-                        tile_offset<PTile>(key, (c0 + nt * 8) / 8) + (lane % 4) * 4;
+                        (tile_offset<PTile>(key, c0 / 8) + (lane % 4) * 4) ^ uint32_t(nt * 16);
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off),
                                  "r"(pack2<Elem>(pv[2 * h], pv[2 * h + 1])));
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off),
@@ -458,7 +499,9 @@ struct BackwardCta {
                 }
             __syncthreads();  // the previous KV block's additions are visible
         }
-        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * p.d_pad;
+        // Rows of the accumulator are the variant's d_head long (p.d_pad == Cfg::kDHead): a
+        // compile-time stride, so the reductions of a thread take immediate offsets.
+        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * Cfg::kDHead;
 #pragma unroll 1
         for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk)
             dq_chunk(acc, P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8);
@@ -477,17 +520,15 @@ struct BackwardCta {
         zero(dQ);
         warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
                                 LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+        float* const at = acc + (r0 + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = r0 + mt * 16 + lane / 4 + 8 * h;
-                    const int col = c0 + nt * 8 + 2 * (lane % 4);
-                    red_add2(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][2 * h],
+                for (int h = 0; h < 2; ++h)
+                    red_add2(at + (mt * 16 + 8 * h) * Cfg::kDHead + nt * 8, dQ[mt][nt][2 * h],
                              dQ[mt][nt][2 * h + 1]);
-                }
     }
 
     // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
