@@ -298,7 +298,7 @@ struct BackwardCta {
                 .issue(sV, v, span().seqlen_k - k_row0);
             if (threadIdx.x == 0)
                 bwd_cta_unmasked = unmasked_blocks();
-            issue_query_block(head0, i_first, 0);
+            issue_query_block(block_src(head0, i_first), 0);
             cp_async_commit();  // K and V land with the first query block
             // (head, i) of block t and of block t + 1, stepped without divisions.
             int64_t head = head0, next_head = head0;
@@ -312,17 +312,19 @@ struct BackwardCta {
                 }
                 const int buf = Cfg::kPrefetch ? t % 2 : 0;
                 if (!Cfg::kPrefetch && t > 0) {
+                    const BlockSrc src = block_src(head, i);
                     __syncthreads();  // every warp is done with block t - 1's stage
-                    issue_query_block(head, i, 0);
+                    issue_query_block(src, 0);
                     cp_async_commit();
                 }
+                const BlockSrc next = block_src(next_head, next_i);  // (used with prefetch)
                 cp_async_wait<0>();  // block t (the only one in flight) has landed
                 // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem, and every warp is
                 // done with block t - 1: its stage, sP and sdS are free.
                 __syncthreads();
                 if (Cfg::kPrefetch && t + 1 < n) {
                     // Block t + 1 streams into the other stage while this one computes.
-                    issue_query_block(next_head, next_i, buf ^ 1);
+                    issue_query_block(next, buf ^ 1);
                     cp_async_commit();
                 }
 
@@ -358,36 +360,49 @@ struct BackwardCta {
         return make_int2(static_cast<int>(lo), static_cast<int>(hi < lo ? lo - 1 : hi));
     }
 
-    // Q, dO, LSE * log2(e) and D of query block i of `head` into stage `buf` (async copies;
-    // the caller commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
-    __device__ __forceinline__ void issue_query_block(int64_t head, int i, int buf) const {
+    // Where query block i of `head` comes from: its Q and dO tiles, the offset of its rows in
+    // the fp32 row buffers, and its rows inside the sequence. Reads the span (smem): the loop
+    // calls it before a barrier, where the latency costs nothing.
+    struct BlockSrc {
+        const Elem* q;
+        const Elem* dout;
+        int64_t vec;     // offset of the block's first row in d_rows and lse_log2
+        int valid_rows;  // rows inside the sequence (may exceed B_r)
+    };
+    __device__ __forceinline__ BlockSrc block_src(int64_t head, int i) const {
         const int q_row0 = i * kBr;
         const int64_t q_row = int64_t(span().q_start) + q_row0;
+        return BlockSrc{static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
+                            head * p.q_head_stride + q_row * p.q_row_stride,
+                        static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                            head * p.do_head_stride + q_row * p.do_row_stride,
+                        vec_base(head) + q_row0, span().seqlen_q - q_row0};
+    }
+
+    // Q, dO, LSE * log2(e) and D of a query block into stage `buf` (async copies; the caller
+    // commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
+    __device__ __forceinline__ void issue_query_block(const BlockSrc& src, int buf) const {
         const Stage st = stage(buf);
-        const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
-                        head * p.q_head_stride + q_row * p.q_row_stride;
-        const Elem* dout = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
-                           head * p.do_head_stride + q_row * p.do_row_stride;
         // The copies' per-thread offsets are recomputed here rather than kept in registers
         // across the loop.
         TileCopy<Cfg, kBr>(threadIdx.x, p.q_row_stride, p.d_head)
-            .issue(st.q, q, span().seqlen_q - q_row0);
+            .issue(st.q, src.q, src.valid_rows);
         TileCopy<Cfg, kBr>(threadIdx.x, p.do_row_stride, p.d_head)
-            .issue(st.dout, dout, span().seqlen_q - q_row0);
+            .issue(st.dout, src.dout, src.valid_rows);
         if (p.cu_seqlens_q == nullptr) {         // whole blocks of 16-byte chunks (rows padded)
             constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
             if (threadIdx.x < 2 * kVecChunks) {
                 const int c = threadIdx.x % kVecChunks;
                 const bool is_d = threadIdx.x >= kVecChunks;
-                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + c * 4;
-                cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
+                cp_async_16((is_d ? st.d : st.lse) + c * 16,
+                            (is_d ? p.d_rows : p.lse_log2) + src.vec + c * 4);
             }
         } else {  // varlen: a sequence starts at any row; rows past it are masked in phase 1
             for (int t = threadIdx.x; t < 2 * kBr; t += Cfg::kThreads) {
                 const int r = t % kBr;
                 const bool is_d = t >= kBr;
-                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + r;
-                cp_async_4((is_d ? st.d : st.lse) + r * 4, src);
+                cp_async_4((is_d ? st.d : st.lse) + r * 4,
+                           (is_d ? p.d_rows : p.lse_log2) + src.vec + r);
             }
         }
     }
@@ -412,8 +427,8 @@ struct BackwardCta {
 
     // q_valid < 0: a block seen whole (no element masked).
     __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, int q_valid,
-                                                        int k_valid, const Stage& st,
-                                                        uint32_t sLse, uint32_t sD) {
+                                                        int k_valid, const Stage& st, uint32_t sLse,
+                                                        uint32_t sD) {
         constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
         static_assert((kNT & (kNT - 1)) == 0 && kNT <= 8,
                       "the n8 tiles of a chunk are the low bits of its swizzled chunk index");
@@ -427,13 +442,14 @@ struct BackwardCta {
         warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
                                 LoadB<Cfg, kNT>(st.q, c0, 0, lane));
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int nt = 0; nt < kNT; ++nt) {
+            // The two columns of this thread in the n8 tile: their LSE and D, read once for
+            // every m16 tile.
+            const int col0 = c0 + nt * 8 + 2 * (lane % 4);
+            const float2 lse = ld_shared_f32x2(sLse + col0 * 4);
+            const float2 dd = ld_shared_f32x2(sD + col0 * 4);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-                // The two columns of this thread in the n8 tile: their LSE and D.
-                const int col0 = c0 + nt * 8 + 2 * (lane % 4);
-                const float2 lse = ld_shared_f32x2(sLse + col0 * 4);
-                const float2 dd = ld_shared_f32x2(sD + col0 * 4);
+            for (int mt = 0; mt < kMT; ++mt) {
                 float pv[4], ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
@@ -465,6 +481,7 @@ struct BackwardCta {
                                  "r"(pack2<Elem>(ds[2 * h], ds[2 * h + 1])));
                 }
             }
+        }
     }
 
     // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
