@@ -86,19 +86,13 @@ __device__ __forceinline__ void zero(float (&acc)[kMT][kNT][4]) {
                 acc[mt][nt][e] = 0.f;
 }
 
-// A hook warp_gemm calls at the start of each k-step (after the step's loads are issued): work
-// that should interleave with the MMAs. The default does nothing.
-struct NoHook {
-    __device__ __forceinline__ void operator()(int) const {}
-};
-
 // acc += A B over kSteps k16 steps. B is loaded a pair of n8 tiles at a time, the pair after
 // next in flight while the MMAs of this one run, so only two x4 fragments of B are live (a
 // whole k-step of B for d_head 128 columns would hold 64 registers); A of step s+1 loads before
 // the MMAs of step s.
-template <typename Elem, int kSteps, int kMT, int kNT, class LA, class LB, class Hook = NoHook>
+template <typename Elem, int kSteps, int kMT, int kNT, class LA, class LB>
 __device__ __forceinline__ void warp_gemm(float (&acc)[kMT][kNT][4], const LA& load_a,
-                                          const LB& load_b, const Hook& hook = Hook{}) {
+                                          const LB& load_b) {
     constexpr int kPairs = kNT / 2;
     AFrag<kMT> a[2];
     uint32_t b[2][4];
@@ -108,7 +102,6 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[kMT][kNT][4], const LA& l
     for (int s = 0; s < kSteps; ++s) {
         if (s + 1 < kSteps)
             load_a(a[(s + 1) % 2], s + 1);
-        hook(s);
 #pragma unroll
         for (int pr = 0; pr < kPairs; ++pr) {
             const int idx = s * kPairs + pr;

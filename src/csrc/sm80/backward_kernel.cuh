@@ -331,21 +331,8 @@ struct BackwardCta {
                 probabilities(i, stage(buf), lse_of(buf), d_of(buf));
                 __syncthreads();  // P^T and dS^T are complete in smem
 
-                if constexpr (kSpreadDq) {
-                    // dQ_i first, held in registers; its fp32 reductions interleave with the dK
-                    // and dV products (a burst of them at the end of the block stalls the warps
-                    // on the memory queue and then at the next barrier).
-                    float dQ[P3::kMT][P3::kNT][4];
-                    dq_product(dQ, P3::col0(warp));
-                    int turn = 0;
-                    int* const sem = dq_turn_wait(head, i, turn);
-                    accumulate_dk_dv(stage(buf),
-                                     DqReductions{dQ, dq_target(head, i, P3::col0(warp))});
-                    dq_turn_release(sem, turn);
-                } else {
-                    accumulate_dk_dv(stage(buf), NoHook{});
-                    accumulate_dq(head, i);
-                }
+                accumulate_dk_dv(stage(buf));
+                accumulate_dq(head, i);
             }
         }
         write_dk_dv();
@@ -497,109 +484,68 @@ struct BackwardCta {
         }
     }
 
-    // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block; `hook` runs at each of
-    // their k-steps (the dV steps first, then the dK steps offset by B_r / 16).
-    template <class Hook>
-    __device__ __forceinline__ void accumulate_dk_dv(const Stage& st, const Hook& hook) {
+    // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
+    __device__ __forceinline__ void accumulate_dk_dv(const Stage& st) {
         constexpr int kMT = P2::kMT, kNT = P2::kNT, kSteps = kBr / 16;
         const int r0 = P2::row0(warp), c0 = P2::col0(warp);
         warp_gemm<Elem, kSteps>(dV, LoadA<PTile, kMT>(sP, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(st.dout, c0 / 8, lane), hook);
+                                LoadBTrans<Cfg, kNT>(st.dout, c0 / 8, lane));
         warp_gemm<Elem, kSteps>(dK, LoadA<PTile, kMT>(sdS, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane),
-                                [&](int s) { hook(kSteps + s); });
+                                LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane));
     }
 
-    // The dQ tile of a warp is computed whole (one phase-3 chunk) and its reductions spread over
-    // phase 2 when it fits beside dK and dV; else chunk by chunk after phase 2.
-    static constexpr bool kSpreadDq = P3::kNT == Cfg::kP3ChunkNT;
-
-    // The fp32 reductions of a warp's dQ tile, a few at each of phase 2's 2 B_r / 16 k-steps.
-    struct DqReductions {
-        static constexpr int kMT = P3::kMT, kNT = P3::kNT;
-        static constexpr int kCount = kMT * kNT * 2;  // one per m16 x n8 tile half
-        static constexpr int kSteps = 2 * kBr / 16;
-        static constexpr int kPerStep = (kCount + kSteps - 1) / kSteps;
-        float (&dQ)[kMT][kNT][4];
-        float* at;  // this thread's first element of the warp's tile
-        __device__ __forceinline__ void operator()(int s) const {
-#pragma unroll
-            for (int j = s * kPerStep; j < (s + 1) * kPerStep && j < kCount; ++j) {
-                const int mt = j / (2 * kNT), nt = (j / 2) % kNT, h = j % 2;
-                red_add2(at + (mt * 16 + 8 * h) * Cfg::kDHead + nt * 8, dQ[mt][nt][2 * h],
-                         dQ[mt][nt][2 * h + 1]);
-            }
-        }
-    };
-
-    // dQ_i's rows in the fp32 accumulator: this thread's first element of the warp tile at
-    // column c0. Rows are the variant's d_head long (p.d_pad == Cfg::kDHead): a compile-time
-    // stride, so the reductions of a thread take immediate offsets.
-    __device__ __forceinline__ float* dq_target(int64_t head, int i, int c0) const {
-        return p.dq_accum + (vec_base(head) + i * kBr) * Cfg::kDHead +
-               (P3::row0(warp) + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
-    }
-
-    // Phase 3's product for the warp's columns from c0: dQ = dS K (kP3ChunkNT n8 tiles).
-    template <int kNT>
-    __device__ __forceinline__ void dq_product(float (&dQ)[P3::kMT][kNT][4], int c0) const {
-        zero(dQ);
-        warp_gemm<Elem, kBc / 16>(dQ, LoadATrans<PTile, P3::kMT>(sdS, P3::row0(warp) / 8, lane),
-                                  LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
-    }
-
-    // Deterministic: wait until the KV blocks before this one have added their dQ_i (returns the
-    // semaphore to release, nullptr when not deterministic).
-    __device__ __forceinline__ int* dq_turn_wait(int64_t head, int i, int& turn) const {
-        if (p.dq_semaphore == nullptr)  // uniform over the CTA
-            return nullptr;
-        const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;  // of the longest sequence
-        int* sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
-        const int q_last = (i * kBr + kBr < span().seqlen_q ? i * kBr + kBr : span().seqlen_q) - 1;
-        int64_t k_lo, k_hi;
-        win().keys(i * kBr, q_last, span().seqlen_k, k_lo, k_hi);
-        // The KV blocks of query block i add from the last to the first: those CTAs were
-        // launched earlier (so waiting on them cannot deadlock), and under a causal mask the
-        // last KV block that sees query block i meets it first, so each CTA trails the one
-        // before by a single query block.
-        turn = static_cast<int>(k_hi / kBc) - kv_block;  // KV blocks added before this one
-        if (threadIdx.x == 0)
-            while (ld_acquire(sem) != turn) {
-            }
-        __syncthreads();  // the previous KV block's additions are visible
-        return sem;
-    }
-
-    __device__ __forceinline__ void dq_turn_release(int* sem, int turn) const {
-        if (sem == nullptr)
-            return;
-        __threadfence();
-        __syncthreads();  // every thread's additions are done and fenced
-        if (threadIdx.x == 0)
-            st_release(sem, turn + 1);
-    }
-
-    // Phase 3 after phase 2 (configs whose dQ tile does not fit beside dK and dV): dQ_i += dS K
-    // chunk by chunk, each added to the fp32 accumulator (in a fixed order when deterministic).
+    // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in a fixed order when
+    // deterministic). A warp's d_head columns go in chunks of Cfg::kP3ChunkNT n8 tiles.
     __device__ __forceinline__ void accumulate_dq(int64_t head, int i) {
+        int* sem = nullptr;
         int turn = 0;
-        int* const sem = dq_turn_wait(head, i, turn);
-#pragma unroll 1
-        for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk) {
-            const int c0 = P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8;
-            float dQ[P3::kMT][Cfg::kP3ChunkNT][4];
-            dq_product(dQ, c0);
-            float* const at = dq_target(head, i, c0);
-#pragma unroll
-            for (int mt = 0; mt < P3::kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < Cfg::kP3ChunkNT; ++nt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        red_add2(at + (mt * 16 + 8 * h) * Cfg::kDHead + nt * 8, dQ[mt][nt][2 * h],
-                                 dQ[mt][nt][2 * h + 1]);
+        if (p.dq_semaphore != nullptr) {                        // uniform over the CTA
+            const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;  // of the longest sequence
+            sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
+            const int q_last =
+                (i * kBr + kBr < span().seqlen_q ? i * kBr + kBr : span().seqlen_q) - 1;
+            int64_t k_lo, k_hi;
+            win().keys(i * kBr, q_last, span().seqlen_k, k_lo, k_hi);
+            // The KV blocks of query block i add from the last to the first: those CTAs were
+            // launched earlier (so waiting on them cannot deadlock), and under a causal mask
+            // the last KV block that sees query block i meets it first, so each CTA trails the
+            // one before by a single query block.
+            turn = static_cast<int>(k_hi / kBc) - kv_block;  // KV blocks added before this one
+            if (threadIdx.x == 0)
+                while (ld_acquire(sem) != turn) {
+                }
+            __syncthreads();  // the previous KV block's additions are visible
         }
-        dq_turn_release(sem, turn);
+        // Rows of the accumulator are the variant's d_head long (p.d_pad == Cfg::kDHead): a
+        // compile-time stride, so the reductions of a thread take immediate offsets.
+        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * Cfg::kDHead;
+#pragma unroll 1
+        for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk)
+            dq_chunk(acc, P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8);
+        if (sem != nullptr) {
+            __threadfence();
+            __syncthreads();  // every thread's additions are done and fenced
+            if (threadIdx.x == 0)
+                st_release(sem, turn + 1);
+        }
+    }
+
+    __device__ __forceinline__ void dq_chunk(float* acc, int c0) {
+        constexpr int kMT = P3::kMT, kNT = Cfg::kP3ChunkNT, kSteps = kBc / 16;
+        const int r0 = P3::row0(warp);
+        float dQ[kMT][kNT][4];
+        zero(dQ);
+        warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
+                                LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+        float* const at = acc + (r0 + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    red_add2(at + (mt * 16 + 8 * h) * Cfg::kDHead + nt * 8, dQ[mt][nt][2 * h],
+                             dQ[mt][nt][2 * h + 1]);
     }
 
     // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
