@@ -3,13 +3,15 @@
 backend (autograd.grad with the graph kept), bf16, 16 heads; the cost of deterministic=True;
 and forward + backward through autograd (time against SDPA FA2, peak memory against SDPA FA2
 and cuDNN). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for causal).
+Shapes default to the issue's grid: 16 heads, batch 16/16/16/16/8/4 for seq 512..16384.
 
-    PYTHONPATH=src python3 studies/backward_bench.py
+    PYTHONPATH=src python3 studies/backward_bench.py [--d 64,128] [--seqs 1024,4096]
+        [--dtypes bf16,fp16] [--peers fa2,cudnn] [--no-train] [--no-det] [--variants K1,K2]
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import statistics
 
 import torch
@@ -33,15 +35,17 @@ def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-# Other tiles timed beside the default one (built with FLASH_ATTENTION_BWD_KERNELS naming them).
-VARIANTS: dict[int, list[str]] = {}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BACKENDS = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+BATCH_OF_SEQ = {512: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 8, 16384: 4}
 
 
 def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = False,
-          kernel: str = "") -> dict:
+          kernel: str = "", dtype: str = "bf16", peers: tuple[str, ...] = ("fa2",)) -> dict:
     heads = 16
     torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=DTYPES[dtype])
                      for _ in range(4))
     out, lse = torch.ops.flash_attention.attention.default(
         q, k, v, None, None, 0, 0, None, causal, -1, -1, 0.0, True, "")
@@ -51,19 +55,29 @@ def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = Fals
                                               None, causal, -1, -1, 0.0, deterministic, kernel)
 
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     dref = dout.transpose(1, 2)
 
-    def sdpa():
-        torch.autograd.grad(ref, (qt, kt, vt), dref, retain_graph=True)
+    def sdpa(backend):
+        with sdpa_kernel(backend):
+            ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    t_ours, t_sdpa = time_ms(ours), time_ms(sdpa)
+        def step():
+            torch.autograd.grad(ref, (qt, kt, vt), dref, retain_graph=True)
+        return step
+
     flops = 2.5 * 4 * batch * heads * seq * seq * d / (2 if causal else 1)
-    return {"batch": batch, "seq": seq, "d": d, "causal": causal, "det": deterministic,
-            "kernel": kernel or "default",
-            "ours_ms": t_ours, "sdpa_ms": t_sdpa, "ours_tflops": flops / t_ours / 1e9,
-            "sdpa_tflops": flops / t_sdpa / 1e9, "ratio": t_sdpa / t_ours}
+    r = {"batch": batch, "seq": seq, "d": d, "causal": causal, "det": deterministic,
+         "dtype": dtype, "kernel": kernel or "default", "ours_ms": time_ms(ours)}
+    r["ours_tflops"] = flops / r["ours_ms"] / 1e9
+    for peer in peers:
+        try:
+            r[f"{peer}_ms"] = time_ms(sdpa(BACKENDS[peer]))
+        except RuntimeError as e:  # the backend refuses the shape
+            print(f"  ({peer} unavailable: {str(e).splitlines()[0][:80]})")
+            continue
+        r[f"{peer}_tflops"] = flops / r[f"{peer}_ms"] / 1e9
+        r[f"{peer}_ratio"] = r[f"{peer}_ms"] / r["ours_ms"]
+    return r
 
 
 def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
@@ -102,20 +116,49 @@ def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", default="64,128")
+    ap.add_argument("--seqs", default="1024,4096")
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--peers", default="fa2", help="SDPA backends timed beside ours: fa2,cudnn")
+    ap.add_argument("--no-train", action="store_true", help="skip forward + backward")
+    ap.add_argument("--no-det", action="store_true", help="skip deterministic=True")
+    ap.add_argument("--variants", default="",
+                    help="backward kernels timed beside the default one where their dtype and "
+                         "d_head match (built with FLASH_ATTENTION_BWD_KERNELS naming them)")
+    args = ap.parse_args()
     ops.require()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, 16 heads")
-    print(f"{'batch':>5} {'seq':>5} {'d':>4} {'causal':>6} {'det':>5} {'ours ms':>8} "
-          f"{'sdpa ms':>8} {'ours TF':>8} {'sdpa TF':>8} {'sdpa/ours':>9}")
-    d_heads = [int(d) for d in os.environ.get("BENCH_D", "64,128").split(",")]
-    cases = [(16, s, d, c, False) for d in d_heads for s in (1024, 4096) for c in (False, True)]
-    cases += [(16, 4096, 128, False, True), (16, 4096, 128, True, True)]
+    peers = tuple(args.peers.split(",")) if args.peers else ()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 heads; ratio = peer "
+          "ms / ours ms (> 1: ours faster)")
+    print(f"{'dtype':>5} {'batch':>5} {'seq':>5} {'d':>4} {'causal':>6} {'det':>5} "
+          f"{'ours ms':>8} {'ours TF':>8}" + "".join(f" {p + ' ms':>9} {p + ' TF':>8} "
+                                                     f"{p + '/ours':>10}" for p in peers))
+    cases = [(dt, BATCH_OF_SEQ.get(s, 16), s, d, c, False) for dt in args.dtypes.split(",")
+             for d in map(int, args.d.split(",")) for s in map(int, args.seqs.split(","))
+             for c in (False, True)]
+    if not args.no_det:
+        cases += [("bf16", 16, 4096, 128, False, True), ("bf16", 16, 4096, 128, True, True)]
     built = set(torch.ops.flash_attention.bwd_kernels().split(","))
-    for case in cases:
-        for kernel in ["", *(v for v in VARIANTS.get(case[2], []) if v in built and not case[4])]:
-            r = bench(*case, kernel=kernel)
-            print(f"{r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} {r['det']!s:>5} "
-                  f"{r['ours_ms']:>8.2f} {r['sdpa_ms']:>8.2f} {r['ours_tflops']:>8.1f} "
-                  f"{r['sdpa_tflops']:>8.1f} {r['ratio']:>9.2f}  {r['kernel']}", flush=True)
+    variants = [v for v in args.variants.split(",") if v]
+    missing = [v for v in variants if v not in built]
+    if missing:
+        ap.error(f"variants not built: {', '.join(missing)}")
+    for dt, *case in cases:
+        mine = [v for v in variants if v.startswith(f"bwd_{dt}_d{case[2]}_")]
+        for kernel in ["", *(mine if not case[4] else [])]:
+            r = bench(*case, kernel=kernel, dtype=dt, peers=peers)
+            line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
+                    f"{r['det']!s:>5} {r['ours_ms']:>8.2f} {r['ours_tflops']:>8.1f}")
+            for p in peers:
+                if f"{p}_ms" in r:
+                    line += (f" {r[p + '_ms']:>9.2f} {r[p + '_tflops']:>8.1f} "
+                             f"{r[p + '_ratio']:>10.2f}")
+                else:
+                    line += f" {'-':>9} {'-':>8} {'-':>10}"
+            print(line + f"  {r['kernel']}", flush=True)
+    if args.no_train:
+        return
     print("forward + backward (autograd), bf16, d_head 128, 16 heads; peak memory above the "
           "inputs")
     print(f"{'batch':>5} {'seq':>5} {'causal':>6} {'ours ms':>8} {'fa2 ms':>8} {'fa2/ours':>8} "

@@ -48,7 +48,6 @@ FLAGS: dict[str, tuple[str, str]] = {
     "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
 }
 STATIC_SMEM = 128  # the CTA's sequence span (static __shared__), beside the dynamic tiles
-P1_CHUNK_TILES = 4  # mirrors BwdConfig::kP1ChunkNT: m16 x n8 tiles of S^T per phase-1 chunk
 
 _SHORT_RE = re.compile(
     r"^bwd_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
@@ -176,11 +175,14 @@ class BwdConfig:
 
     @property
     def p1_chunk_n_tiles(self) -> int:
-        """n8 tiles of a phase-1 chunk: at most P1_CHUNK_TILES m16 x n8 tiles (twice that when
-        dK and dV hold at most 64 registers), at least 2."""
+        """n8 tiles of a phase-1 chunk (mirrors BwdConfig::kP1ChunkNT): the widest chunk (the
+        whole warp tile where it fits) whose S^T and dP^T fit REG_BUDGET beside dK and dV, at
+        least 2."""
         resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
-        tiles = P1_CHUNK_TILES * (2 if resident <= 64 else 1)
-        return min(self.phase1.n_tiles, max(tiles // self.phase1.m_tiles, 2))
+        n_tiles = self.phase1.n_tiles
+        while n_tiles > 2 and resident + 2 * self.phase1.m_tiles * n_tiles * 4 > REG_BUDGET:
+            n_tiles //= 2
+        return n_tiles
 
     @property
     def p3_chunk_n_tiles(self) -> int:

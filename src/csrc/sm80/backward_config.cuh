@@ -98,12 +98,22 @@ struct BwdConfig {
     static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kRowVecBytes;
     static constexpr int kSmemBytes = kQStages * kStageBytes + 2 * kKTileBytes + 2 * kPTileBytes;
 
-    // Phase 1 computes a warp's query columns in chunks of kP1ChunkNT n8 tiles: at most 4 m16 x
-    // n8 tiles of S^T (and of dP^T) at a time, 8 where dK and dV hold at most 64 registers;
-    // at least a pair of n8 tiles. (Each chunk reads the warp's K and V rows again.)
-    static constexpr int kP1Tiles = 2 * Phase2::kMT * Phase2::kNT * 4 <= 64 ? 8 : 4;
-    static constexpr int kP1ChunkTiles = kP1Tiles / Phase1::kMT > 2 ? kP1Tiles / Phase1::kMT : 2;
-    static constexpr int kP1ChunkNT = Phase1::kNT < kP1ChunkTiles ? Phase1::kNT : kP1ChunkTiles;
+    // fp32 accumulator registers of one thread: dK and dV stay resident; phase 1 adds a chunk
+    // of S^T and dP^T (the softcap derivative is used where it is computed), phase 3 a chunk
+    // of the dQ tile (when phase 1's are dead).
+    static constexpr int kResidentRegs = 2 * Phase2::kMT * Phase2::kNT * 4;
+    static constexpr int kRegBudget = 200;
+
+    // Phase 1 computes a warp's query columns in chunks of kP1ChunkNT n8 tiles: the widest
+    // chunk (the whole warp tile where it fits) whose S^T and dP^T fit the budget beside dK and
+    // dV, at least a pair of n8 tiles (each chunk reads the warp's K and V rows again).
+    static constexpr int p1_chunk_nt() {
+        int nt = Phase1::kNT;
+        while (nt > 2 && kResidentRegs + 2 * Phase1::kMT * nt * 4 > kRegBudget)
+            nt /= 2;
+        return nt;
+    }
+    static constexpr int kP1ChunkNT = p1_chunk_nt();
     static_assert(Phase1::kNT % kP1ChunkNT == 0 && kP1ChunkNT % 2 == 0,
                   "phase 1 chunks must be whole pairs of n8 tiles");
 
@@ -114,13 +124,8 @@ struct BwdConfig {
     static_assert(Phase3::kNT % kP3ChunkNT == 0 && kP3ChunkNT % 2 == 0,
                   "phase 3 chunks must be whole pairs of n8 tiles");
 
-    // fp32 registers of one thread: dK and dV stay resident; phase 1 adds a chunk of S^T and
-    // dP^T (the softcap derivative is used where it is computed), phase 3 a chunk of the dQ
-    // tile (when phase 1's are dead).
-    static constexpr int kResidentRegs = 2 * Phase2::kMT * Phase2::kNT * 4;
     static constexpr int kPhase1Regs = 2 * Phase1::kMT * kP1ChunkNT * 4;
     static constexpr int kPhase3Regs = Phase3::kMT * kP3ChunkNT * 4;
-    static constexpr int kRegBudget = 200;
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
     static_assert(kDHead % 32 == 0 && kDHead >= 32 && kDHead <= 256,

@@ -104,6 +104,22 @@ __device__ __forceinline__ BwdSpan bwd_span(const BwdParams& p, int batch) {
 // first barrier of bwd_kernel.
 __shared__ BwdSpan bwd_cta_span;
 
+// Two fp32 values from shared memory (addr 8-byte aligned). volatile: the address of a stage
+// repeats across iterations, so the load must not be hoisted over the loop's barriers.
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+// The query blocks [lo, hi] of this CTA's KV block that need no mask (lo > hi: none), set by
+// thread 0 before the main loop's first barrier.
+__shared__ int2 bwd_cta_unmasked;
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
 // 4-byte async copy (the row vectors of a varlen sequence start at any row).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
@@ -214,7 +230,6 @@ struct BackwardCta {
     const int kv_block, k_row0;
     const int batch, kv_head;
     const uint32_t sStage0, sK, sV, sP, sdS;
-    const float* const sRowVecs;  // generic pointer to the LSE of stage 0
 
     float dK[P2::kMT][P2::kNT][4];
     float dV[P2::kMT][P2::kNT][4];
@@ -233,18 +248,17 @@ struct BackwardCta {
           sK(sStage0 + Cfg::kQStages * Cfg::kStageBytes),
           sV(sK + Cfg::kKTileBytes),
           sP(sV + Cfg::kKTileBytes),
-          sdS(sP + Cfg::kPTileBytes),
-          sRowVecs(reinterpret_cast<const float*>(smem + 2 * Cfg::kQTileBytes)) {}
+          sdS(sP + Cfg::kPTileBytes) {}
 
     __device__ __forceinline__ Stage stage(int buf) const {
         const uint32_t base = sStage0 + buf * Cfg::kStageBytes;
         return Stage{base, base + Cfg::kQTileBytes, base + 2 * Cfg::kQTileBytes,
                      base + 2 * Cfg::kQTileBytes + Cfg::kRowVecBytes};
     }
-    __device__ __forceinline__ const float* lse_of(int buf) const {
-        return sRowVecs + buf * (Cfg::kStageBytes / 4);
-    }
-    __device__ __forceinline__ const float* d_of(int buf) const { return lse_of(buf) + kBr; }
+    // Shared addresses of the LSE and D of stage `buf` (32-bit: a generic pointer would hold
+    // two registers across the loop).
+    __device__ __forceinline__ uint32_t lse_of(int buf) const { return stage(buf).lse; }
+    __device__ __forceinline__ uint32_t d_of(int buf) const { return stage(buf).d; }
 
     // This CTA's sequence (the whole call unless varlen) and its window.
     __device__ __forceinline__ const BwdSpan& span() const { return bwd_cta_span; }
@@ -282,68 +296,113 @@ struct BackwardCta {
                 .issue(sK, k, span().seqlen_k - k_row0);
             TileCopy<Cfg, kBc>(threadIdx.x, p.v_row_stride, p.d_head)
                 .issue(sV, v, span().seqlen_k - k_row0);
-            issue_query_block(head0, i_first, 0);
+            if (threadIdx.x == 0)
+                bwd_cta_unmasked = unmasked_blocks();
+            issue_query_block(block_src(head0, i_first), 0);
             cp_async_commit();  // K and V land with the first query block
+            // (head, i) of block t and of block t + 1, stepped without divisions.
+            int64_t head = head0, next_head = head0;
+            int i = i_first, next_i = i_first;
             for (int t = 0; t < n; ++t) {
-                const int64_t head = head0 + t / n_q;
-                const int i = i_first + t % n_q;
-                const int buf = Cfg::kPrefetch ? t % 2 : 0;
-                if (Cfg::kPrefetch && t + 1 < n) {
-                    // The other stage is free: the barrier closing block t - 1 ordered its
-                    // last reads.
-                    issue_query_block(head0 + (t + 1) / n_q, i_first + (t + 1) % n_q, buf ^ 1);
-                    cp_async_commit();
-                    cp_async_wait<1>();  // block t has landed; t + 1 may still be in flight
-                } else {
-                    if (!Cfg::kPrefetch && t > 0) {
-                        issue_query_block(head, i, 0);  // free since the closing barrier
-                        cp_async_commit();
-                    }
-                    cp_async_wait<0>();
+                head = next_head;
+                i = next_i;
+                if (++next_i == i_first + n_q) {
+                    next_i = i_first;
+                    ++next_head;
                 }
-                __syncthreads();  // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem
+                const int buf = Cfg::kPrefetch ? t % 2 : 0;
+                if (!Cfg::kPrefetch && t > 0) {
+                    const BlockSrc src = block_src(head, i);
+                    __syncthreads();  // every warp is done with block t - 1's stage
+                    issue_query_block(src, 0);
+                    cp_async_commit();
+                }
+                const BlockSrc next = block_src(next_head, next_i);  // (used with prefetch)
+                cp_async_wait<0>();  // block t (the only one in flight) has landed
+                // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem, and every warp is
+                // done with block t - 1: its stage, sP and sdS are free.
+                __syncthreads();
+                if (Cfg::kPrefetch && t + 1 < n) {
+                    // Block t + 1 streams into the other stage while this one computes.
+                    issue_query_block(next, buf ^ 1);
+                    cp_async_commit();
+                }
 
-                probabilities(i * kBr, stage(buf), lse_of(buf), d_of(buf));
+                probabilities(i, stage(buf), lse_of(buf), d_of(buf));
                 __syncthreads();  // P^T and dS^T are complete in smem
 
                 accumulate_dk_dv(stage(buf));
                 accumulate_dq(head, i);
-                __syncthreads();  // every warp is done with this stage, sP and sdS
             }
         }
         write_dk_dv();
     }
 
-    // Q, dO, LSE * log2(e) and D of query block i of `head` into stage `buf` (async copies;
-    // the caller commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
-    __device__ __forceinline__ void issue_query_block(int64_t head, int i, int buf) const {
+    // The query blocks that see all B_c keys of this CTA and lie whole inside the sequence: the
+    // block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside the window iff its corners are, i.e.
+    // i B_r + B_r - 1 <= k0 - off + left and i B_r >= k1 - off - right. Rows past seqlen_q matter
+    // only for varlen (their LSE and D are the next sequence's; fixed-length ones have an LSE of
+    // +inf already), but a whole block costs the same either way.
+    __device__ __forceinline__ int2 unmasked_blocks() const {
+        const int64_t k0 = k_row0, k1 = int64_t(k_row0) + kBc - 1;
+        const Window w = win();
+        int64_t lo = 0, hi = int64_t(span().seqlen_q) / kBr - 1;  // whole blocks of rows
+        if (k1 >= span().seqlen_k)
+            hi = -1;  // the key tail: every block is masked
+        if (w.right >= 0) {
+            const int64_t need = k1 - w.off - w.right;
+            lo = need > 0 ? (need + kBr - 1) / kBr : 0;
+        }
+        if (w.left >= 0) {
+            const int64_t b = floor_div(k0 - w.off + w.left - kBr + 1, kBr);
+            hi = b < hi ? b : hi;
+        }
+        return make_int2(static_cast<int>(lo), static_cast<int>(hi < lo ? lo - 1 : hi));
+    }
+
+    // Where query block i of `head` comes from: its Q and dO tiles, the offset of its rows in
+    // the fp32 row buffers, and its rows inside the sequence. Reads the span (smem): the loop
+    // calls it before a barrier, where the latency costs nothing.
+    struct BlockSrc {
+        const Elem* q;
+        const Elem* dout;
+        int64_t vec;     // offset of the block's first row in d_rows and lse_log2
+        int valid_rows;  // rows inside the sequence (may exceed B_r)
+    };
+    __device__ __forceinline__ BlockSrc block_src(int64_t head, int i) const {
         const int q_row0 = i * kBr;
         const int64_t q_row = int64_t(span().q_start) + q_row0;
+        return BlockSrc{static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
+                            head * p.q_head_stride + q_row * p.q_row_stride,
+                        static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                            head * p.do_head_stride + q_row * p.do_row_stride,
+                        vec_base(head) + q_row0, span().seqlen_q - q_row0};
+    }
+
+    // Q, dO, LSE * log2(e) and D of a query block into stage `buf` (async copies; the caller
+    // commits). Rows past seqlen_q are zero-filled; LSE and D are padded.
+    __device__ __forceinline__ void issue_query_block(const BlockSrc& src, int buf) const {
         const Stage st = stage(buf);
-        const Elem* q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride +
-                        head * p.q_head_stride + q_row * p.q_row_stride;
-        const Elem* dout = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
-                           head * p.do_head_stride + q_row * p.do_row_stride;
         // The copies' per-thread offsets are recomputed here rather than kept in registers
         // across the loop.
         TileCopy<Cfg, kBr>(threadIdx.x, p.q_row_stride, p.d_head)
-            .issue(st.q, q, span().seqlen_q - q_row0);
+            .issue(st.q, src.q, src.valid_rows);
         TileCopy<Cfg, kBr>(threadIdx.x, p.do_row_stride, p.d_head)
-            .issue(st.dout, dout, span().seqlen_q - q_row0);
+            .issue(st.dout, src.dout, src.valid_rows);
         if (p.cu_seqlens_q == nullptr) {         // whole blocks of 16-byte chunks (rows padded)
             constexpr int kVecChunks = kBr / 4;  // 16-byte chunks of one row vector
             if (threadIdx.x < 2 * kVecChunks) {
                 const int c = threadIdx.x % kVecChunks;
                 const bool is_d = threadIdx.x >= kVecChunks;
-                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + c * 4;
-                cp_async_16((is_d ? st.d : st.lse) + c * 16, src);
+                cp_async_16((is_d ? st.d : st.lse) + c * 16,
+                            (is_d ? p.d_rows : p.lse_log2) + src.vec + c * 4);
             }
         } else {  // varlen: a sequence starts at any row; rows past it are masked in phase 1
             for (int t = threadIdx.x; t < 2 * kBr; t += Cfg::kThreads) {
                 const int r = t % kBr;
                 const bool is_d = t >= kBr;
-                const float* src = (is_d ? p.d_rows : p.lse_log2) + vec_base(head) + q_row0 + r;
-                cp_async_4((is_d ? st.d : st.lse) + r * 4, src);
+                cp_async_4((is_d ? st.d : st.lse) + r * 4,
+                           (is_d ? p.d_rows : p.lse_log2) + src.vec + r);
             }
         }
     }
@@ -351,15 +410,13 @@ struct BackwardCta {
     // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
     // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
     // dP^T hold at most 32 registers next to the resident dK and dV.
-    __device__ __forceinline__ void probabilities(int q_row0, const Stage& st, const float* sLse,
-                                                  const float* sD) {
+    __device__ __forceinline__ void probabilities(int i, const Stage& st, uint32_t sLse,
+                                                  uint32_t sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
-        // key tail need it.
-        // Rows past seqlen_q matter only for varlen (their LSE and D are the next sequence's);
-        // fixed-length ones have an LSE of +inf already.
-        const int q_last = q_row0 + kBr - 1, k_last = k_row0 + kBc - 1;
-        const bool masked = k_last >= span().seqlen_k || q_last >= span().seqlen_q ||
-                            !win().sees(q_last, k_row0) || !win().sees(q_row0, k_last);
+        // tails need it.
+        const int2 unmasked = bwd_cta_unmasked;
+        const bool masked = i < unmasked.x || i > unmasked.y;
+        const int q_row0 = i * kBr;
         // Rows and keys of the block inside the sequence (masked blocks only).
         const int q_valid = span().seqlen_q - q_row0, k_valid = span().seqlen_k - k_row0;
 #pragma unroll 1
@@ -370,9 +427,11 @@ struct BackwardCta {
 
     // q_valid < 0: a block seen whole (no element masked).
     __device__ __forceinline__ void probabilities_chunk(int q_row0, int c0, int q_valid,
-                                                        int k_valid, const Stage& st,
-                                                        const float* sLse, const float* sD) {
+                                                        int k_valid, const Stage& st, uint32_t sLse,
+                                                        uint32_t sD) {
         constexpr int kMT = P1::kMT, kNT = Cfg::kP1ChunkNT, kSteps = Cfg::kDHead / 16;
+        static_assert((kNT & (kNT - 1)) == 0 && kNT <= 8,
+                      "the n8 tiles of a chunk are the low bits of its swizzled chunk index");
         const int r0 = P1::row0(warp);
         float dP[kMT][kNT][4];
         float S[kMT][kNT][4];
@@ -383,38 +442,46 @@ struct BackwardCta {
         warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
                                 LoadB<Cfg, kNT>(st.q, c0, 0, lane));
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int nt = 0; nt < kNT; ++nt) {
+            // The two columns of this thread in the n8 tile: their LSE and D, read once for
+            // every m16 tile.
+            const int col0 = c0 + nt * 8 + 2 * (lane % 4);
+            const float2 lse = ld_shared_f32x2(sLse + col0 * 4);
+            const float2 dd = ld_shared_f32x2(sD + col0 * 4);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
+            for (int mt = 0; mt < kMT; ++mt) {
                 float pv[4], ds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                    const int col = c0 + nt * 8 + 2 * (lane % 4) + e % 2;
+                    const int col = col0 + e % 2;
                     float s = S[mt][nt][e];
                     float dtanh = 1.f;
                     if constexpr (Cfg::kSoftcap) {
                         s = tanh_fast(s * p.softcap_scale);
                         dtanh = 1.f - s * s;
                     }
-                    float prob = fast_exp2(fmaf(s, p.scale_log2, -sLse[col]));
+                    float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
                     if (q_valid >= 0 && (key >= k_valid || col >= q_valid ||
                                          !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
                         prob = 0.f;
                     pv[e] = prob;
-                    ds[e] = prob * (dP[mt][nt][e] - sD[col]) * dtanh;
+                    ds[e] = prob * (dP[mt][nt][e] - (e % 2 ? dd.y : dd.x)) * dtanh;
                 }
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
+                    // c0 / 8 is a multiple of the chunk's n8 tiles (a power of 2), so chunk
+                    // c0 / 8 + nt of a row sits at the swizzled place of chunk c0 / 8, XOR nt.
                     const int key = r0 + mt * 16 + lane / 4 + 8 * h;
                     const uint32_t off =
-                        tile_offset<PTile>(key, (c0 + nt * 8) / 8) + (lane % 4) * 4;
+                        (tile_offset<PTile>(key, c0 / 8) + (lane % 4) * 4) ^ uint32_t(nt * 16);
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + off),
                                  "r"(pack2<Elem>(pv[2 * h], pv[2 * h + 1])));
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + off),
                                  "r"(pack2<Elem>(ds[2 * h], ds[2 * h + 1])));
                 }
             }
+        }
     }
 
     // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
@@ -449,7 +516,9 @@ struct BackwardCta {
                 }
             __syncthreads();  // the previous KV block's additions are visible
         }
-        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * p.d_pad;
+        // Rows of the accumulator are the variant's d_head long (p.d_pad == Cfg::kDHead): a
+        // compile-time stride, so the reductions of a thread take immediate offsets.
+        float* acc = p.dq_accum + (vec_base(head) + i * kBr) * Cfg::kDHead;
 #pragma unroll 1
         for (int chunk = 0; chunk < P3::kNT / Cfg::kP3ChunkNT; ++chunk)
             dq_chunk(acc, P3::col0(warp) + chunk * Cfg::kP3ChunkNT * 8);
@@ -468,17 +537,15 @@ struct BackwardCta {
         zero(dQ);
         warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
                                 LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+        float* const at = acc + (r0 + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = r0 + mt * 16 + lane / 4 + 8 * h;
-                    const int col = c0 + nt * 8 + 2 * (lane % 4);
-                    red_add2(acc + int64_t(row) * p.d_pad + col, dQ[mt][nt][2 * h],
+                for (int h = 0; h < 2; ++h)
+                    red_add2(at + (mt * 16 + 8 * h) * Cfg::kDHead + nt * 8, dQ[mt][nt][2 * h],
                              dQ[mt][nt][2 * h + 1]);
-                }
     }
 
     // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not

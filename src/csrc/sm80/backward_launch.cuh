@@ -19,6 +19,8 @@ namespace flash {
 template <class Cfg>
 cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
+    if (p.d_pad != Cfg::kDHead)  // the kernel strides the dQ accumulator by its d_head
+        return cudaErrorInvalidValue;
     auto* kernel = &bwd::bwd_kernel<Cfg>;
     static std::atomic<uint64_t> configured{0};
     int device = 0;
