@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attention as fa
 from flash_attention import codegen_bwd, ops
@@ -161,6 +162,53 @@ def test_requires_grad_keeps_the_lse_and_the_deterministic_op(mode):
     assert det.grad_fn is not None and out.shape == det.shape == q.shape
 
 
+class _BwdCalls(TorchDispatchMode):
+    """Records the arguments of every flash_attention::bwd call under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.flash_attention.bwd.default:
+            self.calls.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_varlen_deterministic_orders_dq_with_the_sequences(mode):
+    """deterministic=True of a varlen call keeps the LSE through attention_det (attention's
+    arguments), whose autograd formula asks the backward op for the fixed dQ order with the
+    call's cu_seqlens and max_seqlens."""
+    from flash_attention import backward
+
+    dtype, d, causal, softcap = traceable_call()
+    with mode:
+        q = torch.randn(53, 4, d, dtype=dtype, device="cuda", requires_grad=True)
+        k = torch.randn(70, 2, d, dtype=dtype, device="cuda", requires_grad=True)
+        cu_q = torch.tensor([0, 20, 53], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 40, 70], dtype=torch.int32, device="cuda")
+        det = flash_attn_varlen_func(q, k, k, cu_q, cu_k, 33, 40, causal=causal, softcap=softcap,
+                                     deterministic=True)
+        assert det.grad_fn is not None and "attention_det" in det.grad_fn.name()
+        plain = flash_attn_varlen_func(q, k, k, cu_q, cu_k, 33, 40, causal=causal,
+                                       softcap=softcap)
+        assert "attention_det" not in plain.grad_fn.name()
+
+        inputs = (q.detach(), k.detach(), k.detach(), cu_q, cu_k, 33, 40, None, causal, -1, -1,
+                  softcap, True, "")
+        out, lse = torch.ops.flash_attention.attention_det.default(*inputs)
+        assert out.shape == q.shape and lse.shape == (4, 53)
+        ctx = _Ctx()
+        backward._setup_deterministic_context(ctx, inputs, (out, lse))
+        with _BwdCalls() as recorded:
+            grads = backward._attention_backward(ctx, torch.randn_like(out), None)
+    (args,) = recorded.calls
+    assert args[7] is cu_q and args[8] is cu_k and args[9:11] == (33, 40)
+    assert args[16] is True  # deterministic
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, k.shape]
+    assert all(g is None for g in grads[3:])
+
+
 def test_bwd_fake_checks_its_arguments(mode):
     dtype, d, causal, softcap = traceable_call()
     with mode:
@@ -194,9 +242,5 @@ def test_calls_without_a_backward_are_refused(mode):
         q = torch.empty(1, 20, 2, d, dtype=dtype, device="cuda", requires_grad=True)
         with pytest.raises(RuntimeError, match="no backward for a call with out="):
             fa.attention(q, q, q, out=torch.empty(1, 20, 2, d, dtype=dtype, device="cuda"))
-        packed = torch.empty(20, 2, d, dtype=dtype, device="cuda", requires_grad=True)
-        cu = torch.tensor([0, 20], dtype=torch.int32, device="cuda")
-        with pytest.raises(NotImplementedError, match="no deterministic mode"):
-            flash_attn_varlen_func(packed, packed, packed, cu, cu, 20, 20, deterministic=True)
         with pytest.raises(NotImplementedError, match="dropout_p"):
             flash_attn_func(q, q, q, dropout_p=0.1)

@@ -270,7 +270,8 @@ def _fake_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
 
 
 def _fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, window_size=(-1, -1),
-                 softcap=0.0, softmax_scale=None, return_lse=False, attend_across=False):
+                 softcap=0.0, softmax_scale=None, return_lse=False, deterministic=False,
+                 attend_across=False):
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf)
     for b in range(cu_q.numel() - 1):

@@ -303,3 +303,69 @@ def test_varlen_backward_checks_cu_seqlens_values(require_extension):
     dq, _, _ = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, cu, cu, 100,
                                                      100, None, False, -1, -1, 0.0, False, "")
     assert torch.isfinite(dq).all()
+
+
+# ---- deterministic varlen ----------------------------------------------------------------------
+
+
+def varlen_grads(lens_q, lens_k, heads, kv_heads, d, deterministic, runs=1, max_slack=0,
+                 **features):
+    """Inputs of a packed batch of these sequence lengths (seeded), and the list of (dq, dk, dv)
+    of `runs` forward + backward passes of flash_attn_varlen_func on them (fresh leaves each
+    time); max_seqlen_q/k are the longest lengths plus max_slack."""
+    torch.manual_seed(14)
+    dtype = torch.bfloat16
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for lens in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), heads, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype)
+    dout = torch.randn_like(q)
+    all_grads = []
+    for _ in range(runs):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q) + max_slack,
+                                     max(lens_k) + max_slack, deterministic=deterministic,
+                                     **features)
+        out.backward(dout)
+        all_grads.append([t.grad for t in leaves])
+    return (q, k, v, dout, cu_q, cu_k), all_grads
+
+
+def check_varlen_sequences(grads, inputs, what, **features):
+    """Each sequence's gradients against the reference of that sequence alone (the rule of
+    check_grads); sequences without keys or queries get 0."""
+    q, k, v, dout, cu_q, cu_k = inputs
+    for b in range(cu_q.numel() - 1):
+        sq = slice(cu_q[b].item(), cu_q[b + 1].item())
+        sk = slice(cu_k[b].item(), cu_k[b + 1].item())
+        seq_grads = [grads[0][sq], grads[1][sk], grads[2][sk]]
+        if sq.stop == sq.start or sk.stop == sk.start:
+            assert all(torch.count_nonzero(g) == 0 for g in seq_grads), f"{what}: sequence {b}"
+            continue
+        check_grads([g[None] for g in seq_grads], q[sq][None], k[sk][None], v[sk][None],
+                    dout[sq][None], what=f"{what}: sequence {b}", **features)
+
+
+@pytest.mark.parametrize("d, max_slack, features", [
+    (128, 0, {}),
+    (128, 0, {"causal": True}),
+    (64, 70, {"window_size": (40, 7)}),  # B_r 128; max_seqlen_q/k above the longest sequence
+    (128, 0, {"causal": True, "softcap": 20.0}),
+])
+def test_varlen_deterministic_is_bitwise_reproducible(require_extension, d, max_slack, features):
+    """flash_attn_varlen_func(deterministic=True): the dQ order counter is per (sequence, head,
+    query block of max_seqlen_q), so sequences of every length, several query and KV blocks
+    each, give bitwise-equal gradients over 4 runs; they, and the atomic-order gradients of the
+    same call, meet the accuracy rule for every sequence."""
+    lens_q, lens_k = [0, 1, 130, 64, 700, 3, 333], [5, 1, 200, 0, 900, 1, 333]
+    inputs, runs = varlen_grads(lens_q, lens_k, 8, 2, d, deterministic=True, runs=4,
+                                max_slack=max_slack, **features)
+    first = runs[0]
+    for again in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+    check_varlen_sequences(first, inputs, "deterministic", **features)
+    _, (atomic,) = varlen_grads(lens_q, lens_k, 8, 2, d, deterministic=False,
+                                max_slack=max_slack, **features)
+    check_varlen_sequences(atomic, inputs, "atomic order", **features)

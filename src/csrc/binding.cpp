@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "binding/dispatch.h"
@@ -40,19 +39,6 @@ void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               int64_t window_left, int64_t window_right, double softcap) {
     run_forward(q, k, v, out, /*out_is_fresh=*/false, lse, Varlen{}, name, softmax_scale,
                 window_left, window_right, softcap);
-}
-
-// (left, right) with causal folded in (right = 0) and every side that bounds nothing written as
-// -1; mirrors flash_attention.masks.canonical_window.
-std::pair<int64_t, int64_t> canonical_window(bool causal, int64_t left, int64_t right,
-                                             int64_t seqlen_q, int64_t seqlen_k) {
-    if (causal)
-        right = 0;
-    if (left >= seqlen_k)
-        left = -1;
-    if (right >= seqlen_q)
-        right = -1;
-    return {left, right};
 }
 
 // flash_attention::attention: the whole call in C++ (defaults, window, allocation, checks,

@@ -151,13 +151,9 @@ def attention(
             config, prob, masks_needed(causal, window_size, prob), softcap > 0)
         left, right = window_size
         grad = needs_grad(q, k, v)
-        if grad and deterministic:
-            o, lse = torch.ops.flash_attention.attention_det.default(
-                q, k, v, softmax_scale, causal, left, right, float(softcap), kernel)
-        else:
-            o, lse = torch.ops.flash_attention.attention.default(
-                q, k, v, None, None, 0, 0, softmax_scale, causal, left, right, float(softcap),
-                return_lse or grad, kernel)
+        o, lse = _attention_op(grad and deterministic)(
+            q, k, v, None, None, 0, 0, softmax_scale, causal, left, right, float(softcap),
+            return_lse or grad, kernel)
         return (o, lse) if return_lse else o
     scale = check_scale(softmax_scale, prob.d_head)
     left, right = canonical_window(causal, tuple(window_size), prob.seqlen_q, prob.seqlen_k)
@@ -167,6 +163,13 @@ def attention(
                        device=q.device) if return_lse else None)
     torch.ops.flash_attention.fwd(q, k, v, out, lse, kernel, scale, left, right, float(softcap))
     return (out, lse) if return_lse else out
+
+
+def _attention_op(deterministic: bool):
+    """flash_attention::attention, or attention_det (the same arguments) whose backward adds dQ
+    in a fixed order."""
+    return (torch.ops.flash_attention.attention_det.default if deterministic
+            else torch.ops.flash_attention.attention.default)
 
 
 def _log_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -196,6 +199,7 @@ def attention_varlen(
     softcap: float = 0.0,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention() over a packed batch of sequences of different lengths (varlen).
 
@@ -207,10 +211,10 @@ def attention_varlen(
     (heads, total_q) fp32. The values of cu_seqlens are checked before any launch (one
     device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
     where the kernel clamps offsets into the tensors instead). Inputs that require grad get
-    gradients through autograd (the dQ sums in atomic order: no deterministic mode yet).
+    gradients through autograd; deterministic=True makes that backward bitwise reproducible.
     """
-    if (type(causal) is bool and type(window_size) is tuple and len(window_size) == 2
-            and not torch.compiler.is_compiling()):
+    if (not deterministic and type(causal) is bool and type(window_size) is tuple
+            and len(window_size) == 2 and not torch.compiler.is_compiling()):
         try:
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                 or v.requires_grad)
@@ -226,9 +230,10 @@ def attention_varlen(
     _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        window_size, softcap, softmax_scale)
     left, right = window_size
-    o, lse = torch.ops.flash_attention.attention.default(
+    grad = needs_grad(q, k, v)
+    o, lse = _attention_op(grad and deterministic)(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        left, right, float(softcap), return_lse or needs_grad(q, k, v), "")
+        left, right, float(softcap), return_lse or grad, "")
     return (o, lse) if return_lse else o
 
 

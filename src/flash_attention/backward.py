@@ -6,9 +6,10 @@ and ``torch.library.opcheck`` all see one operator per direction.
 
 The forward saves q, k, v, out and the LSE (nothing of size seqlen^2); the public functions ask
 the operator for the LSE whenever an input requires grad. ``flash_attention::attention_det``
-is the same forward whose backward is deterministic (flash_attn_func(deterministic=True)):
-the dQ contributions of the KV blocks are added in a fixed order, so gradients are bitwise
-identical run to run (fixed-length calls; varlen ones use the atomic order).
+takes the same arguments and runs the same forward, and its backward is deterministic
+(``deterministic=True`` of the public functions, fixed-length and varlen): the dQ
+contributions of the KV blocks are added in a fixed order, so gradients are bitwise identical
+run to run.
 """
 
 from __future__ import annotations
@@ -119,32 +120,28 @@ def _attention_backward(ctx, dout, dlse):
 def _define_deterministic_op() -> None:
     @torch.library.custom_op("flash_attention::attention_det", mutates_args=())
     def attention_det(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      softmax_scale: float | None, causal: bool, window_left: int,
-                      window_right: int, softcap: float,
-                      kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """flash_attention::attention (fixed length, with the LSE) whose backward adds dQ in a
-        fixed order."""
+                      cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                      max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None,
+                      causal: bool, window_left: int, window_right: int, softcap: float,
+                      return_lse: bool, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """flash_attention::attention (same arguments) whose backward adds dQ in a fixed
+        order."""
         return torch.ops.flash_attention.attention.default(
-            q, k, v, None, None, 0, 0, softmax_scale, causal, window_left, window_right,
-            softcap, True, kernel)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_left, window_right, softcap, return_lse, kernel)
 
     @attention_det.register_fake
-    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, kernel):
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+          window_left, window_right, softcap, return_lse, kernel):
         return torch.ops.flash_attention.attention.default(
-            q, k, v, None, None, 0, 0, softmax_scale, causal, window_left, window_right,
-            softcap, True, kernel)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_left, window_right, softcap, return_lse, kernel)
 
-    def setup(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _kernel = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.features = (softmax_scale, causal, window_left, window_right, softcap)
+    attention_det.register_autograd(_attention_backward,
+                                    setup_context=_setup_deterministic_context)
 
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        softmax_scale, causal, window_left, window_right, softcap = ctx.features
-        dq, dk, dv = torch.ops.flash_attention.bwd.default(
-            dout, q, k, v, out, lse, dlse, None, None, 0, 0, softmax_scale, causal,
-            window_left, window_right, softcap, True, "")
-        return dq, dk, dv, None, None, None, None, None, None
 
-    attention_det.register_autograd(backward, setup_context=setup)
+def _setup_deterministic_context(ctx, inputs, output) -> None:
+    """attention_det's inputs are attention's: the same context, with the fixed dQ order."""
+    _setup_context(ctx, inputs, output)
+    ctx.deterministic = True

@@ -9,18 +9,13 @@ removed.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from .codegen import ELEM_TYPES, HEADER, _write_if_changed
+from . import codegen_common
+from .codegen_common import ELEM_TYPES, HEADER
 from .config_bwd import FLAGS, BwdConfig, resolve
 
-log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
 REGISTRY = "bwd_registry.cu"
 
 
@@ -74,44 +69,18 @@ def generate(configs: Iterable[BwdConfig], out_dir: Path) -> list[Path]:
     """Write the per-config sources and the backward registry into out_dir; return the .cu
     paths to compile (kernels first, registry last). An empty selection still writes the
     registry (no kernels: the backward operator then refuses every call)."""
-    configs = list(dict.fromkeys(configs))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    wanted = {kernel_filename(c) for c in configs} | {REGISTRY, MANIFEST}
-    for stale in out_dir.glob("*"):
-        if stale.is_file() and stale.name not in wanted:
-            stale.unlink()
-    paths = []
-    changed = 0
-    for cfg in configs:
-        path = out_dir / kernel_filename(cfg)
-        changed += _write_if_changed(path, kernel_source(cfg))
-        paths.append(path)
-    registry = out_dir / REGISTRY
-    changed += _write_if_changed(registry, registry_source(configs))
-    paths.append(registry)
-    _write_if_changed(out_dir / MANIFEST,
-                      json.dumps({"configs": [c.short for c in configs]}, indent=1) + "\n")
-    log.info("codegen_bwd: %d backward configs, %d files rewritten in %s", len(configs), changed,
-             out_dir)
-    return paths
+    return codegen_common.generate(list(dict.fromkeys(configs)), out_dir,
+                                   kernel_source=kernel_source, kernel_filename=kernel_filename,
+                                   registry_source=registry_source, registry_name=REGISTRY,
+                                   what="codegen_bwd")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default="default",
-                        help="backward set names and/or short forms, comma-separated")
-    parser.add_argument("--out", type=Path, default=Path("src/csrc/generated/backward"))
-    parser.add_argument("--list", action="store_true", help="only print the selected configs")
-    args = parser.parse_args(argv)
-    configs = resolve(args.kernels)
-    if args.list:
-        for cfg in configs:
-            print(cfg.describe())
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for path in generate(configs, args.out):
-        print(path)
-    return 0
+    return codegen_common.main(argv, description=__doc__.splitlines()[0],
+                               kernels_help="backward set names and/or short forms, "
+                                            "comma-separated",
+                               default_out=Path("src/csrc/generated/backward"), resolve=resolve,
+                               generate=generate)
 
 
 if __name__ == "__main__":

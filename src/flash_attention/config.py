@@ -11,19 +11,15 @@ with the reason before any code is generated.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
 from .config_common import (
     DTYPES,
-    MAX_CTAS_PER_SM,
-    REGS_PER_SM,
     SMEM_PER_BLOCK_OPTIN,
-    SMEM_PER_SM,
-    THREADS_PER_SM,
-    ConfigError,
-    parse_flags,
+    ConfigError,  # noqa: F401  (the package's error type, imported from here)
+    ShortFormConfig,
+    occupancy,
 )
 from .config_sm90 import Sm90Config
 
@@ -77,7 +73,7 @@ def smem_d_head(d_head: int) -> int:
 
 
 @dataclass(frozen=True, order=True)
-class KernelConfig:
+class KernelConfig(ShortFormConfig):
     """One FA2 forward kernel. Field names follow the paper: B_r query rows per CTA, B_c key
     rows per iteration."""
 
@@ -98,51 +94,26 @@ class KernelConfig:
     softcap: bool = False
 
     family = "sm80"  # the kernel family (sm80: mma.sync, cp.async; runs on sm_80 and newer)
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(f"invalid kernel config {self._raw_name()}: " + "; ".join(problems))
+    FLAGS = FLAGS
+    KIND = "kernel config"
+    SHORT_RE = _SHORT_RE
+    SHORT_FORMAT = "<fp16|bf16>_d<d_head>_r<B_r>_c<B_c>_w<warps>_f<flags>"
+    EXAMPLE = "bf16_d128_r128_c64_w4_fseqkvbor"
 
     # ---- names -------------------------------------------------------------------------------
-
-    def _raw_name(self) -> str:
-        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
-        return (
-            f"{self.dtype}_d{self.d_head}_r{self.block_r}_c{self.block_c}_w{self.warps}_f{flags}"
-        )
 
     @property
     def short(self) -> str:
         """Short form, e.g. ``bf16_d128_r128_c64_w4_fseqkvbor``; a valid C identifier."""
-        return self._raw_name()
-
-    def __str__(self) -> str:
-        return self.short
+        return (f"{self.dtype}_d{self.d_head}_r{self.block_r}_c{self.block_c}_w{self.warps}"
+                f"_f{self.flag_letters}")
 
     @classmethod
     def parse(cls, text: str) -> KernelConfig:
         """Parse a short form; the inverse of :attr:`short`."""
-        m = _SHORT_RE.match(text.strip())
-        if m is None:
-            raise ConfigError(
-                f"cannot parse kernel config {text!r}: expected "
-                "<fp16|bf16>_d<d_head>_r<B_r>_c<B_c>_w<warps>_f<flags>, flags a subset of "
-                f"{''.join(code for code, _ in FLAGS.values())!r} in that order, "
-                "e.g. bf16_d128_r128_c64_w4_fseqkvbor"
-            )
-        flags = parse_flags(text, m["flags"], FLAGS)
-        return cls(
-            dtype=m["dtype"],
-            d_head=int(m["d_head"]),
-            block_r=int(m["block_r"]),
-            block_c=int(m["block_c"]),
-            warps=int(m["warps"]),
-            **flags,
-        )
-
-    def replace(self, **changes: object) -> KernelConfig:
-        return dataclasses.replace(self, **changes)
+        m, flags = cls.match_short(text)
+        return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_r=int(m["block_r"]),
+                   block_c=int(m["block_c"]), warps=int(m["warps"]), **flags)
 
     # ---- derived shapes (mirror FwdConfig in config.cuh) ---------------------------------------
 
@@ -186,20 +157,9 @@ class KernelConfig:
 
     def problems(self) -> list[str]:
         """Every reason this config cannot be built (empty when valid)."""
-        out: list[str] = []
-        if self.dtype not in DTYPES:
-            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.d_head not in D_HEADS:
-            out.append(f"d_head must be one of {D_HEADS}, got {self.d_head}")
-        if self.block_r not in BLOCK_R:
-            out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
-        if self.block_c not in BLOCK_C:
-            out.append(f"B_c must be one of {BLOCK_C}, got {self.block_c}")
-        if self.warps not in WARPS:
-            out.append(f"warps must be one of {WARPS}, got {self.warps}")
-        for name in FLAGS:
-            if not isinstance(getattr(self, name), bool):
-                out.append(f"{name} must be a bool")
+        out = self.field_problems(("dtype", self.dtype, DTYPES), ("d_head", self.d_head, D_HEADS),
+                                  ("B_r", self.block_r, BLOCK_R), ("B_c", self.block_c, BLOCK_C),
+                                  ("warps", self.warps, WARPS))
         if out:
             return out
         if self.block_r % (16 * self.warps) != 0:
@@ -239,31 +199,19 @@ class KernelConfig:
         (dynamic tiles plus any static smem, 1 KB reserved per CTA), threads and the CTA cap.
         Without a measured register count the estimate assumes this config's fragments plus
         64 for addressing (at least 128, at most 255)."""
-        if arch not in SMEM_PER_SM:
-            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
         if regs_per_thread is None:
             regs_per_thread = min(255, max(128, self.accum_regs + self.whole_frag_regs + 64))
-        # Registers are allocated per warp in units of 256 (8 per thread, rounded up).
-        regs_alloc = ((max(regs_per_thread, 1) + 7) // 8) * 8
-        limits = {
-            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
-            "by_smem": SMEM_PER_SM[arch] // (self.smem_bytes + static_smem + 1024),
-            "by_threads": THREADS_PER_SM[arch] // self.threads,
-            "by_cap": MAX_CTAS_PER_SM[arch],
-        }
-        ctas = max(0, min(limits.values()))
-        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+        return occupancy(self.threads, regs_per_thread, self.smem_bytes + static_smem, arch)
 
     def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
         """Expected resident CTAs per SM on sm_<arch> (see occupancy())."""
         return self.occupancy(arch, regs_per_thread)["ctas"]
 
     def describe(self) -> str:
-        on = [name for name in FLAGS if getattr(self, name)]
         return (
             f"{self.short}: {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
             f"B_c={self.block_c}, {self.warps} warps, smem={self.smem_bytes} B, "
-            f"flags={','.join(on) or 'none'}"
+            f"flags={self.flags_on}"
         )
 
 

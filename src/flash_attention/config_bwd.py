@@ -19,23 +19,12 @@ Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names o
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
 
-from .config import (
-    D_HEADS,
-    DTYPES,
-    MAX_CTAS_PER_SM,
-    REGS_PER_SM,
-    SMEM_PER_BLOCK_OPTIN,
-    SMEM_PER_SM,
-    THREADS_PER_SM,
-    ConfigError,
-    parse_flags,
-    smem_d_head,
-)
+from .config import D_HEADS, smem_d_head
+from .config_common import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, ShortFormConfig, occupancy
 
 BLOCK_C = (64, 128)
 BLOCK_R = (64, 128)
@@ -98,7 +87,7 @@ class WarpGrid:
 
 
 @dataclass(frozen=True, order=True)
-class BwdConfig:
+class BwdConfig(ShortFormConfig):
     """One FA2 backward kernel: B_c keys per CTA, B_r query rows per iteration."""
 
     dtype: str
@@ -110,41 +99,23 @@ class BwdConfig:
     softcap: bool = False
 
     family = "sm80-bwd"
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(f"invalid backward config {self._raw_name()}: "
-                              + "; ".join(problems))
-
-    def _raw_name(self) -> str:
-        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
-        return (f"bwd_{self.dtype}_d{self.d_head}_c{self.block_c}_r{self.block_r}"
-                f"_w{self.warps}_f{flags}")
+    FLAGS = FLAGS
+    KIND = "backward config"
+    SHORT_RE = _SHORT_RE
+    SHORT_FORMAT = "bwd_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_w<warps>_f<flags>"
+    EXAMPLE = "bwd_bf16_d128_c128_r64_w8_fb"
 
     @property
     def short(self) -> str:
         """Short form, e.g. ``bwd_bf16_d128_c128_r64_w8_fb``; a valid C identifier."""
-        return self._raw_name()
-
-    def __str__(self) -> str:
-        return self.short
+        return (f"bwd_{self.dtype}_d{self.d_head}_c{self.block_c}_r{self.block_r}"
+                f"_w{self.warps}_f{self.flag_letters}")
 
     @classmethod
     def parse(cls, text: str) -> BwdConfig:
-        m = _SHORT_RE.match(text.strip())
-        if m is None:
-            raise ConfigError(
-                f"cannot parse backward config {text!r}: expected "
-                "bwd_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_w<warps>_f<flags>, flags a subset of "
-                f"{''.join(code for code, _ in FLAGS.values())!r}, "
-                "e.g. bwd_bf16_d128_c128_r64_w8_fb")
+        m, flags = cls.match_short(text)
         return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
-                   block_r=int(m["block_r"]), warps=int(m["warps"]),
-                   **parse_flags(text, m["flags"], FLAGS))
-
-    def replace(self, **changes: object) -> BwdConfig:
-        return dataclasses.replace(self, **changes)
+                   block_r=int(m["block_r"]), warps=int(m["warps"]), **flags)
 
     # ---- derived (mirror backward_config.cuh) -----------------------------------------------
 
@@ -197,20 +168,9 @@ class BwdConfig:
         return resident + max(p1, p3)
 
     def problems(self) -> list[str]:
-        out: list[str] = []
-        if self.dtype not in DTYPES:
-            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.d_head not in D_HEADS:
-            out.append(f"d_head must be one of {D_HEADS}, got {self.d_head}")
-        if self.block_c not in BLOCK_C:
-            out.append(f"B_c must be one of {BLOCK_C}, got {self.block_c}")
-        if self.block_r not in BLOCK_R:
-            out.append(f"B_r must be one of {BLOCK_R}, got {self.block_r}")
-        if self.warps not in WARPS:
-            out.append(f"warps must be one of {WARPS}, got {self.warps}")
-        for name in FLAGS:
-            if not isinstance(getattr(self, name), bool):
-                out.append(f"{name} must be a bool")
+        out = self.field_problems(("dtype", self.dtype, DTYPES), ("d_head", self.d_head, D_HEADS),
+                                  ("B_c", self.block_c, BLOCK_C), ("B_r", self.block_r, BLOCK_R),
+                                  ("warps", self.warps, WARPS))
         if out:
             return out
         for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dK, dV)", self.phase2),
@@ -237,23 +197,13 @@ class BwdConfig:
                   static_smem: int = 0) -> dict[str, int]:
         """Resident CTAs per SM on sm_<arch> and what limits them (as KernelConfig.occupancy;
         without a measured register count, 255)."""
-        if arch not in SMEM_PER_SM:
-            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
-        regs_alloc = ((max(regs_per_thread or 255, 1) + 7) // 8) * 8
-        limits = {
-            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
-            "by_smem": SMEM_PER_SM[arch] // (self.smem_bytes + static_smem + 1024),
-            "by_threads": THREADS_PER_SM[arch] // self.threads,
-            "by_cap": MAX_CTAS_PER_SM[arch],
-        }
-        ctas = max(0, min(limits.values()))
-        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+        return occupancy(self.threads, regs_per_thread or 255, self.smem_bytes + static_smem,
+                         arch)
 
     def describe(self) -> str:
-        on = [name for name in FLAGS if getattr(self, name)]
         return (f"{self.short}: backward, {self.dtype}, d_head={self.d_head}, B_c={self.block_c}, "
                 f"B_r={self.block_r}, {self.warps} warps, smem={self.smem_bytes} B, "
-                f"flags={','.join(on) or 'none'}")
+                f"flags={self.flags_on}")
 
 
 # The two helper kernels every backward launch runs around the main one (backward_kernel.cuh):
@@ -305,17 +255,7 @@ class BwdAuxKernel:
     def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
                   static_smem: int = 0) -> dict[str, int]:
         """Resident CTAs per SM (as BwdConfig.occupancy; no dynamic shared memory)."""
-        if arch not in SMEM_PER_SM:
-            raise ConfigError(f"unknown architecture sm_{arch}; known: {sorted(SMEM_PER_SM)}")
-        regs_alloc = ((max(regs_per_thread or 255, 1) + 7) // 8) * 8
-        limits = {
-            "by_regs": REGS_PER_SM // (regs_alloc * self.threads),
-            "by_smem": SMEM_PER_SM[arch] // (static_smem + 1024),
-            "by_threads": THREADS_PER_SM[arch] // self.threads,
-            "by_cap": MAX_CTAS_PER_SM[arch],
-        }
-        ctas = max(0, min(limits.values()))
-        return {**limits, "ctas": ctas, "warps": ctas * self.warps}
+        return occupancy(self.threads, regs_per_thread or 255, static_smem, arch)
 
 
 def aux_kernels(configs: tuple[BwdConfig, ...] | list[BwdConfig]) -> tuple[BwdAuxKernel, ...]:

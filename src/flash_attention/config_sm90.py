@@ -9,11 +9,10 @@ static_asserts of config.cuh.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
-from .config_common import DTYPES, SMEM_PER_BLOCK_OPTIN, ConfigError, parse_flags
+from .config_common import DTYPES, SMEM_PER_BLOCK_OPTIN, ShortFormConfig
 
 FAMILY = "sm90"
 D_HEADS = (64, 128, 256)
@@ -59,7 +58,7 @@ _SHORT_RE = re.compile(
 
 
 @dataclass(frozen=True, order=True)
-class Sm90Config:
+class Sm90Config(ShortFormConfig):
     """One Hopper forward kernel. B_r = 64 x consumer_wgs query rows per CTA, B_c key rows per
     stage."""
 
@@ -82,40 +81,22 @@ class Sm90Config:
     softcap: bool = False
 
     family = FAMILY
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ConfigError(f"invalid kernel config {self._raw_name()}: " + "; ".join(problems))
-
-    def _raw_name(self) -> str:
-        flags = "".join(code for name, (code, _) in FLAGS.items() if getattr(self, name))
-        return (f"sm90_{self.dtype}_d{self.d_head}_c{self.block_c}_g{self.consumer_wgs}"
-                f"_s{self.stages}_f{flags}")
+    FLAGS = FLAGS
+    KIND = "Hopper kernel config"
+    SHORT_RE = _SHORT_RE
+    SHORT_FORMAT = "sm90_<fp16|bf16>_d<d_head>_c<B_c>_g<consumer warpgroups>_s<stages>_f<flags>"
+    EXAMPLE = "sm90_bf16_d128_c128_g2_s2_fwpoe"
 
     @property
     def short(self) -> str:
-        return self._raw_name()
-
-    def __str__(self) -> str:
-        return self.short
+        return (f"sm90_{self.dtype}_d{self.d_head}_c{self.block_c}_g{self.consumer_wgs}"
+                f"_s{self.stages}_f{self.flag_letters}")
 
     @classmethod
     def parse(cls, text: str) -> Sm90Config:
-        m = _SHORT_RE.match(text.strip())
-        if m is None:
-            raise ConfigError(
-                f"cannot parse Hopper kernel config {text!r}: expected "
-                "sm90_<fp16|bf16>_d<d_head>_c<B_c>_g<consumer warpgroups>_s<stages>_f<flags>, "
-                f"flags a subset of {''.join(c for c, _ in FLAGS.values())!r} in that order, "
-                "e.g. sm90_bf16_d128_c128_g2_s2_fwpoe"
-            )
-        flags = parse_flags(text, m["flags"], FLAGS)
+        m, flags = cls.match_short(text)
         return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
                    consumer_wgs=int(m["wgs"]), stages=int(m["stages"]), **flags)
-
-    def replace(self, **changes: object) -> Sm90Config:
-        return dataclasses.replace(self, **changes)
 
     # ---- derived shapes (mirror Sm90Config in config.cuh) --------------------------------------
 
@@ -159,21 +140,11 @@ class Sm90Config:
         return self.d_head // 2 + self.block_c // 2 + self.block_c // 4 + q
 
     def problems(self) -> list[str]:
-        out: list[str] = []
-        if self.dtype not in DTYPES:
-            out.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.d_head not in D_HEADS:
-            out.append(f"d_head must be one of {D_HEADS} on sm90, got {self.d_head}")
-        if self.block_c not in BLOCK_C:
-            out.append(f"B_c must be one of {BLOCK_C} (a wgmma N), got {self.block_c}")
-        if self.consumer_wgs not in CONSUMER_WGS:
-            out.append(f"consumer warpgroups must be one of {CONSUMER_WGS}, got "
-                       f"{self.consumer_wgs}")
-        if self.stages not in STAGES:
-            out.append(f"stages must be one of {STAGES}, got {self.stages}")
-        for name in FLAGS:
-            if not isinstance(getattr(self, name), bool):
-                out.append(f"{name} must be a bool")
+        out = self.field_problems(
+            ("dtype", self.dtype, DTYPES), ("d_head", self.d_head, D_HEADS, " on sm90"),
+            ("B_c", self.block_c, BLOCK_C, " (a wgmma N)"),
+            ("consumer warpgroups", self.consumer_wgs, CONSUMER_WGS),
+            ("stages", self.stages, STAGES))
         if out:
             return out
         if self.pingpong and not (self.consumer_wgs == 2 and self.warp_spec):
@@ -206,7 +177,6 @@ class Sm90Config:
         return 1
 
     def describe(self) -> str:
-        on = [name for name in FLAGS if getattr(self, name)]
         return (f"{self.short}: sm90a, {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
                 f"B_c={self.block_c}, {self.consumer_wgs} consumer warpgroups, "
-                f"{self.stages} stages, smem={self.smem_bytes} B, flags={','.join(on) or 'none'}")
+                f"{self.stages} stages, smem={self.smem_bytes} B, flags={self.flags_on}")

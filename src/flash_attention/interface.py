@@ -7,9 +7,9 @@ Supported as in flash_attn: softmax_scale, causal (aligned bottom-right), window
 softcap, GQA/MQA, varlen (packed) batches, return_attn_probs (returns out, softmax_lse, None:
 no attention matrix is ever materialised), and the backward pass through autograd (the
 packed functions give the gradient of the packed tensor); ``deterministic=True`` makes the
-fixed-length backward bitwise reproducible (the forward always is). Not supported, refused with
-an error naming the argument rather than silently ignored: dropout_p > 0, alibi_slopes,
-block_table (paged KV), and deterministic=True for a varlen backward.
+backward bitwise reproducible (the forward always is), fixed-length and varlen. Not supported,
+refused with an error naming the argument rather than silently ignored: dropout_p > 0,
+alibi_slopes and block_table (paged KV).
 """
 
 from __future__ import annotations
@@ -119,16 +119,12 @@ def flash_attn_varlen_func(
     (total_q, heads, d_head), or with return_attn_probs (out, softmax_lse (heads, total_q)
     fp32, None). Masks align per sequence."""
     _check_unsupported(dropout_p, alibi_slopes, block_table)
-    if deterministic and torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("deterministic=True: the varlen backward has no deterministic "
-                                  "mode yet (it sums dQ in atomic order); pass False")
     if return_attn_probs:
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal=causal, window_size=window_size,
                                     softcap=softcap, softmax_scale=softmax_scale,
-                                    return_lse=True)
+                                    return_lse=True, deterministic=deterministic)
         return out, lse, None
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             causal=causal, window_size=window_size, softcap=softcap,
-                            softmax_scale=softmax_scale)
+                            softmax_scale=softmax_scale, deterministic=deterministic)

@@ -4,8 +4,9 @@
 //       deterministic, kernel) -> (dq, dk, dv)
 //   flash_attention::bwd_kernels() -> str     the backward kernels of this build, comma-separated
 // The fake implementation and the autograd formula of flash_attention::attention that calls it
-// are in flash_attention/backward.py. Every input is checked here before any launch; what the
-// kernels cannot address is copied (binding/input_layout.h), as in the forward.
+// are in flash_attention/backward.py. Every input is checked here before any launch, with the
+// forward's checks where they apply (binding/validation.h); what the kernels cannot address is
+// copied (binding/input_layout.h), as in the forward.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,27 +21,14 @@
 #include <vector>
 
 #include "../backward_registry.h"
+#include "device_properties.h"
 #include "input_layout.h"
+#include "message.h"
 #include "validation.h"
 
 namespace {
 
-namespace layout = flash::binding;
-
-// Messages are built as strings (numbers through std::to_string), never through TORCH_CHECK's
-// ostream formatting (see binding.cpp).
-std::string str(int64_t v) {
-    return std::to_string(v);
-}
-std::string str(at::IntArrayRef sizes) {
-    std::string out = "[";
-    for (size_t i = 0; i < sizes.size(); ++i)
-        out += (i ? ", " : "") + std::to_string(sizes[i]);
-    return out + "]";
-}
-std::string str(double v) {
-    return std::to_string(v);
-}
+using namespace flash::binding;
 
 std::vector<const flash::BwdKernelEntry*> entries() {
     int count = 0;
@@ -70,37 +58,22 @@ const flash::BwdKernelEntry& choose(c10::string_view name, bool bf16, int64_t d_
             e->d_head >= d_head && (best == nullptr || e->d_head < best->d_head))
             best = e;
     }
-    TORCH_CHECK(name.empty(), "backward kernel " + std::string(name) +
-                                  " is not in this build; rebuild with "
-                                  "FLASH_ATTENTION_BWD_KERNELS=" +
-                                  std::string(name));
-    TORCH_CHECK(best != nullptr, std::string("this build has no backward kernel for ") +
-                                     (bf16 ? "bf16" : "fp16") + " with d_head=" + str(d_head) +
-                                     (softcap ? " with a softcap" : "") +
-                                     "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+    FA_CHECK(name.empty(), "backward kernel ", name,
+             " is not in this build; rebuild with FLASH_ATTENTION_BWD_KERNELS=", name);
+    FA_CHECK(best != nullptr, "this build has no backward kernel for ", bf16 ? "bf16" : "fp16",
+             " with d_head=", d_head, softcap ? " with a softcap" : "",
+             "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
     return *best;
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
                 const char* like_name) {
-    TORCH_CHECK_VALUE(t.sizes() == like.sizes(), std::string(name) + " must have the shape of " +
-                                                     like_name + " " + str(like.sizes()) +
-                                                     ", got " + str(t.sizes()));
-    TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(),
-                     std::string(name) + " must have the dtype of " + like_name);
-    TORCH_CHECK_VALUE(t.device() == like.device(),
-                      std::string(name) + " must be on the device of " + like_name);
-}
-
-std::pair<int64_t, int64_t> canonical_window(bool causal, int64_t left, int64_t right,
-                                             int64_t seqlen_q, int64_t seqlen_k) {
-    if (causal)
-        right = 0;
-    if (left >= seqlen_k)
-        left = -1;
-    if (right >= seqlen_q)
-        right = -1;
-    return {left, right};
+    FA_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, " ",
+                   like.sizes(), ", got ", t.sizes());
+    FA_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ",
+                  like_name, " (", like.scalar_type(), "), got ", t.scalar_type());
+    FA_CHECK_VALUE(t.device() == like.device(), name, " must be on the device of ", like_name, " (",
+                   like.device(), "), got ", t.device());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -110,95 +83,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, bool deterministic, c10::string_view kernel) {
-    TORCH_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
-                      "give both cu_seqlens_q and cu_seqlens_k, or neither");
+    FA_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                   "give both cu_seqlens_q and cu_seqlens_k, or neither");
     const bool varlen = cu_seqlens_q.has_value();
-    const int64_t rank = varlen ? 3 : 4;
-    for (const auto& [t, name] :
-         {std::pair{&q_in, "q"}, std::pair{&k_in, "k"}, std::pair{&v_in, "v"}})
-        TORCH_CHECK_VALUE(t->dim() == rank, std::string(name) + " must be " +
-                                                (varlen ? "3-D (total_tokens, heads, d_head)"
-                                                        : "4-D (batch, seq, heads, d_head)") +
-                                                ", got " + str(t->dim()) + "-D");
-    const auto dtype = q_in.scalar_type();
-    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16,
-                     "q must be torch.float16 or torch.bfloat16");
-    TORCH_CHECK_TYPE(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype,
-                     "q, k and v must share a dtype");
+    Varlen vl;
+    if (varlen) {
+        vl.cu_q = &*cu_seqlens_q;
+        vl.cu_k = &*cu_seqlens_k;
+        vl.max_q = max_seqlen_q;
+        vl.max_k = max_seqlen_k;
+    }
+    const auto dtype = check_qkv(q_in, k_in, v_in, varlen);
     check_like(out_in, "out", q_in, "q");
     check_like(dout_in, "dout", q_in, "q");
-    TORCH_CHECK_VALUE(
-        k_in.sizes() == v_in.sizes(),
-        "k and v must have the same shape, got " + str(k_in.sizes()) + " and " + str(v_in.sizes()));
-    // By role: (batch, row, head, d) fixed-length; varlen (token, head, d), the batch from
-    // cu_seqlens and the lengths their longest (max_seqlen_q/k, checked by the forward).
-    const int64_t H = q_in.size(rank - 2), D = q_in.size(rank - 1), Hk = k_in.size(rank - 2);
-    const int64_t B = varlen ? cu_seqlens_q->numel() - 1 : q_in.size(0);
-    const int64_t Sq = varlen ? max_seqlen_q : q_in.size(1);
-    const int64_t Sk = varlen ? max_seqlen_k : k_in.size(1);
-    const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
-    if (varlen) {
-        for (const auto& [cu, name] : {std::pair{&*cu_seqlens_q, "cu_seqlens_q"},
-                                       std::pair{&*cu_seqlens_k, "cu_seqlens_k"}}) {
-            TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, std::string(name) + " must be int32");
-            TORCH_CHECK_VALUE(cu->dim() == 1 && cu->numel() == B + 1 && B >= 1 &&
-                                  cu->is_contiguous() && cu->device() == q_in.device(),
-                              std::string(name) +
-                                  " must be a contiguous 1-D tensor of batch + 1 >= 2 entries "
-                                  "on q's device, the same length as the other");
-        }
-        TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q/k must be >= 0");
-        TORCH_CHECK_VALUE(total_q <= std::numeric_limits<int>::max() - 512 &&
-                              total_k <= std::numeric_limits<int>::max() - 512,
-                          "token counts must be at most 2^31 - 513");
-    } else {
-        TORCH_CHECK_VALUE(k_in.size(0) == B, "batch of k/v differs from batch of q");
-    }
-    TORCH_CHECK_VALUE(k_in.size(rank - 1) == D, "d_head of k/v differs from d_head of q");
-    TORCH_CHECK_VALUE(
-        D > 0 && D % 8 == 0 && D <= 256,
-        "d_head=" + str(D) + " is not supported; supported: every multiple of 8 up to 256");
-    TORCH_CHECK_VALUE(
-        (Hk == 0 && H == 0) || (Hk > 0 && H % Hk == 0),
-        "heads of q (" + str(H) + ") must be a multiple of heads of k/v (" + str(Hk) + ")");
-    TORCH_CHECK_VALUE(B <= 65535 && Hk <= 65535 && H <= 65535,
-                      "batch and heads must each be at most 65535");
-    constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 256;
-    TORCH_CHECK_VALUE(Sq <= kMaxSeqlen && Sk <= kMaxSeqlen,
-                      "sequence lengths must be at most 2^31 - 257");
     const auto device = q_in.device();
-    TORCH_CHECK_VALUE(q_in.is_cuda(), "q, k and v are on " + device.str() +
-                                          "; flash_attention runs on CUDA tensors");
-    TORCH_CHECK_VALUE(k_in.device() == device && v_in.device() == device,
-                      "q, k and v must be on the same device");
+    if (varlen)  // the values are read on the host below, on the call's stream
+        check_varlen_meta(vl, device);
+    // By role: (batch, row, head, d) fixed-length; varlen (token, head, d), the batch from
+    // cu_seqlens and the lengths their longest (max_seqlen_q/k).
+    const CallShape s = call_shape(q_in, k_in, vl);
+    const int64_t B = s.batch, H = s.heads, Hk = s.kv_heads, Sq = s.seqlen_q, Sk = s.seqlen_k,
+                  D = s.d_head;
+    const int64_t total_q = q_in.size(0), total_k = k_in.size(0);
+    FA_CHECK_VALUE(B <= 65535 && Hk <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
+                   ", k/v: ", Hk, ") must each be at most 65535");
+    constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 256;
+    FA_CHECK_VALUE(Sq <= kMaxSeqlen && Sk <= kMaxSeqlen,
+                   "sequence lengths must be at most 2^31 - 257");
+    // Varlen row buffers hold every token plus a query block of slack (see Sq_pad below).
+    FA_CHECK_VALUE(!varlen || (total_q <= std::numeric_limits<int>::max() - 512 &&
+                               total_k <= std::numeric_limits<int>::max() - 512),
+                   "token counts must be at most 2^31 - 513");
     const std::vector<int64_t> lse_shape =
         varlen ? std::vector<int64_t>{H, total_q} : std::vector<int64_t>{B, H, Sq};
-    TORCH_CHECK_VALUE(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == lse_shape &&
-                          lse_in.device() == device,
-                      std::string("lse must be the forward's fp32 ") +
-                          (varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)") + " = " +
-                          str(lse_shape) + " tensor on q's device, got " + str(lse_in.sizes()));
+    FA_CHECK_VALUE(lse_in.scalar_type() == at::kFloat && lse_in.sizes() == lse_shape &&
+                       lse_in.device() == device,
+                   "lse must be the forward's fp32 ",
+                   varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)", " = ",
+                   at::IntArrayRef(lse_shape), " tensor on q's device, got ", lse_in.sizes(), " ",
+                   lse_in.scalar_type(), " on ", lse_in.device());
     if (dlse_in)
-        TORCH_CHECK_VALUE(dlse_in->scalar_type() == at::kFloat && dlse_in->sizes() == lse_shape &&
-                              dlse_in->device() == device,
-                          "dlse must be an fp32 tensor of the shape of lse");
+        FA_CHECK_VALUE(dlse_in->scalar_type() == at::kFloat && dlse_in->sizes() == lse_shape &&
+                           dlse_in->device() == device,
+                       "dlse must be an fp32 tensor of the shape of lse ",
+                       at::IntArrayRef(lse_shape), " on q's device, got ", dlse_in->sizes(), " ",
+                       dlse_in->scalar_type(), " on ", dlse_in->device());
     const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D));
-    TORCH_CHECK_VALUE(std::isfinite(scale) && scale > 0,
-                      "softmax_scale must be finite and positive, got " + str(scale));
-    TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
-                      "softcap must be 0 (off) or finite and positive, got " + str(softcap));
-    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
-                          window_left <= std::numeric_limits<int>::max() &&
-                          window_right <= std::numeric_limits<int>::max(),
-                      "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    FA_CHECK_VALUE(std::isfinite(scale) && scale > 0,
+                   "softmax_scale must be finite and positive, got ", scale);
+    FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                   "softcap must be 0 (off) or finite and positive, got ", softcap);
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
+                       window_left <= std::numeric_limits<int>::max() &&
+                       window_right <= std::numeric_limits<int>::max(),
+                   "window sizes must be -1 (unbounded) or in [0, 2^31)");
     const auto [left, right] = canonical_window(causal, window_left, window_right, Sq, Sk);
 
     const flash::BwdKernelEntry& e = choose(kernel, dtype == at::kBFloat16, D, softcap > 0);
-    TORCH_CHECK_VALUE((e.dtype == flash::DType::kBf16) == (dtype == at::kBFloat16) &&
-                          e.d_head >= D && e.softcap == (softcap > 0),
-                      std::string("backward kernel ") + e.name +
-                          " cannot serve this call (dtype, d_head or softcap)");
+    FA_CHECK_VALUE((e.dtype == flash::DType::kBf16) == (dtype == at::kBFloat16) && e.d_head >= D &&
+                       e.softcap == (softcap > 0),
+                   "backward kernel ", e.name, " cannot serve this call (dtype ", dtype,
+                   ", d_head=", D, softcap > 0 ? ", a softcap" : ", no softcap", ")");
 
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    if (varlen) {
+        // The values, as the forward checks them (a cached no-op for the cu_seqlens the forward
+        // of this backward already read): a max_seqlen below a sequence's length would leave
+        // that sequence's tail without gradients.
+        check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", total_q, max_seqlen_q, stream);
+        check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", total_k, max_seqlen_k, stream);
+    }
     at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
     at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
     at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
@@ -210,33 +165,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
         return {dq, dk, dv};
     }
 
-    const c10::cuda::CUDAGuard guard(device);
-    int major = 0, optin = 0;
-    TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index()) ==
-                        cudaSuccess &&
-                    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                           device.index()) == cudaSuccess,
-                "cudaDeviceGetAttribute failed");
-    TORCH_CHECK(major >= 8, "FlashAttention kernels need compute capability 8.0 or newer");
-    TORCH_CHECK(e.smem_bytes <= optin,
-                std::string("backward kernel ") + e.name + " needs " + str(int64_t(e.smem_bytes)) +
-                    " bytes of shared memory per block; this GPU allows " + str(int64_t(optin)));
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-    if (varlen) {
-        // The values, as the forward checks them (a cached no-op for the cu_seqlens the forward
-        // of this backward already read): a max_seqlen below a sequence's length would leave
-        // that sequence's tail without gradients.
-        layout::check_cu_seqlens_values(*cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q,
-                                        stream);
-        layout::check_cu_seqlens_values(*cu_seqlens_k, "cu_seqlens_k", total_k, max_seqlen_k,
-                                        stream);
-    }
+    const cudaDeviceProp& prop = device_properties(device.index());
+    FA_CHECK(prop.major >= 8,
+             "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
+             prop.major, ".", prop.minor);
+    FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
+             " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
+             prop.sharedMemPerBlockOptin);
 
-    const c10::MaybeOwned<at::Tensor> q_a = layout::addressable(q_in),
-                                      k_a = layout::addressable(k_in),
-                                      v_a = layout::addressable(v_in),
-                                      o_a = layout::addressable(out_in),
-                                      do_a = layout::addressable(dout_in);
+    const c10::MaybeOwned<at::Tensor> q_a = addressable(q_in), k_a = addressable(k_in),
+                                      v_a = addressable(v_in), o_a = addressable(out_in),
+                                      do_a = addressable(dout_in);
     const at::Tensor &q = *q_a, &k = *k_a, &v = *v_a, &o = *o_a, &dout = *do_a;
     const at::Tensor lse = lse_in.contiguous();
     const at::Tensor dlse = dlse_in ? dlse_in->contiguous() : at::Tensor();
@@ -250,6 +189,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     at::Tensor dq_accum = at::empty({B_rows, H, Sq_pad, e.d_head}, f32);
     at::Tensor d_rows = at::empty({B_rows, H, Sq_pad}, f32);
     at::Tensor lse_log2 = at::empty({B_rows, H, Sq_pad}, f32);
+    // Deterministic: one turn counter per (batch, query head, query block), zeroed. The kernel
+    // indexes it with the query blocks of BwdParams::seqlen_q, which is Sq for both layouts:
+    // varlen, max_seqlen_q, so every sequence (none longer, checked above) has room.
     at::Tensor semaphore;
     if (deterministic)
         semaphore =
@@ -304,8 +246,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.window_left = static_cast<int>(left);
     p.window_right = static_cast<int>(right);
     const cudaError_t err = e.launch(p, stream);
-    TORCH_CHECK(err == cudaSuccess, std::string("launch of backward kernel ") + e.name +
-                                        " failed: " + cudaGetErrorString(err));
+    FA_CHECK(err == cudaSuccess, "launch of backward kernel ", e.name,
+             " failed: ", cudaGetErrorString(err));
     return {dq, dk, dv};
 }
 

@@ -1,8 +1,9 @@
 // Checks of a call's inputs, before any launch: ranks, dtypes and shapes of q, k, v, out and
-// lse, the scalar arguments, what the chosen kernel serves, and the cu_seqlens of a varlen batch
-// (their metadata and, on the host, their values). Any strides are accepted: what the kernels
-// cannot address is copied (input_layout.h). Mirrors flash_attention.validation, which raises
-// the same errors from Python (and under tracing).
+// lse, the scalar arguments and the window, what the chosen kernel serves, and the cu_seqlens
+// of a varlen batch (their metadata and, on the host, their values), for the forward's and the
+// backward's operators. Any strides are accepted: what the kernels cannot address is copied
+// (input_layout.h). Mirrors flash_attention.validation, which raises the same errors from
+// Python (and under tracing).
 #pragma once
 
 #include <torch/extension.h>
@@ -15,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../registry.h"
@@ -84,6 +86,19 @@ inline CallShape call_shape(const at::Tensor& q, const at::Tensor& k, const Varl
     s.seqlen_q = varlen ? vl.max_q : q.size(1);
     s.seqlen_k = varlen ? vl.max_k : k.size(1);
     return s;
+}
+
+// (left, right) with causal folded in (right = 0) and every side that bounds nothing written as
+// -1; mirrors flash_attention.masks.canonical_window.
+inline std::pair<int64_t, int64_t> canonical_window(bool causal, int64_t left, int64_t right,
+                                                    int64_t seqlen_q, int64_t seqlen_k) {
+    if (causal)
+        right = 0;
+    if (left >= seqlen_k)
+        left = -1;
+    if (right >= seqlen_q)
+        right = -1;
+    return {left, right};
 }
 
 // The rest of a call against its kernel `c` (or its fallback: they share dtype, d_head variant,
@@ -211,15 +226,21 @@ inline void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int6
         {c10::weak_intrusive_ptr<c10::TensorImpl>(cu.getIntrusivePtr()), version, total, longest});
 }
 
-// Both cu_seqlens of a varlen call (total_q, total_k: the packed token counts of q and k), on the
-// call's stream (the values are read on the host unless the stream is capturing).
-inline void check_varlen(const Varlen& vl, int64_t total_q, int64_t total_k,
-                         const at::Device& device, cudaStream_t stream) {
+// What a varlen call's cu_seqlens and max_seqlen_q/k must be, short of the values (no device
+// read): check_cu_seqlens_meta for both, the same length, max_seqlen_q/k >= 0.
+inline void check_varlen_meta(const Varlen& vl, const at::Device& device) {
     check_cu_seqlens_meta(*vl.cu_q, "cu_seqlens_q", device);
     check_cu_seqlens_meta(*vl.cu_k, "cu_seqlens_k", device);
     FA_CHECK_VALUE(vl.cu_k->numel() == vl.cu_q->numel(),
                    "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)");
     FA_CHECK_VALUE(vl.max_q >= 0 && vl.max_k >= 0, "max_seqlen_q/k must be >= 0");
+}
+
+// Both cu_seqlens of a varlen call (total_q, total_k: the packed token counts of q and k), on the
+// call's stream (the values are read on the host unless the stream is capturing).
+inline void check_varlen(const Varlen& vl, int64_t total_q, int64_t total_k,
+                         const at::Device& device, cudaStream_t stream) {
+    check_varlen_meta(vl, device);
     check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", total_q, vl.max_q, stream);
     check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", total_k, vl.max_k, stream);
 }

@@ -1,5 +1,5 @@
-// What the launchers of both families share: the dynamic shared-memory opt-in (once per device)
-// and the registry entry of a config. Plain CUDA (no torch).
+// What the launchers of both families share: the dynamic shared-memory opt-in (once per device),
+// a checked launch, and the registry entry of a config. Plain CUDA (no torch).
 #pragma once
 
 #include <atomic>
@@ -14,21 +14,35 @@
 
 namespace flash {
 
-// Raises `kernel`'s dynamic smem limit to `bytes` on `device` the first time it runs there (the
-// attribute is per device context); `configured` is the caller's per-kernel bit set of devices.
-template <class Kernel>
-cudaError_t opt_in_smem(Kernel kernel, int bytes, int device, std::atomic<uint64_t>& configured) {
+// Raises kKernel's dynamic smem limit to `bytes` on the current device the first time it runs
+// there (the attribute is per device context); nothing to do up to the default 48 KB.
+template <auto kKernel>
+cudaError_t opt_in_smem(int bytes) {
     if (bytes <= 48 * 1024)
         return cudaSuccess;
+    static std::atomic<uint64_t> configured{0};  // one bit per device
+    int device = 0;
+    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+        return err;
     const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
     if (bit != 0 && (configured.load(std::memory_order_acquire) & bit))
         return cudaSuccess;
     if (cudaError_t err =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+            cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
         err != cudaSuccess)
         return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
     return cudaSuccess;
+}
+
+// kKernel<<<grid, threads, smem, stream>>>(params) after opt_in_smem: the error of either.
+template <auto kKernel, class Params>
+cudaError_t launch_checked(dim3 grid, int threads, int smem, cudaStream_t stream,
+                           const Params& params) {
+    if (cudaError_t err = opt_in_smem<kKernel>(smem); err != cudaSuccess)
+        return err;
+    kKernel<<<grid, threads, smem, stream>>>(params);
+    return cudaGetLastError();
 }
 
 // The registry entry of config Cfg, launched by `launch`; arch: 80 (sm80 family) or 90 (sm_90a).

@@ -2,7 +2,6 @@
 // every generated backward .cu file includes only this header. Errors are returned.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -21,15 +20,6 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
     if (p.d_pad != Cfg::kDHead)  // the kernel strides the dQ accumulator by its d_head
         return cudaErrorInvalidValue;
-    auto* kernel = &bwd::bwd_kernel<Cfg>;
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-        return err;
-    if (cudaError_t err = opt_in_smem(kernel, Cfg::kSmemBytes, device, configured);
-        err != cudaSuccess)
-        return err;
-
     // The preprocess and the conversion work per query row: a varlen batch is one sequence of
     // total_q rows to them.
     BwdParams rows = p;
@@ -38,19 +28,20 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
         rows.seqlen_q = p.total_q;
     }
     const dim3 pre_grid((rows.seqlen_q_pad + 3) / 4, rows.heads, rows.batch);
-    bwd::bwd_preprocess_kernel<Elem><<<pre_grid, 128, 0, stream>>>(rows);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    if (cudaError_t err =
+            launch_checked<&bwd::bwd_preprocess_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
+        err != cudaSuccess)
         return err;
 
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    if (cudaError_t err =
+            launch_checked<&bwd::bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+        err != cudaSuccess)
         return err;
 
     const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
     const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
-    bwd::bwd_convert_dq_kernel<Elem><<<cvt_grid, 256, 0, stream>>>(rows);
-    return cudaGetLastError();
+    return launch_checked<&bwd::bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
 }
 
 template <class Cfg>

@@ -85,12 +85,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
         return cudaErrorInvalidValue;
 
     auto* kernel = &fwd_sm90_kernel<Cfg>;
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-        return err;
-    if (cudaError_t err = opt_in_smem(kernel, Cfg::kSmemBytes, device, configured);
-        err != cudaSuccess)
+    if (cudaError_t err = opt_in_smem<&fwd_sm90_kernel<Cfg>>(Cfg::kSmemBytes); err != cudaSuccess)
         return err;
     constexpr int kCtas = Cfg::kClusterCtas;
     const int q_tiles = ForwardTile<Cfg>::tiles_per_head(p);  // pairs with kCluster
@@ -110,6 +105,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     config.numAttrs = 1;
     if constexpr (Cfg::kPersistent) {  // one CTA per SM (cluster per SM pair), looping over tiles
         // How many CTAs (clusters) run at once: the SMs, or the clusters the GPCs can hold.
+        int device = 0;
+        if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+            return err;
         static std::atomic<int> resident[64] = {};
         int count = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
         if (count == 0) {
