@@ -656,13 +656,47 @@ def test_case_travels_as_json_and_old_requests_still_read():
         Case("bf16", 128, 1, 128, heads=16, kv_heads=5)
     with pytest.raises(ValueError, match="varlen"):
         Case("bf16", 128, 4, 1024, varlen=True, kv_heads=4)
+    assert Case(**old).kind == "fwd", "a request from before the kinds times the forward"
+
+
+def test_backward_cases_name_their_kind_and_travel_as_json():
+    bwd = Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, deterministic=True, kind="bwd")
+    assert Case(**json.loads(json.dumps(bwd.as_dict()))) == bwd
+    assert bwd.name == "bf16_d128_b4_s4096_kv4_causal_det_bwd"
+    assert bwd.options() == {"causal": True, "deterministic": True}
+    step = Case("bf16", 128, 4, 4096, causal=True, kind="fwdbwd")
+    assert step.name == "bf16_d128_b4_s4096_causal_fwdbwd"
+    assert (step.times_forward, step.times_backward) == (True, True)
+    assert (bwd.times_forward, bwd.times_backward) == (False, True)
+    assert "deterministic" in bwd.peer_note() and not step.peer_note()
+    for bad, why in (({"kind": "backward"}, "kind"), ({"deterministic": True}, "deterministic"),
+                     ({"varlen": True, "kind": "bwd"}, "fixed-length")):
+        with pytest.raises(ValueError, match=why):
+            Case("bf16", 128, 4, 1024, **bad)
+
+
+def test_backward_flops_are_two_and_a_half_forwards():
+    """FlashAttention's convention: a backward counts 2.5 forwards, a training step 3.5, each
+    on the forward's count (visible pairs under a window)."""
+    for features in ({}, {"causal": True}, {"window": (512, 0)}):
+        fwd = Case("bf16", 128, 4, 4096, **features).flops()
+        assert Case("bf16", 128, 4, 4096, kind="bwd", **features).flops() == 2.5 * fwd
+        assert Case("bf16", 128, 4, 4096, kind="fwdbwd", **features).flops() == 3.5 * fwd
+    assert Case("bf16", 128, 4, 4096).flops() == 4 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_planted_work_is_for_forward_cases_only():
+    from fa_tools.gpu.perfcases import planted_attention
+
+    with pytest.raises(ValueError, match="forward cases"):
+        planted_attention(Case("bf16", 128, 4, 4096, kind="bwd"), None, 0.05)
 
 
 def test_gate_case_names_are_unique_and_sdpa_less_cases_say_why():
     names = [c.name for c in perf.GATE_CASES]
     assert len(names) == len(set(names))
     for c in perf.GATE_CASES:
-        assert bool(c.peer_note()) == bool(c.window or c.softcap)
+        assert bool(c.peer_note()) == bool(c.window or c.softcap or c.deterministic)
 
 
 class NoPeer(FakeWorker):
