@@ -133,12 +133,12 @@ def varlen_lengths(case: Case) -> list[int]:
     return [case.seqlen, *lengths]
 
 
-# The perf gate's cases: at least one per kind of kernel the dispatch tables run on an sm_90
-# GPU (every tile of the Hopper table, ignoring dtype; the sm80-family softcap kernels with and
-# without masks; the sm80-family varlen fallback), and each call feature: causal, sliding
+# The perf gate's forward cases: at least one per kind of kernel the dispatch tables run on an
+# sm_90 GPU (every tile of the Hopper table, ignoring dtype; the sm80-family softcap kernels with
+# and without masks; the sm80-family varlen fallback), and each call feature: causal, sliding
 # windows, softcap, GQA, seqlen_q != seqlen_k, short sequences, both dtypes, d_head 64, 128
 # and the 160-256 range (tests/test_gate_coverage.py checks it against dispatch). 16 heads.
-GATE_CASES = tuple([
+FWD_GATE_CASES = tuple([
     # no mask: d_head 128 over the three Hopper rows (<= 512, <= 2048, longer), both dtypes;
     # 4 x 16384 is the power study's case (its plants come in the finest steps)
     Case("bf16", 128, 64, 512),
@@ -163,6 +163,33 @@ GATE_CASES = tuple([
     # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
 ])
+# The gate's backward cases (sm80-family backward, every GPU): each kernel of the `default`
+# backward set, dtype aside (d_head 64, 128, 256, with and without a softcap; the preprocess
+# and dQ conversion of both dtypes run with them), and each feature of the backward's calls:
+# causal, GQA (dK and dV summed over the group), a sliding window, deterministic dQ, and a
+# training step (forward + autograd backward). 16 heads, 16384 tokens: 3-9 ms a call on an
+# H100 at the 150-300 TFLOP/s the first backward measured there (estimated, to be measured).
+# 4 of the 8 cases have an SDPA FA2 peer (not the softcap and deterministic ones): 12 timed
+# contenders at about 5.3 s each per gate run (the forward's 31 in its 185 s A/A run, less
+# about 20 s of start-up), about 65 s more per gate run (estimated, to be measured)
+# (tests/test_gate_coverage.py checks the kernels against the backward's selection).
+BWD_GATE_CASES = tuple([
+    # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
+    # d_head 256
+    Case("bf16", 128, 4, 4096, causal=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, kv_heads=4, kind="bwd"),
+    Case("bf16", 256, 2, 4096, kind="bwd"),
+    # softcap (no SDPA peer): d_head 128; d_head 64 under a sliding window; d_head 256 causal
+    # with softcap 50 (Gemma-2's attention)
+    Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
+    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
+    Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
+    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128
+    Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
+    # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
+    Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
+])
+GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
