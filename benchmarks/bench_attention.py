@@ -1,8 +1,10 @@
 """asv: timings of attention() and of PyTorch SDPA's FLASH_ATTENTION (FA2) and CUDNN_ATTENTION
-backends, over dtype x d_head x (batch, seq_len), 16 heads. All cases are measured once per
-run in setup_cache, in one process, with CUDA events (median of 20 calls); the track_ methods
-report them. Without a GPU every benchmark here is skipped, and so is every case the build has
-no kernel for (e.g. a build restricted by FLASH_ATTENTION_KERNELS), with the reason.
+backends, over dtype x d_head x (batch, seq_len), 16 heads; Backward and TrainingStep time the
+backward alone and forward + backward of the three the same way (through autograd, public API
+only). All cases are measured once per run in setup_cache, in one process, with CUDA events
+(median of 20 calls); the track_ methods report them. Without a GPU every benchmark here is
+skipped, and so is every case the build has no kernel for (e.g. a build restricted by
+FLASH_ATTENTION_KERNELS), with the reason.
 
 Self-contained on purpose: asv runs the benchmarks of the working tree against every commit
 it builds (`asv run A..B`, `asv find`), so this module uses only the package's public API
@@ -330,3 +332,165 @@ class FeatureAttention:
         return self.r["ours"] / self.r["sdpa_fa2"]
 
     track_ratio_to_sdpa_fa2.unit = "ratio"
+
+
+# ---- the backward and the training step -------------------------------------------------------
+
+# (batch, seqlen) pairs of the backward tables: a short, the standard and a long sequence.
+BWD_STANDARD = ((16, 1024), (16, 4096), (4, 16384))
+BWD_SHAPES = [f"{b}x{s}" for b, s in BWD_STANDARD]
+MASKS = ["full", "causal"]
+BWD_CASES = tuple(Case(dt, d, b, s, causal=mask == "causal") for dt in ("bf16", "fp16")
+                  for d in (128, 64) for mask in MASKS for b, s in BWD_STANDARD)
+
+
+def backward_kernels() -> set[tuple[str, int]] | None:
+    """(dtype, d_head variant) of the installed build's backward kernels without a softcap, as
+    its operator lists them (short forms bwd_<dtype>_d<d_head>_..._f<flags>); None for a build
+    from before the backward."""
+    import re
+
+    import torch
+
+    import flash_attention as fa
+
+    fa.available_configs()  # loads the extension, which defines the operators
+    try:
+        names = torch.ops.flash_attention.bwd_kernels()
+    except (AttributeError, RuntimeError):  # no such operator
+        return None
+    found = (re.match(r"bwd_(fp16|bf16)_d(\d+)_.*_f([a-z]*)$", n) for n in names.split(","))
+    return {(m[1], int(m[2])) for m in found if m and "t" not in m[3]}
+
+
+def grad_contenders(q, k, v, dout, kind: str, causal: bool) -> dict:
+    """Zero-argument callables, one per contender, on the same tensors, each returning the
+    gradients of q, k, v: kind "bwd" times the backward alone (autograd.grad on a graph made
+    once and kept), "fwdbwd" a training step (the forward and autograd.grad, a new graph per
+    call). Ours is attention() on q, k, v (B, S, H, D); the SDPA backends run on their
+    (B, H, S, D) views. A backend that cannot run the case is left out."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flash_attention as fa
+
+    def timed(forward, leaves, grad_out):
+        if kind == "bwd":
+            out = forward()
+            return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+        return lambda: torch.autograd.grad(forward(), leaves, grad_out)
+
+    ours = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    fns = {"ours": timed(lambda: fa.attention(*ours, causal=causal), ours, dout)}
+    peer_leaves = tuple(t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    for name, backend in (("sdpa_fa2", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(*peer_leaves, is_causal=causal)
+        try:
+            fn = timed(forward, peer_leaves, dout.transpose(1, 2))
+            fn()
+        except RuntimeError:
+            continue
+        fns[name] = fn
+    return fns
+
+
+def measure_grads(cases, kind: str, reps: int = 20, warmup: int = 3) -> Measured:
+    """Median milliseconds per case and contender (grad_contenders) of the backward (kind
+    "bwd") or a training step ("fwdbwd"), on new random tensors per case. A case the build has
+    no backward kernel for is skipped with the reason; a peer that cannot run it is absent
+    (its tracks give nan); any failure of ours raises (a broken benchmark must never look like
+    a slow one)."""
+    import torch
+
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    built = backward_kernels()
+    measured, skipped = {}, {}
+    for case in cases:
+        if built is None:
+            skipped[case.name] = "this build has no backward (no flash_attention::bwd_kernels)"
+            continue
+        if not any(dt == case.dtype and d >= case.d_head for dt, d in built):
+            skipped[case.name] = (f"this build has no {case.dtype} backward kernel for d_head "
+                                  f"{case.d_head} (FLASH_ATTENTION_BWD_KERNELS)")
+            continue
+        shape = (case.batch, case.seqlen, case.heads, case.d_head)
+        q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype])
+                         for _ in range(4))
+        fns = grad_contenders(q, k, v, dout, kind, case.causal)
+        if not all(torch.isfinite(g).all() for g in fns["ours"]()):
+            raise RuntimeError(f"{case.name}: the backward produced non-finite gradients")
+        measured[case.name] = {name: statistics.median(cuda_event_ms(fn, reps=reps,
+                                                                    warmup=warmup))
+                               for name, fn in fns.items()}
+        del q, k, v, dout, fns
+    return Measured(measured, skipped)
+
+
+class Backward:
+    """The backward alone (on the forward's kept graph: what a training step's backward costs)
+    of ours, SDPA FA2 and SDPA cuDNN in the same run, d_head 128 and 64, without a mask and
+    causal; a peer that cannot run a case records nan."""
+
+    params = (["bf16", "fp16"], [128, 64], MASKS, BWD_SHAPES)
+    param_names = ["dtype", "d_head", "mask", "batch_x_seq"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        return measure_grads(list(BWD_CASES), "bwd")
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, dtype, d_head, mask, shape):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        batch, seqlen = (int(x) for x in shape.split("x"))
+        self.r = cache[Case(dtype, d_head, batch, seqlen, causal=mask == "causal").name]
+
+    def track_ours_ms(self, cache, dtype, d_head, mask, shape):
+        return self.r["ours"]
+
+    track_ours_ms.unit = "ms"
+
+    def track_sdpa_fa2_ms(self, cache, dtype, d_head, mask, shape):
+        return self.r.get("sdpa_fa2", float("nan"))
+
+    track_sdpa_fa2_ms.unit = "ms"
+
+    def track_sdpa_cudnn_ms(self, cache, dtype, d_head, mask, shape):
+        return self.r.get("sdpa_cudnn", float("nan"))
+
+    track_sdpa_cudnn_ms.unit = "ms"
+
+    def track_ratio_to_sdpa_fa2(self, cache, dtype, d_head, mask, shape):
+        """Our time over SDPA FA2's in the same run (< 1: we are faster)."""
+        return self.r["ours"] / self.r.get("sdpa_fa2", float("nan"))
+
+    track_ratio_to_sdpa_fa2.unit = "ratio"
+
+    def track_ratio_to_sdpa_cudnn(self, cache, dtype, d_head, mask, shape):
+        """Our time over SDPA cuDNN's in the same run (< 1: we are faster)."""
+        return self.r["ours"] / self.r.get("sdpa_cudnn", float("nan"))
+
+    track_ratio_to_sdpa_cudnn.unit = "ratio"
+
+
+class TrainingStep(Backward):
+    """Forward + backward as a training step makes them (a new graph per call), the same cases
+    and contenders as Backward."""
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        return measure_grads(list(BWD_CASES), "fwdbwd")
+
+    setup_cache.timeout = 1200

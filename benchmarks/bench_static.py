@@ -1,5 +1,6 @@
-"""asv: per kernel of the default set and per architecture, what ptxas and the SASS say:
-registers, spill bytes, shared memory, SASS instruction totals per category. Read from the
+"""asv: per kernel of the default set (forward, and the backward with its preprocess and dQ
+conversion kernels) and per architecture, what ptxas and the SASS say: registers, spill bytes,
+shared memory, SASS instruction totals per category. Read from the
 installed build's ptxas report (the wheel carries ptxas.log) and binary by the fa_tools of the
 same commit (installed with it); cuobjdump/nvdisasm are found on sys.path (the PyPI packages,
 also those of the interpreter running asv) or in the CUDA toolkit. No GPU needed. Kernels or
@@ -16,7 +17,18 @@ classes only: the series recorded for 80/90 keep their keys and benchmark versio
 
 from flash_attention.config_sets import SETS
 
-KERNELS = [c.short for c in SETS["default"]]
+
+def _backward_kernels() -> list[str]:
+    """The `default` backward set and its preprocess and dQ conversion kernels (what the static
+    ratchet pins for the backward); none in a commit from before the backward."""
+    try:
+        from flash_attention.config_bwd import DEFAULT, aux_kernels
+    except ImportError:
+        return []
+    return [c.short for c in DEFAULT] + [a.short for a in aux_kernels(DEFAULT)]
+
+
+KERNELS = [c.short for c in SETS["default"]] + _backward_kernels()
 ARCHS = ["80", "90", "90a"]  # append only: asv keys the recorded results by these values
 CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "shared_store",
               "local_memory", "mufu", "fp32", "conversion", "int_address", "move", "barrier",

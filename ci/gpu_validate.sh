@@ -3,7 +3,7 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile
+#        sanitize debug asv calibrate hang profile gate-aa bwd-planted
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -20,6 +20,11 @@
 #             separated, built) against the full kernel, per dtype of WINDOW_DTYPES ("bf16
 #             fp16"): studies/window_ab.py, WINDOW_ROUNDS rounds
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
+#   gate-aa   the A/B gate's comparison of this build with itself (fa-tools gate perf --aa), all
+#             cases, forward and backward: every verdict must be "same" (exit 0)
+#   bwd-planted  the A/B gate on a copy of this tree whose softcap backward kernels spin 400
+#             cycles per query block: the softcap backward cases (and those the SASS diff adds
+#             for the other softcap backward kernels) must be "slower", all else "same" (exit 1)
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
@@ -199,6 +204,39 @@ p.write_text(t)
 PY
     run hang bash -c "cd /tmp/fa-hang && time PYTHONPATH=/tmp/fa-hang/src python3 -m fa_tools \
         gate perf --base-dir '$PWD' --out '$LOG_DIR/hang'; echo exit \$?"
+fi
+if step gate-aa; then
+    run gate-aa bash -c "time python3 -m fa_tools gate perf --aa --out '$LOG_DIR/gate-aa'; \
+        echo exit \$?"
+fi
+if step bwd-planted; then
+    # head: a copy of this built tree, rebuilt with the plant; base: this tree. The plant is
+    # applied here, in the copy, so no planted source is ever committed; it anchors on the
+    # main kernel's per-query-block call of probabilities() and refuses (exit 3) if that moved.
+    rm -rf /tmp/fa-bwd-plant && cp -r . /tmp/fa-bwd-plant
+    python3 - <<'PY' || exit 3
+import pathlib
+p = pathlib.Path("/tmp/fa-bwd-plant/src/csrc/sm80/backward_kernel.cuh")
+t = p.read_text()
+anchor = t.find("probabilities(i * kBr,")
+if anchor < 0:
+    raise SystemExit("bwd-planted: the anchor 'probabilities(i * kBr,' is not in "
+                     "backward_kernel.cuh any more; update the plant")
+line = t.rindex("\n", 0, anchor) + 1
+indent = t[line:anchor]
+spin = ("if constexpr (Cfg::kSoftcap) {  // planted: 400 cycles per query block\n"
+        "    const long long planted_t0 = clock64();\n"
+        "    while (clock64() - planted_t0 < 400) {\n"
+        "    }\n"
+        "}\n")
+p.write_text(t[:line] + "".join(indent + s + "\n" for s in spin.splitlines()) + t[line:])
+PY
+    run bwd-planted-build bash -c "cd /tmp/fa-bwd-plant && FLASH_ATTENTION_KERNELS='$KERNELS' \
+        FLASH_ATTENTION_ARCHS='$ARCHS' MAX_JOBS='${MAX_JOBS:-16}' python3 setup.py -q \
+        build_ext --inplace" || exit 2
+    run bwd-planted bash -c "cd /tmp/fa-bwd-plant && time PYTHONPATH=/tmp/fa-bwd-plant/src \
+        python3 -m fa_tools gate perf --base-dir '$PWD' --out '$LOG_DIR/bwd-planted'; \
+        echo exit \$?"
 fi
 if step profile; then
     shape=${PROFILE_SHAPE:-bf16 128 16 4096 16}

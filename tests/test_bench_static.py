@@ -32,9 +32,9 @@ bs = _bench_static()
 
 
 def _smallest(family: str) -> str:
-    from flash_attention.config import parse_config
+    from fa_tools.analysis.kernel_names import parse_kernel
 
-    cfgs = [parse_config(k) for k in bs.KERNELS]
+    cfgs = [parse_kernel(k) for k in bs.KERNELS]
     return min((c for c in cfgs if c.family == family), key=lambda c: (c.d_head, c.short)).short
 
 
@@ -176,3 +176,36 @@ def test_recorded_parameter_values_are_kept():
             if param != "kernel":
                 assert set(old) <= {repr(v) for v in now}, (name, param)
     assert found
+
+
+def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
+    """Every backward kernel the static ratchet pins (the policy's bwd_kernels with the
+    preprocess and dQ conversion of each dtype) is a kernel value of the static tracks, and a
+    backward record of the build's report is collected like a forward one (the analysis
+    functions faked here; test_hopper_kernel_is_collected_under_90a runs them for real)."""
+    from types import SimpleNamespace
+
+    from fa_tools.gate import ratchet
+
+    policy = ratchet.load_yaml(str(ROOT / "ci" / "gate_policy.yaml"))
+    pinned = [k for k in ratchet.scope_kernels(policy) if k.startswith("bwd_")]
+    assert pinned and set(pinned) <= set(bs.KERNELS)
+    assert not set(pinned) & set(bs.HOPPER_KERNELS)
+
+    bwd = "bwd_bf16_d128_c128_r64_w8_fb"
+    rec = SimpleNamespace(kernel=bwd, arch="90", registers=244, spill_stores=0, spill_loads=0,
+                          static_smem=128, dynamic_smem=81920)
+    other = SimpleNamespace(**{**vars(rec), "kernel": "not_a_tracked_kernel"})
+    instrs = [SimpleNamespace(base=b, opcode=b, predicate="") for b in ("HMMA", "HMMA", "EXIT")]
+    fake = SimpleNamespace(
+        extension_path=lambda: "x.so", ptxas_log_path=lambda: "ptxas.log", ToolError=OSError)
+    analysis = (fake, opcodes, SimpleNamespace(load=lambda log: [rec, other]),
+                SimpleNamespace(instructions=lambda binary, kernel, arch: instrs))
+    monkeypatch.setattr(bs, "_analysis", lambda: analysis)
+    cache = bs._collect()
+    assert set(cache) == {(bwd, "90")}
+    got = cache[(bwd, "90")]
+    assert got["registers"] == 244 and got["smem_bytes"] == 128 + 81920
+    assert got["sass"]["total"] == 3 and got["sass"]["tensor_mma"] == 2
+    resources = _run(bs.KernelResources, cache)
+    assert resources[(bwd, "90")]["track_spill_bytes"] == 0

@@ -138,6 +138,7 @@ class FakeWorker:
     """Answers like a worker: per case a time factor, noise, and the planted slowdown."""
 
     configs: list[str] = []  # the kernels of its build (none: the dispatch table is empty)
+    bwd_configs: list[str] = []  # ... and its backward kernels
     src_dir = "simulated"  # one build for both sides: the SASS diff is not run
     energy = {"supported": False, "reason": "simulated"}
 
@@ -656,13 +657,47 @@ def test_case_travels_as_json_and_old_requests_still_read():
         Case("bf16", 128, 1, 128, heads=16, kv_heads=5)
     with pytest.raises(ValueError, match="varlen"):
         Case("bf16", 128, 4, 1024, varlen=True, kv_heads=4)
+    assert Case(**old).kind == "fwd", "a request from before the kinds times the forward"
+
+
+def test_backward_cases_name_their_kind_and_travel_as_json():
+    bwd = Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, deterministic=True, kind="bwd")
+    assert Case(**json.loads(json.dumps(bwd.as_dict()))) == bwd
+    assert bwd.name == "bf16_d128_b4_s4096_kv4_causal_det_bwd"
+    assert bwd.options() == {"causal": True, "deterministic": True}
+    step = Case("bf16", 128, 4, 4096, causal=True, kind="fwdbwd")
+    assert step.name == "bf16_d128_b4_s4096_causal_fwdbwd"
+    assert (step.times_forward, step.times_backward) == (True, True)
+    assert (bwd.times_forward, bwd.times_backward) == (False, True)
+    assert "deterministic" in bwd.peer_note() and not step.peer_note()
+    for bad, why in (({"kind": "backward"}, "kind"), ({"deterministic": True}, "deterministic"),
+                     ({"varlen": True, "kind": "bwd"}, "fixed-length")):
+        with pytest.raises(ValueError, match=why):
+            Case("bf16", 128, 4, 1024, **bad)
+
+
+def test_backward_flops_are_two_and_a_half_forwards():
+    """FlashAttention's convention: a backward counts 2.5 forwards, a training step 3.5, each
+    on the forward's count (visible pairs under a window)."""
+    for features in ({}, {"causal": True}, {"window": (512, 0)}):
+        fwd = Case("bf16", 128, 4, 4096, **features).flops()
+        assert Case("bf16", 128, 4, 4096, kind="bwd", **features).flops() == 2.5 * fwd
+        assert Case("bf16", 128, 4, 4096, kind="fwdbwd", **features).flops() == 3.5 * fwd
+    assert Case("bf16", 128, 4, 4096).flops() == 4 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_planted_work_is_for_forward_cases_only():
+    from fa_tools.gpu.perfcases import planted_attention
+
+    with pytest.raises(ValueError, match="forward cases"):
+        planted_attention(Case("bf16", 128, 4, 4096, kind="bwd"), None, 0.05)
 
 
 def test_gate_case_names_are_unique_and_sdpa_less_cases_say_why():
     names = [c.name for c in perf.GATE_CASES]
     assert len(names) == len(set(names))
     for c in perf.GATE_CASES:
-        assert bool(c.peer_note()) == bool(c.window or c.softcap)
+        assert bool(c.peer_note()) == bool(c.window or c.softcap or c.deterministic)
 
 
 class NoPeer(FakeWorker):
@@ -833,6 +868,80 @@ def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkey
     assert doc["meta"]["cases"] == len(CASES[:2]) + 1
     assert doc["meta"]["alpha_per_look"] == pytest.approx(0.01 / (3 * 4))
     assert "Added case fp16_d64_b16_s4096: kernel sm90_fp16_d64_c96_g3_s3_fwesn: SASS" in md
+
+
+BWD = Case("bf16", 128, 4, 4096, causal=True, kind="bwd")
+STEP = Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd")
+
+
+def _default_build(tmp_path, monkeypatch, *workers):
+    """Workers of a `default` build (forward and backward), dispatch without a tuning file."""
+    from flash_attention.config_bwd import resolve as resolve_bwd
+    from flash_attention.config_sets import resolve
+
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setattr("flash_attention.dispatch._tuning", None)
+    for w in workers:
+        w.configs = [c.short for c in resolve("default")]
+        w.bwd_configs = [c.short for c in resolve_bwd("default")]
+
+
+def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch):
+    """A backward case whose head is 4% slower: exit 1, the case named slower in the table and
+    the summary; the forward and the training-step cases beside it stay same; each row says
+    which kernels the head runs for it."""
+    base, head = FakeWorker({}, {}, 1), FakeWorker({BWD.name: 1.04}, {}, 2)
+    _default_build(tmp_path, monkeypatch, base, head)
+    code, doc, md = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], BWD, STEP],
+                              arch="90")
+    assert code == gate.REGRESSION
+    verdicts = {r["case"]: r["verdict"] for r in doc["results"]}
+    assert verdicts == {BWD.name: "slower", CASES[1].name: "same", STEP.name: "same"}
+    assert f"| {BWD.name} | 14 |" in md and "**slower**" in md
+    kernels = {r["case"]: r["kernel"] for r in doc["results"]}
+    assert kernels[BWD.name] == ("bwd_bf16_d128_c128_r64_w8_fb + bwd_preprocess_bf16 + "
+                                 "bwd_convert_dq_bf16")
+    assert kernels[STEP.name].startswith("sm90_bf16_d128_") and kernels[STEP.name].endswith(
+        " + bwd_bf16_d128_c128_r64_w8_fb + bwd_preprocess_bf16 + bwd_convert_dq_bf16")
+    by_case = {r["case"]: r for r in doc["results"]}
+    assert by_case[BWD.name]["head_tflops"] == pytest.approx(
+        BWD.flops() / by_case[BWD.name]["head_ms"] / 1e9)
+    out = tmp_path / "out"
+    report.run(out)
+    assert "| perf | FAIL: regression | 1 slower, 0 inconclusive, 0 accepted, 0 faster, " \
+           "2 same, 0 new of 3 cases |" in (out / "report.md").read_text()
+
+
+def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, monkeypatch):
+    """A changed backward kernel no gate case runs gets a backward case (the kernel the
+    operator picks for it); a changed helper a gate case runs is reported as measured; an
+    accept entry may name a case made for any backward kernel."""
+    from fa_tools.gate import sassdiff
+
+    base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
+    _default_build(tmp_path, monkeypatch, base, head)
+    base.src_dir, head.src_dir = "base", "head"
+    helpers = ["bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
+               "bwd_convert_dq_bf16"]
+    code = {k: [b"\0" * 16] * 10 for k in head.configs + head.bwd_configs + helpers}
+    changed = dict(code, bwd_fp16_d256_c64_r64_w8_ft=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
+                   bwd_preprocess_bf16=[b"\1" * 16] * 10)
+    monkeypatch.setattr(perf, "_binary", lambda src: src)
+    monkeypatch.setattr(sassdiff, "kernel_code",
+                        lambda binary, arch: code if binary == "base" else changed)
+    accept_made = ACCEPT.format(pct=3).replace("bf16_d128_b16_s1024",
+                                               "fp16_d64_b4_s4096_cap30_causal_bwd")
+    verdict, doc, md = _run_gate(tmp_path, monkeypatch, base, head, accept_made,
+                                 cases=[BWD], arch="90")
+    assert verdict == gate.PASS, md
+    (extra,) = [r for r in doc["results"] if r["why"]]
+    assert extra["case"] == "fp16_d256_b4_s4096_cap30_causal_bwd"
+    assert extra["kernel"].startswith("bwd_fp16_d256_c64_r64_w8_ft + ")
+    assert "kernel bwd_fp16_d256_c64_r64_w8_ft: SASS differs (4 instructions changed" in md
+    assert (f"kernel bwd_preprocess_bf16: SASS differs (10 instructions changed: +10 -10 of 10)"
+            f"; measured by {BWD.name}") in md
+    assert doc["meta"]["accept_unused"] == [{"case": "fp16_d64_b4_s4096_cap30_causal_bwd",
+                                             "verdict": "not measured"}]
 
 
 def test_accept_rules_on_results():

@@ -1,15 +1,20 @@
 """The perf gate's case list against the dispatch tables (CPU): every kind of kernel the tables
 run on the gate's GPU (sm_90) has a gate case that dispatch routes to it, computed with
-dispatch's own functions on the `default` kernel set, and each call feature has a case."""
+dispatch's own functions on the `default` kernel set, and each call feature has a case; the
+same for the backward kernels the operator picks (config_bwd.select) and the backward's
+features."""
 
 from __future__ import annotations
 
 import pytest
 
 from fa_tools.gate import coverage
-from fa_tools.gpu.perfcases import GATE_CASES, Case
-from flash_attention import dispatch
+from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, Case
+from flash_attention import config_bwd, dispatch
 from flash_attention.config_sets import resolve
+
+BWD_DEFAULT = [c.short for c in config_bwd.resolve("default")]  # what the gate's build holds
+BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
 
 
 @pytest.fixture
@@ -21,7 +26,8 @@ def rows(monkeypatch, tmp_path):
 
 
 def _routes(rows, sm90=True) -> dict[str, str]:
-    return {c.name: coverage.route(c, rows, sm90) for c in GATE_CASES}
+    """The forward kernel of every gate case that times the forward (fwd and fwdbwd)."""
+    return {c.name: coverage.route(c, rows, sm90) for c in GATE_CASES if c.times_forward}
 
 
 def test_every_gate_case_has_a_kernel_on_either_gpu(rows):
@@ -51,8 +57,12 @@ def test_softcap_and_varlen_kernels_are_run(rows):
 
 
 def test_each_call_feature_has_a_case():
+    assert {c.kind for c in FWD_GATE_CASES} == {"fwd"}
+    assert {c.kind for c in BWD_GATE_CASES} == {"bwd", "fwdbwd"}
+    assert GATE_CASES == FWD_GATE_CASES + BWD_GATE_CASES
+
     def has(pred) -> bool:
-        return any(pred(c) for c in GATE_CASES)
+        return any(pred(c) for c in FWD_GATE_CASES)
 
     assert has(lambda c: not (c.causal or c.window or c.softcap)), "no mask"
     assert has(lambda c: c.causal and not c.varlen), "causal"
@@ -62,7 +72,7 @@ def test_each_call_feature_has_a_case():
     assert has(lambda c: c.varlen), "varlen"
     assert has(lambda c: 128 <= c.seqlen <= 512), "short sequences"
     assert has(lambda c: c.seqlen_k is not None and c.seqlen_k != c.seqlen), "Sq != Sk"
-    assert {c.dtype for c in GATE_CASES} == {"bf16", "fp16"}
+    assert {c.dtype for c in FWD_GATE_CASES} == {"bf16", "fp16"}
     assert has(lambda c: c.d_head == 64) and has(lambda c: c.d_head in (96, 128))
     assert has(lambda c: c.d_head in (160, 192, 224)) and has(lambda c: c.d_head == 256)
 
@@ -118,7 +128,7 @@ def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
                change("bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
                change("sm90_fp16_d64_c96_g3_s3_fwesn", 30),  # fp16 d 64: no gate case
                change("sm90_fp16_d256_c64_g2_s2_fwpoer", 20)]  # over the cap
-    sel = sassdiff.select(changes, rows, True, GATE_CASES, cap=2)
+    sel = sassdiff.select(changes, rows, BWD_DEFAULT, True, GATE_CASES, cap=2)
     assert [a["case"] for a in sel.added] == ["fp16_d160_b16_s4096_varlen",
                                               "fp16_d64_b16_s4096"]
     assert sel.added[0]["why"] == ("kernel fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
@@ -130,8 +140,92 @@ def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
     assert "no dispatch row runs it" in skipped["bf16_d64_r128_c64_w8_fseqbrmt"]
     assert "over the policy's cap of 2" in skipped["sm90_fp16_d256_c64_g2_s2_fwpoer"]
     # on an sm_80 GPU the Hopper kernels run nothing: fp16 d 64 runs its sm80 kernel instead
-    sel = sassdiff.select(changes, rows, False, GATE_CASES, cap=6)
+    sel = sassdiff.select(changes, rows, BWD_DEFAULT, False, GATE_CASES, cap=6)
     assert "sm90_fp16_d64_c96_g3_s3_fwesn" in {s["kernel"] for s in sel.skipped}
+
+
+# ---- the backward: the kernels the operator picks, cases for changed ones ----------------------
+
+
+def test_every_default_backward_kernel_kind_and_helper_is_run_by_a_gate_case():
+    """Each kernel of the `default` backward set (d_head 64, 128, 256, with and without a
+    softcap), dtype aside, is the operator's pick for a backward gate case; the preprocess and
+    the dQ conversion of both dtypes run too. No backward case runs a kernel the build lacks."""
+    run = {c.name: coverage.kernels_run(c, [], BWD_DEFAULT, sm90=True) for c in BWD_GATE_CASES
+           if c.kind == "bwd"}
+    assert all(len(kernels) == 3 for kernels in run.values()), run
+    ran = {k for kernels in run.values() for k in kernels}
+    kinds = {coverage.kind(k) for k in ran if k in BWD_DEFAULT}
+    assert kinds == {coverage.kind(k) for k in BWD_DEFAULT}
+    assert set(BWD_HELPERS) <= ran
+
+
+def test_a_training_step_runs_the_forward_and_the_backward(rows):
+    (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
+    forward, *backward = coverage.kernels_run(step, rows, BWD_DEFAULT, sm90=True)
+    assert forward == coverage.route(step, rows, True) and forward.startswith("sm90_")
+    assert backward == ["bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16",
+                        "bwd_convert_dq_bf16"]
+    assert coverage.kernels_run(step, rows, [], sm90=True) == [forward], "a build without"
+
+
+def test_each_backward_feature_has_a_case():
+    def has(pred) -> bool:
+        return any(pred(c) for c in BWD_GATE_CASES)
+
+    assert has(lambda c: c.kind == "bwd" and c.causal and not c.deterministic), "causal"
+    assert has(lambda c: c.kind == "bwd" and not (c.causal or c.window or c.softcap)), "no mask"
+    assert has(lambda c: c.kind == "bwd" and c.kv_heads is not None), "GQA"
+    assert has(lambda c: c.window is not None), "sliding window"
+    assert has(lambda c: c.deterministic), "deterministic"
+    assert has(lambda c: c.softcap > 0) and has(lambda c: c.kind == "fwdbwd"), "training step"
+    assert {c.dtype for c in BWD_GATE_CASES} == {"bf16", "fp16"}
+    assert {c.d_head for c in BWD_GATE_CASES} == set(config_bwd.DEFAULT_D_HEADS)
+
+
+def test_a_backward_case_made_for_a_kernel_runs_it():
+    """case_for_bwd_kernel inverts the operator's choice for every default kernel and helper;
+    a kernel the operator never picks (a ci-set kernel shadowed by another of its dtype,
+    d_head and softcap that comes first) gets none."""
+    for kernel in BWD_DEFAULT + BWD_HELPERS:
+        case = coverage.case_for_bwd_kernel(kernel, BWD_DEFAULT)
+        assert case is not None and case.kind == "bwd", kernel
+        assert kernel in coverage.kernels_run(case, [], BWD_DEFAULT, sm90=True), kernel
+        assert case.batch * case.seqlen == coverage.BWD_CASE_TOKENS
+    assert coverage.case_for_bwd_kernel("bwd_fp16_d256_c64_r64_w8_ft", BWD_DEFAULT) == Case(
+        "fp16", 256, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP, kind="bwd")
+    helper = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_DEFAULT)
+    assert coverage.bwd_kernel(helper, BWD_DEFAULT) == "bwd_fp16_d128_c128_r64_w8_fb"
+    both = [c.short for c in config_bwd.resolve("ci,default")]
+    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r128_w8_fb", both) is None
+    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r64_w8_fb", both) is not None
+
+
+def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
+    from fa_tools.gate import sassdiff
+
+    def change(kernel, n):
+        return sassdiff.KernelChange(kernel, n, n, 2000)
+
+    changes = [change("bwd_fp16_d128_c128_r64_w8_fbt", 70),  # no gate case: a case is made
+               change("bwd_bf16_d128_c128_r64_w8_fbt", 60),  # run by the softcap gate case
+               change("bwd_preprocess_fp16", 50),  # run by every fp16 backward case
+               change("bwd_bf16_d64_c128_r128_w8_fbt", 40),  # no gate case: a case is made
+               change("bwd_fp16_d256_c64_r64_w8_ft", 30)]  # over the cap
+    sel = sassdiff.select(changes, rows, BWD_DEFAULT, True, GATE_CASES, cap=2)
+    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_cap30_causal_bwd",
+                                              "bf16_d64_b4_s4096_cap30_causal_bwd"]
+    for added, kernel in zip(sel.cases, [c.kernel for c in changes[::3]]):
+        assert coverage.bwd_kernel(added, BWD_DEFAULT) == kernel
+    covered = {c["kernel"]: c["case"] for c in sel.covered}
+    assert covered == {"bwd_bf16_d128_c128_r64_w8_fbt": "bf16_d128_b4_s4096_cap30_bwd",
+                       "bwd_preprocess_fp16": "fp16_d64_b4_s4096_kv4_bwd"}
+    (skipped,) = sel.skipped
+    assert skipped["kernel"] == "bwd_fp16_d256_c64_r64_w8_ft" and "cap of 2" in skipped["why"]
+    shadowed = [c.short for c in config_bwd.resolve("ci,default")]
+    sel = sassdiff.select([change("bwd_bf16_d64_c128_r128_w8_fb", 10)], rows, shadowed, True,
+                          GATE_CASES, cap=6)
+    assert "the backward operator picks another kernel" in sel.skipped[0]["why"]
 
 
 def _elf(sections: dict[str, bytes]) -> bytes:

@@ -166,6 +166,7 @@ class Worker:
             raise WorkerError(f"{label} worker imported {module}, not the build in {self.src_dir}",
                               "infra")
         self.configs = hello["configs"]
+        self.bwd_configs = hello["bwd_configs"]
         self.gpu = hello["gpu"]
         self.energy = hello.get("energy") or {"supported": False, "reason": "not reported"}
         log.info("%s: %s (%d kernels) on %s", label, module.parent, len(self.configs), self.gpu)

@@ -1,12 +1,17 @@
-"""Which kernel a gate case runs, and a case that runs a given kernel: the dispatch table of a
+"""Which kernels a gate case runs, and a case that runs a given kernel: the dispatch table of a
 build (flash_attention.ops.dispatch_rows, the rows the extension looks calls up in) read
-forwards and backwards.
+forwards and backwards, and the backward operator's choice of kernel likewise.
 
 A row (dtype, d_head variant, sequence bucket, mask, local, softcap) names a kernel and its
 fallback: on an sm_90 GPU a fixed-length call runs the kernel (a Hopper one where the table has
 one), a varlen call the fallback (an sm80-family one); on any other GPU every call runs the
 fallback. The extension also falls back for tensors TMA cannot address; the gate's inputs are
 contiguous, so that never applies to them.
+
+The backward (sm80 family, every GPU) has no table: the operator runs the built kernel of the
+call's dtype and softcap with the smallest d_head variant not below the call's
+(flash_attention.config_bwd.select mirrors it), with the preprocess and the dQ conversion of
+the dtype around it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from ..gpu.perfcases import Case
 CASE_SEQLEN_CAP = 4096
 CASE_TOKENS = 65536  # batch x seqlen of a case made for a row
 CASE_SOFTCAP = 30.0
+# A backward case made for a kernel: 4 sequences of 4096, as the gate's own backward cases.
+BWD_CASE_SEQLEN = 4096
+BWD_CASE_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,8 @@ def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:
 
 
 def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
-    """The kernel the case runs on an sm_90 GPU (sm90=True) or another one; None when the
-    build has no row for it."""
+    """The forward kernel the case's attention() call runs on an sm_90 GPU (sm90=True) or
+    another one; None when the build has no row for it."""
     by_key = {r.key: r for r in rows}
     row = by_key.get(call_key(case))
     if row is None:
@@ -112,3 +120,54 @@ def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None
         if packed:
             return _case_of_row(min(packed, key=lambda r: _preference(r, kernel)), varlen=True)
     return None
+
+
+# ---- the backward ------------------------------------------------------------------------------
+
+
+def bwd_kernel(case: Case, bwd_configs: Iterable[str]) -> str | None:
+    """The backward main kernel the flash_attention::bwd operator runs for the case's calls,
+    of a build holding these backward kernels (short forms); None when it has none for them."""
+    from flash_attention.config_bwd import BwdConfig, select
+
+    built = tuple(BwdConfig.parse(c) for c in bwd_configs)
+    cfg = select(case.dtype, case.d_head, case.softcap > 0, built)
+    return None if cfg is None else cfg.short
+
+
+def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
+                sm90: bool) -> list[str]:
+    """Every kernel the case's timed calls launch on this GPU: the forward's (route) when it
+    times the forward, the backward's main kernel with the preprocess and the dQ conversion of
+    its dtype when it times the backward; a kernel the build has no row or config for is not
+    listed."""
+    from flash_attention.config_bwd import AUX_KINDS, BwdAuxKernel
+
+    run = []
+    if case.times_forward:
+        run.append(route(case, rows, sm90))
+    if case.times_backward:
+        main = bwd_kernel(case, bwd_configs)
+        run += [main] + ([BwdAuxKernel(kind, case.dtype).short for kind in AUX_KINDS]
+                         if main else [])
+    return [k for k in run if k is not None]
+
+
+def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str]) -> Case | None:
+    """A backward case the operator runs `kernel` for (a main kernel, a preprocess or a dQ
+    conversion): for a main kernel BWD_CASE_TOKENS tokens in sequences of BWD_CASE_SEQLEN at
+    its own d_head, causal (both the masked edge blocks and the full ones), softcap for a
+    softcap kernel; for a helper, the case of its dtype's main kernel without a softcap and
+    with the d_head nearest 128. None when the operator runs another kernel for every call
+    the kernel could serve (a kernel of a test set beside the default one)."""
+    from flash_attention.config_bwd import BwdAuxKernel, BwdConfig, parse_kernel
+
+    cfg = parse_kernel(kernel)
+    if isinstance(cfg, BwdAuxKernel):
+        mains = sorted((c for c in map(BwdConfig.parse, bwd_configs) if c.dtype == cfg.dtype),
+                       key=lambda c: (c.softcap, abs(c.d_head - 128), c.d_head))
+        made = (case_for_bwd_kernel(c.short, bwd_configs) for c in mains)
+        return next((c for c in made if c is not None), None)
+    case = Case(cfg.dtype, cfg.d_head, BWD_CASE_TOKENS // BWD_CASE_SEQLEN, BWD_CASE_SEQLEN,
+                causal=True, softcap=CASE_SOFTCAP if cfg.softcap else 0.0, kind="bwd")
+    return case if bwd_kernel(case, bwd_configs) == kernel else None

@@ -250,7 +250,7 @@ def sass_extras(base_w: Worker, head_w: Worker, rows: list[coverage.Row], policy
     t0 = time.monotonic()
     try:
         sel = sassdiff.extra_cases(_binary(base_w.src_dir), _binary(head_w.src_dir), arch, rows,
-                                   GATE_CASES, policy.sass_extra_cases)
+                                   head_w.bwd_configs, GATE_CASES, policy.sass_extra_cases)
     except (ToolError, OSError, ValueError) as exc:
         none.note = f"not run: {exc}"
         return none
@@ -259,18 +259,21 @@ def sass_extras(base_w: Worker, head_w: Worker, rows: list[coverage.Row], policy
     return sel
 
 
-def measurable_names(cases: list[Case], rows: list[coverage.Row], arch: str) -> set[str]:
+def measurable_names(cases: list[Case], rows: list[coverage.Row], bwd_configs: list[str],
+                     arch: str) -> set[str]:
     """Every case name the gate can measure with this head: its cases and the case it would
-    add for any kernel of the dispatch table (what an accept entry may name)."""
+    add for any kernel of the dispatch table or the backward (what an accept entry may
+    name)."""
     sm90 = arch == "90"
     kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
-    made = (coverage.case_for_kernel(k, rows, sm90) for k in kernels)
+    made = [coverage.case_for_kernel(k, rows, sm90) for k in kernels]
+    made += [coverage.case_for_bwd_kernel(k, bwd_configs) for k in bwd_configs]
     return {c.name for c in cases} | {c.name for c in made if c is not None}
 
 
 def _tflops(case: Case | None, ms: float) -> float | None:
-    """The head's TFLOP/s on a case (its visible pairs counted under a window), None without a
-    time."""
+    """The head's TFLOP/s on a case (its visible pairs counted under a window, a backward as
+    2.5 forwards: Case.flops), None without a time."""
     if case is None or not ms > 0:
         return None
     return case.flops() / ms / 1e9
@@ -303,9 +306,12 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             selection = sass_extras(base_w, head_w, rows, policy, arch)
             meta["sass"] = selection.as_dict()
             cases += selection.cases
-            accept.check_cases(entries, measurable_names(cases, rows, arch), accept_path)
+            accept.check_cases(entries, measurable_names(cases, rows, head_w.bwd_configs, arch),
+                               accept_path)
             meta["cases"] = len(cases)
-            kernels = {c.name: coverage.route(c, rows, arch == "90") for c in cases}
+            kernels = {c.name: " + ".join(coverage.kernels_run(c, rows, head_w.bwd_configs,
+                                                               arch == "90")) or None
+                       for c in cases}
             meta["alpha_per_look"] = policy.alpha_per_look(len(cases))
             results = compare(base_w, head_w, cases, policy, len(cases))
     except WorkerError as exc:
@@ -320,7 +326,8 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
         r.why = why.get(r.case, "")
     meta["accept_unused"] = accept.apply(results, entries)
     rows_out = [{**r.as_dict(), "head_tflops": _tflops(by_name.get(r.case), r.head_ms),
-                 "kernel": kernels.get(r.case)} for r in results]  # the head's dispatch table
+                 "kernel": kernels.get(r.case)}  # what the head runs: its dispatch, its backward
+                for r in results]
     if results and all(r.verdict == "new" for r in results):  # nothing was compared
         meta["error"] = ("the base could run none of the gate's cases; first error: "
                          f"{results[0].note}")

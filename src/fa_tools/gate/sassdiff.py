@@ -1,7 +1,9 @@
 """Cases for the kernels a pull request changed: the SASS of every kernel in the base's and the
 head's extension, compared for the GPU the gate runs on; each kernel whose code differs and
-that no gate case runs gets a case dispatch runs it for (coverage.case_for_kernel), the kernels
-with the most changed instructions first, up to the policy's `sass_extra_cases`.
+that no gate case runs gets a case dispatch runs it for (coverage.case_for_kernel; for a
+backward kernel, `bwd_*`, a backward case the operator runs it for:
+coverage.case_for_bwd_kernel), the kernels with the most changed instructions first, up to the
+policy's `sass_extra_cases`.
 
 The code compared is the bytes of each kernel's .text sections in its cubin (cuobjdump
 extracts the cubins; no disassembly): one SASS instruction is 16 bytes from sm_70 on, so two
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from ..analysis.kernel_names import short_of
 from ..gpu.perfcases import Case
-from .coverage import Row, case_for_kernel, route
+from .coverage import Row, case_for_bwd_kernel, case_for_kernel, kernels_run
 
 INSTRUCTION_BYTES = 16  # sm_70 and later
 
@@ -119,14 +121,16 @@ class Selection:
         return asdict(self)
 
 
-def select(changes: Sequence[KernelChange], rows: Sequence[Row], sm90: bool,
-           gate_cases: Sequence[Case], cap: int, compared: int = 0) -> Selection:
+def select(changes: Sequence[KernelChange], rows: Sequence[Row], bwd_configs: Sequence[str],
+           sm90: bool, gate_cases: Sequence[Case], cap: int, compared: int = 0) -> Selection:
     """The extra cases for the changed kernels, in the order given (most changed first): none
-    for a kernel a gate case runs (or an extra chosen before), none for one no dispatch row
-    runs on this GPU, at most `cap`."""
-    runs = {}
+    for a kernel a gate case runs (or an extra chosen before; coverage.kernels_run, the
+    backward's helpers included), none for one no dispatch row runs on this GPU or the
+    backward operator never picks among bwd_configs, at most `cap`."""
+    runs: dict[str, str] = {}
     for c in gate_cases:
-        runs.setdefault(route(c, rows, sm90), c.name)
+        for kernel in kernels_run(c, rows, bwd_configs, sm90):
+            runs.setdefault(kernel, c.name)
     sel = Selection([], [], [], compared)
     for ch in changes:
         if ch.kernel in runs:
@@ -134,13 +138,14 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], sm90: bool,
                                 "why": f"{ch.describe()}; measured by {runs[ch.kernel]}"})
             continue
         if ch.kernel.startswith("bwd_"):
-            sel.skipped.append({"kernel": ch.kernel, "why": f"{ch.describe()}; a backward "
-                                "kernel: the A/B gate has no backward cases yet"})
-            continue
-        case = case_for_kernel(ch.kernel, rows, sm90)
+            case = case_for_bwd_kernel(ch.kernel, bwd_configs)
+            unrun = "the backward operator picks another kernel for its calls (a kernel of a " \
+                    "test set)"
+        else:
+            case = case_for_kernel(ch.kernel, rows, sm90)
+            unrun = "no dispatch row runs it on this GPU (a kernel of a test set, not dispatched)"
         if case is None:
-            sel.skipped.append({"kernel": ch.kernel, "why": f"{ch.describe()}; no dispatch row "
-                                "runs it on this GPU (a kernel of a test set, not dispatched)"})
+            sel.skipped.append({"kernel": ch.kernel, "why": f"{ch.describe()}; {unrun}"})
         elif len(sel.added) >= cap:
             sel.skipped.append({"kernel": ch.kernel, "why": f"{ch.describe()}; over the policy's "
                                 f"cap of {cap} extra cases"})
@@ -152,14 +157,16 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], sm90: bool,
 
 
 def extra_cases(base_binary: Path, head_binary: Path, gpu_arch: str, rows: Sequence[Row],
-                gate_cases: Sequence[Case], cap: int) -> Selection:
-    """select() on the two extensions' SASS for this GPU (gpu_arch "90", "80", ...)."""
+                bwd_configs: Sequence[str], gate_cases: Sequence[Case], cap: int) -> Selection:
+    """select() on the two extensions' SASS for this GPU (gpu_arch "90", "80", ...); rows and
+    bwd_configs: the head's dispatch rows and backward kernels."""
     base = kernel_code(base_binary, gpu_arch)
     head = kernel_code(head_binary, gpu_arch)
     if not head:
         return Selection([], [], [], note=f"the head's extension has no sm_{gpu_arch} code")
     changes = changed_kernels(base, head)
-    sel = select(changes, rows, gpu_arch == "90", gate_cases, cap, compared=len(head))
+    sel = select(changes, rows, bwd_configs, gpu_arch == "90", gate_cases, cap,
+                 compared=len(head))
     if not changes:
         sel.note = f"no kernel's sm_{gpu_arch} SASS differs ({len(head)} compared)"
     return sel

@@ -4,8 +4,10 @@ reply per line on stdout, so the A/B gate pays the torch import once per side an
 rounds between two live workers. Each request gets new inputs at a new place in device memory
 (see fresh_inputs).
 
-    hello:    {"ok": true, "module": ..., "configs": [short forms], "gpu": ...,
-               "energy": gpu.energy.Granularity as a dict (the counter polled for 200 ms)}
+    hello:    {"ok": true, "module": ..., "configs": [short forms],
+               "bwd_configs": [backward short forms; none in a build from before them],
+               "gpu": ..., "energy": gpu.energy.Granularity as a dict (the counter polled for
+               200 ms)}
     request:  {"case": Case dict, "reps": 10, "slowdown": 0.0, "warm_ms": 100.0}
     reply:    {"ok": true, "results": {contender: median ms, ...}}  or  {"ok": false, ...}
 
@@ -46,6 +48,7 @@ def main() -> int:
         counter, why = energy.open_counter()  # None (with why) where NVML cannot be read
         hello = {"ok": True, "module": fa.__file__,
                  "configs": [c.short for c in fa.available_configs()],
+                 "bwd_configs": backward_configs(),  # the extension is loaded by now
                  "gpu": torch.cuda.get_device_name(),
                  "energy": energy.granularity(counter, why).as_dict()}
     except Exception as exc:  # report, do not die silently
@@ -76,6 +79,18 @@ def main() -> int:
         out.write(json.dumps(reply) + "\n")
         out.flush()
     return 0
+
+
+def backward_configs() -> list[str]:
+    """The backward kernels of the imported build (short forms), as its operator lists them;
+    none for a build from before the backward."""
+    import torch
+
+    try:
+        names = torch.ops.flash_attention.bwd_kernels()
+    except (AttributeError, RuntimeError):  # no such operator in this build
+        return []
+    return [n for n in names.split(",") if n]
 
 
 def fresh_inputs(case, placement: random.Random) -> tuple:

@@ -1,6 +1,9 @@
 """The performance cases the gate and asv measure, and measuring them in one process: every
-case is timed for attention() (dispatched config) and for PyTorch SDPA's FA2 backend on the same
-inputs, with CUDA events (flash_attention.timing)."""
+case is timed for ours and for PyTorch SDPA's FA2 backend on the same inputs, with CUDA events
+(flash_attention.timing). What a case times is its kind: the forward (attention()), the backward
+(the flash_attention::bwd operator on the forward's saved out and LSE; SDPA's backward through
+autograd with its graph kept) or a training step (forward and autograd backward, a new graph
+per call, for both)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,13 @@ from dataclasses import asdict, dataclass, field
 
 # (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
+
+# What a case times: the forward, the backward alone (on the forward's saved out and LSE), or
+# forward + backward as a training step does them.
+KINDS = ("fwd", "bwd", "fwdbwd")
+# FLOPs of each kind in forwards: the backward counts 2.5 forwards (FlashAttention's benchmark
+# convention; DESIGN.md), a training step both.
+FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,8 @@ class Case:
     softcap: float = 0.0
     kv_heads: int | None = None  # GQA: fewer K/V heads than query heads
     seqlen_k: int | None = None  # keys per sequence when not seqlen
+    kind: str = "fwd"  # one of KINDS
+    deterministic: bool = False  # the backward adds dQ in a fixed order (bwd, fwdbwd only)
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -36,6 +48,12 @@ class Case:
             raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
         if self.varlen and (self.seqlen_k is not None or self.kv_heads is not None):
             raise ValueError("a varlen case has seqlen_k = seqlen and all K/V heads")
+        if self.kind not in KINDS:
+            raise ValueError(f"case kind must be one of {KINDS}, got {self.kind!r}")
+        if self.deterministic and not self.times_backward:
+            raise ValueError("deterministic is an option of the backward: a bwd or fwdbwd case")
+        if self.varlen and self.times_backward:
+            raise ValueError("backward cases are fixed-length (no varlen backward timing yet)")
 
     @property
     def name(self) -> str:
@@ -47,7 +65,19 @@ class Case:
                 + (f"_kv{self.kv_heads}" if self.kv_heads is not None else "")
                 + (f"_w{side(self.window[0])}_{side(self.window[1])}" if self.window else "")
                 + (f"_cap{self.softcap:g}" if self.softcap else "")
-                + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else ""))
+                + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else "")
+                + ("_det" if self.deterministic else "")
+                + ("" if self.kind == "fwd" else f"_{self.kind}"))
+
+    @property
+    def times_forward(self) -> bool:
+        """Whether the timed calls run the forward (fwd, fwdbwd)."""
+        return self.kind in ("fwd", "fwdbwd")
+
+    @property
+    def times_backward(self) -> bool:
+        """Whether the timed calls run the backward (bwd, fwdbwd)."""
+        return self.kind in ("bwd", "fwdbwd")
 
     @property
     def keys(self) -> int:
@@ -60,7 +90,10 @@ class Case:
     def options(self) -> dict:
         """attention()'s keyword arguments beyond q, k, v: only those that differ from the
         defaults, so a base from before an option existed still runs the cases without it."""
-        return _attention_options(self.causal, self.window, self.softcap)
+        opts = _attention_options(self.causal, self.window, self.softcap)
+        if self.deterministic:
+            opts["deterministic"] = True
+        return opts
 
     def peer_note(self) -> str:
         """Why SDPA cannot be the peer of this case ("" when it can)."""
@@ -68,18 +101,23 @@ class Case:
             return "SDPA has no softcap"
         if self.window is not None:
             return "SDPA has no sliding window"
+        if self.deterministic:
+            return "SDPA's backward as called here is not deterministic"
         return ""
 
     def flops(self) -> float:
-        """Forward FLOPs of one call, the visible (query, key) pairs counted under a window
-        (flash_attention.timing.attention_flops); a varlen batch sums its sequences."""
+        """FLOPs of one call: the forward's, the visible (query, key) pairs counted under a
+        window (flash_attention.timing.attention_flops), a varlen batch summing its sequences,
+        times FLOPS_PER_FORWARD of the case's kind."""
         from flash_attention.timing import attention_flops
 
         if self.varlen:
-            return sum(attention_flops(1, self.heads, n, n, self.d_head, self.causal,
-                                       self.window) for n in varlen_lengths(self))
-        return attention_flops(self.batch, self.heads, self.seqlen, self.keys, self.d_head,
-                               self.causal, self.window)
+            forward = sum(attention_flops(1, self.heads, n, n, self.d_head, self.causal,
+                                          self.window) for n in varlen_lengths(self))
+        else:
+            forward = attention_flops(self.batch, self.heads, self.seqlen, self.keys,
+                                      self.d_head, self.causal, self.window)
+        return FLOPS_PER_FORWARD[self.kind] * forward
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,12 +133,12 @@ def varlen_lengths(case: Case) -> list[int]:
     return [case.seqlen, *lengths]
 
 
-# The perf gate's cases: at least one per kind of kernel the dispatch tables run on an sm_90
-# GPU (every tile of the Hopper table, ignoring dtype; the sm80-family softcap kernels with and
-# without masks; the sm80-family varlen fallback), and each call feature: causal, sliding
+# The perf gate's forward cases: at least one per kind of kernel the dispatch tables run on an
+# sm_90 GPU (every tile of the Hopper table, ignoring dtype; the sm80-family softcap kernels with
+# and without masks; the sm80-family varlen fallback), and each call feature: causal, sliding
 # windows, softcap, GQA, seqlen_q != seqlen_k, short sequences, both dtypes, d_head 64, 128
 # and the 160-256 range (tests/test_gate_coverage.py checks it against dispatch). 16 heads.
-GATE_CASES = tuple([
+FWD_GATE_CASES = tuple([
     # no mask: d_head 128 over the three Hopper rows (<= 512, <= 2048, longer), both dtypes;
     # 4 x 16384 is the power study's case (its plants come in the finest steps)
     Case("bf16", 128, 64, 512),
@@ -125,6 +163,33 @@ GATE_CASES = tuple([
     # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
 ])
+# The gate's backward cases (sm80-family backward, every GPU): each kernel of the `default`
+# backward set, dtype aside (d_head 64, 128, 256, with and without a softcap; the preprocess
+# and dQ conversion of both dtypes run with them), and each feature of the backward's calls:
+# causal, GQA (dK and dV summed over the group), a sliding window, deterministic dQ, and a
+# training step (forward + autograd backward). 16 heads, 16384 tokens: 3-9 ms a call on an
+# H100 at the 150-300 TFLOP/s the first backward measured there (estimated, to be measured).
+# 4 of the 8 cases have an SDPA FA2 peer (not the softcap and deterministic ones): 12 timed
+# contenders at about 5.3 s each per gate run (the forward's 31 in its 185 s A/A run, less
+# about 20 s of start-up), about 65 s more per gate run (estimated, to be measured)
+# (tests/test_gate_coverage.py checks the kernels against the backward's selection).
+BWD_GATE_CASES = tuple([
+    # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
+    # d_head 256
+    Case("bf16", 128, 4, 4096, causal=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, kv_heads=4, kind="bwd"),
+    Case("bf16", 256, 2, 4096, kind="bwd"),
+    # softcap (no SDPA peer): d_head 128; d_head 64 under a sliding window; d_head 256 causal
+    # with softcap 50 (Gemma-2's attention)
+    Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
+    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
+    Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
+    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128
+    Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
+    # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
+    Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
+])
+GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
@@ -310,22 +375,101 @@ def _sdpa_peer(backend, qt, kt, vt, causal: bool, expand: bool = False):
     from torch.nn.attention import sdpa_kernel
 
     groups = qt.shape[1] // kt.shape[1]
-    extra: dict = {}
+    extra = _sdpa_mask(qt, kt, causal)
     if groups > 1 and expand:
         kt, vt = (t.repeat_interleave(groups, dim=1) for t in (kt, vt))
     elif groups > 1:
         extra["enable_gqa"] = True
-    if causal and qt.shape[2] != kt.shape[2]:
-        from torch.nn.attention.bias import causal_lower_right
-
-        extra["attn_mask"] = causal_lower_right(qt.shape[2], kt.shape[2])
-    else:
-        extra["is_causal"] = causal
 
     def peer():
         with sdpa_kernel([backend]):
             return F.scaled_dot_product_attention(qt, kt, vt, **extra)
     return peer
+
+
+def _sdpa_mask(qt, kt, causal: bool) -> dict:
+    """SDPA's mask arguments for ours' causal on (B, H, S, D) tensors: a lower-right causal
+    bias when there are fewer queries than keys (ours aligns bottom-right), else is_causal."""
+    if causal and qt.shape[2] != kt.shape[2]:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return {"attn_mask": causal_lower_right(qt.shape[2], kt.shape[2])}
+    return {"is_causal": causal}
+
+
+def _sdpa_training_peer(backend, case: Case, qt, kt, vt, dout_t, expand: bool):
+    """SDPA restricted to one backend, timing what the case times on (B, H, S, D) leaves that
+    require grad: the backward (autograd.grad on a graph made once and kept) or a training
+    step (forward and autograd.grad, a new graph per call). K/V heads are shared through
+    enable_gqa, or (expand) repeated to every query head inside the graph, so their gradients
+    sum over the group as ours do."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    groups = qt.shape[1] // kt.shape[1]
+    extra = _sdpa_mask(qt, kt, case.causal)
+    if groups > 1 and not expand:
+        extra["enable_gqa"] = True
+
+    def forward():
+        k, v = kt, vt
+        if groups > 1 and expand:
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (kt, vt))
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, k, v, **extra)
+
+    leaves = (qt, kt, vt)
+    if case.kind == "bwd":
+        out = forward()
+        return lambda: torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
+    return lambda: torch.autograd.grad(forward(), leaves, dout_t)
+
+
+def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
+    """Zero-argument callables, one per contender, timing a bwd or fwdbwd case on the same
+    inputs; each returns the gradients (dq, dk, dv). Ours: for bwd, the flash_attention::bwd
+    operator on the out and LSE of one attention() call made here (the forward's saved
+    tensors), called as the autograd formula calls it; for fwdbwd, attention() on q, k, v that
+    require grad and autograd.grad. The SDPA peers: _sdpa_training_peer on the (B, H, S, D)
+    views of the same tensors; a backend that cannot run the case is left out, and so is SDPA
+    for a case it has no counterpart of (Case.peer_note)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    import flash_attention as fa
+
+    if case.kind not in ("bwd", "fwdbwd"):
+        raise ValueError(f"{case.name}: training_contenders times bwd and fwdbwd cases")
+    if case.peer_note():
+        names = tuple(n for n in names if n == "ours")
+    q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.dout
+    opts = case.options()
+    fns = {}
+    if "ours" in names and case.kind == "bwd":
+        out, lse = fa.attention(q, k, v, return_lse=True, **opts)
+        left, right = case.window or (-1, -1)
+        bwd = torch.ops.flash_attention.bwd.default
+        fns["ours"] = lambda: bwd(dout, q, k, v, out, lse, None, None, None, 0, 0, None,
+                                  case.causal, left, right, case.softcap, case.deterministic,
+                                  "")
+    elif "ours" in names:
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        fns["ours"] = lambda: torch.autograd.grad(fa.attention(*leaves, **opts), leaves, dout)
+    backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    dout_t = dout.transpose(1, 2)
+    for name in (n for n in names if n in backends):
+        for expand in (False, True) if k.shape[2] != q.shape[2] else (False,):
+            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+            try:
+                peer = _sdpa_training_peer(backends[name], case, qt, kt, vt, dout_t, expand)
+                peer()
+            except (RuntimeError, TypeError, ImportError):  # TypeError: no enable_gqa
+                continue
+            fns[name] = peer
+            break
+    return fns
 
 
 def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False,
@@ -374,13 +518,15 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False
 class Inputs:
     """Random q, k, v of a case (BSHD) and the output buffer attention() writes into; for a
     varlen case q, k, v are packed (total, H, D), and `varlen` holds cu_seqlens, the longest
-    length and the same tokens padded to it (B, S, H, D) for the peers."""
+    length and the same tokens padded to it (B, S, H, D) for the peers. A case that times the
+    backward also gets a random output gradient `dout` (like q)."""
 
     q: object
     k: object
     v: object
     out: object
     varlen: tuple | None = None
+    dout: object = None
     last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
     planted: dict = field(default_factory=dict)  # {fraction: (k, v)}, planted_attention
 
@@ -393,6 +539,8 @@ class Inputs:
                         dtype=dtype)
         k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device="cuda",
                             dtype=dtype) for _ in range(2))
+        if case.times_backward:  # fixed-length (Case refuses varlen backward cases)
+            return cls(q, k, v, torch.empty_like(q), dout=torch.randn_like(q))
         if not case.varlen:
             return cls(q, k, v, torch.empty_like(q))
         lengths = varlen_lengths(case)
@@ -428,9 +576,9 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
 
     import flash_attention as fa
 
-    if case.varlen or case.window is not None:
-        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length cases without a "
-                         "window (keys added under a window add no work)")
+    if case.varlen or case.window is not None or case.kind != "fwd":
+        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length forward cases "
+                         "without a window (keys added under a window add no work)")
     if fraction not in inputs.planted:  # made once per request's inputs, kept with them
         shape = (case.batch, case.keys + planted_keys(case, fraction), case.kv, case.d_head)
         k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(2))
@@ -443,9 +591,11 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
 def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ours", "sdpa_fa2"),
                  reps: int = 10, warmup: int = 3, slowdown: float = 0.0, warm_ms: float = 0.0,
                  energy=None) -> dict[str, float]:
-    """{contender: median ms over reps calls} of one case; raises on any failure (a broken
-    benchmark must never look like a slow one). SDPA is left out of a case it has no feature
-    for (Case.peer_note: a window, a softcap); any other contender that cannot run raises.
+    """{contender: median ms over reps calls} of one case (of any kind: contenders for the
+    forward, training_contenders for the backward and the training step); raises on any failure
+    (a broken benchmark must never look like a slow one). SDPA is left out of a case it has no
+    counterpart of (Case.peer_note: a window, a softcap, a deterministic backward); any other
+    contender that cannot run raises.
     warm_ms > 0: each contender's timed calls follow about warm_ms of its own calls queued back
     to back (time_sustained_ms: the steady state under the power limit), and the reply also
     holds, per contender, the SM cycles per call over the timed calls ("<name>_mcycles",
@@ -459,17 +609,23 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
 
     if case.peer_note():
         contenders_ = tuple(n for n in contenders_ if n == "ours")
-    fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
-                     causal=case.causal, varlen=inputs.varlen, window=case.window,
-                     softcap=case.softcap)
+    if case.kind == "fwd":
+        fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
+                         causal=case.causal, varlen=inputs.varlen, window=case.window,
+                         softcap=case.softcap)
+    else:
+        fns = training_contenders(case, inputs, contenders_)
     missing = set(contenders_) - set(fns)
     if missing:
         raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
-    inputs.out.fill_(float("nan"))
-    result = fns["ours"]()
-    out = inputs.out if inputs.varlen is None else result  # varlen returns its output
-    if not torch.isfinite(out).all():
-        raise RuntimeError(f"{case.name}: attention() produced non-finite values")
+    if case.kind == "fwd":
+        inputs.out.fill_(float("nan"))
+        result = fns["ours"]()
+        out = inputs.out if inputs.varlen is None else result  # varlen returns its output
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"{case.name}: attention() produced non-finite values")
+    elif not all(torch.isfinite(g).all() for g in fns["ours"]()):
+        raise RuntimeError(f"{case.name}: the backward produced non-finite gradients")
     if slowdown > 0:
         fns["ours"] = planted_attention(case, inputs, slowdown)
     result: dict[str, float] = {}

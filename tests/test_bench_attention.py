@@ -1,0 +1,99 @@
+"""benchmarks/bench_attention.py's backward and training-step benchmarks without a GPU: their
+parameter lists against the cases measured, the tracks asv records from a measured cache, and
+skipping (no GPU, no backward kernel, a peer that cannot run a case)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_attention():
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", ROOT / "benchmarks" / "bench_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ba = _bench_attention()
+GRAD_CLASSES = (ba.Backward, ba.TrainingStep)
+
+
+def _cache(skipped: dict[str, str] | None = None):
+    """A measured cache of every backward case: ours 2 ms, SDPA FA2 2.5, cuDNN 1.6 (cuDNN
+    absent on d_head 64, as a peer that cannot run a case)."""
+    measured = {c.name: {"ours": 2.0, "sdpa_fa2": 2.5,
+                         **({"sdpa_cudnn": 1.6} if c.d_head == 128 else {})}
+                for c in ba.BWD_CASES if c.name not in (skipped or {})}
+    return ba.Measured(measured, skipped or {})
+
+
+def _run(cls, cache) -> dict[tuple, dict[str, float]]:
+    """Every parameter combination as asv runs it: setup (NotImplementedError: skipped), then
+    each track_* method."""
+    methods = [m for m in dir(cls) if m.startswith("track_")]
+    out = {}
+    for params in itertools.product(*cls.params):
+        bench = cls()
+        try:
+            bench.setup(cache, *params)
+        except NotImplementedError:
+            continue
+        out[params] = {m: getattr(bench, m)(cache, *params) for m in methods}
+    return out
+
+
+def test_every_parameter_combination_is_a_measured_case_and_back():
+    for cls in GRAD_CLASSES:
+        assert cls.param_names == ["dtype", "d_head", "mask", "batch_x_seq"]
+        combos = list(itertools.product(*cls.params))
+        assert len(combos) == len(ba.BWD_CASES) == len({c.name for c in ba.BWD_CASES})
+        assert len(_run(cls, _cache())) == len(combos), "every combination finds its case"
+    assert {c.causal for c in ba.BWD_CASES} == {False, True}
+    assert {c.d_head for c in ba.BWD_CASES} == {64, 128}
+
+
+def test_tracks_are_the_times_and_their_ratios_in_the_same_run():
+    got = _run(ba.Backward, _cache())
+    d128 = got[("bf16", 128, "causal", "16x4096")]
+    assert d128["track_ours_ms"] == 2.0 and d128["track_sdpa_fa2_ms"] == 2.5
+    assert d128["track_ratio_to_sdpa_fa2"] == pytest.approx(0.8)
+    assert d128["track_ratio_to_sdpa_cudnn"] == pytest.approx(1.25)
+    d64 = got[("fp16", 64, "full", "4x16384")]
+    assert math.isnan(d64["track_sdpa_cudnn_ms"]) and math.isnan(
+        d64["track_ratio_to_sdpa_cudnn"]), "a peer that could not run: nan, not a number"
+
+
+def test_cases_without_a_backward_kernel_or_gpu_are_skipped_with_the_reason():
+    name = ba.Case("fp16", 64, 16, 1024).name
+    cache = _cache({name: "this build has no fp16 backward kernel for d_head 64"})
+    for cls in GRAD_CLASSES:
+        assert ("fp16", 64, "full", "16x1024") not in _run(cls, cache)
+        with pytest.raises(NotImplementedError, match="no fp16 backward kernel"):
+            cls().setup(cache, "fp16", 64, "full", "16x1024")
+        no_gpu = {"skip": "no CUDA GPU: timings skipped"}
+        assert _run(cls, no_gpu) == {}
+    assert ba.TrainingStep.setup_cache is not ba.Backward.setup_cache, "each measures its kind"
+
+
+@pytest.mark.gpu
+def test_grad_contenders_give_the_gradients_of_one_problem(require_extension):
+    import torch
+
+    q, k, v, dout = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    for kind in ("bwd", "fwdbwd"):
+        fns = ba.grad_contenders(q, k, v, dout, kind, causal=True)
+        ref = fns["ours"]()
+        for name, fn in fns.items():
+            for g, r in zip(fn(), ref):
+                g = g.transpose(1, 2) if name != "ours" else g
+                err = ((g.float() - r.float()).norm() / r.float().norm()).item()
+                assert err < 2e-2, (kind, name)
