@@ -123,10 +123,11 @@ ATTENTIONS = {"flash_attention": flash_attention_forward, "reference": reference
 
 
 def register(kind: str, fn=None) -> str:
-    """Register the attention under test with transformers; returns its implementation name."""
+    """Register the attention under test with transformers; returns its implementation name
+    (a function given in place of kind's gets a name of its own)."""
     from transformers import AttentionInterface
 
-    name = ATTENTION_NAMES.get(kind, kind)
+    name = ATTENTION_NAMES[kind] + ("" if fn is None else "_replaced")
     AttentionInterface.register(name, fn or ATTENTIONS[kind])
     return name
 
