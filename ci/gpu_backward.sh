@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the backward kernels with the forward kernels its tests need, then run the backward GPU
-# tests (and, with BENCH=1, the backward timing against SDPA). Logs go to $OUT (or ./out).
+# tests (and, with BENCH=1, the backward timing against SDPA; with LLAMA=1, the Hugging Face
+# Llama training client against SDPA, which needs transformers: ci/llama_train_client.py).
+# Logs go to $OUT (or ./out).
 #   BWD=default FWD_D="32 64 96 128 160 192 256" ci/gpu_backward.sh [pytest args...]
 set -uo pipefail
 out=${OUT:-out}
@@ -44,4 +46,10 @@ fi
 if [ "${BENCH:-0}" = 1 ]; then
     PYTHONPATH=src python3 studies/backward_bench.py 2>&1 | tee "$out/bench.log"
 fi
-exit $rc
+if [ "${LLAMA:-0}" = 1 ]; then
+    python3 ci/llama_train_client.py --json "$out/llama.json" 2>&1 | tee "$out/llama.log"
+    llama_rc=${PIPESTATUS[0]}
+    echo "llama client: exit $llama_rc"
+    [ "$llama_rc" = 0 ] || rc=$llama_rc
+fi
+exit "$rc"

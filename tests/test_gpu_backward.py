@@ -3,9 +3,20 @@ against the gradient of the fp32 reference is at most 2x that of the same refere
 in the inputs' dtype (plus a tiny floor). Over odd (seqlen_q, seqlen_k) pairs, every d_head
 variant and ones between, MHA/GQA/MQA, causal, sliding windows, softcap, rows that see no key,
 strided layouts and packed inputs; determinism; autograd through flash_attn_func,
-torch.compile and opcheck."""
+torch.compile and opcheck.
+
+FlashAttention's own backward grid (flash_attn's test_flash_attn_output: its (seqlen_q,
+seqlen_k) pairs, d_head 32-256 (the multiples of 8 of its list: 59 and 111 are not valid here),
+9 query heads over 9/3/1 KV heads, causal, random local windows, softcap 50, fp16/bf16, packed
+q/kv, varlen with sequences of length 0 and 1): by default (and in the gate) a covering sample:
+every (seqlen_q, seqlen_k) with every d_head, the other options rotating so that each of their
+combinations appears; FA_TEST_GRID=full runs the whole cross product (about 5,300 cases)."""
 
 from __future__ import annotations
+
+import itertools
+import os
+import random
 
 import pytest
 import torch
@@ -13,6 +24,7 @@ import torch
 import flash_attention as fa
 from flash_attention.interface import (
     flash_attn_func,
+    flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
 )
@@ -255,14 +267,10 @@ def test_cuda_graph_captures_a_training_step(require_extension):
                     causal=True)
 
 
-@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))])
-def test_varlen(require_extension, causal, window):
-    """Packed sequences of lengths 0 and 1 among others: each sequence's gradients against the
-    reference of that sequence alone; sequences without keys give dq 0, without queries dk and
-    dv 0."""
-    torch.manual_seed(12)
-    lens_q, lens_k = [0, 1, 130, 64, 257, 3], [5, 1, 200, 0, 257, 1]
-    heads, kv_heads, d, dtype = 4, 2, 64, torch.bfloat16
+def varlen_case(lens_q, lens_k, heads, kv_heads, d, dtype, seed=12, **features):
+    """Packed sequences: each sequence's gradients against the reference of that sequence
+    alone; sequences without keys give dq 0, without queries dk and dv 0."""
+    torch.manual_seed(seed)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32,
                         device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32,
@@ -271,8 +279,7 @@ def test_varlen(require_extension, causal, window):
     k = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(sum(lens_k), kv_heads, d, device="cuda", dtype=dtype, requires_grad=True)
     dout = torch.randn_like(q)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                 window_size=window)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **features)
     out.backward(dout)
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         sq, sk = slice(cu_q[b].item(), cu_q[b + 1].item()), slice(cu_k[b].item(),
@@ -282,8 +289,15 @@ def test_varlen(require_extension, causal, window):
             assert all(torch.count_nonzero(g) == 0 for g in grads), f"sequence {b}"
             continue
         check_grads([g[None] for g in grads], q.detach()[sq][None], k.detach()[sk][None],
-                    v.detach()[sk][None], dout[sq][None], what=f"varlen sequence {b}",
-                    causal=causal, window_size=window)
+                    v.detach()[sk][None], dout[sq][None],
+                    what=f"varlen sequence {b} ({lq}, {lk}) {features}", **features)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (40, 7))])
+def test_varlen(require_extension, causal, window):
+    """Packed sequences of lengths 0 and 1 among others."""
+    varlen_case([0, 1, 130, 64, 257, 3], [5, 1, 200, 0, 257, 1], 4, 2, 64, torch.bfloat16,
+                causal=causal, window_size=window)
 
 
 def test_varlen_backward_checks_cu_seqlens_values(require_extension):
@@ -369,3 +383,108 @@ def test_varlen_deterministic_is_bitwise_reproducible(require_extension, d, max_
     _, (atomic,) = varlen_grads(lens_q, lens_k, 8, 2, d, deterministic=False,
                                 max_slack=max_slack, **features)
     check_varlen_sequences(atomic, inputs, "atomic order", **features)
+
+
+# ---- FlashAttention's backward grid -----------------------------------------------------------
+
+FULL_GRID = os.environ.get("FA_TEST_GRID") == "full"
+FA_SHAPES = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256),
+             (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048), (1, 239)]
+FA_D_HEADS = [32, 40, 64, 80, 96, 128, 160, 192, 224, 256]
+FA_HEADS = [(9, 9), (9, 3), (9, 1)]  # MHA, GQA, MQA
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# (query heads, kv heads), causal, local window, softcap, dtype
+FA_OPTIONS = list(itertools.product(FA_HEADS, (False, True), (False, True), (0.0, 50.0),
+                                    sorted(DTYPES)))
+
+
+def rotate(cases, options):
+    """Every case with every option (FA_TEST_GRID=full), or each case with one option, the
+    option advancing by 7 (coprime with the option count) from one case to the next, so that
+    consecutive cases differ in every option and every option comes round."""
+    if FULL_GRID:
+        return [(*case, *option) for case in cases for option in options]
+    return [(*case, *options[(7 * i) % len(options)]) for i, case in enumerate(cases)]
+
+
+def features_of(causal, local, softcap, seqlen_k, seed):
+    """FlashAttention's local windows: (left, right) random in [0, seqlen_k)."""
+    features = {"causal": causal, "softcap": softcap}
+    if local:
+        rng = random.Random(seed)
+        features["window_size"] = (rng.randrange(seqlen_k), rng.randrange(seqlen_k))
+    return features
+
+
+def fa_case_id(case):
+    (sq, sk), d, (h, hk), causal, local, softcap, dtype = case
+    return (f"{sq}x{sk}-d{d}-h{h}k{hk}{'-causal' if causal else ''}{'-local' if local else ''}"
+            f"{'-softcap' if softcap else ''}-{dtype}")
+
+
+FA_GRID = rotate([(shape, d) for d in FA_D_HEADS for shape in FA_SHAPES], FA_OPTIONS)
+
+
+@pytest.mark.parametrize("grid_case", FA_GRID, ids=fa_case_id)
+def test_fa_grid(require_extension, grid_case):
+    (sq, sk), d, (heads, kv_heads), causal, local, softcap, dtype = grid_case
+    batch = 1 if sq * sk >= 1024 * 1024 else 2
+    case_features = features_of(causal, local, softcap, sk, seed=sq * 7919 + sk * 31 + d)
+    case(batch, sq, sk, heads, kv_heads, d, DTYPES[dtype], **case_features)
+
+
+FA_PACKED = rotate([(kind, d) for kind in ("qkv", "kv") for d in FA_D_HEADS],
+                   list(itertools.product((False, True), (0.0, 50.0), sorted(DTYPES))))
+
+
+@pytest.mark.parametrize("kind, d, causal, softcap, dtype", FA_PACKED)
+def test_fa_grid_packed(require_extension, kind, d, causal, softcap, dtype):
+    """flash_attn_qkvpacked_func (MHA, seqlen_q = seqlen_k) and flash_attn_kvpacked_func
+    (GQA, seqlen_q != seqlen_k): gradients of the packed tensors are those of q, k, v."""
+    torch.manual_seed(d)
+    dt = DTYPES[dtype]
+    if kind == "qkv":
+        packed = torch.randn(2, 239, 3, 6, d, device="cuda", dtype=dt, requires_grad=True)
+        dout = torch.randn(2, 239, 6, d, device="cuda", dtype=dt)
+        flash_attn_qkvpacked_func(packed, causal=causal, softcap=softcap).backward(dout)
+        q, k, v = packed.detach().unbind(2)
+        grads = packed.grad.unbind(2)
+    else:
+        q = torch.randn(2, 113, 6, d, device="cuda", dtype=dt, requires_grad=True)
+        packed = torch.randn(2, 203, 2, 2, d, device="cuda", dtype=dt, requires_grad=True)
+        dout = torch.randn_like(q)
+        flash_attn_kvpacked_func(q, packed, causal=causal, softcap=softcap).backward(dout)
+        k, v = packed.detach().unbind(2)
+        grads = (q.grad, *packed.grad.unbind(2))
+        q = q.detach()
+    check_grads(grads, q, k, v, dout, what=f"{kind}packed d{d}", causal=causal,
+                softcap=softcap)
+
+
+def fa_varlen_lengths(seed, max_len, batch=7):
+    """Random sequence lengths in [0, max_len] with one sequence of length 0 and one of 1 on
+    each side (query and key lengths drawn apart, as FlashAttention's varlen tests do)."""
+    rng = random.Random(seed)
+    lens_q = [rng.randint(0, max_len) for _ in range(batch)]
+    lens_k = [rng.randint(0, max_len) for _ in range(batch)]
+    for lens in (lens_q, lens_k):
+        zero, one = rng.sample(range(batch), 2)
+        lens[zero], lens[one] = 0, 1
+    return lens_q, lens_k
+
+
+FA_VARLEN = rotate([(d, max_len) for d in FA_D_HEADS for max_len in (128, 517)], FA_OPTIONS)
+
+
+def varlen_case_id(case):
+    d, max_len, (h, hk), causal, local, softcap, dtype = case
+    return (f"d{d}-max{max_len}-h{h}k{hk}{'-causal' if causal else ''}"
+            f"{'-local' if local else ''}{'-softcap' if softcap else ''}-{dtype}")
+
+
+@pytest.mark.parametrize("grid_case", FA_VARLEN, ids=varlen_case_id)
+def test_fa_grid_varlen(require_extension, grid_case):
+    d, max_len, (heads, kv_heads), causal, local, softcap, dtype = grid_case
+    lens_q, lens_k = fa_varlen_lengths(d * 1009 + max_len, max_len)
+    case_features = features_of(causal, local, softcap, max(lens_k), seed=d + max_len)
+    varlen_case(lens_q, lens_k, heads, kv_heads, d, DTYPES[dtype], **case_features)
