@@ -218,9 +218,9 @@ if step bwd-planted; then
 import pathlib
 p = pathlib.Path("/tmp/fa-bwd-plant/src/csrc/sm80/backward_kernel.cuh")
 t = p.read_text()
-anchor = t.find("probabilities(i * kBr,")
+anchor = t.find("probabilities(i, stage(buf)")
 if anchor < 0:
-    raise SystemExit("bwd-planted: the anchor 'probabilities(i * kBr,' is not in "
+    raise SystemExit("bwd-planted: the anchor 'probabilities(i, stage(buf)' is not in "
                      "backward_kernel.cuh any more; update the plant")
 line = t.rindex("\n", 0, anchor) + 1
 indent = t[line:anchor]
