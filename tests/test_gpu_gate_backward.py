@@ -44,6 +44,8 @@ def test_timed_calls_compute_the_autograd_gradients(require_extension, case):
     ref = torch.autograd.grad(fa.attention(*leaves, **case.options()), leaves, inputs.dout)
     for name, fn in fns.items():
         got = fn()
+        if name != "ours":  # the SDPA peers differentiate the (B, H, S, D) views
+            got = tuple(g.transpose(1, 2) for g in got)
         for what, g, r in zip(("dq", "dk", "dv"), got, ref):
             assert g.shape == r.shape, f"{name} {what}"
             # ours: the same kernels (dQ's atomic order aside); SDPA: another rounding

@@ -194,3 +194,15 @@ def test_client_on_gpu_with_flash_attention(require_extension):
     code, text = run_main(["--preset", "gpu-small", "--steps", "6"])
     print(text)
     assert code == 0, text
+
+
+def test_curve_rule_measures_drift_from_fp32_against_sdpa_own():
+    """Ours may drift from the fp32 curve as far as twice SDPA's drift (plus the allowance), not
+    further: a bf16 curve that wanders like SDPA's passes, one that wanders 3x as far fails."""
+    fp32 = client.Run(losses=[10.0, 9.0, 8.0, 7.0])
+    sdpa = client.Run(losses=[10.0, 9.1, 8.2, 7.1])      # drift 0.2
+    near = client.Run(losses=[10.0, 8.8, 8.3, 6.9])      # drift 0.3 <= 2 * 0.2 + 0.01 * 10
+    far = client.Run(losses=[10.0, 9.0, 8.6, 7.2])       # drift 0.6 > 0.5
+    assert client.curve_problems(sdpa, near, fp32, 0.01) == []
+    problems = client.curve_problems(sdpa, far, fp32, 0.01)
+    assert len(problems) == 1 and "drifts 0.6000" in problems[0]
