@@ -82,10 +82,13 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
     assert "flash::bwd::bwd_kernel<" in text and "bwd_preprocess_kernel" not in text
     text = sass.dump(binary, helpers[0], "90")
     assert "bwd_preprocess_kernel" in text and "flash::bwd::bwd_kernel<" not in text
-    assert cli(["count", "bwd:default", "--arch", "80", "--format", "csv"]) == 0
+    # The set count over an arch the build has (a GPU runner's build may hold sm_90 only).
+    arches = {m.arch for m in cubins.list_cubins(binary)}
+    arch = "80" if "80" in arches else "90"
+    assert cli(["count", "bwd:default", "--arch", arch, "--format", "csv"]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert {r.split(",")[0] for r in rows} >= {main, *helpers} & {
-        m.kernel for m in cubins.list_cubins(binary) if m.arch == "80"}
+        m.kernel for m in cubins.list_cubins(binary) if m.arch == arch}
 
 
 def test_default_backward_kernels_do_not_spill(built):
