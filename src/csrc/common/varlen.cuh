@@ -21,14 +21,17 @@ __device__ __forceinline__ int clamp_to(int x, int hi) {
     return x < 0 ? 0 : (x > hi ? hi : x);
 }
 
-__device__ __forceinline__ SeqSpan seq_span(const FwdParams& p, int batch) {
+// Params: FwdParams or BwdParams (both hold cu_seqlens_q/k, total_q/k and seqlen_q/k); Span: a
+// struct of {q_start, k_start, seqlen_q, seqlen_k} (the backward keeps a 32-bit one in smem).
+template <class Span = SeqSpan, class Params>
+__device__ __forceinline__ Span seq_span(const Params& p, int batch) {
     if (p.cu_seqlens_q == nullptr)
-        return SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+        return Span{0, 0, p.seqlen_q, p.seqlen_k};
     const int q0 = clamp_to(p.cu_seqlens_q[batch], p.total_q);
     const int q1 = clamp_to(p.cu_seqlens_q[batch + 1], p.total_q);
     const int k0 = clamp_to(p.cu_seqlens_k[batch], p.total_k);
     const int k1 = clamp_to(p.cu_seqlens_k[batch + 1], p.total_k);
-    return SeqSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
+    return Span{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
 }
 
 }  // namespace flash

@@ -21,6 +21,7 @@
 
 #include "../common/bwd_params.h"
 #include "../common/numeric.cuh"
+#include "../common/varlen.cuh"
 #include "backward_config.cuh"
 #include "backward_gemm.cuh"
 #include "smem_tile.cuh"
@@ -77,27 +78,12 @@ struct Window {
     }
 };
 
-// This CTA's sequence: where its rows start in q/dout/dq (and the fp32 row buffers) and in
-// k/v/dk/dv, and its lengths. Fixed-length batches: 0 and the call's lengths. Varlen offsets are
-// clamped into [0, total] as in the forward (the kernels never address outside the tensors).
+// This CTA's sequence (common/varlen.cuh's seq_span): where its rows start in q/dout/dq (and
+// the fp32 row buffers) and in k/v/dk/dv, and its lengths; 32-bit starts, kept in smem.
 struct BwdSpan {
     int q_start, k_start;
     int seqlen_q, seqlen_k;
 };
-
-__device__ __forceinline__ int clamp_total(int x, int hi) {
-    return x < 0 ? 0 : (x > hi ? hi : x);
-}
-
-__device__ __forceinline__ BwdSpan bwd_span(const BwdParams& p, int batch) {
-    if (p.cu_seqlens_q == nullptr)
-        return BwdSpan{0, 0, p.seqlen_q, p.seqlen_k};
-    const int q0 = clamp_total(p.cu_seqlens_q[batch], p.total_q);
-    const int q1 = clamp_total(p.cu_seqlens_q[batch + 1], p.total_q);
-    const int k0 = clamp_total(p.cu_seqlens_k[batch], p.total_k);
-    const int k1 = clamp_total(p.cu_seqlens_k[batch + 1], p.total_k);
-    return BwdSpan{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
-}
 
 // The CTA's span in shared memory: read where needed, so that none of it stays in registers
 // across the main loop (the accumulators leave none to spare). Written by thread 0 before the
@@ -585,7 +571,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams params) {
     extern __shared__ __align__(128) unsigned char smem[];
     if (threadIdx.x == 0)
-        bwd_cta_span = bwd_span(params, blockIdx.z);
+        bwd_cta_span = seq_span<BwdSpan>(params, blockIdx.z);
     __syncthreads();  // the span is readable by every thread
     BackwardCta<Cfg> cta(params, smem);
     cta.run();
