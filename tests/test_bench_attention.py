@@ -4,25 +4,14 @@ skipping (no GPU, no backward kernel, a peer that cannot run a case)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .script_modules import load_script
 
-
-def _bench_attention():
-    spec = importlib.util.spec_from_file_location(
-        "bench_attention", ROOT / "benchmarks" / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ba = _bench_attention()
+ba = load_script("benchmarks/bench_attention.py")
 GRAD_CLASSES = (ba.Backward, ba.TrainingStep)
 
 

@@ -4,7 +4,6 @@ nvcc into a shared library named as the build names its objects (CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -17,18 +16,12 @@ import pytest
 
 from fa_tools.analysis import binaries, opcodes, ptxas_report, sass
 
+from .script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench_static():
-    spec = importlib.util.spec_from_file_location(
-        "bench_static", ROOT / "benchmarks" / "bench_static.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bs = _bench_static()
+bs = load_script("benchmarks/bench_static.py")
 
 
 def _smallest(family: str) -> str:

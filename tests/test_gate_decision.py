@@ -5,7 +5,6 @@ from the gpu-gate workflow's runs. CPU only, standard library only."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
@@ -15,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from .script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "ci" / "gate_decision.py"
-_spec = importlib.util.spec_from_file_location("gate_decision", SCRIPT)
-assert _spec and _spec.loader
-gd = importlib.util.module_from_spec(_spec)
-sys.modules["gate_decision"] = gd
-_spec.loader.exec_module(gd)
+gd = load_script("ci/gate_decision.py")
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
 OLD = "fedcba9876543210fedcba9876543210fedcba98"

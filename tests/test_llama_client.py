@@ -7,7 +7,6 @@ flash_attention on a small Llama."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import subprocess
@@ -17,16 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from .script_modules import load_script
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (noxfile TEST_DEPS has it): the Llama "
     "client's tests need it")
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "ci" / "llama_train_client.py"
-_spec = importlib.util.spec_from_file_location("llama_train_client", SCRIPT)
-client = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = client  # its dataclasses look their module up
-_spec.loader.exec_module(client)
+client = load_script("ci/llama_train_client.py")
 
 
 def run_main(argv, attention_fn=None):
