@@ -435,7 +435,6 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
     views of the same tensors; a backend that cannot run the case is left out, and so is SDPA
     for a case it has no counterpart of (Case.peer_note)."""
     import torch
-    from torch.nn.attention import SDPBackend
 
     import flash_attention as fa
 
@@ -456,14 +455,29 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
     elif "ours" in names:
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         fns["ours"] = lambda: torch.autograd.grad(fa.attention(*leaves, **opts), leaves, dout)
+    dout_t = dout.transpose(1, 2)
+
+    def make(backend, expand):
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        return _sdpa_training_peer(backend, case, qt, kt, vt, dout_t, expand)
+
+    fns.update(_working_peers(names, make, gqa=k.shape[2] != q.shape[2]))
+    return fns
+
+
+def _working_peers(names, make, gqa: bool) -> dict:
+    """The SDPA peers among `names` that run the case: make(backend, expand) builds one (expand:
+    K/V heads repeated to the query heads), tried once, and for GQA again expanded when the
+    backend refuses grouped heads; a backend that cannot run it is left out."""
+    from torch.nn.attention import SDPBackend
+
     backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-    dout_t = dout.transpose(1, 2)
+    fns = {}
     for name in (n for n in names if n in backends):
-        for expand in (False, True) if k.shape[2] != q.shape[2] else (False,):
-            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        for expand in (False, True) if gqa else (False,):
             try:
-                peer = _sdpa_training_peer(backends[name], case, qt, kt, vt, dout_t, expand)
+                peer = make(backends[name], expand)
                 peer()
             except (RuntimeError, TypeError, ImportError):  # TypeError: no enable_gqa
                 continue
@@ -481,7 +495,6 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False
     gets only the options that differ from the defaults, so a base from before one existed
     runs every case without it. varlen: (cu_seqlens, max_seqlen, (qp, kp, vp)): ours runs
     attention_varlen on the packed q, k, v, the peers on the padded qp, kp, vp."""
-    from torch.nn.attention import SDPBackend
 
     import flash_attention as fa
 
@@ -496,21 +509,13 @@ def contenders(q, k, v, out, config=None, names=CONTENDERS, causal: bool = False
             fns["ours"] = lambda: fa.attention_varlen(q, k, v, cu, cu, max_len, max_len, **opts)
         return fns
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    backends = {"sdpa_fa2": SDPBackend.FLASH_ATTENTION,
-                "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
     fns = {}
     if "ours" in names:
         fns["ours"] = (lambda: fa.attention(q, k, v, out=out, **opts)) if config is None else (
             lambda: fa.attention(q, k, v, out=out, config=config, **opts))
-    for name in (n for n in names if n in backends):
-        for expand in (False, True) if k.shape[2] != q.shape[2] else (False,):
-            try:
-                peer = _sdpa_peer(backends[name], qt, kt, vt, causal, expand)
-                peer()
-            except (RuntimeError, TypeError, ImportError):  # TypeError: no enable_gqa
-                continue
-            fns[name] = peer
-            break
+    fns.update(_working_peers(
+        names, lambda backend, expand: _sdpa_peer(backend, qt, kt, vt, causal, expand),
+        gqa=k.shape[2] != q.shape[2]))
     return fns
 
 
