@@ -50,16 +50,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, bool return_lse,
     c10::string_view kernel) {
-    FA_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
-                   "give both cu_seqlens_q and cu_seqlens_k, or neither");
-    const bool varlen = cu_seqlens_q.has_value();
-    Varlen vl;
-    if (varlen) {
-        vl.cu_q = &*cu_seqlens_q;
-        vl.cu_k = &*cu_seqlens_k;
-        vl.max_q = max_seqlen_q;
-        vl.max_k = max_seqlen_k;
-    }
+    const Varlen vl = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    const bool varlen = vl.cu_q != nullptr;
     check_rank(q, "q", varlen ? 3 : 4,
                varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)");
     const int64_t D = q.size(-1);

@@ -69,6 +69,18 @@ struct Varlen {
     int64_t max_q = 0, max_k = 0;
 };
 
+// The call's varlen arguments (both cu_seqlens or neither); cu_q == nullptr for fixed length.
+// The optionals must outlive the result.
+inline Varlen varlen_args(const std::optional<at::Tensor>& cu_seqlens_q,
+                          const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                          int64_t max_seqlen_k) {
+    FA_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                   "give both cu_seqlens_q and cu_seqlens_k, or neither");
+    if (!cu_seqlens_q.has_value())
+        return Varlen{};
+    return Varlen{&*cu_seqlens_q, &*cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+}
+
 // The sizes of a call: q (B, Sq, H, D), k/v (B, Sk, Hk, D); varlen: B from cu_seqlens, Sq and Sk
 // the longest sequences (max_seqlen_q/k). After check_qkv().
 struct CallShape {
