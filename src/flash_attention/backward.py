@@ -19,7 +19,7 @@ import functools
 import torch
 
 from . import validation
-from .config_bwd import BwdConfig, select
+from .config_bwd import AnyBwdConfig, parse_config, select
 
 _REGISTERED = False
 
@@ -67,10 +67,10 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 @functools.cache
-def built() -> tuple[BwdConfig, ...]:
+def built() -> tuple[AnyBwdConfig, ...]:
     """The backward kernels of this build (from the extension's backward registry)."""
     names = torch.ops.flash_attention.bwd_kernels()
-    return tuple(BwdConfig.parse(n) for n in names.split(",") if n)
+    return tuple(parse_config(n) for n in names.split(",") if n)
 
 
 def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
@@ -82,7 +82,8 @@ def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
             raise RuntimeError(f"backward kernel {kernel} is not in this build; rebuild with "
                                f"FLASH_ATTENTION_BWD_KERNELS={kernel}")
         return
-    if select(dtype, d_head, softcap, configs) is None:
+    if (select(dtype, d_head, softcap, configs) is None
+            and select(dtype, d_head, softcap, configs, hopper=True) is None):
         raise RuntimeError(f"this build has no backward kernel for {dtype} with d_head={d_head}"
                            + (" with a softcap" if softcap else "")
                            + "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default")

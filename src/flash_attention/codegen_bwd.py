@@ -14,7 +14,8 @@ from pathlib import Path
 
 from . import codegen_common
 from .codegen_common import ELEM_TYPES, HEADER
-from .config_bwd import FLAGS, BwdConfig, resolve
+from .config_bwd import FLAGS, AnyBwdConfig, BwdConfig, Sm90BwdConfig, resolve
+from .nvcc_wrapper import ARCH_MARKER
 
 REGISTRY = "bwd_registry.cu"
 
@@ -27,8 +28,20 @@ def template_args(cfg: BwdConfig) -> str:
     return ", ".join(args)
 
 
-def kernel_source(cfg: BwdConfig) -> str:
+def kernel_source(cfg: AnyBwdConfig) -> str:
     name = cfg.short
+    if isinstance(cfg, Sm90BwdConfig):
+        args = (f"{ELEM_TYPES[cfg.dtype]}, {cfg.d_head}, "
+                f"/*softcap=*/{'true' if cfg.softcap else 'false'}")
+        return (
+            f"{HEADER}{ARCH_MARKER}\n// {cfg.describe()}\n"
+            '#include "sm90/backward_launch.cuh"\n\n'
+            "namespace flash {\n\n"
+            f"using Cfg_{name} = sm90::Sm90BwdConfig<{args}>;\n\n"
+            f"extern const BwdKernelEntry entry_{name} =\n"
+            f"    sm90::make_bwd_entry<Cfg_{name}>(\"{name}\");\n\n"
+            "}  // namespace flash\n"
+        )
     return (
         f"{HEADER}// {cfg.describe()}\n"
         '#include "sm80/backward_launch.cuh"\n\n'
@@ -39,7 +52,7 @@ def kernel_source(cfg: BwdConfig) -> str:
     )
 
 
-def registry_source(configs: Iterable[BwdConfig]) -> str:
+def registry_source(configs: Iterable[AnyBwdConfig]) -> str:
     names = [c.short for c in configs]
     decls = "".join(f"extern const BwdKernelEntry entry_{n};\n" for n in names)
     items = "".join(f"        &entry_{n},\n" for n in names)
@@ -61,11 +74,11 @@ def registry_source(configs: Iterable[BwdConfig]) -> str:
     )
 
 
-def kernel_filename(cfg: BwdConfig) -> str:
+def kernel_filename(cfg: AnyBwdConfig) -> str:
     return f"{cfg.short}.cu"
 
 
-def generate(configs: Iterable[BwdConfig], out_dir: Path) -> list[Path]:
+def generate(configs: Iterable[AnyBwdConfig], out_dir: Path) -> list[Path]:
     """Write the per-config sources and the backward registry into out_dir; return the .cu
     paths to compile (kernels first, registry last). An empty selection still writes the
     registry (no kernels: the backward operator then refuses every call)."""

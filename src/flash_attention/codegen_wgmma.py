@@ -1,6 +1,7 @@
 """Generates src/csrc/sm90/wgmma.cuh: one inline-PTX wrapper per wgmma shape the Hopper kernels
 issue (m64nNk16, fp32 accumulators, fp16 or bf16 operands), with A from shared memory (S = Q K^T)
-or from registers (O += P V, and S = Q K^T with Q held in registers). The accumulator lists are
+or from registers (O += P V, and S = Q K^T with Q held in registers), and both operands
+MN-major from shared memory (the backward's dQ = dS K, dS stored transposed). The accumulator lists are
 too long to write by hand (up to 128 registers); the file is checked in and tests/test_codegen.py
 checks that it matches this generator.
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import sys
 
-# N of the instructions: B_c choices for S = Q K^T, d_head variants for O += P V.
-SHAPES_N = (64, 96, 128, 176, 192, 256)
+# N of the instructions: B_c choices for S = Q K^T, d_head variants for O += P V, and the
+# backward's dQ column halves (32 at d_head 64).
+SHAPES_N = (32, 64, 96, 128, 176, 192, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
 
 
@@ -24,7 +26,8 @@ def _accum_operands(n: int) -> str:
     return ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(n // 2))
 
 
-def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False) -> str:
+def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False,
+             mn_major: bool = False) -> str:
     ptx_t = TYPES[elem]
     acc = n // 2  # fp32 accumulators per thread: 64 x n over 128 threads
     instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t}"
@@ -40,10 +43,12 @@ def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False) -> s
     else:
         a_ops = f"%{acc}"
         b_op, p_op = f"%{acc + 1}", f"%{acc + 2}"
-        tail = "1, 1, 0, 0"  # scale A, scale B, neither transposed (Q and K are K-major)
+        # scale A, scale B, then A and B transposed: neither (Q and K are K-major), or both
+        # (ss_mn: dS^T and K hold M and N contiguous)
+        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 0"
         inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = "uint64_t desc_a, uint64_t desc_b, uint32_t scale_d"
-        name = "ss"
+        name = "ss_mn" if mn_major else "ss"
     return (
         f"    __device__ __forceinline__ static void {name}(float (&d)[{n // 8}][4], {sig}) {{\n"
         "        asm volatile(\n"
@@ -66,7 +71,8 @@ def header() -> str:
         "// 2 * (lane % 4) + e % 2 (the mma.sync m16n8 layout, four warps stacked). ss: A and B\n"
         "// from shared memory (descriptors, K-major). rs: A from registers (the m16n8k16 A\n"
         "// fragment of each warp's 16 rows), B from shared memory MN-major; rs_k: the same with\n"
-        "// B K-major. scale_d = 0 overwrites d, 1 accumulates.\n"
+        "// B K-major; ss_mn: A and B from shared memory, both MN-major. scale_d = 0 overwrites\n"
+        "// d, 1 accumulates.\n"
         "// asm volatile: the compiler must not move these across the fences and waits around\n"
         "// them.\n"
         "// clang-format off\n#pragma once\n\n"
@@ -80,7 +86,8 @@ def header() -> str:
                 f"\ntemplate <>\nstruct Wgmma<{n}, {elem}> {{\n"
                 + _wrapper(n, elem, a_from_regs=False) + "\n"
                 + _wrapper(n, elem, a_from_regs=True) + "\n"
-                + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "};\n"
+                + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "\n"
+                + _wrapper(n, elem, a_from_regs=False, mn_major=True) + "};\n"
             )
     parts.append("\n}  // namespace flash::sm90\n")
     return "".join(parts)

@@ -4,7 +4,11 @@ A :class:`BwdConfig` names one instantiation of the C++ template ``flash::BwdCon
 (src/csrc/sm80/backward_config.cuh), the sm80-family FlashAttention-2 backward (runs on sm_80
 and sm_90). Its short form (``bwd_bf16_d128_c128_r64_w8_fb``) parses back to the same config and
 is the kernel's name in the build, the backward registry and every report. The rules here
-mirror the static_asserts of backward_config.cuh.
+mirror the static_asserts of backward_config.cuh. A :class:`Sm90BwdConfig`
+(``bwd_sm90_bf16_d128_c128_r64_f``) names one of ``flash::sm90::Sm90BwdConfig``
+(src/csrc/sm90/backward_config.cuh), the Hopper backward (wgmma, TMA, a producer warp and two
+consumer warpgroups; sm_90a, fixed-length non-deterministic calls: the rest run on the sm80
+family).
 
 Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
 ``none`` builds no backward):
@@ -206,6 +210,86 @@ class BwdConfig(ShortFormConfig):
                 f"flags={self.flags_on}")
 
 
+SM90_FLAGS: dict[str, tuple[str, str]] = {
+    "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
+}
+SM90_D_HEADS = (64, 128)
+_SHORT90_RE = re.compile(
+    r"^bwd_sm90_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
+    r"_f(?P<flags>[a-z]*)$"
+)
+
+
+@dataclass(frozen=True, order=True)
+class Sm90BwdConfig(ShortFormConfig):
+    """One Hopper backward kernel: B_c = 128 keys per CTA (64 per consumer warpgroup), query
+    blocks of B_r = 64 rows in two stages, a producer warpgroup (mirrors
+    sm90/backward_config.cuh)."""
+
+    dtype: str
+    d_head: int
+    block_c: int = 128
+    block_r: int = 64
+    softcap: bool = False
+
+    family = "sm90-bwd"
+    arch = 90
+    FLAGS = SM90_FLAGS
+    KIND = "Hopper backward config"
+    SHORT_RE = _SHORT90_RE
+    SHORT_FORMAT = "bwd_sm90_<fp16|bf16>_d<d_head>_c<B_c>_r<B_r>_f<flags>"
+    EXAMPLE = "bwd_sm90_bf16_d128_c128_r64_f"
+    STAGES = 2
+    threads = 384  # two consumer warpgroups and the producer's
+    warps = 12
+
+    @property
+    def short(self) -> str:
+        return (f"bwd_sm90_{self.dtype}_d{self.d_head}_c{self.block_c}_r{self.block_r}"
+                f"_f{self.flag_letters}")
+
+    @classmethod
+    def parse(cls, text: str) -> Sm90BwdConfig:
+        m, flags = cls.match_short(text)
+        return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
+                   block_r=int(m["block_r"]), **flags)
+
+    @property
+    def smem_bytes(self) -> int:
+        """K, V, Q and dO per stage, dS^T twice, LSE and D per stage, 128 bytes of mbarriers,
+        and 1024 bytes for the alignment of the base (Sm90BwdConfig::kSmemBytes)."""
+        k = self.block_c * self.d_head * 2
+        q = self.block_r * self.d_head * 2
+        return (2 * k + 2 * self.STAGES * q + 2 * self.block_c * self.block_r * 2
+                + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
+
+    def problems(self) -> list[str]:
+        return self.field_problems(("dtype", self.dtype, DTYPES),
+                                   ("d_head", self.d_head, SM90_D_HEADS),
+                                   ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64,)))
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """Resident CTAs per SM (one: the launch bounds and shared memory say so)."""
+        return occupancy(self.threads, regs_per_thread or 168, self.smem_bytes + static_smem,
+                         arch)
+
+    def describe(self) -> str:
+        return (f"{self.short}: Hopper backward, {self.dtype}, d_head={self.d_head}, "
+                f"B_c={self.block_c}, B_r={self.block_r}, smem={self.smem_bytes} B, "
+                f"flags={self.flags_on}")
+
+
+AnyBwdConfig = BwdConfig | Sm90BwdConfig
+
+
+def parse_config(text: str) -> AnyBwdConfig:
+    """A backward main kernel's short form, of either family."""
+    if text.strip().startswith("bwd_sm90_"):
+        return Sm90BwdConfig.parse(text)
+    return BwdConfig.parse(text)
+
+
 # The two helper kernels every backward launch runs around the main one (backward_kernel.cuh):
 # templates on the element type alone, instantiated by every backward .cu file of that dtype.
 AUX_KINDS: dict[str, int] = {"preprocess": 128, "convert_dq": 256}  # kind -> threads per CTA
@@ -258,17 +342,18 @@ class BwdAuxKernel:
         return occupancy(self.threads, regs_per_thread or 255, static_smem, arch)
 
 
-def aux_kernels(configs: tuple[BwdConfig, ...] | list[BwdConfig]) -> tuple[BwdAuxKernel, ...]:
+def aux_kernels(configs: tuple[AnyBwdConfig, ...] | list[AnyBwdConfig]
+                ) -> tuple[BwdAuxKernel, ...]:
     """The helper kernels a build of these backward configs holds (one of each kind per dtype)."""
     dtypes = [d for d in DTYPES if any(c.dtype == d for c in configs)]
     return tuple(BwdAuxKernel(kind, d) for d in dtypes for kind in AUX_KINDS)
 
 
-def parse_kernel(text: str) -> BwdConfig | BwdAuxKernel:
-    """A backward main kernel's short form or a helper kernel's."""
+def parse_kernel(text: str) -> AnyBwdConfig | BwdAuxKernel:
+    """A backward main kernel's short form (either family) or a helper kernel's."""
     if _AUX_RE.match(text.strip()):
         return BwdAuxKernel.parse(text)
-    return BwdConfig.parse(text)
+    return parse_config(text)
 
 
 def default_tile(dtype: str, d_head: int, softcap: bool = False) -> BwdConfig:
@@ -310,10 +395,10 @@ SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "variant
 SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
 
 
-def resolve(spec: str) -> tuple[BwdConfig, ...]:
+def resolve(spec: str) -> tuple[AnyBwdConfig, ...]:
     """Backward configs named by comma-separated set names and/or short forms, in order,
     without duplicates (``none``: no backward kernels)."""
-    out: list[BwdConfig] = []
+    out: list[AnyBwdConfig] = []
     for item in (i.strip() for i in spec.split(",")):
         if not item:
             continue
@@ -321,15 +406,21 @@ def resolve(spec: str) -> tuple[BwdConfig, ...]:
             out.extend(SETS[item])
         else:
             try:
-                out.append(BwdConfig.parse(item))
+                out.append(parse_config(item))
             except ConfigError as exc:
                 raise ConfigError(f"{exc}; or name a backward set: {', '.join(SETS)}") from None
     return tuple(dict.fromkeys(out))
 
 
-def select(dtype: str, d_head: int, softcap: bool,
-           built: tuple[BwdConfig, ...]) -> BwdConfig | None:
-    """The backward kernel for a call: the built config of the dtype and softcap flag with the
-    smallest d_head variant not below d_head (what the operator picks in C++)."""
-    fits = [c for c in built if c.dtype == dtype and c.softcap == softcap and c.d_head >= d_head]
-    return min(fits, key=lambda c: c.d_head) if fits else None
+def select(dtype: str, d_head: int, softcap: bool, built: tuple[AnyBwdConfig, ...],
+           hopper: bool = False) -> AnyBwdConfig | None:
+    """The backward kernel for a call (what the operator picks in C++): of the built configs of
+    the dtype and softcap flag, the smallest d_head variant not below d_head; a Hopper one when
+    ``hopper`` (the call can run on one: an sm_90 GPU, fixed length, not deterministic, tensors
+    TMA can address) and one is built, else an sm80-family one."""
+    def fits(family: type) -> list[AnyBwdConfig]:
+        return [c for c in built if isinstance(c, family) and c.dtype == dtype
+                and c.softcap == softcap and c.d_head >= d_head]
+
+    cands = (fits(Sm90BwdConfig) if hopper else []) or fits(BwdConfig)
+    return min(cands, key=lambda c: c.d_head) if cands else None

@@ -24,6 +24,7 @@
 #include "device_properties.h"
 #include "input_layout.h"
 #include "message.h"
+#include "tma_fit.h"
 #include "validation.h"
 
 namespace {
@@ -43,27 +44,26 @@ std::string bwd_kernels() {
     return out;
 }
 
-// The named kernel, or the one for (dtype, d_head, softcap): the smallest built d_head variant
-// not below d_head (flash_attention.config_bwd.select mirrors this).
-const flash::BwdKernelEntry& choose(c10::string_view name, bool bf16, int64_t d_head,
-                                    bool softcap) {
+// The named kernel, or the one for (dtype, d_head, softcap) of the family `arch` (80 or 90): its
+// smallest built d_head variant not below d_head (flash_attention.config_bwd.select mirrors this);
+// nullptr when the build has none.
+const flash::BwdKernelEntry* choose(c10::string_view name, bool bf16, int64_t d_head, bool softcap,
+                                    int arch) {
     const flash::BwdKernelEntry* best = nullptr;
     for (const flash::BwdKernelEntry* e : entries()) {
         if (!name.empty()) {
             if (name == e->name)
-                return *e;
+                return e;
             continue;
         }
-        if ((e->dtype == flash::DType::kBf16) == bf16 && e->softcap == softcap &&
-            e->d_head >= d_head && (best == nullptr || e->d_head < best->d_head))
+        if (e->arch == arch && (e->dtype == flash::DType::kBf16) == bf16 &&
+            e->softcap == softcap && e->d_head >= d_head &&
+            (best == nullptr || e->d_head < best->d_head))
             best = e;
     }
     FA_CHECK(name.empty(), "backward kernel ", name,
              " is not in this build; rebuild with FLASH_ATTENTION_BWD_KERNELS=", name);
-    FA_CHECK(best != nullptr, "this build has no backward kernel for ", bf16 ? "bf16" : "fp16",
-             " with d_head=", d_head, softcap ? " with a softcap" : "",
-             "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
-    return *best;
+    return best;
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
@@ -131,11 +131,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                    "window sizes must be -1 (unbounded) or in [0, 2^31)");
     const auto [left, right] = canonical_window(causal, window_left, window_right, Sq, Sk);
 
-    const flash::BwdKernelEntry& e = choose(kernel, dtype == at::kBFloat16, D, softcap > 0);
-    FA_CHECK_VALUE((e.dtype == flash::DType::kBf16) == (dtype == at::kBFloat16) && e.d_head >= D &&
-                       e.softcap == (softcap > 0),
-                   "backward kernel ", e.name, " cannot serve this call (dtype ", dtype,
-                   ", d_head=", D, softcap > 0 ? ", a softcap" : ", no softcap", ")");
+    // The sm80 family serves every call; the Hopper kernel (when built) the calls it can run,
+    // decided below once the tensors are known.
+    const bool bf16 = dtype == at::kBFloat16;
+    const flash::BwdKernelEntry* named = kernel.empty() ? nullptr : choose(kernel, bf16, D, 0, 0);
+    const flash::BwdKernelEntry* sm80 = named ? nullptr : choose("", bf16, D, softcap > 0, 80);
+    const flash::BwdKernelEntry* sm90 = named ? nullptr : choose("", bf16, D, softcap > 0, 90);
+    FA_CHECK(named != nullptr || sm80 != nullptr || sm90 != nullptr,
+             "this build has no backward kernel for ",
+             bf16 ? "bf16" : "fp16", " with d_head=", D, softcap > 0 ? " with a softcap" : "",
+             "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+    if (named != nullptr)
+        FA_CHECK_VALUE((named->dtype == flash::DType::kBf16) == bf16 && named->d_head >= D &&
+                           named->softcap == (softcap > 0),
+                       "backward kernel ", named->name, " cannot serve this call (dtype ", dtype,
+                       ", d_head=", D, softcap > 0 ? ", a softcap" : ", no softcap", ")");
 
     const c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -161,9 +171,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     FA_CHECK(prop.major >= 8,
              "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
              prop.major, ".", prop.minor);
-    FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
-             " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
-             prop.sharedMemPerBlockOptin);
 
     const c10::MaybeOwned<at::Tensor> q_a = addressable(q_in), k_a = addressable(k_in),
                                       v_a = addressable(v_in), o_a = addressable(out_in),
@@ -171,6 +178,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor &q = *q_a, &k = *k_a, &v = *v_a, &o = *o_a, &dout = *do_a;
     const at::Tensor lse = lse_in.contiguous();
     const at::Tensor dlse = dlse_in ? dlse_in->contiguous() : at::Tensor();
+
+    // The Hopper kernel runs fixed-length, non-deterministic calls whose tensors TMA can
+    // address on an sm_90 GPU; the rest run on the sm80 family.
+    const char* unfit = deterministic
+                            ? "the deterministic order runs on the sm80 family"
+                            : sm90_unfit(prop, varlen, {&q, &k, &v, &dout, &dk, &dv});
+    if (named != nullptr && named->arch == 90)
+        FA_CHECK(unfit == nullptr, "backward kernel ", named->name,
+                 " (sm_90a) cannot run this call: ", unfit);
+    if (named == nullptr && (sm90 == nullptr || unfit != nullptr))
+        FA_CHECK(sm80 != nullptr, "this build has no sm80-family backward kernel for ",
+                 bf16 ? "bf16" : "fp16", " with d_head=", D, softcap > 0 ? " with a softcap" : "",
+                 ", which this call needs (", sm90 != nullptr ? unfit : "no Hopper kernel",
+                 "); rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+    const flash::BwdKernelEntry& e =
+        named != nullptr ? *named : (sm90 != nullptr && unfit == nullptr ? *sm90 : *sm80);
+    FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
+             " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
+             prop.sharedMemPerBlockOptin);
 
     // Rows of the fp32 buffers per (batch, head): whole query blocks; varlen, every token of a
     // head with a block of slack past the last (a sequence's last block may reach past it).

@@ -20,6 +20,7 @@
 #include "../registry.h"
 #include "kernel_registry.h"
 #include "message.h"
+#include "tma_fit.h"
 
 namespace flash::binding {
 
@@ -103,32 +104,6 @@ inline std::string choice(const std::string& dtype, int64_t d_head, int64_t seql
     const flash::KernelEntry* e =
         lookup(dtype == "bf16", d_head, seqlen_q, mask, local, softcap).kernel;
     return e == nullptr ? "" : e->name;
-}
-
-// Why a Hopper (sm_90a) kernel cannot run this call, or nullptr when it can: the GPU must be
-// sm_90, the batch fixed-length, and every tensor addressable by TMA (16-byte aligned base,
-// strides of the dimensions it steps over positive multiples of 16 bytes; an expanded
-// dimension, stride 0, runs on the sm80 family, which reads it in place).
-inline const char* sm90_unfit(const cudaDeviceProp& prop, bool varlen,
-                              std::initializer_list<const at::Tensor*> tensors) {
-    if (prop.major != 9 || prop.minor != 0)
-        return "the GPU is not sm_90";
-    if (varlen)
-        return "varlen batches run on the sm80-family kernels";
-    for (const at::Tensor* t : tensors) {
-        if (t->dim() != 4)
-            return "not a (batch, seqlen, heads, d_head) tensor";
-        if (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0)
-            return "a tensor's data is not 16-byte aligned";
-        for (int64_t d = 0; d < 3; ++d)
-            if (t->size(d) > 1 && (t->stride(d) * t->element_size()) % 16 != 0)
-                return "a tensor stride is not a multiple of 16 bytes";
-            else if (t->size(d) > 1 && t->stride(d) == 0)
-                return "a tensor is expanded (stride 0)";
-        if (t->size(1) == 0)
-            return "an empty sequence";
-    }
-    return nullptr;
 }
 
 // The kernel for a call: `name`, or with "" the dispatch table's choice (with its fallback).

@@ -105,6 +105,16 @@ __device__ __forceinline__ void tma_load_4d_multicast(void* dst, const CUtensorM
         : "memory");
 }
 
+// A contiguous run of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
+// into shared memory, completing its bytes on `bar` (a bulk copy without a tensor map).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+        : "memory");
+}
+
 // Shared memory -> the tile of a 4-D tensor map; the parts outside the tensor are not written.
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0,
                                              int c1, int c2, int c3) {

@@ -1,0 +1,207 @@
+// What every backward family shares: the preprocess (D, LSE * log2(e), the zeroed dQ
+// accumulator) and the dQ conversion kernels, the window of keys a query row sees, the query
+// blocks of a KV block that need no mask, the fp32 reductions and flags of the dQ accumulator,
+// and the launch of the three passes around a family's main kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "bwd_params.h"
+#include "launch_support.cuh"
+#include "numeric.cuh"
+
+namespace flash::bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// p[0] += a, p[1] += b (fp32 reductions, no result): one vector reduction on sm_90, two scalar
+// ones before. p is 8-byte aligned.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The keys a query row sees, off = seqlen_k - seqlen_q: [row + off - left, row + off + right].
+struct Window {
+    int off;          // fits 32 bits: both lengths are below 2^31 - 256
+    int left, right;  // -1: unbounded
+
+    // The first and last key any of rows [r0, r1] sees, clamped to [0, seqlen_k - 1].
+    __device__ __forceinline__ void keys(int r0, int r1, int seqlen_k, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = left < 0 ? 0 : int64_t(r0) + off - left;
+        hi = right < 0 ? seqlen_k - 1 : int64_t(r1) + off + right;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_k - 1 ? hi : seqlen_k - 1;
+    }
+    // The first and last query row that sees any of keys [k0, k1], clamped to [0, seqlen_q - 1].
+    __device__ __forceinline__ void rows(int k0, int k1, int seqlen_q, int64_t& lo,
+                                         int64_t& hi) const {
+        lo = right < 0 ? 0 : int64_t(k0) - off - right;
+        hi = left < 0 ? seqlen_q - 1 : int64_t(k1) - off + left;
+        lo = lo > 0 ? lo : 0;
+        hi = hi < seqlen_q - 1 ? hi : seqlen_q - 1;
+    }
+    __device__ __forceinline__ bool sees(int64_t row, int64_t key) const {
+        const int64_t rel = key - row - off;
+        return (left < 0 || rel >= -left) && (right < 0 || rel <= right);
+    }
+};
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+
+// The query blocks of B_r rows that see all kBc keys k0 .. k0 + kBc - 1 and lie whole inside
+// the sequence ([lo, hi]; lo > hi: none): the block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside
+// the window iff its corners are, i.e. i B_r + B_r - 1 <= k0 - off + left and
+// i B_r >= k1 - off - right. A KV block past the key tail has none. Rows past seqlen_q matter
+// only for varlen (their LSE and D are the next sequence's; fixed-length ones have an LSE of
+// +inf already), but a whole block costs the same either way.
+template <int kBr, int kBc>
+__device__ __forceinline__ int2 unmasked_query_blocks(int k_row0, int seqlen_q, int seqlen_k,
+                                                      const Window& w) {
+    const int64_t k0 = k_row0, k1 = int64_t(k_row0) + kBc - 1;
+    int64_t lo = 0, hi = int64_t(seqlen_q) / kBr - 1;  // whole blocks of rows
+    if (k1 >= seqlen_k)
+        hi = -1;  // the key tail: every block is masked
+    if (w.right >= 0) {
+        const int64_t need = k1 - w.off - w.right;
+        lo = need > 0 ? (need + kBr - 1) / kBr : 0;
+    }
+    if (w.left >= 0) {
+        const int64_t b = floor_div(k0 - w.off + w.left - kBr + 1, kBr);
+        hi = b < hi ? b : hi;
+    }
+    return make_int2(static_cast<int>(lo), static_cast<int>(hi < lo ? lo - 1 : hi));
+}
+
+// Two 16-bit values of one 32-bit word -> fp32 (torch builds disable the implicit conversions).
+__device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
+// ---- preprocess --------------------------------------------------------------------------------
+
+// One warp per query row (rows < seqlen_q_pad): D = rowsum(dO * O) - dLSE and LSE * log2(e)
+// (0 and +inf past seqlen_q; +inf for an LSE of -inf), and the row's dQ accumulator zeroed.
+// Lane l reads the 16-byte chunk l of the row.
+template <typename Elem>
+__global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * 4 + threadIdx.x / 32;
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q_pad)
+        return;
+    float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+    for (int c = lane * 4; c < p.d_pad; c += 32 * 4)
+        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
+    if (row >= p.seqlen_q) {
+        if (lane == 0) {
+            p.d_rows[at] = 0.f;
+            p.lse_log2[at] = INFINITY;
+        }
+        return;
+    }
+    float sum = 0.f;
+    if (lane * 8 < p.d_head) {
+        const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
+                        head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+        const Elem* d = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                        head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+        const uint4 ov = *reinterpret_cast<const uint4*>(o);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d);
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 a = unpack2(ow[e], Elem{}), b = unpack2(dw[e], Elem{});
+            sum += a.x * b.x + a.y * b.y;
+        }
+    }
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (lane == 0) {
+        const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
+        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+        const float lse = p.lse[in];
+        p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    }
+}
+
+// ---- dQ conversion ----------------------------------------------------------------------------
+
+// dQ = scale * accumulator in the input dtype; one thread per 8 columns of a row.
+template <typename Elem>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const int chunks = p.d_head / 8;
+    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    const int64_t row = idx / chunks;
+    const int chunk = static_cast<int>(idx % chunks);
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q)
+        return;
+    const float* acc =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad + chunk * 8;
+    const float4 a = *reinterpret_cast<const float4*>(acc);
+    const float4 b = *reinterpret_cast<const float4*>(acc + 4);
+    const float s = p.softmax_scale;
+    uint4 out;
+    out.x = pack2<Elem>(a.x * s, a.y * s);
+    out.y = pack2<Elem>(a.z * s, a.w * s);
+    out.z = pack2<Elem>(b.x * s, b.y * s);
+    out.w = pack2<Elem>(b.z * s, b.w * s);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + chunk * 8;
+    *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// ---- the passes of a backward call -------------------------------------------------------------
+
+// The preprocess, the family's main kernel (`launch_main()`, a cudaError_t), then the dQ
+// conversion, on one stream. The preprocess and the conversion work per query row: a varlen
+// batch is one sequence of total_q rows to them.
+template <typename Elem, class LaunchMain>
+cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
+    BwdParams rows = p;
+    if (p.cu_seqlens_q != nullptr) {
+        rows.batch = 1;
+        rows.seqlen_q = p.total_q;
+    }
+    const dim3 pre_grid((rows.seqlen_q_pad + 3) / 4, rows.heads, rows.batch);
+    if (cudaError_t err =
+            launch_checked<&bwd_preprocess_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
+        err != cudaSuccess)
+        return err;
+    if (cudaError_t err = launch_main(); err != cudaSuccess)
+        return err;
+    const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
+    const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
+    return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+}
+
+}  // namespace flash::bwd

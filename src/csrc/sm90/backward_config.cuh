@@ -1,0 +1,74 @@
+// The compile-time config of a Hopper (sm_90a) backward kernel: the single C++ description of one
+// instantiation. flash_attention.config_bwd.Sm90BwdConfig holds the same fields and rules.
+//
+// One CTA owns B_c = 128 keys (and values) of one (batch, KV head); consumer warpgroup g owns keys
+// 64g .. 64g + 63 end to end (its dK and dV rows stay in registers). A producer warp streams the
+// query blocks of B_r = 64 rows that see them (Q, dO, LSE * log2(e), D; two stages) for every
+// query head of the group. Per query block, in each consumer warpgroup:
+//   S^T = K Q^T, dP^T = V dO^T          wgmma, both operands in shared memory (K-major)
+//   P^T, dS^T                            registers (fp32), then 16-bit A fragments
+//   dV += P^T dO, dK += dS^T Q           wgmma, A from registers, B MN-major in shared memory
+//   dQ[:, half g] = dS K[:, half g]      wgmma over all B_c keys: dS^T of both warpgroups
+//                                        through shared memory (MN-major A), fp32 reductions
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash::sm90 {
+
+template <typename Elem_, int kDHead_, bool kSoftcap_>
+struct Sm90BwdConfig {
+    using Elem = Elem_;
+
+    static constexpr int kDHead = kDHead_;  // 64 or 128; serves multiples of 8 up to it
+    static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
+    static constexpr int kConsumerWGs = 2;
+    static constexpr int kBc = 64 * kConsumerWGs;  // B_c: keys per CTA
+    static constexpr int kBr = 64;                 // B_r: query rows per block
+    static constexpr int kStages = 2;              // query-block stages in shared memory
+    static constexpr int kDqCols = kDHead / kConsumerWGs;  // dQ columns per warpgroup
+
+    static constexpr int kThreads = 128 * (kConsumerWGs + 1);
+    static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+
+    // What the shared TMA loader and epilogue read (sm90/tma_loader.cuh, epilogue.cuh): no
+    // cluster, one CTA per (KV block, KV head, batch), d_head in 64-column panels.
+    static constexpr bool kCluster = false;
+    static constexpr int kClusterCtas = 1;
+    static constexpr bool kPersistent = false;
+    static constexpr int kPanels = kDHead / 64;
+    static constexpr int kNTilesO = kDHead / 8;  // n8 tiles of a dK or dV row
+
+    // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):
+    //   K | V | Q x kStages | dO x kStages | dS^T x 2 | LSE x kStages | D x kStages | barriers
+    // dS^T is B_c x B_r (one panel), double-buffered so that one block's is written while the
+    // other warpgroup may still read the previous one. At the end the Q and dO stages stage dV
+    // and dK for their TMA stores (each B_c x d_head).
+    static constexpr int kKBytes = kBc * kDHead * 2;
+    static constexpr int kQBytes = kBr * kDHead * 2;
+    static constexpr int kDSBytes = kBc * kBr * 2;
+    static constexpr int kVecBytes = kBr * 4;
+    static constexpr int kSK = 0;
+    static constexpr int kSV = kSK + kKBytes;
+    static constexpr int kSQ = kSV + kKBytes;
+    static constexpr int kSdO = kSQ + kStages * kQBytes;
+    static constexpr int kSdS = kSdO + kStages * kQBytes;
+    static constexpr int kSLse = kSdS + 2 * kDSBytes;
+    static constexpr int kSD = kSLse + kStages * kVecBytes;
+    static constexpr int kSBarriers = kSD + kStages * kVecBytes;
+    static constexpr int kBarrierBytes = 128;
+    // + 1024: the dynamic smem base is rounded up to the 1024-byte swizzle period.
+    static constexpr int kSmemBytes = kSBarriers + kBarrierBytes + 1024;
+
+    static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
+    static_assert(kDHead == 64 || kDHead == 128, "d_head variants 64 and 128");
+    static_assert(kStages * kQBytes == kKBytes, "the Q and dO stages stage dV and dK at the end");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
+                  "setmaxnreg: the consumers ask for more registers than the producer gives up");
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
+};
+
+}  // namespace flash::sm90

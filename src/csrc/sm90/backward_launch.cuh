@@ -1,0 +1,64 @@
+// Host-side launcher of one Hopper backward config and its registry entry: the TMA tensor maps
+// of Q, K, V, dO (loads) and dK, dV (stores), then the preprocess, the main kernel and the dQ
+// conversion. Plain CUDA (no torch). The binding calls it only for fixed-length, non-deterministic
+// calls that sm90_unfit() (binding/dispatch.h) accepts; errors are returned, never swallowed.
+#pragma once
+
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "../backward_registry.h"
+#include "../common/backward_common.cuh"
+#include "../common/launch_support.cuh"
+#include "backward_kernel.cuh"
+#include "tensor_map.h"
+
+namespace flash::sm90 {
+
+template <class Cfg>
+cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+    using Elem = typename Cfg::Elem;
+    // Varlen and the deterministic order run on the sm80 family; the kernel strides the dQ
+    // accumulator by its d_head.
+    if (p.cu_seqlens_q != nullptr || p.dq_semaphore != nullptr || p.d_pad != Cfg::kDHead)
+        return cudaErrorInvalidValue;
+    Sm90BwdParams prm{};
+    prm.p = p;
+    const bool ok =
+        encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, p.seqlen_q, p.heads, p.batch, p.q_row_stride,
+                          p.q_head_stride, p.q_batch_stride, Cfg::kBr) &&
+        encode_bshd<Elem>(&prm.tma_do, p.dout, p.d_head, p.seqlen_q, p.heads, p.batch,
+                          p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBr) &&
+        encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
+                          p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBc) &&
+        encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
+                          p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBc) &&
+        encode_bshd<Elem>(&prm.tma_dk, p.dk, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
+                          p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, 64) &&
+        encode_bshd<Elem>(&prm.tma_dv, p.dv, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
+                          p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, 64);
+    if (!ok)
+        return cudaErrorInvalidValue;
+    const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
+    return bwd::launch_passes<Elem>(p, stream, [&] {
+        return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                                                     prm);
+    });
+}
+
+template <class Cfg>
+constexpr BwdKernelEntry make_bwd_entry(const char* name) {
+    return BwdKernelEntry{name,
+                          std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
+                          Cfg::kDHead,
+                          Cfg::kBc,
+                          Cfg::kBr,
+                          Cfg::kThreads,
+                          Cfg::kSmemBytes,
+                          Cfg::kSoftcap,
+                          /*arch=*/90,
+                          &launch_bwd_sm90<Cfg>};
+}
+
+}  // namespace flash::sm90

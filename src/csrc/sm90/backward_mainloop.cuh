@@ -1,0 +1,439 @@
+// The mainloop of the Hopper backward (the algorithm: backward_config.cuh): what a CTA works on
+// (BackwardTile), what its producer loads (BackwardLoader) and what a consumer warpgroup
+// computes (BackwardConsumer).
+//
+// Pipeline, per query block t of the CTA (stage s = t % 2, its use t / 2 waits for phase parity
+// (t / 2) & 1): q_full[s] completes when Q, LSE and D of the block have landed, do_full[s] when
+// dO has; q_empty[s] and do_empty[s] when every consumer warp is done with them (its GEMMs
+// reading them have completed), so the producer may refill the stage with block t + 2.
+// kv_full completes once, when K and V have landed.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/backward_common.cuh"
+#include "../common/bwd_params.h"
+#include "../common/ldmatrix.cuh"
+#include "../common/numeric.cuh"
+#include "backward_config.cuh"
+#include "epilogue.cuh"
+#include "named_barriers.cuh"
+#include "ptx.cuh"
+#include "tma_loader.cuh"
+#include "wgmma.cuh"
+
+namespace flash::sm90 {
+
+// The kernel's argument: the call's BwdParams and the TMA maps, 4-D (d_head, seqlen, heads,
+// batch), 128-byte swizzled: Q and dO in boxes of 64 columns x B_r rows, K and V x B_c rows, dK
+// and dV x 64 rows (one warpgroup's, stores).
+struct Sm90BwdParams {
+    BwdParams p;
+    CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
+};
+
+// Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
+//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+2S .. q_empty | 1+3S .. do_empty   (S stages)
+template <class Cfg>
+struct BwdSmem {
+    unsigned char* base;  // 1024-byte aligned
+
+    __device__ __forceinline__ static BwdSmem aligned(unsigned char* raw) {
+        return BwdSmem{reinterpret_cast<unsigned char*>(
+            (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+    }
+    __device__ __forceinline__ unsigned char* k() const { return base + Cfg::kSK; }
+    __device__ __forceinline__ unsigned char* v() const { return base + Cfg::kSV; }
+    __device__ __forceinline__ unsigned char* q(int s) const {
+        return base + Cfg::kSQ + s * Cfg::kQBytes;
+    }
+    __device__ __forceinline__ unsigned char* dout(int s) const {
+        return base + Cfg::kSdO + s * Cfg::kQBytes;
+    }
+    __device__ __forceinline__ unsigned char* ds(int b) const {
+        return base + Cfg::kSdS + b * Cfg::kDSBytes;
+    }
+    __device__ __forceinline__ float* lse(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::kSLse + s * Cfg::kVecBytes);
+    }
+    __device__ __forceinline__ float* d(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::kSD + s * Cfg::kVecBytes);
+    }
+    // At the end: the staging buffers of dV and dK (B_c x d_head each), over the Q and dO stages.
+    __device__ __forceinline__ unsigned char* dv_staging() const { return base + Cfg::kSQ; }
+    __device__ __forceinline__ unsigned char* dk_staging() const { return base + Cfg::kSdO; }
+
+    __device__ __forceinline__ uint64_t* bar(int i) const {
+        return reinterpret_cast<uint64_t*>(base + Cfg::kSBarriers) + i;
+    }
+    __device__ __forceinline__ uint64_t* kv_full() const { return bar(0); }
+    __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(1 + s); }
+    __device__ __forceinline__ uint64_t* do_full(int s) const { return bar(1 + Cfg::kStages + s); }
+    __device__ __forceinline__ uint64_t* q_empty(int s) const {
+        return bar(1 + 2 * Cfg::kStages + s);
+    }
+    __device__ __forceinline__ uint64_t* do_empty(int s) const {
+        return bar(1 + 3 * Cfg::kStages + s);
+    }
+    static_assert((1 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+
+    // One thread, before any other uses them. kv_full takes two arrivals (K's copies and V's,
+    // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one; the
+    // empty barriers one per consumer warp.
+    __device__ __forceinline__ void init_barriers() const {
+        mbar_init(kv_full(), 2);
+        for (int s = 0; s < Cfg::kStages; ++s) {
+            mbar_init(q_full(s), 2);
+            mbar_init(do_full(s), 1);
+            mbar_init(q_empty(s), Cfg::kConsumerWarps);
+            mbar_init(do_empty(s), Cfg::kConsumerWarps);
+        }
+        fence_barrier_init();
+    }
+};
+
+// The CTA's work: KV block blockIdx.x of (KV head blockIdx.y, batch blockIdx.z), and the query
+// blocks that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head,
+// block) pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask.
+template <class Cfg>
+struct BackwardTile {
+    int kv_block, kv_head, batch, k_row0;
+    int i_first, n_q, n;
+    int2 unmasked;
+    bwd::Window win;
+
+    __device__ __forceinline__ explicit BackwardTile(const BwdParams& p)
+        : kv_block(blockIdx.x),
+          kv_head(blockIdx.y),
+          batch(blockIdx.z),
+          k_row0(kv_block * Cfg::kBc),
+          win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right} {
+        const int k_last = (k_row0 + Cfg::kBc < p.seqlen_k ? k_row0 + Cfg::kBc : p.seqlen_k) - 1;
+        int64_t q_lo, q_hi;
+        win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
+        i_first = q_hi >= q_lo ? static_cast<int>(q_lo / Cfg::kBr) : 0;
+        n_q = q_hi >= q_lo ? static_cast<int>(q_hi / Cfg::kBr) - i_first + 1 : 0;
+        n = n_q * p.heads_per_kv;
+        unmasked = bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k,
+                                                                  win);
+    }
+
+    // (query head, query block) of pair t, stepped without divisions by the caller.
+    struct Pair {
+        int head, i;
+    };
+    __device__ __forceinline__ Pair first(int heads_per_kv) const {
+        return Pair{kv_head * heads_per_kv, i_first};
+    }
+    __device__ __forceinline__ void advance(Pair& x) const {
+        if (++x.i == i_first + n_q) {
+            x.i = i_first;
+            ++x.head;
+        }
+    }
+};
+
+// The producer's side: K and V once, then Q, LSE, D and dO of each (head, query block) pair
+// through the stage ring. One thread.
+template <class Cfg>
+struct BackwardLoader : TmaLoader<Cfg> {
+    const Sm90BwdParams& prm;
+    const BwdSmem<Cfg>& sm;
+
+    __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
+        const BwdParams& p = prm.p;
+        if (w.n == 0)
+            return;
+        this->template load_tile<Cfg::kBc, false>(sm.k(), &prm.tma_k, sm.kv_full(), w.kv_block,
+                                                  w.kv_head, w.batch);
+        this->template load_tile<Cfg::kBc, false>(sm.v(), &prm.tma_v, sm.kv_full(), w.kv_block,
+                                                  w.kv_head, w.batch);
+        auto x = w.first(p.heads_per_kv);
+        for (int t = 0; t < w.n; ++t, w.advance(x)) {
+            const int s = t % Cfg::kStages, use = t / Cfg::kStages;
+            wait_buffer_free(sm.q_empty(s), use);
+            this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
+                                                      x.head, w.batch);
+            // The row vectors: whole padded blocks (seqlen_q_pad is a multiple of B_r).
+            const int64_t vec = (int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad +
+                                int64_t(x.i) * Cfg::kBr;
+            mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
+            bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
+            bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
+            wait_buffer_free(sm.do_empty(s), use);
+            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s),
+                                                      x.i, x.head, w.batch);
+        }
+    }
+};
+
+// One consumer warpgroup: keys 64 wg .. 64 wg + 63 of the CTA's block through every query block.
+template <class Cfg>
+struct BackwardConsumer {
+    using Elem = typename Cfg::Elem;
+    static constexpr int kNS = Cfg::kBr / 8;        // n8 tiles of S^T, dP^T (query columns)
+    static constexpr int kNO = Cfg::kNTilesO;       // n8 tiles of dK, dV (d_head columns)
+    static constexpr int kNQ = Cfg::kDqCols / 8;    // n8 tiles of this warpgroup's dQ columns
+    static constexpr int kStepsD = Cfg::kDHead / 16;  // k16 steps over d_head
+    static constexpr int kStepsR = Cfg::kBr / 16;     // over a query block
+    static constexpr int kStepsC = Cfg::kBc / 16;     // over the CTA's keys
+
+    const Sm90BwdParams& prm;
+    const BwdSmem<Cfg>& sm;
+    const BackwardTile<Cfg>& w;
+    const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
+
+    float dV[kNO][4];
+    float dK[kNO][4];
+
+    // ---- GEMMs ----------------------------------------------------------------------------------
+
+    // S^T = K Q^T (A = K, B = Q, or with dP^T V and dO): K-major operands, 16 columns of d per
+    // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel).
+    __device__ __forceinline__ void issue_kq(float (&acc)[kNS][4], const unsigned char* a_tile,
+                                             const unsigned char* b_tile) const {
+        const uint32_t a0 = smem_u32(a_tile) + wg * 64 * 128, b0 = smem_u32(b_tile);
+#pragma unroll
+        for (int kk = 0; kk < kStepsD; ++kk) {
+            const uint32_t step = (kk % 4) * 32;
+            const uint64_t a = desc_sw128(a0 + (kk / 4) * Cfg::kBc * 128 + step, 16, 1024);
+            const uint64_t b = desc_sw128(b0 + (kk / 4) * Cfg::kBr * 128 + step, 16, 1024);
+            Wgmma<Cfg::kBr, Elem>::ss(acc, a, b, kk > 0 ? 1u : 0u);
+        }
+    }
+
+    // dV += P^T dO (or dK += dS^T Q): A the 16-bit fragments of this warpgroup's rows, B a
+    // query-block tile (B_r rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
+    // panels B_r x 128 bytes apart (LBO); 16 query rows per instruction.
+    __device__ __forceinline__ void issue_acc(float (&acc)[kNO][4], const uint32_t (&a)[kStepsR][4],
+                                              const unsigned char* b_tile) const {
+        const uint32_t b0 = smem_u32(b_tile);
+#pragma unroll
+        for (int kk = 0; kk < kStepsR; ++kk) {
+            const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBr * 128, 1024);
+            Wgmma<Cfg::kDHead, Elem>::rs(acc, a[kk], b, 1u);
+        }
+    }
+
+    // dQ[:, this warpgroup's columns] = dS K over all B_c keys: A is dS^T of both warpgroups
+    // (B_c rows x B_r columns, one panel: M-major), B is K (B_c rows x d, N-major) from column
+    // wg * kDqCols (a panel, or half of one at d_head 64: the swizzle is a function of the
+    // address, so a 64-byte offset inside the 128-byte row reads the right chunks).
+    __device__ __forceinline__ void issue_dq(float (&acc)[kNQ][4], int buf) const {
+        const uint32_t a0 = smem_u32(sm.ds(buf));
+        const int col0 = wg * Cfg::kDqCols;
+        const uint32_t b0 = smem_u32(sm.k()) + (col0 / 64) * Cfg::kBc * 128 + (col0 % 64) * 2;
+#pragma unroll
+        for (int kk = 0; kk < kStepsC; ++kk) {
+            const uint64_t a = desc_sw128(a0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+            const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+            Wgmma<Cfg::kDqCols, Elem>::ss_mn(acc, a, b, kk > 0 ? 1u : 0u);
+        }
+    }
+
+    // fp32 accumulators of S^T (or dP^T) -> 16-bit A fragments: n8 tiles 2kk and 2kk + 1 are the
+    // k16 step kk. The same four registers are a stmatrix.x4 of those two tiles.
+    __device__ __forceinline__ static void to_fragments(const float (&x)[kNS][4],
+                                                        uint32_t (&f)[kStepsR][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kStepsR; ++kk) {
+            f[kk][0] = pack2<Elem>(x[2 * kk][0], x[2 * kk][1]);
+            f[kk][1] = pack2<Elem>(x[2 * kk][2], x[2 * kk][3]);
+            f[kk][2] = pack2<Elem>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+            f[kk][3] = pack2<Elem>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+        }
+    }
+
+    // ---- element-wise ---------------------------------------------------------------------------
+
+    // Key (row of S^T) of this thread's element e of any n8 tile, within the CTA's block.
+    __device__ __forceinline__ int key_of(int e) const {
+        return wg * 64 + (warp % 4) * 16 + lane / 4 + 8 * (e / 2);
+    }
+
+    // S^T -> P^T in place: exp2(S scale_log2 - LSE log2 e) (softcap: of tanh(S / c), scaled),
+    // 0 where masked (masked blocks only: keys past seqlen_k and pairs outside the window; rows
+    // past seqlen_q have an LSE of +inf). kFused (dP^T has landed too): dP^T -> dS^T in place
+    // in the same pass (softcap: the tanh's derivative is used where it is computed).
+    template <bool kFused>
+    __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4], int s,
+                                                  int i, bool masked) const {
+        const BwdParams& p = prm.p;
+        const uint32_t lse_addr = smem_u32(sm.lse(s)) + 8 * (lane % 4);
+        const uint32_t d_addr = smem_u32(sm.d(s)) + 8 * (lane % 4);
+        const int q_row0 = i * Cfg::kBr;
+#pragma unroll
+        for (int t = 0; t < kNS; ++t) {
+            const float2 l = ld_shared_f32x2(lse_addr + t * 32);
+            const float2 d = kFused ? ld_shared_f32x2(d_addr + t * 32) : float2{};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = S[t][e], dtanh = 1.f;
+                if constexpr (Cfg::kSoftcap) {
+                    x = tanh_fast(x * p.softcap_scale);
+                    dtanh = 1.f - x * x;
+                }
+                float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? l.y : l.x)));
+                if (masked) {
+                    const int key = w.k_row0 + key_of(e);
+                    const int row = q_row0 + t * 8 + 2 * (lane % 4) + e % 2;
+                    if (key >= p.seqlen_k || !w.win.sees(row, key))
+                        prob = 0.f;
+                }
+                S[t][e] = prob;
+                if constexpr (kFused)
+                    dP[t][e] = prob * (dP[t][e] - (e % 2 ? d.y : d.x)) * dtanh;
+            }
+        }
+    }
+
+    // dP^T -> dS^T in place: P^T (dP^T - D) (no softcap: see probabilities<true>).
+    __device__ __forceinline__ void dscores(const float (&P)[kNS][4], float (&dP)[kNS][4],
+                                            int s) const {
+        const uint32_t d_addr = smem_u32(sm.d(s)) + 8 * (lane % 4);
+#pragma unroll
+        for (int t = 0; t < kNS; ++t) {
+            const float2 d = ld_shared_f32x2(d_addr + t * 32);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dP[t][e] = P[t][e] * (dP[t][e] - (e % 2 ? d.y : d.x));
+        }
+    }
+
+    // Two fp32 values from shared memory (addr 8-byte aligned). volatile: a stage's address
+    // repeats across blocks, so the load must not be hoisted over the barrier waits.
+    __device__ __forceinline__ static float2 ld_shared_f32x2(uint32_t addr) {
+        float2 v;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+        return v;
+    }
+
+    // dS^T of this warpgroup's keys into buffer `buf` (rows 64 wg .., swizzled as a TMA tile):
+    // one stmatrix.x4 per k16 step, whose fragments are those of the dK GEMM (to_fragments).
+    // Lane l addresses row l % 8 of matrix l / 8: rows + 8 for odd l / 8, the step's second n8
+    // tile for l / 16; chunk (2 kk + l / 16) ^ (row & 7), row & 7 = l % 8.
+    __device__ __forceinline__ void store_ds(const uint32_t (&f)[kStepsR][4], int buf) const {
+        const int r = wg * 64 + (warp % 4) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
+        const uint32_t row = smem_u32(sm.ds(buf)) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
+#pragma unroll
+        for (int kk = 0; kk < kStepsR; ++kk)
+            stmatrix_x4(row ^ (kk * 32), f[kk]);
+    }
+
+    // ---- the loop ------------------------------------------------------------------------------
+
+    __device__ __forceinline__ void release(uint64_t* bar) const {
+        __syncwarp();
+        if (lane == 0)
+            mbar_arrive(bar);
+    }
+
+    __device__ __forceinline__ void run() {
+#pragma unroll
+        for (int t = 0; t < kNO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dV[t][e] = dK[t][e] = 0.f;
+        if (w.n > 0) {
+            mbar_wait(sm.kv_full(), 0);  // K and V have landed
+            auto x = w.first(prm.p.heads_per_kv);
+            for (int t = 0; t < w.n; ++t, w.advance(x))
+                block(t, x.head, x.i);
+        }
+        // Both warpgroups are done with every stage (the dV and dK staging buffers).
+        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
+        write_dk_dv();
+    }
+
+    __device__ __forceinline__ void block(int t, int head, int i) {
+        const int s = t % Cfg::kStages;
+        const uint32_t phase = (t / Cfg::kStages) & 1;
+        const bool masked = i < w.unmasked.x || i > w.unmasked.y;
+        float S[kNS][4], dP[kNS][4];
+        uint32_t Pf[kStepsR][4], dSf[kStepsR][4];
+
+        mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
+        wgmma_fence();
+        issue_kq(S, sm.k(), sm.q(s));
+        wgmma_commit();
+        mbar_wait(sm.do_full(s), phase);  // dO has landed
+        wgmma_fence();  // (dP^T's registers were last written by the previous block)
+        issue_kq(dP, sm.v(), sm.dout(s));
+        wgmma_commit();
+        if constexpr (Cfg::kSoftcap) {
+            wgmma_wait<0>();  // S^T and dP^T are in registers
+            fence_regs(S);
+            fence_regs(dP);
+            probabilities<true>(S, dP, s, i, masked);
+            to_fragments(S, Pf);
+            wgmma_fence();
+            issue_acc(dV, Pf, sm.dout(s));
+            wgmma_commit();
+        } else {
+            wgmma_wait<1>();  // S^T is in registers; dP^T may still run
+            fence_regs(S);
+            probabilities<false>(S, dP, s, i, masked);
+            to_fragments(S, Pf);
+            wgmma_fence();
+            issue_acc(dV, Pf, sm.dout(s));
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T is in registers; dV may still run
+            fence_regs(dP);
+            dscores(S, dP, s);
+        }
+        to_fragments(dP, dSf);
+        wgmma_fence();
+        issue_acc(dK, dSf, sm.q(s));
+        wgmma_commit();
+        // dS^T of both warpgroups into this block's buffer. The other buffer may still be read
+        // by the other warpgroup's dQ GEMM of the previous block; this one was last read two
+        // blocks ago, before both passed the barrier below of the previous block.
+        store_ds(dSf, t % 2);
+        fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
+        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+        float dQ[kNQ][4];
+        wgmma_fence();
+        issue_dq(dQ, t % 2);
+        wgmma_commit();
+        wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
+        fence_regs(dV);
+        fence_regs(dK);
+        fence_regs(dQ);
+        release(sm.q_empty(s));
+        release(sm.do_empty(s));
+        add_dq(dQ, head, i);
+    }
+
+    // dQ of the block into the fp32 accumulator (rows of Cfg::kDHead = p.d_pad floats; rows
+    // past seqlen_q exist, padded, and add 0).
+    __device__ __forceinline__ void add_dq(const float (&dQ)[kNQ][4], int head, int i) const {
+        const BwdParams& p = prm.p;
+        float* acc = p.dq_accum +
+                     ((int64_t(w.batch) * p.heads + head) * p.seqlen_q_pad + int64_t(i) * Cfg::kBr) *
+                         Cfg::kDHead;
+        const int row = (warp % 4) * 16 + lane / 4;
+        float* at = acc + row * Cfg::kDHead + wg * Cfg::kDqCols + 2 * (lane % 4);
+#pragma unroll
+        for (int t = 0; t < kNQ; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                bwd::red_add2(at + 8 * h * Cfg::kDHead + t * 8, dQ[t][2 * h], dQ[t][2 * h + 1]);
+    }
+
+    // dK (scaled) and dV through the staging buffers and TMA stores (rows past seqlen_k and
+    // columns past d_head are not written).
+    __device__ __forceinline__ void write_dk_dv() {
+        const float scale = prm.p.softmax_scale;
+#pragma unroll
+        for (int t = 0; t < kNO; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dK[t][e] *= scale;
+        const Epilogue<Cfg, Cfg::kBc> epilogue{wg, warp, lane};
+        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
+        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
+    }
+};
+
+}  // namespace flash::sm90
