@@ -1,9 +1,9 @@
 """Generates src/csrc/sm90/wgmma.cuh: one inline-PTX wrapper per wgmma shape the Hopper kernels
 issue (m64nNk16, fp32 accumulators, fp16 or bf16 operands), with A from shared memory (S = Q K^T)
 or from registers (O += P V, and S = Q K^T with Q held in registers), and both operands
-MN-major from shared memory (the backward's dQ = dS K, dS stored transposed). The accumulator lists are
-too long to write by hand (up to 128 registers); the file is checked in and tests/test_codegen.py
-checks that it matches this generator.
+MN-major from shared memory (the backward's dQ = dS K, dS stored transposed). The accumulator
+lists are too long to write by hand (up to 128 registers); the file is checked in and
+tests/test_codegen.py checks that it matches this generator.
 
     python -m flash_attention.codegen_wgmma > src/csrc/sm90/wgmma.cuh
 """
