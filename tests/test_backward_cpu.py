@@ -29,7 +29,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import flash_attention as fa
 from flash_attention import codegen_bwd, ops
 from flash_attention.config import ConfigError
-from flash_attention.config_bwd import SETS, BwdConfig, WarpGrid, default_tile, resolve, select
+from flash_attention.config_bwd import (
+    SETS,
+    BwdAuxKernel,
+    BwdConfig,
+    Sm90BwdConfig,
+    WarpGrid,
+    default_tile,
+    parse_config,
+    parse_kernel,
+    resolve,
+    select,
+)
+from flash_attention.config_common import SMEM_PER_BLOCK_OPTIN
 from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -37,9 +49,14 @@ from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
 
 @pytest.mark.parametrize("cfg", SETS["all"], ids=str)
 def test_short_forms_round_trip(cfg):
-    assert BwdConfig.parse(cfg.short) == cfg
+    """Either family: the short form parses back to the config, by its own class and by the
+    functions that read both (parse_config, parse_kernel); each fits its GPU's shared memory."""
+    assert type(cfg).parse(cfg.short) == parse_config(cfg.short) == parse_kernel(cfg.short) == cfg
     assert cfg.short.isidentifier()
-    assert cfg.accum_regs <= 200 and cfg.smem_bytes <= 163 * 1024
+    if isinstance(cfg, Sm90BwdConfig):
+        assert cfg.smem_bytes <= SMEM_PER_BLOCK_OPTIN[90]
+    else:
+        assert cfg.accum_regs <= 200 and cfg.smem_bytes <= 163 * 1024
 
 
 def test_sets_cover_both_dtypes_and_softcap():
@@ -66,6 +83,57 @@ def test_invalid_configs_are_refused_with_the_reason(text, message):
         BwdConfig.parse(text)
 
 
+def test_hopper_set_and_configs():
+    """The `hopper` set: d_head 64 and 128, both dtypes, softcap off and on; in `all`, in
+    neither `ci` nor `default` (those wait for its GPU validation). The fields and the shared
+    memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO, dS^T
+    twice, LSE and D per stage, the barriers, 1024 bytes of alignment)."""
+    hopper = SETS["hopper"]
+    assert len(hopper) == 8 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
+    assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
+        (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128) for sc in (False, True)}
+    assert set(hopper) <= set(SETS["all"])
+    assert not set(hopper) & (set(SETS["ci"]) | set(SETS["default"]) | set(SETS["variants"]))
+    assert resolve("hopper,default") == hopper + SETS["default"]
+    cfg = parse_config("bwd_sm90_bf16_d128_c128_r64_ft")
+    assert cfg == Sm90BwdConfig("bf16", 128, softcap=True)
+    assert (cfg.family, cfg.arch, cfg.block_c, cfg.block_r, cfg.threads, cfg.warps) == (
+        "sm90-bwd", 90, 128, 64, 384, 12)
+    assert cfg.short == "bwd_sm90_bf16_d128_c128_r64_ft" and cfg.flags_on == "softcap"
+    assert Sm90BwdConfig("bf16", 128).smem_bytes == 166016
+    assert Sm90BwdConfig("fp16", 64).smem_bytes == 100480
+    assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
+    assert isinstance(parse_kernel("bwd_preprocess_bf16"), BwdAuxKernel)
+    # resolve names the sets when a short form of either family does not parse
+    with pytest.raises(ConfigError, match="backward set: ci, default, variants, hopper"):
+        resolve("bwd_sm90_bf16_d96_c128_r64_f")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bwd_sm90_bf16_d96_c128_r64_f", r"d_head must be one of \(64, 128\), got 96"),
+    ("bwd_sm90_fp16_d256_c128_r64_ft", "d_head must be one of"),
+    ("bwd_sm90_bf16_d128_c64_r64_f", r"B_c must be one of \(128,\), got 64"),
+    ("bwd_sm90_bf16_d128_c128_r128_f", r"B_r must be one of \(64,\), got 128"),
+    ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 't'"),
+    ("bwd_sm90_bf16_d128_c128_r64_ftt", "must be a subset"),
+    ("bwd_sm90_bf16_d128_c128_f", "cannot parse Hopper backward config"),
+    ("bwd_sm90_bf16_d128_c128_r64_w8_f", "cannot parse Hopper backward config"),
+    ("bwd_sm90_fp32_d128_c128_r64_f", "cannot parse Hopper backward config"),
+])
+def test_invalid_hopper_configs_are_refused_with_the_reason(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text)
+
+
+def test_invalid_hopper_config_fields_are_refused():
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        Sm90BwdConfig("fp32", 64)
+    with pytest.raises(ConfigError, match="softcap must be a bool"):
+        Sm90BwdConfig("bf16", 64, softcap=1)
+    with pytest.raises(ConfigError, match="B_c must be one of"):
+        Sm90BwdConfig("bf16", 64, block_c=64)
+
+
 def test_warp_grids_take_the_squarest_tile():
     # mirrors flash::squarest_warp_rows: S^T of 128 keys x 64 queries over 8 warps is 4 x 2
     g = WarpGrid(128, 64, 8)
@@ -89,6 +157,27 @@ def test_resolve_and_select():
     assert select("fp16", 64, False, SETS["ci"]) is None
 
 
+def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
+    """hopper=True (an sm_90 GPU, fixed length, not deterministic): the Hopper kernel of the
+    smallest d_head variant not below the call's, else the sm80 family's; hopper=False: the
+    sm80 family's alone (what the operator does in C++)."""
+    built = SETS["default"] + SETS["hopper"]
+    h = select("bf16", 128, False, built, hopper=True)
+    assert h == Sm90BwdConfig("bf16", 128)
+    assert select("bf16", 128, False, built) == default_tile("bf16", 128)
+    assert select("bf16", 128, False, built, hopper=False) == default_tile("bf16", 128)
+    assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig("fp16", 64, softcap=True)
+    assert select("fp16", 96, False, built, hopper=True).short == "bwd_sm90_fp16_d128_c128_r64_f"
+    # above the Hopper variants: the sm80 family's d_head 256 kernel
+    assert select("bf16", 192, False, built, hopper=True) == default_tile("bf16", 256)
+    # no Hopper kernel built: the sm80 family; only Hopper kernels: none off Hopper
+    assert select("bf16", 64, True, SETS["default"], hopper=True) == default_tile("bf16", 64,
+                                                                                   True)
+    assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
+    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig("bf16", 64)
+    assert select("bf16", 192, False, SETS["hopper"], hopper=True) is None
+
+
 # ---- code generation --------------------------------------------------------------------------
 
 
@@ -109,6 +198,40 @@ def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
     assert "*count = 0;" in (tmp_path / "bwd_registry.cu").read_text()
 
 
+def test_codegen_of_a_hopper_config(tmp_path):
+    """A Hopper backward unit: the sm_90a marker in its head (the nvcc wrapper then compiles it
+    for sm_90a alone), the Hopper launcher's header, flash::sm90::Sm90BwdConfig<Elem, d_head,
+    softcap> and its registry entry; listed in the registry beside the sm80 family's, which
+    keeps its own template and no marker. Every flag changes the instantiation."""
+    from flash_attention.nvcc_wrapper import ARCH_MARKER, arch_override
+
+    hopper, sm80 = Sm90BwdConfig("bf16", 128), default_tile("bf16", 128)
+    paths = codegen_bwd.generate((hopper, sm80), tmp_path)
+    assert [p.name for p in paths] == [f"{hopper.short}.cu", f"{sm80.short}.cu",
+                                       "bwd_registry.cu"]
+    text = paths[0].read_text()
+    assert ARCH_MARKER in text[:4096] and "torch" not in text
+    assert '#include "sm90/backward_launch.cuh"' in text
+    assert (f"using Cfg_{hopper.short} = "
+            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false>;") in text
+    assert f'sm90::make_bwd_entry<Cfg_{hopper.short}>("{hopper.short}")' in text
+    assert f"extern const BwdKernelEntry entry_{hopper.short} =" in text
+    other = paths[1].read_text()
+    assert ARCH_MARKER not in other and '#include "sm80/backward_launch.cuh"' in other
+    assert "Sm90BwdConfig" not in other
+    registry = paths[2].read_text()
+    assert f"&entry_{hopper.short}," in registry and f"&entry_{sm80.short}," in registry
+    assert "*count = 2;" in registry
+    args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
+    assert arch_override(args, str(paths[0])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert arch_override(args, str(paths[1])) == args
+    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, softcap=True))
+    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true>;" in fp16
+    for name in Sm90BwdConfig.FLAGS:
+        flipped = hopper.replace(**{name: not getattr(hopper, name)})
+        assert codegen_bwd.kernel_source(flipped) != codegen_bwd.kernel_source(hopper)
+
+
 # ---- the operator's fake, validation and tracing ----------------------------------------------
 
 
@@ -127,7 +250,7 @@ def traceable_call():
 
     bwd = backward.built()
     for dtype, d, _, mask, _, softcap, _, _ in ops.dispatch_rows(ops.BUILT):
-        if select(dtype, d, softcap, bwd) is not None:
+        if any(select(dtype, d, softcap, bwd, hopper=h) is not None for h in (False, True)):
             return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
                     5.0 if softcap else 0.0)
     pytest.skip("this build serves no call both ways")

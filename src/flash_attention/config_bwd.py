@@ -18,6 +18,10 @@ Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names o
 - ``default``: the tile of :func:`default_tile` for d_head 64, 128 and 256 in both dtypes,
   with and without a softcap (12 kernels); every other d_head runs zero-padded on the next.
 - ``variants``: the same for every d_head variant (32 .. 256 but 224, which runs on 256).
+- ``hopper``: the Hopper backward kernels (:class:`Sm90BwdConfig`), d_head 64 and 128 in both
+  dtypes, with and without a softcap (8 kernels). In neither ``ci`` nor ``default`` until they
+  are validated on a GPU; a build holding them still needs the sm80 family for the calls they
+  do not run (varlen, deterministic, other GPUs, d_head above 128).
 - ``all``: the union.
 """
 
@@ -390,9 +394,13 @@ VARIANTS: tuple[BwdConfig, ...] = tuple(
     default_tile(dtype, d, softcap)
     for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
 
-SETS: dict[str, tuple[BwdConfig, ...]] = {"ci": CI, "default": DEFAULT, "variants": VARIANTS,
-                                          "none": ()}
-SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
+HOPPER: tuple[Sm90BwdConfig, ...] = tuple(
+    Sm90BwdConfig(dtype, d, softcap=softcap)
+    for dtype, d, softcap in itertools.product(DTYPES, SM90_D_HEADS, (False, True)))
+
+SETS: dict[str, tuple[AnyBwdConfig, ...]] = {"ci": CI, "default": DEFAULT,
+                                             "variants": VARIANTS, "hopper": HOPPER, "none": ()}
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS + HOPPER))
 
 
 def resolve(spec: str) -> tuple[AnyBwdConfig, ...]:
