@@ -41,21 +41,32 @@ def built():
 # ---- resources ---------------------------------------------------------------------------------
 
 
-def _built_kernels(info: dict) -> list[str]:
-    """Short forms of every kernel the build holds: forward, backward and the backward's
-    helpers (preprocess, dQ conversion) of its dtypes."""
-    from flash_attention.config_bwd import BwdConfig, aux_kernels
+def _bwd_mains(info: dict) -> list:
+    """The backward main kernels of the build (either family)."""
+    from flash_attention.config_bwd import parse_config
 
-    bwd = [BwdConfig.parse(k) for k in info.get("bwd_configs", [])]
+    return [parse_config(k) for k in info.get("bwd_configs", [])]
+
+
+def _built_kernels(info: dict) -> list[str]:
+    """Short forms of every kernel the build holds: forward, backward (either family) and the
+    backward's helpers (preprocess, dQ conversion) of its dtypes."""
+    from flash_attention.config_bwd import aux_kernels
+
+    bwd = _bwd_mains(info)
     return [*info["configs"], *(c.short for c in (*bwd, *aux_kernels(bwd)))]
 
 
 def test_resource_report_covers_every_built_kernel_and_arch(built):
+    """Every kernel under each arch the build compiles it for: a Hopper one (forward or
+    backward) under 90a alone, a backward helper also under 90a where a Hopper backward unit of
+    its dtype compiles it."""
     _, info = built
     records = ptxas_report.load(binaries.ptxas_log_path())
     got = {(r.kernel, r.arch) for r in records}
+    mains = _bwd_mains(info)
     assert got == {(k, a) for k in _built_kernels(info)
-                   for a in archs_of(parse_kernel(k), info["archs"])}
+                   for a in archs_of(parse_kernel(k), info["archs"], mains)}
     for r in records:
         cfg = parse_kernel(r.kernel)
         assert 0 < r.registers <= 255
@@ -68,9 +79,10 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
     """A backward cubin holds the main kernel and its dtype's two helpers: each is listed,
     counted and dumped alone, by short form."""
     binary, info = built
-    if not info.get("bwd_configs"):
-        pytest.skip("no backward kernels built")
-    main = info["bwd_configs"][0]
+    sm80 = [k for k in info.get("bwd_configs", []) if not k.startswith("bwd_sm90_")]
+    if not sm80:
+        pytest.skip("no sm80-family backward kernels built")
+    main = sm80[0]
     dtype = main.split("_")[1]
     helpers = [f"bwd_preprocess_{dtype}", f"bwd_convert_dq_{dtype}"]
     listed = {m.kernel for m in cubins.list_cubins(binary) if m.arch == "90"}
@@ -89,6 +101,31 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
     rows = capsys.readouterr().out.splitlines()[1:]
     assert {r.split(",")[0] for r in rows} >= {main, *helpers} & {
         m.kernel for m in cubins.list_cubins(binary) if m.arch == arch}
+
+
+def test_hopper_backward_kernels_in_the_sass_tools(built):
+    """A Hopper backward unit (sm_90a alone) holds its main kernel and its dtype's two helpers:
+    the main kernel found under --arch 90 as under 90a, with the wgmma count of its tile
+    (opcodes.expected_mma_count), TMA loads and stores, mbarriers, setmaxnreg and no mma.sync;
+    its helpers there without matrix instructions."""
+    binary, info = built
+    hopper = [k for k in info.get("bwd_configs", []) if k.startswith("bwd_sm90_")]
+    if not hopper:
+        pytest.skip("no Hopper backward kernels built (FLASH_ATTENTION_BWD_KERNELS=hopper)")
+    listed = {(m.kernel, m.arch) for m in cubins.list_cubins(binary)}
+    for short in hopper:
+        cfg = parse_kernel(short)
+        assert archs_of(cfg, info["archs"]) == ["90a"] and (short, "90a") in listed
+        assert cubins.cubin(binary, short, "90") == cubins.cubin(binary, short, "90a")
+        hist = opcodes.histogram(short, "90a", sass.instructions(binary, short, "90a"))
+        assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), short
+        assert set(hist.base) >= {"HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "WARPGROUP",
+                                  "USETMAXREG", "MUFU"}, short
+        assert "HMMA" not in hist.base and "LDGSTS" not in hist.base, short
+        for helper in (f"bwd_preprocess_{cfg.dtype}", f"bwd_convert_dq_{cfg.dtype}"):
+            assert (helper, "90a") in listed
+            assert opcodes.histogram(helper, "90a", sass.instructions(binary, helper, "90a")
+                                     ).categories["tensor_mma"] == 0
 
 
 def test_default_backward_kernels_do_not_spill(built):
@@ -317,6 +354,121 @@ def test_backward_kernel_names():
     assert short_of(BWD_PRE.replace("preprocess", "convert_dq").replace("13__nv_bfloat16",
                                                                         "6__half")) \
         == "bwd_convert_dq_fp16"
+
+
+# The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c and
+# B_r are fixed by the family, so the template arguments are Elem, d_head and softcap alone.
+BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0EEEEE"
+            "vNS0_13Sm90BwdParamsE")
+
+
+def test_hopper_backward_kernel_names():
+    from fa_tools.analysis.kernel_names import config_of, is_hopper, short_of
+    from flash_attention.config_bwd import SETS, Sm90BwdConfig
+
+    assert short_of(BWD_SM90) == "bwd_sm90_bf16_d128_c128_r64_f"
+    assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128)
+    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELb0E", "6__halfLi64ELb1E")
+    assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_c128_r64_ft"
+    assert short_of(BWD_SM90.replace("Lb0E", "Lb0ELb1E")) is None  # a flag more: not ours
+    assert short_of(BWD_SM90.replace("bwd_sm90_kernel", "bwd_sm91_kernel")) is None
+    for cfg in SETS["hopper"]:
+        assert parse_kernel(cfg.short) == cfg and is_hopper(cfg)
+        assert archs_of(cfg, ["80", "90"]) == ["90a"]
+    assert not is_hopper(parse_kernel("bwd_bf16_d128_c128_r64_w8_fb"))
+    assert not is_hopper(parse_kernel("bwd_preprocess_bf16"))
+
+
+def test_backward_helpers_have_the_archs_of_their_units():
+    """A helper is compiled in every backward unit of its dtype: under the build's archs for an
+    sm80-family unit, under 90a for a Hopper one; without the build's backward kernels, the
+    build's archs."""
+    pre = parse_kernel("bwd_preprocess_bf16")
+    sm80 = parse_kernel("bwd_bf16_d128_c128_r64_w8_fb")
+    hopper = parse_kernel("bwd_sm90_bf16_d128_c128_r64_f")
+    fp16_hopper = parse_kernel("bwd_sm90_fp16_d64_c128_r64_ft")
+    assert archs_of(pre, ["80", "90"]) == ["80", "90"]
+    assert archs_of(pre, ["80", "90"], [sm80]) == ["80", "90"]
+    assert archs_of(pre, ["80", "90"], [hopper, sm80]) == ["80", "90", "90a"]
+    assert archs_of(pre, ["80", "90"], [hopper]) == ["90a"]
+    assert archs_of(pre, ["80", "90"], [fp16_hopper]) == []
+    assert archs_of(pre, ["90a"], [sm80, hopper]) == ["90a"]
+
+
+def test_hopper_backward_ptxas_records():
+    """ptxas's report of a Hopper backward unit (its main kernel and its dtype's helpers, all
+    sm_90a): named by short form, with the config's shared memory and occupancy."""
+    def entry(name: str, regs: int, barriers: int) -> str:
+        return (f"ptxas info    : Compiling entry function '{name}' for 'sm_90a'\n"
+                f"ptxas info    : Function properties for {name}\n"
+                "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+                f"ptxas info    : Used {regs} registers, used {barriers} barriers\n")
+
+    text = entry(BWD_SM90, 168, 16) + entry(BWD_PRE, 28, 0)
+    by = {r.kernel: r for r in ptxas_report.parse(text)}
+    main = by["bwd_sm90_bf16_d128_c128_r64_f"]
+    assert (main.arch, main.registers, main.barriers, main.dynamic_smem) == ("90a", 168, 16,
+                                                                             166016)
+    assert (main.ctas_per_sm, main.warps_per_sm) == (1, 12)
+    assert by["bwd_preprocess_bf16"].arch == "90a"
+
+
+def test_hopper_backward_cubin_members(monkeypatch):
+    """cuobjdump's listing of a build with both backward families: a Hopper unit adds its main
+    kernel and its helpers under 90a; --arch 90 finds a Hopper kernel's sm_90a code."""
+    listing = "".join(f"ELF file {i}: {name}.cubin\n" for i, name in enumerate([
+        "bwd_bf16_d128_c128_r64_w8_fb.sm_90", "bwd_registry.sm_90",
+        "bwd_sm90_bf16_d128_c128_r64_f.sm_90a", "fwd_sm90_bf16_d128_c128_g2_s2_fwes.sm_90a"]))
+    monkeypatch.setattr(cubins, "run_tool", lambda *args, **kw: listing)
+    members = cubins.list_cubins(Path("x.so"))
+    got = {(m.kernel, m.arch): m.file for m in members}
+    hopper = "bwd_sm90_bf16_d128_c128_r64_f"
+    assert set(got) == {("bwd_bf16_d128_c128_r64_w8_fb", "90"), ("bwd_preprocess_bf16", "90"),
+                        ("bwd_convert_dq_bf16", "90"), (hopper, "90a"),
+                        ("bwd_preprocess_bf16", "90a"), ("bwd_convert_dq_bf16", "90a"),
+                        ("sm90_bf16_d128_c128_g2_s2_fwes", "90a")}
+    assert got[("bwd_preprocess_bf16", "90a")] == f"{hopper}.sm_90a.cubin"
+    monkeypatch.setattr(cubins, "_extracted", lambda binary, stamp: Path("/x"))
+    monkeypatch.setattr(cubins, "_stamp", lambda binary: "s")
+    assert cubins.cubin(Path("x.so"), hopper, "90") == Path(f"/x/{hopper}.sm_90a.cubin")
+    assert cubins.cubin(Path("x.so"), "bwd_preprocess_bf16", "90") == Path(
+        "/x/bwd_bf16_d128_c128_r64_w8_fb.sm_90.cubin")
+    with pytest.raises(binaries.ToolError, match="no sm_80 code for " + hopper):
+        cubins.cubin(Path("x.so"), hopper, "80")
+
+
+def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
+    """The `hopper` backward set compiled here for sm_90a (its one target), named from ptxas's
+    own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note); each unit
+    holds its main kernel and its dtype's two helpers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flash_attention.codegen_bwd import kernel_source
+    from flash_attention.config_bwd import SETS
+
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        pytest.skip("nvcc not found")
+
+    def compile_one(cfg):
+        src = tmp_path / f"{cfg.short}.cu"
+        src.write_text(kernel_source(cfg))
+        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                               "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v",
+                               f"-I{ROOT / 'src/csrc'}", str(src), "-o",
+                               str(src.with_suffix(".cubin"))],
+                              capture_output=True, text=True, check=True)
+        return cfg, ptxas_report.parse(proc.stderr)
+
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        done = list(pool.map(compile_one, SETS["hopper"]))
+    for cfg, records in done:
+        assert {(r.kernel, r.arch) for r in records} == {
+            (cfg.short, "90a"), (f"bwd_preprocess_{cfg.dtype}", "90a"),
+            (f"bwd_convert_dq_{cfg.dtype}", "90a")}
+        bad = [(r.kernel, r.spill_stores, r.stack_frame, r.wgmma_serialized) for r in records
+               if r.spill_stores or r.spill_loads or r.stack_frame or r.wgmma_serialized]
+        assert not bad, f"{cfg.short}: {bad}"
 
 
 def test_kernel_code_picks_one_kernel_of_a_backward_cubin():

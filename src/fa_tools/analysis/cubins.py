@@ -1,10 +1,11 @@
 """The device code inside the built extension: which kernels it holds per architecture, their
 cubins and PTX, extracted with cuobjdump into a directory kept for the session.
 
-A forward translation unit (fwd_<short>.cu) holds one kernel. A backward one (<bwd short>.cu)
-holds three: the main kernel and the two helpers of its dtype (bwd_preprocess_<dtype>,
-bwd_convert_dq_<dtype>), the same code in every unit of that dtype; each helper is listed once
-per arch, from the first such unit in name order."""
+A forward translation unit (fwd_<short>.cu) holds one kernel. A backward one (<bwd short>.cu,
+either family) holds three: the main kernel and the two helpers of its dtype
+(bwd_preprocess_<dtype>, bwd_convert_dq_<dtype>), the same code in every unit of that dtype and
+arch; each helper is listed once per arch, from the first such unit in name order. A Hopper
+backward unit (bwd_sm90_*) compiles for sm_90a alone, so it adds its helpers under 90a."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .binaries import ToolError, run_tool
+from .kernel_names import is_hopper, parse_kernel
 
 _UNIT = r"(?P<unit>(?:fwd|bwd)_\w+?)\.sm_(?P<arch>\w+)"
 _ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>" + _UNIT + r"\.cubin)")
@@ -33,7 +35,7 @@ class Member:
 
 def _members(listing: str, pattern: re.Pattern) -> list[Member]:
     """The kernels of every forward and backward unit in cuobjdump's listing."""
-    from flash_attention.config_bwd import BwdConfig, ConfigError, aux_kernels
+    from flash_attention.config_bwd import ConfigError, aux_kernels, parse_config
 
     members: list[Member] = []
     for m in pattern.finditer(listing):
@@ -42,7 +44,7 @@ def _members(listing: str, pattern: re.Pattern) -> list[Member]:
             members.append(Member(unit[4:], m["arch"], m["file"]))
             continue
         try:
-            cfg = BwdConfig.parse(unit)
+            cfg = parse_config(unit)
         except ConfigError:  # bwd_registry: no kernels
             continue
         members.append(Member(unit, m["arch"], m["file"]))
@@ -87,7 +89,7 @@ def _find(binary: Path, kernel: str, arch: str, suffix: str, members: list[Membe
     if not mine:
         raise ToolError(f"kernel {kernel} is not in {binary.name}; it has: "
                         f"{', '.join(sorted({m.kernel for m in members})) or 'none'}")
-    if arch == "90" and kernel.startswith("sm90_"):
+    if arch == "90" and is_hopper(parse_kernel(kernel)):
         arch = "90a"  # Hopper-family kernels exist as sm_90a code only: sm_90 names the GPU
     match = [m for m in mine if m.arch == arch]
     if not match:

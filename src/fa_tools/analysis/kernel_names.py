@@ -1,19 +1,23 @@
 """Kernel symbol names <-> config short forms. The kernels are instantiations of
 flash::fwd_kernel<flash::FwdConfig<Elem, D, B_r, B_c, warps, flags...>> (sm80 family) and
 flash::sm90::fwd_sm90_kernel<flash::sm90::Sm90Config<Elem, D, B_c, WGs, stages, flags...>>
-(sm90 family); the backward's are flash::bwd::bwd_kernel<flash::BwdConfig<...>> and its two
-helpers flash::bwd::bwd_preprocess_kernel<Elem> and bwd_convert_dq_kernel<Elem> (short forms
-bwd_preprocess_bf16, bwd_convert_dq_fp16). Their mangled names carry every template argument,
-so any ptxas or disassembler output can be named by config."""
+(sm90 family); the backward's are flash::bwd::bwd_kernel<flash::BwdConfig<...>> (sm80-bwd
+family), flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap>> (sm90-bwd
+family, the Hopper backward) and the two helpers of both, flash::bwd::bwd_preprocess_kernel<Elem>
+and bwd_convert_dq_kernel<Elem> (short forms bwd_preprocess_bf16, bwd_convert_dq_fp16). Their
+mangled names carry every template argument, so any ptxas or disassembler output can be named by
+config."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from flash_attention.codegen import ELEM_TYPES
 from flash_attention.config import FLAGS, KernelConfig, parse_config
 from flash_attention.config_bwd import FLAGS as BWD_FLAGS
-from flash_attention.config_bwd import BwdAuxKernel, BwdConfig
+from flash_attention.config_bwd import SM90_FLAGS as SM90_BWD_FLAGS
+from flash_attention.config_bwd import AnyBwdConfig, BwdAuxKernel, BwdConfig, Sm90BwdConfig
 from flash_attention.config_bwd import parse_kernel as parse_bwd_kernel
 from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
 from flash_attention.config_sm90 import Sm90Config
@@ -63,12 +67,34 @@ def _bwd_config_of(mangled: str) -> BwdConfig | None:
                      **flags)
 
 
+_MANGLED_SM90_BWD = re.compile(
+    r"_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI(?P<elem>6__half|13__nv_bfloat16)"
+    r"Li(?P<d>\d+)E(?P<flags>(?:Lb[01]E)+)EEEEvNS0_13Sm90BwdParamsE"
+)
+
+
+def _sm90_bwd_config_of(mangled: str) -> Sm90BwdConfig | None:
+    """flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap>> (B_c and B_r
+    are fixed by the family, not template arguments)."""
+    m = _MANGLED_SM90_BWD.search(mangled)
+    if m is None:
+        return None
+    bits = re.findall(r"Lb([01])E", m["flags"])
+    if len(bits) != len(SM90_BWD_FLAGS):
+        return None
+    flags = {name: bit == "1" for name, bit in zip(SM90_BWD_FLAGS, bits)}
+    return Sm90BwdConfig(_ELEM[m["elem"]], int(m["d"]), **flags)
+
+
 _MANGLED_BWD_AUX = re.compile(
     r"_ZN5flash3bwd\d+bwd_(?P<kind>preprocess|convert_dq)_kernelI(?P<elem>6__half|13__nv_bfloat16)"
     r"EEvNS_9BwdParamsE"
 )
 
-AnyKernel = KernelConfig | Sm90Config | BwdConfig | BwdAuxKernel
+AnyKernel = KernelConfig | Sm90Config | BwdConfig | Sm90BwdConfig | BwdAuxKernel
+# The families whose kernels compile for sm_90a alone (wgmma, TMA, setmaxnreg), whatever the
+# build's architecture list: the Hopper forward and the Hopper backward.
+HOPPER_FAMILIES = ("sm90", "sm90-bwd")
 
 
 def _bwd_aux_of(mangled: str) -> BwdAuxKernel | None:
@@ -82,7 +108,8 @@ def config_of(mangled: str) -> AnyKernel | None:
     other symbol."""
     m = _MANGLED.search(mangled)
     if m is None:
-        return _sm90_config_of(mangled) or _bwd_config_of(mangled) or _bwd_aux_of(mangled)
+        return (_sm90_config_of(mangled) or _bwd_config_of(mangled)
+                or _sm90_bwd_config_of(mangled) or _bwd_aux_of(mangled))
     bits = re.findall(r"Lb([01])E", m["flags"])
     if len(bits) != len(FLAGS):
         return None
@@ -98,13 +125,30 @@ def short_of(mangled: str) -> str | None:
 
 
 def parse_kernel(short: str) -> AnyKernel:
-    """Any kernel's short form: forward (sm80 or sm90 family), backward, backward helper."""
+    """Any kernel's short form: forward (sm80 or sm90 family), backward (sm80-bwd or sm90-bwd
+    family), backward helper."""
     if short.strip().startswith("bwd_"):
         return parse_bwd_kernel(short)
     return parse_config(short)
 
 
-def archs_of(cfg: AnyKernel, build_archs: list[str]) -> list[str]:
-    """The architectures a build holds code of cfg for: an sm90 kernel compiles for sm_90a
-    alone (whatever the build's list), an sm80 one for each of the build's."""
-    return ["90a"] if cfg.family == "sm90" else [str(a) for a in build_archs]
+def is_hopper(cfg: AnyKernel) -> bool:
+    """Whether cfg's kernel exists as sm_90a code alone (HOPPER_FAMILIES)."""
+    return cfg.family in HOPPER_FAMILIES
+
+
+def archs_of(cfg: AnyKernel, build_archs: list[str],
+             bwd_mains: Iterable[AnyBwdConfig] | None = None) -> list[str]:
+    """The architectures a build holds code of cfg for: a Hopper-family kernel (forward or
+    backward) compiles for sm_90a alone (whatever the build's list), an sm80-family one for
+    each of the build's. A backward helper is compiled in every backward unit of its dtype, so
+    it has the architectures of those units' main kernels: with bwd_mains (the build's backward
+    main kernels) those of the mains of its dtype, in the build's order and then sm_90a (where
+    a Hopper backward kernel of its dtype is built); without, the build's."""
+    build = [str(a) for a in build_archs]
+    if is_hopper(cfg):
+        return ["90a"]
+    if isinstance(cfg, BwdAuxKernel) and bwd_mains is not None:
+        have = {a for m in bwd_mains if m.dtype == cfg.dtype for a in archs_of(m, build)}
+        return [a for a in dict.fromkeys([*build, "90a"]) if a in have]
+    return build
