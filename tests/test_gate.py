@@ -294,6 +294,48 @@ def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
     assert ratchet.scope_kernels(POLICY) == [c.short for c in resolve("ci")]
 
 
+def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
+    """A Hopper backward kernel is measured under 90a alone, with the Hopper figures (TMA,
+    setmaxnreg, EX2 under a running wgmma, wgmma serialization); a helper under 90a too only
+    when a Hopper backward kernel of its dtype is pinned (a build holding the `hopper` set
+    beside a policy that pins `default` alone measures what it measured before)."""
+    from types import SimpleNamespace
+
+    from fa_tools.analysis import cubins, ptxas_report, sass
+    from flash_attention.config_bwd import SETS
+
+    hopper, sm80 = "bwd_sm90_bf16_d128_c128_r64_f", "bwd_bf16_d128_c128_r64_w8_fb"
+    pre = "bwd_preprocess_bf16"
+
+    def rec(kernel, arch, serialized=""):
+        return SimpleNamespace(kernel=kernel, arch=arch, registers=168, spill_stores=0,
+                               spill_loads=0, stack_frame=0, static_smem=0, dynamic_smem=1024,
+                               wgmma_serialized=serialized)
+
+    records = [rec(sm80, "80"), rec(sm80, "90"), rec(hopper, "90a", "C7512"), rec(pre, "80"),
+               rec(pre, "90"), rec(pre, "90a")]
+    ops = ["HGMMA", "HGMMA", "MUFU.EX2", "WARPGROUP.DEPBAR.LE", "UTMALDG", "UTMASTG",
+           "USETMAXREG", "SYNCS.ARRIVE", "EXIT"]
+    instrs = [SimpleNamespace(base=o.split(".")[0], opcode=o, operands=" gsb0, 0x0",
+                              predicate="") for o in ops]
+    monkeypatch.setattr(ptxas_report, "load", lambda log: records)
+    monkeypatch.setattr(cubins, "extracted_dir", lambda binary: None)
+    monkeypatch.setattr(sass, "instructions", lambda binary, kernel, arch: instrs)
+
+    got = ratchet.current_metrics([sm80, hopper, pre], ["80", "90"], "x", "log")
+    assert {k: sorted(v) for k, v in got.items()} == {
+        sm80: ["80", "90"], hopper: ["90a"], pre: ["80", "90", "90a"]}
+    h = got[hopper]["90a"]
+    assert (h["sass_tensor_mma"], h["sass_tma"], h["sass_setmaxnreg"]) == (2, 2, 1)
+    assert (h["sass_ex2_overlapped"], h["wgmma_serialized"]) == (1, 1)
+    assert "sass_tma" not in got[sm80]["90"]
+    got = ratchet.current_metrics([sm80, pre], ["80", "90"], "x", "log")
+    assert sorted(got[pre]) == ["80", "90"]
+    scope = ratchet.scope_kernels({"static": {**POLICY["static"], "bwd_kernels": "hopper"}})
+    assert [k for k in scope if k.startswith("bwd_sm90_")] == [c.short for c in SETS["hopper"]]
+    assert {"bwd_preprocess_fp16", "bwd_convert_dq_bf16"} <= set(scope)
+
+
 def test_ratchet_new_and_missing_kernels():
     other = "fp16_d64_r64_c32_w4_fqkv"
     findings = ratchet.compare({"kernels": _metrics()}, {other: _metrics()[K]}, POLICY)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from flash_attention.config_bwd import AnyBwdConfig
+
 from ..analysis import cubins, opcodes, ptxas_report, sass
 from ..analysis.binaries import tool_version, tools_in_use
 from ..analysis.kernel_names import archs_of, parse_kernel
@@ -80,13 +82,17 @@ def describe_toolchain(tools: dict[str, str]) -> str:
 
 def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Path
                     ) -> dict[str, dict[str, dict[str, int]]]:
-    """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build (an
-    sm90 kernel under 90a, whatever `archs` says). The kernels are disassembled side by side
-    (one nvdisasm process per kernel and arch, as many at once as there are CPUs): 195 entries
-    took 2-3 min one after another on a 2-core machine."""
+    """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build (a
+    Hopper-family kernel, forward or backward, under 90a whatever `archs` says; a backward
+    helper under the archs of the backward kernels of its dtype among `kernels`, 90a too where
+    one of them is a Hopper kernel). The kernels are disassembled side by side (one nvdisasm
+    process per kernel and arch, as many at once as there are CPUs): 195 entries took 2-3 min
+    one after another on a 2-core machine."""
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
-    todo = [(kernel, arch) for kernel in kernels
-            for arch in archs_of(parse_kernel(kernel), archs) if (kernel, arch) in records]
+    cfgs = {kernel: parse_kernel(kernel) for kernel in kernels}
+    mains = [c for c in cfgs.values() if isinstance(c, AnyBwdConfig)]
+    todo = [(kernel, arch) for kernel, cfg in cfgs.items()
+            for arch in archs_of(cfg, archs, mains) if (kernel, arch) in records]
     if todo:
         cubins.extracted_dir(binary)  # extract once, before the threads read the cubins
 
