@@ -379,6 +379,18 @@ def test_hopper_backward_kernel_names():
     assert not is_hopper(parse_kernel("bwd_preprocess_bf16"))
 
 
+def test_hopper_names_and_families_agree():
+    """The short-form prefix the SASS tools go by names the same kernels as the family."""
+    from fa_tools.analysis.kernel_names import is_hopper, is_hopper_name
+    from flash_attention import config_bwd, config_sets
+
+    kernels = [*config_sets.SETS["all"], *config_bwd.SETS["all"],
+               *config_bwd.aux_kernels(config_bwd.SETS["all"])]
+    assert {c.family for c in kernels} == {"sm80", "sm90", "sm80-bwd", "sm90-bwd"}
+    for cfg in kernels:
+        assert is_hopper_name(cfg.short) == is_hopper(cfg), cfg.short
+
+
 def test_backward_helpers_have_the_archs_of_their_units():
     """A helper is compiled in every backward unit of its dtype: under the build's archs for an
     sm80-family unit, under 90a for a Hopper one; without the build's backward kernels, the

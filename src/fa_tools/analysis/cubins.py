@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .binaries import ToolError, run_tool
-from .kernel_names import is_hopper, parse_kernel
+from .kernel_names import is_hopper_name
 
 _UNIT = r"(?P<unit>(?:fwd|bwd)_\w+?)\.sm_(?P<arch>\w+)"
 _ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>" + _UNIT + r"\.cubin)")
@@ -89,7 +89,7 @@ def _find(binary: Path, kernel: str, arch: str, suffix: str, members: list[Membe
     if not mine:
         raise ToolError(f"kernel {kernel} is not in {binary.name}; it has: "
                         f"{', '.join(sorted({m.kernel for m in members})) or 'none'}")
-    if arch == "90" and is_hopper(parse_kernel(kernel)):
+    if arch == "90" and is_hopper_name(kernel):
         arch = "90a"  # Hopper-family kernels exist as sm_90a code only: sm_90 names the GPU
     match = [m for m in mine if m.arch == arch]
     if not match:

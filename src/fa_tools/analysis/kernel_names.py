@@ -93,8 +93,10 @@ _MANGLED_BWD_AUX = re.compile(
 
 AnyKernel = KernelConfig | Sm90Config | BwdConfig | Sm90BwdConfig | BwdAuxKernel
 # The families whose kernels compile for sm_90a alone (wgmma, TMA, setmaxnreg), whatever the
-# build's architecture list: the Hopper forward and the Hopper backward.
+# build's architecture list: the Hopper forward and the Hopper backward, and the prefixes of
+# their short forms (what config.parse_config and config_bwd.parse_config dispatch on).
 HOPPER_FAMILIES = ("sm90", "sm90-bwd")
+HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")
 
 
 def _bwd_aux_of(mangled: str) -> BwdAuxKernel | None:
@@ -135,6 +137,12 @@ def parse_kernel(short: str) -> AnyKernel:
 def is_hopper(cfg: AnyKernel) -> bool:
     """Whether cfg's kernel exists as sm_90a code alone (HOPPER_FAMILIES)."""
     return cfg.family in HOPPER_FAMILIES
+
+
+def is_hopper_name(short: str) -> bool:
+    """is_hopper by the short form's prefix alone: also for a name this commit's configs do
+    not parse (a kernel of the base build the SASS diff compares with)."""
+    return short.startswith(HOPPER_PREFIXES)
 
 
 def archs_of(cfg: AnyKernel, build_archs: list[str],
