@@ -15,6 +15,8 @@ from flash_attention.config_sets import resolve
 
 BWD_DEFAULT = [c.short for c in config_bwd.resolve("default")]  # what the gate's build holds
 BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
+# a build holding the Hopper backward beside the default set (the sm80 family serves the rest)
+BWD_HOPPER = [c.short for c in config_bwd.resolve("default,hopper")]
 
 
 @pytest.fixture
@@ -188,17 +190,18 @@ def test_a_backward_case_made_for_a_kernel_runs_it():
     a kernel the operator never picks (a ci-set kernel shadowed by another of its dtype,
     d_head and softcap that comes first) gets none."""
     for kernel in BWD_DEFAULT + BWD_HELPERS:
-        case = coverage.case_for_bwd_kernel(kernel, BWD_DEFAULT)
+        case = coverage.case_for_bwd_kernel(kernel, BWD_DEFAULT, sm90=True)
         assert case is not None and case.kind == "bwd", kernel
         assert kernel in coverage.kernels_run(case, [], BWD_DEFAULT, sm90=True), kernel
         assert case.batch * case.seqlen == coverage.BWD_CASE_TOKENS
-    assert coverage.case_for_bwd_kernel("bwd_fp16_d256_c64_r64_w8_ft", BWD_DEFAULT) == Case(
+    assert coverage.case_for_bwd_kernel("bwd_fp16_d256_c64_r64_w8_ft", BWD_DEFAULT,
+                                        sm90=True) == Case(
         "fp16", 256, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP, kind="bwd")
-    helper = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_DEFAULT)
-    assert coverage.bwd_kernel(helper, BWD_DEFAULT) == "bwd_fp16_d128_c128_r64_w8_fb"
+    helper = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_DEFAULT, sm90=True)
+    assert coverage.bwd_kernel(helper, BWD_DEFAULT, sm90=True) == "bwd_fp16_d128_c128_r64_w8_fb"
     both = [c.short for c in config_bwd.resolve("ci,default")]
-    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r128_w8_fb", both) is None
-    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r64_w8_fb", both) is not None
+    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r128_w8_fb", both, sm90=True) is None
+    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r64_w8_fb", both, sm90=True) is not None
 
 
 def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
@@ -216,7 +219,7 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
     assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_cap30_causal_bwd",
                                               "bf16_d64_b4_s4096_cap30_causal_bwd"]
     for added, kernel in zip(sel.cases, [c.kernel for c in changes[::3]]):
-        assert coverage.bwd_kernel(added, BWD_DEFAULT) == kernel
+        assert coverage.bwd_kernel(added, BWD_DEFAULT, sm90=True) == kernel
     covered = {c["kernel"]: c["case"] for c in sel.covered}
     assert covered == {"bwd_bf16_d128_c128_r64_w8_fbt": "bf16_d128_b4_s4096_cap30_bwd",
                        "bwd_preprocess_fp16": "fp16_d64_b4_s4096_kv4_bwd"}
@@ -226,6 +229,85 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
     sel = sassdiff.select([change("bwd_bf16_d64_c128_r128_w8_fb", 10)], rows, shadowed, True,
                           GATE_CASES, cap=6)
     assert "the backward operator picks another kernel" in sel.skipped[0]["why"]
+
+
+def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
+    """With the Hopper backward built, on an sm_90 GPU a fixed-length non-deterministic gate
+    case runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128); the
+    deterministic case and d_head 256 stay on the sm80 family; on another GPU, and on sm_90 in a
+    build without them, every case runs what it ran before."""
+    for case in BWD_GATE_CASES:
+        before = coverage.bwd_kernel(case, BWD_DEFAULT, sm90=True)
+        assert coverage.bwd_kernel(case, BWD_HOPPER, sm90=False) == before
+        assert coverage.bwd_kernel(case, BWD_DEFAULT, sm90=False) == before
+        on_hopper = coverage.bwd_kernel(case, BWD_HOPPER, sm90=True)
+        if case.deterministic or case.d_head > 128:
+            assert on_hopper == before, case.name
+        else:
+            cfg = config_bwd.parse_config(on_hopper)
+            assert isinstance(cfg, config_bwd.Sm90BwdConfig), case.name
+            assert (cfg.dtype, cfg.softcap, cfg.d_head) == (case.dtype, case.softcap > 0,
+                                                             case.d_head)
+    (det,) = [c for c in BWD_GATE_CASES if c.deterministic]
+    assert coverage.bwd_kernel(det, BWD_HOPPER, sm90=True) == "bwd_bf16_d128_c128_r64_w8_fb"
+    (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
+    assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=True) == [
+        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=False) == [
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    # a varlen call never runs the Hopper backward (no backward gate case is varlen: the rule
+    # of coverage.bwd_hopper, which the operator applies in C++)
+    assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True), sm90=True)
+
+
+def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
+    """case_for_bwd_kernel in a build with the Hopper backward: on sm_90 a Hopper kernel gets
+    the plain causal case and an sm80-family kernel it shadows the same case with
+    deterministic dQ (what still runs it there); off sm_90 a Hopper kernel gets none and an
+    sm80 one the plain case; a helper gets a case either way."""
+    hopper, sm80 = "bwd_sm90_fp16_d128_c128_r64_ft", "bwd_fp16_d128_c128_r64_w8_fbt"
+    case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=True)
+    assert case == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
+                        kind="bwd")
+    assert coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=False) is None
+    shadowed = coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=True)
+    assert shadowed == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
+                            kind="bwd", deterministic=True)
+    assert shadowed.name == "fp16_d128_b4_s4096_cap30_causal_det_bwd"
+    assert coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=False) == case
+    # d_head 256: no Hopper variant, the plain case
+    assert not coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
+                                            sm90=True).deterministic
+    for kernel in BWD_HOPPER + BWD_HELPERS:
+        for sm90 in (True, False):
+            made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)
+            if made is None:
+                assert kernel.startswith("bwd_sm90_") and not sm90, kernel
+                continue
+            assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, sm90), (kernel, sm90)
+
+
+def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
+    """The SASS diff of a build with the Hopper backward on sm_90: a changed Hopper kernel no
+    gate case runs gets the case that runs it, one the gate runs is reported as measured, and a
+    changed sm80-family kernel shadowed by a Hopper one gets a deterministic case."""
+    from fa_tools.gate import sassdiff
+
+    changes = [sassdiff.KernelChange(k, n, n, 2000) for k, n in [
+        ("bwd_sm90_fp16_d128_c128_r64_f", 70),  # no gate case: a case is made
+        ("bwd_sm90_bf16_d128_c128_r64_f", 60),  # the causal d_head 128 gate case runs it
+        ("bwd_fp16_d64_c128_r128_w8_fb", 50)]]  # shadowed on sm_90: a deterministic case
+    sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
+    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd",
+                                              "fp16_d64_b4_s4096_causal_det_bwd"]
+    for added, change in zip(sel.cases, changes[::2]):
+        assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == change.kernel
+    assert {c["kernel"]: c["case"] for c in sel.covered} == {
+        "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd"}
+    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "90") == "90a"
+    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "80") is None
+    assert sassdiff.arch_of_kernel("bwd_preprocess_fp16", "90") == "90"
+    assert sassdiff.arch_of_kernel("bwd_fp16_d64_c128_r128_w8_fb", "80") == "80"
 
 
 def _elf(sections: dict[str, bytes]) -> bytes:

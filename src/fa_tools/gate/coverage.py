@@ -8,16 +8,18 @@ one), a varlen call the fallback (an sm80-family one); on any other GPU every ca
 fallback. The extension also falls back for tensors TMA cannot address; the gate's inputs are
 contiguous, so that never applies to them.
 
-The backward (sm80 family, every GPU) has no table: the operator runs the built kernel of the
-call's dtype and softcap with the smallest d_head variant not below the call's
-(flash_attention.config_bwd.select mirrors it), with the preprocess and the dQ conversion of
-the dtype around it.
+The backward has no table: the operator runs the built kernel of the call's dtype and softcap
+with the smallest d_head variant not below the call's (flash_attention.config_bwd.select mirrors
+it), with the preprocess and the dQ conversion of the dtype around it. On an sm_90 GPU a
+fixed-length, non-deterministic call takes it among the Hopper backward kernels (sm90-bwd) where
+one is built, else among the sm80 family; every other call, and every call on another GPU, runs
+the sm80 family. (Here too the gate's contiguous inputs always suit TMA.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..gpu.perfcases import Case
 
@@ -125,13 +127,22 @@ def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None
 # ---- the backward ------------------------------------------------------------------------------
 
 
-def bwd_kernel(case: Case, bwd_configs: Iterable[str]) -> str | None:
-    """The backward main kernel the flash_attention::bwd operator runs for the case's calls,
-    of a build holding these backward kernels (short forms); None when it has none for them."""
-    from flash_attention.config_bwd import BwdConfig, select
+def bwd_hopper(case: Case, sm90: bool) -> bool:
+    """Whether the backward operator may run the case's calls on a Hopper backward kernel: on
+    an sm_90 GPU (sm90=True), fixed-length and not deterministic (the gate's inputs are
+    contiguous, so TMA can address them)."""
+    return sm90 and not case.varlen and not case.deterministic
 
-    built = tuple(BwdConfig.parse(c) for c in bwd_configs)
-    cfg = select(case.dtype, case.d_head, case.softcap > 0, built)
+
+def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None:
+    """The backward main kernel the flash_attention::bwd operator runs for the case's calls on
+    an sm_90 GPU (sm90=True) or another one, of a build holding these backward kernels (short
+    forms, either family); None when it has none for them."""
+    from flash_attention.config_bwd import parse_config, select
+
+    built = tuple(parse_config(c) for c in bwd_configs)
+    cfg = select(case.dtype, case.d_head, case.softcap > 0, built,
+                 hopper=bwd_hopper(case, sm90))
     return None if cfg is None else cfg.short
 
 
@@ -147,27 +158,32 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
     if case.times_forward:
         run.append(route(case, rows, sm90))
     if case.times_backward:
-        main = bwd_kernel(case, bwd_configs)
+        main = bwd_kernel(case, bwd_configs, sm90)
         run += [main] + ([BwdAuxKernel(kind, case.dtype).short for kind in AUX_KINDS]
                          if main else [])
     return [k for k in run if k is not None]
 
 
-def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str]) -> Case | None:
-    """A backward case the operator runs `kernel` for (a main kernel, a preprocess or a dQ
-    conversion): for a main kernel BWD_CASE_TOKENS tokens in sequences of BWD_CASE_SEQLEN at
-    its own d_head, causal (both the masked edge blocks and the full ones), softcap for a
-    softcap kernel; for a helper, the case of its dtype's main kernel without a softcap and
-    with the d_head nearest 128. None when the operator runs another kernel for every call
-    the kernel could serve (a kernel of a test set beside the default one)."""
-    from flash_attention.config_bwd import BwdAuxKernel, BwdConfig, parse_kernel
+def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> Case | None:
+    """A backward case the operator runs `kernel` for on an sm_90 GPU (sm90=True) or another
+    one (a main kernel, a preprocess or a dQ conversion): for a main kernel BWD_CASE_TOKENS
+    tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
+    blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
+    a Hopper one shadows, the same with deterministic dQ (what still runs it there); for a
+    helper, the case of its dtype's main kernel without a softcap and with the d_head nearest
+    128. None when the operator runs another kernel for every call the kernel could serve (a
+    kernel of a test set beside the default one, a Hopper kernel off sm_90)."""
+    from flash_attention.config_bwd import BwdAuxKernel, parse_config, parse_kernel
 
     cfg = parse_kernel(kernel)
     if isinstance(cfg, BwdAuxKernel):
-        mains = sorted((c for c in map(BwdConfig.parse, bwd_configs) if c.dtype == cfg.dtype),
+        mains = sorted((c for c in map(parse_config, bwd_configs) if c.dtype == cfg.dtype),
                        key=lambda c: (c.softcap, abs(c.d_head - 128), c.d_head))
-        made = (case_for_bwd_kernel(c.short, bwd_configs) for c in mains)
+        made = (case_for_bwd_kernel(c.short, bwd_configs, sm90) for c in mains)
         return next((c for c in made if c is not None), None)
     case = Case(cfg.dtype, cfg.d_head, BWD_CASE_TOKENS // BWD_CASE_SEQLEN, BWD_CASE_SEQLEN,
                 causal=True, softcap=CASE_SOFTCAP if cfg.softcap else 0.0, kind="bwd")
-    return case if bwd_kernel(case, bwd_configs) == kernel else None
+    for made in (case, replace(case, deterministic=True)):
+        if bwd_kernel(made, bwd_configs, sm90) == kernel:
+            return made
+    return None

@@ -267,7 +267,7 @@ def measurable_names(cases: list[Case], rows: list[coverage.Row], bwd_configs: l
     sm90 = arch == "90"
     kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
     made = [coverage.case_for_kernel(k, rows, sm90) for k in kernels]
-    made += [coverage.case_for_bwd_kernel(k, bwd_configs) for k in bwd_configs]
+    made += [coverage.case_for_bwd_kernel(k, bwd_configs, sm90) for k in bwd_configs]
     return {c.name for c in cases} | {c.name for c in made if c is not None}
 
 

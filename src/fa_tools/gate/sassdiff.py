@@ -18,7 +18,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..analysis.kernel_names import short_of
+from ..analysis.kernel_names import is_hopper_name, short_of
 from ..gpu.perfcases import Case
 from .coverage import Row, case_for_bwd_kernel, case_for_kernel, kernels_run
 
@@ -27,8 +27,10 @@ INSTRUCTION_BYTES = 16  # sm_70 and later
 
 def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
     """The cubin architecture whose code runs the kernel on a GPU of gpu_arch ("90", "80",
-    ...): sm90-family kernels exist as sm_90a only and run on sm_90 alone."""
-    if kernel.startswith("sm90_"):
+    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_*) exist as sm_90a
+    only and run on sm_90 alone. A backward helper is compared as the code of the GPU's arch
+    (its sm_90a copy in a Hopper backward unit is left out)."""
+    if is_hopper_name(kernel):
         return "90a" if gpu_arch == "90" else None
     return gpu_arch
 
@@ -138,7 +140,7 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], bwd_configs: Se
                                 "why": f"{ch.describe()}; measured by {runs[ch.kernel]}"})
             continue
         if ch.kernel.startswith("bwd_"):
-            case = case_for_bwd_kernel(ch.kernel, bwd_configs)
+            case = case_for_bwd_kernel(ch.kernel, bwd_configs, sm90)
             unrun = "the backward operator picks another kernel for its calls (a kernel of a " \
                     "test set)"
         else:
