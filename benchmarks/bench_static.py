@@ -8,8 +8,9 @@ architectures the build does not contain are skipped with the reason, and so is 
 when fa_tools or the SASS tools are missing.
 
 Architectures are named as fa_tools' ptxas report names them: "80" and "90" for the sm80
-family, "90a" for the Hopper family (sm90_* configs compile for sm_90a alone, whatever the
-build's architecture list). On sm_90a, tensor_mma counts the wgmma (HGMMA);
+family, "90a" for the Hopper family (the forward's sm90_* and the backward's bwd_sm90_* configs
+compile for sm_90a alone, whatever the build's architecture list; Hopper backward kernels are
+tracked once the default backward set holds them). On sm_90a, tensor_mma counts the wgmma (HGMMA);
 HopperSassInstructions adds the Hopper-only categories (TMA, mbarrier, the wgmma fences and
 waits, setmaxnreg) and HopperWgmma whether ptxas serialized the wgmma and how many MUFU.EX2 it
 placed under a running wgmma (both pinned by the static gate too). New parameter values and
@@ -33,7 +34,8 @@ ARCHS = ["80", "90", "90a"]  # append only: asv keys the recorded results by the
 CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "shared_store",
               "local_memory", "mufu", "fp32", "conversion", "int_address", "move", "barrier",
               "branch"]
-HOPPER_KERNELS = [k for k in KERNELS if k.startswith("sm90_")]
+HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")  # the Hopper forward's and backward's short forms
+HOPPER_KERNELS = [k for k in KERNELS if k.startswith(HOPPER_PREFIXES)]
 HOPPER_CATEGORIES = ["tma", "mbarrier", "wgmma_sync", "setmaxnreg"]  # fa_tools' opcodes names
 
 
@@ -76,7 +78,7 @@ def _collect():
 def _wgmma(opcodes, rec, instrs) -> dict:
     """The wgmma schedule of a Hopper-family kernel, as far as this commit's fa_tools can tell
     (a count it cannot make stays out)."""
-    if not rec.kernel.startswith("sm90_"):
+    if not rec.kernel.startswith(HOPPER_PREFIXES):
         return {}
     out = {}
     if hasattr(rec, "wgmma_serialized"):

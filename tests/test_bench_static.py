@@ -183,7 +183,10 @@ def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
     policy = ratchet.load_yaml(str(ROOT / "ci" / "gate_policy.yaml"))
     pinned = [k for k in ratchet.scope_kernels(policy) if k.startswith("bwd_")]
     assert pinned and set(pinned) <= set(bs.KERNELS)
-    assert not set(pinned) & set(bs.HOPPER_KERNELS)
+    # the Hopper backward kernels among them (none while the policy pins `default` alone) get
+    # the Hopper tracks too
+    assert set(pinned) & set(bs.HOPPER_KERNELS) == {k for k in pinned
+                                                    if k.startswith("bwd_sm90_")}
 
     bwd = "bwd_bf16_d128_c128_r64_w8_fb"
     rec = SimpleNamespace(kernel=bwd, arch="90", registers=244, spill_stores=0, spill_loads=0,
@@ -202,3 +205,70 @@ def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
     assert got["sass"]["total"] == 3 and got["sass"]["tensor_mma"] == 2
     resources = _run(bs.KernelResources, cache)
     assert resources[(bwd, "90")]["track_spill_bytes"] == 0
+
+
+HOPPER_BWD = "bwd_sm90_bf16_d64_c128_r64_f"
+
+
+@pytest.fixture(scope="module")
+def bwd_build(tmp_path_factory):
+    """(binary, ptxas log) of one Hopper backward unit (HOPPER_BWD and the bf16 helpers) for
+    sm_90a, built as `build` builds its kernels; cuobjdump names its cubin
+    bwd_sm90_....sm_90a.cubin."""
+    from flash_attention.codegen_bwd import kernel_source
+    from flash_attention.config_bwd import parse_config
+
+    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    if not os.path.exists(nvcc) or shutil.which("g++") is None:
+        pytest.skip("nvcc or g++ not found")
+    try:
+        for tool in ("cuobjdump", "nvdisasm"):
+            binaries.find_tool(tool)
+    except binaries.ToolError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path_factory.mktemp("bench_static_bwd")
+    src = out / f"{HOPPER_BWD}.cu"
+    src.write_text(kernel_source(parse_config(HOPPER_BWD)))
+    proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
+                           "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+                           "-Xptxas=-v", f"-I{ROOT / 'src/csrc'}", str(src), "-o",
+                           str(src.with_suffix(".o"))],
+                          capture_output=True, text=True, check=True)
+    binary = out / "_C.so"
+    subprocess.run(["g++", "-shared", str(src.with_suffix(".o")), "-o", str(binary)], check=True)
+    (out / "ptxas.log").write_text(proc.stderr)
+    return binary, out / "ptxas.log"
+
+
+def test_hopper_backward_kernel_gets_the_hopper_tracks(bwd_build, monkeypatch):
+    """A Hopper backward kernel, once a tracked set holds it, is collected under 90a with the
+    Hopper figures (HGMMA as tensor_mma, TMA, setmaxnreg, the wgmma schedule), its helpers
+    under 90a beside it without them."""
+    from fa_tools.analysis.kernel_names import parse_kernel
+
+    binary, log = bwd_build
+    helpers = ["bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    monkeypatch.setattr(binaries, "extension_path", lambda: binary)
+    monkeypatch.setattr(binaries, "ptxas_log_path", lambda: log)
+    monkeypatch.setattr(bs, "KERNELS", [HOPPER_BWD, *helpers])
+    hopper = [k for k in bs.KERNELS if k.startswith(bs.HOPPER_PREFIXES)]
+    assert hopper == [HOPPER_BWD]
+    monkeypatch.setattr(bs.HopperSassInstructions, "params",
+                        (hopper, ["90a"], bs.HOPPER_CATEGORIES))
+    monkeypatch.setattr(bs.HopperWgmma, "params", (hopper, ["90a"]))
+    cache = bs._collect()
+    assert set(cache) == {(k, "90a") for k in bs.KERNELS}
+    got = cache[(HOPPER_BWD, "90a")]
+    instrs = sass.instructions(binary, HOPPER_BWD, "90a")
+    assert got["sass"]["tensor_mma"] == opcodes.expected_mma_count(parse_kernel(HOPPER_BWD)) \
+        == sum(i.base == "HGMMA" for i in instrs) == 24
+    assert got["spill_bytes"] == 0 and got["registers"] > 0
+    hopper_counts = {k: v["track_count"] for k, v in _run(bs.HopperSassInstructions,
+                                                           cache).items()}
+    assert all(hopper_counts[(HOPPER_BWD, "90a", c)] > 0 for c in bs.HOPPER_CATEGORIES)
+    wgmma = _run(bs.HopperWgmma, cache)[(HOPPER_BWD, "90a")]
+    assert wgmma["track_serialized"] == 0
+    assert wgmma["track_ex2_under_wgmma"] == opcodes.ex2_under_wgmma(instrs)
+    for helper in helpers:
+        assert "wgmma_serialized" not in cache[(helper, "90a")]
+        assert cache[(helper, "90a")]["sass"]["tensor_mma"] == 0
