@@ -13,9 +13,11 @@
               combined report
 
 Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor; backward:
-bwd_bf16_d128_c128_r64_w8_fb, and its helpers bwd_preprocess_bf16, bwd_convert_dq_bf16); a
-kernel argument may also be a set name (ci, default, ...; bwd:default for the backward's) or
-'all' (everything built). `resources` reads the one ptxas report of forward and backward.
+bwd_bf16_d128_c128_r64_w8_fb, the Hopper backward's bwd_sm90_bf16_d128_c128_r64_f, and their
+helpers bwd_preprocess_bf16, bwd_convert_dq_bf16); a kernel argument may also be a set name (ci,
+default, ...; bwd:default, bwd:hopper, ... for the backward's) or 'all' (everything built).
+Hopper-family kernels (sm90_*, bwd_sm90_*) exist as sm_90a code alone: --arch 90 finds them.
+`resources` reads the one ptxas report of forward and backward.
 Exit status: 0 ok, 1 errors found (sanitize, debug), 2 bad usage, 3 missing tool, binary or GPU.
 """
 
