@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attention as fa
 from flash_attention import ops
+from flash_attention.config_bwd import parse_config
 
 
 def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
@@ -145,7 +146,8 @@ def main() -> None:
     if missing:
         ap.error(f"variants not built: {', '.join(missing)}")
     for dt, *case in cases:
-        mine = [v for v in variants if v.startswith(f"bwd_{dt}_d{case[2]}_")]
+        mine = [v for v in variants if (parse_config(v).dtype, parse_config(v).d_head)
+                == (dt, case[2])]  # either family (bwd_..., bwd_sm90_...)
         for kernel in ["", *(mine if not case[4] else [])]:
             r = bench(*case, kernel=kernel, dtype=dt, peers=peers)
             line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
