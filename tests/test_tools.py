@@ -449,6 +449,22 @@ def test_hopper_backward_cubin_members(monkeypatch):
         cubins.cubin(Path("x.so"), hopper, "80")
 
 
+def test_cli_names_the_hopper_backward_set(monkeypatch):
+    """bwd:hopper names the built Hopper backward kernels and their helpers; bwd:default the
+    sm80 family's alone, as before."""
+    from fa_tools import cli as cli_module
+
+    built = ["bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
+             "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    monkeypatch.setattr(cubins, "list_cubins", lambda binary: [
+        cubins.Member(k, "90a" if k.startswith("bwd_sm90_") else "90", "f") for k in built])
+    assert cli_module._kernels(Path("x.so"), ["bwd:hopper"]) == [
+        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
+        "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    assert cli_module._kernels(Path("x.so"), ["bwd:default"]) == [
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+
+
 def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
     """The `hopper` backward set compiled here for sm_90a (its one target), named from ptxas's
     own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note); each unit
