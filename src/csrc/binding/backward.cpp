@@ -56,9 +56,8 @@ const flash::BwdKernelEntry* choose(c10::string_view name, bool bf16, int64_t d_
                 return e;
             continue;
         }
-        if (e->arch == arch && (e->dtype == flash::DType::kBf16) == bf16 &&
-            e->softcap == softcap && e->d_head >= d_head &&
-            (best == nullptr || e->d_head < best->d_head))
+        if (e->arch == arch && (e->dtype == flash::DType::kBf16) == bf16 && e->softcap == softcap &&
+            e->d_head >= d_head && (best == nullptr || e->d_head < best->d_head))
             best = e;
     }
     FA_CHECK(name.empty(), "backward kernel ", name,
@@ -138,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const flash::BwdKernelEntry* sm80 = named ? nullptr : choose("", bf16, D, softcap > 0, 80);
     const flash::BwdKernelEntry* sm90 = named ? nullptr : choose("", bf16, D, softcap > 0, 90);
     FA_CHECK(named != nullptr || sm80 != nullptr || sm90 != nullptr,
-             "this build has no backward kernel for ",
-             bf16 ? "bf16" : "fp16", " with d_head=", D, softcap > 0 ? " with a softcap" : "",
+             "this build has no backward kernel for ", bf16 ? "bf16" : "fp16", " with d_head=", D,
+             softcap > 0 ? " with a softcap" : "",
              "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
     if (named != nullptr)
         FA_CHECK_VALUE((named->dtype == flash::DType::kBf16) == bf16 && named->d_head >= D &&
@@ -181,9 +180,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
     // The Hopper kernel runs fixed-length, non-deterministic calls whose tensors TMA can
     // address on an sm_90 GPU; the rest run on the sm80 family.
-    const char* unfit = deterministic
-                            ? "the deterministic order runs on the sm80 family"
-                            : sm90_unfit(prop, varlen, {&q, &k, &v, &dout, &dk, &dv});
+    const char* unfit = deterministic ? "the deterministic order runs on the sm80 family"
+                                      : sm90_unfit(prop, varlen, {&q, &k, &v, &dout, &dk, &dv});
     if (named != nullptr && named->arch == 90)
         FA_CHECK(unfit == nullptr, "backward kernel ", named->name,
                  " (sm_90a) cannot run this call: ", unfit);

@@ -71,7 +71,6 @@ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
     return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
-
 // The query blocks of B_r rows that see all kBc keys k0 .. k0 + kBc - 1 and lie whole inside
 // the sequence ([lo, hi]; lo > hi: none): the block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside
 // the window iff its corners are, i.e. i B_r + B_r - 1 <= k0 - off + left and
@@ -104,13 +103,19 @@ __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
 }
 
+// The preprocess and the conversion are instantiated by every backward unit, sm80-family ones
+// (sm_80, sm_90 code) and Hopper ones (sm_90a only): internal linkage gives each unit its own
+// host stub, registered with its own module, so a launch never finds another unit's copy that
+// lacks this GPU's code.
+
 // ---- preprocess --------------------------------------------------------------------------------
 
 // One warp per query row (rows < seqlen_q_pad): D = rowsum(dO * O) - dLSE and LSE * log2(e)
 // (0 and +inf past seqlen_q; +inf for an LSE of -inf), and the row's dQ accumulator zeroed.
 // Lane l reads the 16-byte chunk l of the row.
 template <typename Elem>
-__global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+static __global__ void __launch_bounds__(128)
+    bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const int lane = threadIdx.x % 32;
     const int row = blockIdx.x * 4 + threadIdx.x / 32;
     const int64_t head = blockIdx.y, batch = blockIdx.z;
@@ -157,7 +162,8 @@ __global__ void __launch_bounds__(128) bwd_preprocess_kernel(const __grid_consta
 
 // dQ = scale * accumulator in the input dtype; one thread per 8 columns of a row.
 template <typename Elem>
-__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int chunks = p.d_head / 8;
     const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
     const int64_t row = idx / chunks;

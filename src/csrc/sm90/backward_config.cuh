@@ -21,12 +21,12 @@ template <typename Elem_, int kDHead_, bool kSoftcap_>
 struct Sm90BwdConfig {
     using Elem = Elem_;
 
-    static constexpr int kDHead = kDHead_;  // 64 or 128; serves multiples of 8 up to it
+    static constexpr int kDHead = kDHead_;       // 64 or 128; serves multiples of 8 up to it
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr int kConsumerWGs = 2;
-    static constexpr int kBc = 64 * kConsumerWGs;  // B_c: keys per CTA
-    static constexpr int kBr = 64;                 // B_r: query rows per block
-    static constexpr int kStages = 2;              // query-block stages in shared memory
+    static constexpr int kBc = 64 * kConsumerWGs;          // B_c: keys per CTA
+    static constexpr int kBr = 64;                         // B_r: query rows per block
+    static constexpr int kStages = 2;                      // query-block stages in shared memory
     static constexpr int kDqCols = kDHead / kConsumerWGs;  // dQ columns per warpgroup
 
     static constexpr int kThreads = 128 * (kConsumerWGs + 1);

@@ -40,8 +40,8 @@ struct BwdSmem {
     unsigned char* base;  // 1024-byte aligned
 
     __device__ __forceinline__ static BwdSmem aligned(unsigned char* raw) {
-        return BwdSmem{reinterpret_cast<unsigned char*>(
-            (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+        return BwdSmem{reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                                        ~uintptr_t(1023))};
     }
     __device__ __forceinline__ unsigned char* k() const { return base + Cfg::kSK; }
     __device__ __forceinline__ unsigned char* v() const { return base + Cfg::kSV; }
@@ -115,8 +115,8 @@ struct BackwardTile {
         i_first = q_hi >= q_lo ? static_cast<int>(q_lo / Cfg::kBr) : 0;
         n_q = q_hi >= q_lo ? static_cast<int>(q_hi / Cfg::kBr) - i_first + 1 : 0;
         n = n_q * p.heads_per_kv;
-        unmasked = bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k,
-                                                                  win);
+        unmasked =
+            bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k, win);
     }
 
     // (query head, query block) of pair t, stepped without divisions by the caller.
@@ -156,14 +156,14 @@ struct BackwardLoader : TmaLoader<Cfg> {
             this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
                                                       x.head, w.batch);
             // The row vectors: whole padded blocks (seqlen_q_pad is a multiple of B_r).
-            const int64_t vec = (int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad +
-                                int64_t(x.i) * Cfg::kBr;
+            const int64_t vec =
+                (int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
             mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
             bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
             bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
             wait_buffer_free(sm.do_empty(s), use);
-            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s),
-                                                      x.i, x.head, w.batch);
+            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s), x.i,
+                                                      x.head, w.batch);
         }
     }
 };
@@ -172,9 +172,9 @@ struct BackwardLoader : TmaLoader<Cfg> {
 template <class Cfg>
 struct BackwardConsumer {
     using Elem = typename Cfg::Elem;
-    static constexpr int kNS = Cfg::kBr / 8;        // n8 tiles of S^T, dP^T (query columns)
-    static constexpr int kNO = Cfg::kNTilesO;       // n8 tiles of dK, dV (d_head columns)
-    static constexpr int kNQ = Cfg::kDqCols / 8;    // n8 tiles of this warpgroup's dQ columns
+    static constexpr int kNS = Cfg::kBr / 8;          // n8 tiles of S^T, dP^T (query columns)
+    static constexpr int kNO = Cfg::kNTilesO;         // n8 tiles of dK, dV (d_head columns)
+    static constexpr int kNQ = Cfg::kDqCols / 8;      // n8 tiles of this warpgroup's dQ columns
     static constexpr int kStepsD = Cfg::kDHead / 16;  // k16 steps over d_head
     static constexpr int kStepsR = Cfg::kBr / 16;     // over a query block
     static constexpr int kStepsC = Cfg::kBc / 16;     // over the CTA's keys
@@ -409,9 +409,9 @@ struct BackwardConsumer {
     // past seqlen_q exist, padded, and add 0).
     __device__ __forceinline__ void add_dq(const float (&dQ)[kNQ][4], int head, int i) const {
         const BwdParams& p = prm.p;
-        float* acc = p.dq_accum +
-                     ((int64_t(w.batch) * p.heads + head) * p.seqlen_q_pad + int64_t(i) * Cfg::kBr) *
-                         Cfg::kDHead;
+        float* acc = p.dq_accum + ((int64_t(w.batch) * p.heads + head) * p.seqlen_q_pad +
+                                   int64_t(i) * Cfg::kBr) *
+                                      Cfg::kDHead;
         const int row = (warp % 4) * 16 + lane / 4;
         float* at = acc + row * Cfg::kDHead + wg * Cfg::kDqCols + 2 * (lane % 4);
 #pragma unroll
