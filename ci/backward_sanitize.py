@@ -1,6 +1,7 @@
 """A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
-kernel of the backward (preprocess, main with and without the ordered dQ, conversion) on tails,
-masks, GQA and a padded d_head.
+kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
+GPU with the hopper set built, the Hopper kernels for the fixed-length non-deterministic calls)
+on tails, masks, a window, a softcap, GQA and a padded d_head.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -14,14 +15,17 @@ import flash_attention as fa
 
 def main() -> None:
     torch.manual_seed(0)
-    for d, causal, det, (sq, sk), (h, hk) in [(128, True, False, (130, 200), (4, 2)),
-                                              (64, False, True, (77, 77), (2, 1)),
-                                              (40, True, True, (200, 90), (2, 2)),
-                                              (256, False, False, (65, 100), (2, 2))]:
+    for d, causal, det, (sq, sk), (h, hk), extra in [
+            (128, True, False, (130, 200), (4, 2), {}),
+            (64, False, True, (77, 77), (2, 1), {}),
+            (40, True, True, (200, 90), (2, 2), {}),
+            (256, False, False, (65, 100), (2, 2), {}),
+            (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
+            (96, True, False, (300, 260), (2, 2), {"softcap": 30.0})]:
         q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        fa.attention(q, k, v, causal=causal, deterministic=det).sum().backward()
+        fa.attention(q, k, v, causal=causal, deterministic=det, **extra).sum().backward()
         torch.cuda.synchronize()
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     cu = torch.tensor([0, 1, 71, 74, 204], dtype=torch.int32, device="cuda")  # 1, 70, 3, 130
