@@ -114,8 +114,7 @@ def test_hopper_set_and_configs():
     ("bwd_sm90_fp16_d256_c128_r64_ft", "d_head must be one of"),
     ("bwd_sm90_bf16_d128_c64_r64_f", r"B_c must be one of \(128,\), got 64"),
     ("bwd_sm90_bf16_d128_c128_r128_f", r"B_r must be one of \(64,\), got 128"),
-    ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 'qt'"),
-    ("bwd_sm90_bf16_d128_c128_r64_fq", "defer_dq needs d_head 64"),
+    ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 't'"),
     ("bwd_sm90_bf16_d128_c128_r64_ftt", "must be a subset"),
     ("bwd_sm90_bf16_d128_c128_f", "cannot parse Hopper backward config"),
     ("bwd_sm90_bf16_d128_c128_r64_w8_f", "cannot parse Hopper backward config"),
@@ -167,8 +166,7 @@ def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     assert h == Sm90BwdConfig("bf16", 128)
     assert select("bf16", 128, False, built) == default_tile("bf16", 128)
     assert select("bf16", 128, False, built, hopper=False) == default_tile("bf16", 128)
-    assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig("fp16", 64, defer_dq=True,
-                                                                          softcap=True)
+    assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig("fp16", 64, softcap=True)
     assert select("fp16", 96, False, built, hopper=True).short == "bwd_sm90_fp16_d128_c128_r64_f"
     # above the Hopper variants: the sm80 family's d_head 256 kernel
     assert select("bf16", 192, False, built, hopper=True) == default_tile("bf16", 256)
@@ -176,8 +174,7 @@ def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     assert select("bf16", 64, True, SETS["default"], hopper=True) == default_tile("bf16", 64,
                                                                                    True)
     assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
-    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig("bf16", 64,
-                                                                                   defer_dq=True)
+    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig("bf16", 64)
     assert select("bf16", 192, False, SETS["hopper"], hopper=True) is None
 
 
@@ -204,8 +201,8 @@ def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
 def test_codegen_of_a_hopper_config(tmp_path):
     """A Hopper backward unit: the sm_90a marker in its head (the nvcc wrapper then compiles it
     for sm_90a alone), the Hopper launcher's header, flash::sm90::Sm90BwdConfig<Elem, d_head,
-    defer_dq, softcap> and its registry entry; listed in the registry beside the sm80 family's,
-    which keeps its own template and no marker. Every flag changes the instantiation."""
+    softcap> and its registry entry; listed in the registry beside the sm80 family's, which
+    keeps its own template and no marker. Every flag changes the instantiation."""
     from flash_attention.nvcc_wrapper import ARCH_MARKER, arch_override
 
     hopper, sm80 = Sm90BwdConfig("bf16", 128), default_tile("bf16", 128)
@@ -216,8 +213,7 @@ def test_codegen_of_a_hopper_config(tmp_path):
     assert ARCH_MARKER in text[:4096] and "torch" not in text
     assert '#include "sm90/backward_launch.cuh"' in text
     assert (f"using Cfg_{hopper.short} = "
-            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*defer_dq=*/false, /*softcap=*/false>;"
-            ) in text
+            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false>;") in text
     assert f'sm90::make_bwd_entry<Cfg_{hopper.short}>("{hopper.short}")' in text
     assert f"extern const BwdKernelEntry entry_{hopper.short} =" in text
     other = paths[1].read_text()
@@ -229,12 +225,11 @@ def test_codegen_of_a_hopper_config(tmp_path):
     args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
     assert arch_override(args, str(paths[0])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
     assert arch_override(args, str(paths[1])) == args
-    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, defer_dq=True, softcap=True))
-    assert "sm90::Sm90BwdConfig<__half, 64, /*defer_dq=*/true, /*softcap=*/true>;" in fp16
-    d64 = Sm90BwdConfig("bf16", 64)  # (defer_dq needs d_head 64)
+    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, softcap=True))
+    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true>;" in fp16
     for name in Sm90BwdConfig.FLAGS:
-        flipped = d64.replace(**{name: not getattr(d64, name)})
-        assert codegen_bwd.kernel_source(flipped) != codegen_bwd.kernel_source(d64)
+        flipped = hopper.replace(**{name: not getattr(hopper, name)})
+        assert codegen_bwd.kernel_source(flipped) != codegen_bwd.kernel_source(hopper)
 
 
 # ---- the operator's fake, validation and tracing ----------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import codegen_common
 from .codegen_common import ELEM_TYPES, HEADER
-from .config_bwd import FLAGS, SM90_FLAGS, AnyBwdConfig, BwdConfig, Sm90BwdConfig, resolve
+from .config_bwd import FLAGS, AnyBwdConfig, BwdConfig, Sm90BwdConfig, resolve
 from .nvcc_wrapper import ARCH_MARKER
 
 REGISTRY = "bwd_registry.cu"
@@ -31,8 +31,8 @@ def template_args(cfg: BwdConfig) -> str:
 def kernel_source(cfg: AnyBwdConfig) -> str:
     name = cfg.short
     if isinstance(cfg, Sm90BwdConfig):
-        args = ", ".join([ELEM_TYPES[cfg.dtype], str(cfg.d_head)] + [
-            f"/*{name}=*/{'true' if getattr(cfg, name) else 'false'}" for name in SM90_FLAGS])
+        args = (f"{ELEM_TYPES[cfg.dtype]}, {cfg.d_head}, "
+                f"/*softcap=*/{'true' if cfg.softcap else 'false'}")
         return (
             f"{HEADER}{ARCH_MARKER}\n// {cfg.describe()}\n"
             '#include "sm90/backward_launch.cuh"\n\n'

@@ -215,8 +215,6 @@ class BwdConfig(ShortFormConfig):
 
 
 SM90_FLAGS: dict[str, tuple[str, str]] = {
-    "defer_dq": ("q", "block t's dQ GEMM is issued in block t + 1 behind its S^T GEMM, so the wait "
-                      "for the other warpgroup's dS^T and the dQ reductions overlap GEMMs"),
     "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
 }
 SM90_D_HEADS = (64, 128)
@@ -236,7 +234,6 @@ class Sm90BwdConfig(ShortFormConfig):
     d_head: int
     block_c: int = 128
     block_r: int = 64
-    defer_dq: bool = False
     softcap: bool = False
 
     family = "sm90-bwd"
@@ -271,13 +268,9 @@ class Sm90BwdConfig(ShortFormConfig):
                 + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
 
     def problems(self) -> list[str]:
-        out = self.field_problems(("dtype", self.dtype, DTYPES),
-                                  ("d_head", self.d_head, SM90_D_HEADS),
-                                  ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64,)))
-        if not out and self.defer_dq and self.d_head != 64:
-            out.append("defer_dq needs d_head 64: at 128 three accumulators in flight beside dK "
-                       "and dV spill, and ptxas serializes the wgmma")
-        return out
+        return self.field_problems(("dtype", self.dtype, DTYPES),
+                                   ("d_head", self.d_head, SM90_D_HEADS),
+                                   ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64,)))
 
     def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
                   static_smem: int = 0) -> dict[str, int]:
@@ -402,7 +395,7 @@ VARIANTS: tuple[BwdConfig, ...] = tuple(
     for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
 
 HOPPER: tuple[Sm90BwdConfig, ...] = tuple(
-    Sm90BwdConfig(dtype, d, defer_dq=d == 64, softcap=softcap)
+    Sm90BwdConfig(dtype, d, softcap=softcap)
     for dtype, d, softcap in itertools.product(DTYPES, SM90_D_HEADS, (False, True)))
 
 SETS: dict[str, tuple[AnyBwdConfig, ...]] = {"ci": CI, "default": DEFAULT,

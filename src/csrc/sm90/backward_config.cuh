@@ -17,15 +17,11 @@
 
 namespace flash::sm90 {
 
-template <typename Elem_, int kDHead_, bool kDeferDq_, bool kSoftcap_>
+template <typename Elem_, int kDHead_, bool kSoftcap_>
 struct Sm90BwdConfig {
     using Elem = Elem_;
 
-    static constexpr int kDHead = kDHead_;  // 64 or 128; serves multiples of 8 up to it
-    // The dQ GEMM of block t is issued in block t + 1, behind its S^T GEMM: the wait for the
-    // other warpgroup's dS^T overlaps a GEMM, and the dQ reductions the dP^T one (else dQ is
-    // issued after the barrier and waited for at the end of block t).
-    static constexpr bool kDeferDq = kDeferDq_;
+    static constexpr int kDHead = kDHead_;       // 64 or 128; serves multiples of 8 up to it
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr int kConsumerWGs = 2;
     static constexpr int kBc = 64 * kConsumerWGs;          // B_c: keys per CTA
@@ -69,9 +65,6 @@ struct Sm90BwdConfig {
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
     static_assert(kDHead == 64 || kDHead == 128, "d_head variants 64 and 128");
-    // Three accumulators in flight (S^T, dQ, dP^T) beside dK and dV: at d_head 128 ptxas spills
-    // and serializes the wgmma.
-    static_assert(!kDeferDq || kDHead == 64, "kDeferDq needs d_head 64");
     static_assert(kStages * kQBytes == kKBytes, "the Q and dO stages stage dV and dK at the end");
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");

@@ -119,7 +119,7 @@ struct BackwardTile {
             bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k, win);
     }
 
-    // (query head, query block) of a pair, stepped without divisions by the caller.
+    // (query head, query block) of pair t, stepped without divisions by the caller.
     struct Pair {
         int head, i;
     };
@@ -337,79 +337,43 @@ struct BackwardConsumer {
                 dV[t][e] = dK[t][e] = 0.f;
         if (w.n > 0) {
             mbar_wait(sm.kv_full(), 0);  // K and V have landed
-            auto x = w.first(prm.p.heads_per_kv), prev = x;
-            for (int t = 0; t < w.n; ++t) {
-                block(t, x, prev);
-                prev = x;
-                w.advance(x);
-            }
-            if constexpr (Cfg::kDeferDq) {  // the last block's dQ
-                float dQ[kNQ][4];
-                named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // its dS^T is complete
-                wgmma_fence();
-                issue_dq(dQ, (w.n - 1) % 2);
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(dQ);
-                add_dq(dQ, prev.head, prev.i);
-            }
+            auto x = w.first(prm.p.heads_per_kv);
+            for (int t = 0; t < w.n; ++t, w.advance(x))
+                block(t, x.head, x.i);
         }
         // Both warpgroups are done with every stage (the dV and dK staging buffers).
         named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
         write_dk_dv();
     }
 
-    // Query block t, pair x; prev: block t - 1's pair (kDeferDq: its dQ is computed here).
-    using Pair = typename BackwardTile<Cfg>::Pair;
-    __device__ __forceinline__ void block(int t, const Pair& x, const Pair& prev) {
+    __device__ __forceinline__ void block(int t, int head, int i) {
         const int s = t % Cfg::kStages;
         const uint32_t phase = (t / Cfg::kStages) & 1;
-        const bool masked = x.i < w.unmasked.x || x.i > w.unmasked.y;
+        const bool masked = i < w.unmasked.x || i > w.unmasked.y;
         float S[kNS][4], dP[kNS][4];
-        float dQ[kNQ][4];
         uint32_t Pf[kStepsR][4], dSf[kStepsR][4];
 
         mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
         wgmma_fence();
         issue_kq(S, sm.k(), sm.q(s));
         wgmma_commit();
-        if constexpr (Cfg::kDeferDq) {
-            // The previous block's dQ, queued behind S^T: the wait for the other warpgroup's
-            // dS^T overlaps this block's first GEMM.
-            if (t > 0) {
-                named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
-                wgmma_fence();
-                issue_dq(dQ, (t - 1) % 2);
-                wgmma_commit();
-            }
-        }
         mbar_wait(sm.do_full(s), phase);  // dO has landed
         wgmma_fence();  // (dP^T's registers were last written by the previous block)
         issue_kq(dP, sm.v(), sm.dout(s));
         wgmma_commit();
         if constexpr (Cfg::kSoftcap) {
-            wgmma_wait<0>();  // S^T, dP^T (and the previous dQ) are in registers
+            wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
             fence_regs(dP);
-            if constexpr (Cfg::kDeferDq) {
-                fence_regs(dQ);
-                if (t > 0)
-                    add_dq(dQ, prev.head, prev.i);
-            }
-            probabilities<true>(S, dP, s, x.i, masked);
+            probabilities<true>(S, dP, s, i, masked);
             to_fragments(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
             wgmma_commit();
         } else {
-            wgmma_wait<1>();  // S^T (and the previous dQ) are in registers; dP^T may still run
+            wgmma_wait<1>();  // S^T is in registers; dP^T may still run
             fence_regs(S);
-            if constexpr (Cfg::kDeferDq) {
-                fence_regs(dQ);
-                if (t > 0)
-                    add_dq(dQ, prev.head, prev.i);
-            }
-            probabilities<false>(S, dP, s, x.i, masked);
+            probabilities<false>(S, dP, s, i, masked);
             to_fragments(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
@@ -422,26 +386,23 @@ struct BackwardConsumer {
         wgmma_fence();
         issue_acc(dK, dSf, sm.q(s));
         wgmma_commit();
-        // dS^T of both warpgroups into this block's buffer, last read by the dQ GEMMs of block
-        // t - 2, which both warpgroups completed before passing the barrier that follows their
-        // dS^T of block t - 1.
+        // dS^T of both warpgroups into this block's buffer. The other buffer may still be read
+        // by the other warpgroup's dQ GEMM of the previous block; this one was last read two
+        // blocks ago, before both passed the barrier below of the previous block.
         store_ds(dSf, t % 2);
         fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
-        if constexpr (!Cfg::kDeferDq) {
-            named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
-            wgmma_fence();
-            issue_dq(dQ, t % 2);
-            wgmma_commit();
-        }
-        wgmma_wait<0>();  // dV, dK (and dQ) are complete: the stage may be refilled
+        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+        float dQ[kNQ][4];
+        wgmma_fence();
+        issue_dq(dQ, t % 2);
+        wgmma_commit();
+        wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
         fence_regs(dV);
         fence_regs(dK);
+        fence_regs(dQ);
         release(sm.q_empty(s));
         release(sm.do_empty(s));
-        if constexpr (!Cfg::kDeferDq) {
-            fence_regs(dQ);
-            add_dq(dQ, x.head, x.i);
-        }
+        add_dq(dQ, head, i);
     }
 
     // dQ of the block into the fp32 accumulator (rows of Cfg::kDHead = p.d_pad floats; rows

@@ -109,11 +109,9 @@ def expected_mma_count(cfg) -> int:
     tile's first S and the last P V once more). sm90-bwd (the Hopper backward): per query block
     each consumer warpgroup issues d/16 m64n64k16 for S^T = K Q^T and as many for dP^T = V dO^T,
     B_r/16 m64n<d>k16 for dV += P^T dO and as many for dK += dS^T Q, and B_c/16 m64n<d/2>k16
-    for its half of dQ = dS K, once (the loop is neither peeled nor unrolled); with defer_dq
-    the dQ GEMM has a second site, the last block's after the loop."""
+    for its half of dQ = dS K, once (the loop is neither peeled nor unrolled)."""
     if cfg.family == "sm90-bwd":
-        dq_sites = 2 if cfg.defer_dq else 1
-        return 2 * (cfg.d_head // 16) + 2 * (cfg.block_r // 16) + dq_sites * (cfg.block_c // 16)
+        return 2 * (cfg.d_head // 16) + 2 * (cfg.block_r // 16) + cfg.block_c // 16
     if cfg.family == "sm90":
         sites = 3 if getattr(cfg, "tile_overlap", False) else 2
         return sites * (cfg.d_head // 16 + cfg.block_c // 16)
