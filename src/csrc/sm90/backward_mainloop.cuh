@@ -4,8 +4,9 @@
 //
 // Pipeline, per query block t of the CTA (stage s = t % 2, its use t / 2 waits for phase parity
 // (t / 2) & 1): q_full[s] completes when Q, LSE and D of the block have landed, do_full[s] when
-// dO has; q_empty[s] and do_empty[s] when every consumer warp is done with them (its GEMMs
-// reading them have completed), so the producer may refill the stage with block t + 2.
+// dO has; q_empty[s] when every consumer thread is done with Q, LSE and D (its loads, and the
+// GEMMs reading Q have completed), do_empty[s] when every consumer warp is done with dO, so the
+// producer may refill the stage with block t + 2.
 // kv_full completes once, when K and V have landed.
 #pragma once
 
@@ -79,14 +80,15 @@ struct BwdSmem {
     static_assert((1 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
 
     // One thread, before any other uses them. kv_full takes two arrivals (K's copies and V's,
-    // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one; the
-    // empty barriers one per consumer warp.
+    // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one;
+    // do_empty one per consumer warp (dO is read by wgmma alone), q_empty one per consumer
+    // thread (each reads LSE and D with its own loads, which its own arrival releases).
     __device__ __forceinline__ void init_barriers() const {
         mbar_init(kv_full(), 2);
         for (int s = 0; s < Cfg::kStages; ++s) {
             mbar_init(q_full(s), 2);
             mbar_init(do_full(s), 1);
-            mbar_init(q_empty(s), Cfg::kConsumerWarps);
+            mbar_init(q_empty(s), 128 * Cfg::kConsumerWGs);
             mbar_init(do_empty(s), Cfg::kConsumerWarps);
         }
         fence_barrier_init();
@@ -400,7 +402,7 @@ struct BackwardConsumer {
         fence_regs(dV);
         fence_regs(dK);
         fence_regs(dQ);
-        release(sm.q_empty(s));
+        mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
         release(sm.do_empty(s));
         add_dq(dQ, head, i);
     }
