@@ -3,11 +3,11 @@
 # tests (and, with BENCH=1, the backward timing against SDPA; with LLAMA=1, the Hugging Face
 # Llama training client against SDPA, which needs transformers: ci/llama_train_client.py).
 # Logs go to $OUT (or ./out).
-#   BWD=default FWD_D="32 64 96 128 160 192 256" ci/gpu_backward.sh [pytest args...]
+#   BWD=default FWD_D="32 64 96 128 160 192 224 256" ci/gpu_backward.sh [pytest args...]
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
-fwd_d=${FWD_D:-32 64 96 128 160 192 256}
+fwd_d=${FWD_D:-32 64 96 128 160 192 224 256}
 fwd=$(python3 - "$fwd_d" <<'PY'
 import sys
 sys.path.insert(0, "src")

@@ -31,6 +31,7 @@ from flash_attention import codegen_bwd, ops
 from flash_attention.config import ConfigError
 from flash_attention.config_bwd import (
     SETS,
+    SM80_DEFAULT,
     BwdAuxKernel,
     BwdConfig,
     Sm90BwdConfig,
@@ -84,8 +85,9 @@ def test_invalid_configs_are_refused_with_the_reason(text, message):
 
 
 def test_hopper_set_and_configs():
-    """The `hopper` set: d_head 64 and 128, both dtypes, softcap off and on; in `all`, in
-    neither `ci` nor `default` (those wait for its GPU validation). The fields and the shared
+    """The `hopper` set: d_head 64 and 128, both dtypes, softcap off and on; all of it in
+    `default` (beside the sm80 family's tiles), its bf16 d_head 128 kernel in `ci`, none in
+    `variants`. The fields and the shared
     memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO, dS^T
     twice, LSE and D per stage, the barriers, 1024 bytes of alignment)."""
     hopper = SETS["hopper"]
@@ -93,8 +95,9 @@ def test_hopper_set_and_configs():
     assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
         (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128) for sc in (False, True)}
     assert set(hopper) <= set(SETS["all"])
-    assert not set(hopper) & (set(SETS["ci"]) | set(SETS["default"]) | set(SETS["variants"]))
-    assert resolve("hopper,default") == hopper + SETS["default"]
+    assert SETS["default"][-8:] == hopper and not set(hopper) & set(SETS["variants"])
+    assert set(hopper) & set(SETS["ci"]) == {Sm90BwdConfig("bf16", 128)}
+    assert resolve("hopper,default") == hopper + SETS["default"][:-8]
     cfg = parse_config("bwd_sm90_bf16_d128_c128_r64_ft")
     assert cfg == Sm90BwdConfig("bf16", 128, softcap=True)
     assert (cfg.family, cfg.arch, cfg.block_c, cfg.block_r, cfg.threads, cfg.warps) == (
@@ -171,8 +174,7 @@ def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     # above the Hopper variants: the sm80 family's d_head 256 kernel
     assert select("bf16", 192, False, built, hopper=True) == default_tile("bf16", 256)
     # no Hopper kernel built: the sm80 family; only Hopper kernels: none off Hopper
-    assert select("bf16", 64, True, SETS["default"], hopper=True) == default_tile("bf16", 64,
-                                                                                   True)
+    assert select("bf16", 64, True, SM80_DEFAULT, hopper=True) == default_tile("bf16", 64, True)
     assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
     assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig("bf16", 64)
     assert select("bf16", 192, False, SETS["hopper"], hopper=True) is None

@@ -13,10 +13,12 @@ from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, C
 from flash_attention import config_bwd, dispatch
 from flash_attention.config_sets import resolve
 
-BWD_DEFAULT = [c.short for c in config_bwd.resolve("default")]  # what the gate's build holds
+# the sm80 family's default tiles alone (a build without the Hopper backward)
+BWD_DEFAULT = [c.short for c in config_bwd.SM80_DEFAULT]
 BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
-# a build holding the Hopper backward beside the default set (the sm80 family serves the rest)
-BWD_HOPPER = [c.short for c in config_bwd.resolve("default,hopper")]
+# what the gate's build holds: the `default` set, the Hopper backward beside the sm80 family
+# (which serves the rest)
+BWD_HOPPER = [c.short for c in config_bwd.resolve("default")]
 
 
 @pytest.fixture
@@ -162,6 +164,16 @@ def test_every_default_backward_kernel_kind_and_helper_is_run_by_a_gate_case():
     assert set(BWD_HELPERS) <= ran
 
 
+def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90():
+    """On the runner's GPU (sm_90) with the `default` set: every Hopper kernel and every sm80
+    kernel, dtype aside, is the pick of a backward gate case (the sm80 family's d_head 64 and
+    128 kernels through the deterministic cases), and so are the helpers."""
+    ran = {k for c in BWD_GATE_CASES for k in coverage.kernels_run(c, [], BWD_HOPPER, sm90=True)}
+    assert {coverage.kind(k) for k in ran if k in BWD_HOPPER} == {
+        coverage.kind(k) for k in BWD_HOPPER}
+    assert set(BWD_HELPERS) <= ran
+
+
 def test_a_training_step_runs_the_forward_and_the_backward(rows):
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     forward, *backward = coverage.kernels_run(step, rows, BWD_DEFAULT, sm90=True)
@@ -248,8 +260,10 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
             assert isinstance(cfg, config_bwd.Sm90BwdConfig), case.name
             assert (cfg.dtype, cfg.softcap, cfg.d_head) == (case.dtype, case.softcap > 0,
                                                              case.d_head)
-    (det,) = [c for c in BWD_GATE_CASES if c.deterministic]
-    assert coverage.bwd_kernel(det, BWD_HOPPER, sm90=True) == "bwd_bf16_d128_c128_r64_w8_fb"
+    dets = [c for c in BWD_GATE_CASES if c.deterministic]
+    assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in dets] == [
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_fp16_d64_c128_r128_w8_fb",
+        "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt"]
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=True) == [
         "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
@@ -290,7 +304,7 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
 def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
     """The SASS diff of a build with the Hopper backward on sm_90: a changed Hopper kernel no
     gate case runs gets the case that runs it, one the gate runs is reported as measured, and a
-    changed sm80-family kernel shadowed by a Hopper one gets a deterministic case."""
+    changed sm80-family kernel shadowed by a Hopper one is measured by a deterministic case."""
     from fa_tools.gate import sassdiff
 
     changes = [sassdiff.KernelChange(k, n, n, 2000) for k, n in [
@@ -298,11 +312,11 @@ def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
         ("bwd_sm90_bf16_d128_c128_r64_f", 60),  # the causal d_head 128 gate case runs it
         ("bwd_fp16_d64_c128_r128_w8_fb", 50)]]  # shadowed on sm_90: a deterministic case
     sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
-    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd",
-                                              "fp16_d64_b4_s4096_causal_det_bwd"]
-    for added, change in zip(sel.cases, changes[::2]):
-        assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == change.kernel
+    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd"]
+    (added,) = sel.cases
+    assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == changes[0].kernel
     assert {c["kernel"]: c["case"] for c in sel.covered} == {
+        "bwd_fp16_d64_c128_r128_w8_fb": "fp16_d64_b4_s4096_kv4_det_bwd",
         "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd"}
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "90") == "90a"
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "80") is None

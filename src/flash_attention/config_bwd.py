@@ -13,15 +13,17 @@ family).
 Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
 ``none`` builds no backward):
 
-- ``ci``: three kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
-  softcap and without (the split-column warp grid, the padded 256-wide rows).
-- ``default``: the tile of :func:`default_tile` for d_head 64, 128 and 256 in both dtypes,
-  with and without a softcap (12 kernels); every other d_head runs zero-padded on the next.
-- ``variants``: the same for every d_head variant (32 .. 256 but 224, which runs on 256).
+- ``ci``: four kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
+  softcap and without (the split-column warp grid, the padded 256-wide rows), and the Hopper
+  kernel of bf16 d_head 128.
 - ``hopper``: the Hopper backward kernels (:class:`Sm90BwdConfig`), d_head 64 and 128 in both
-  dtypes, with and without a softcap (8 kernels). In neither ``ci`` nor ``default`` until they
-  are validated on a GPU; a build holding them still needs the sm80 family for the calls they
-  do not run (varlen, deterministic, other GPUs, d_head above 128).
+  dtypes, with and without a softcap (8 kernels). They need the sm80 family beside them for
+  the calls they do not run (varlen, deterministic, other GPUs, d_head above 128).
+- ``default``: the sm80 family's tile of :func:`default_tile` for d_head 64, 128 and 256 in
+  both dtypes, with and without a softcap (12 kernels; every other d_head runs zero-padded on
+  the next), and the ``hopper`` set.
+- ``variants``: the sm80 family's tile for every d_head variant (32 .. 256 but 224, which
+  runs on 256).
 - ``all``: the union.
 """
 
@@ -382,12 +384,12 @@ VARIANT_D_HEADS = tuple(d for d in D_HEADS if d != 224)
 
 P = BwdConfig.parse
 
-CI: tuple[BwdConfig, ...] = (
+SM80_CI: tuple[BwdConfig, ...] = (
     P("bwd_bf16_d64_c128_r64_w8_fb"),
     P("bwd_bf16_d128_c128_r64_w8_fb"),
     P("bwd_fp16_d256_c64_r64_w8_ft"),
 )
-DEFAULT: tuple[BwdConfig, ...] = tuple(
+SM80_DEFAULT: tuple[BwdConfig, ...] = tuple(
     default_tile(dtype, d, softcap)
     for dtype, d, softcap in itertools.product(DTYPES, DEFAULT_D_HEADS, (False, True)))
 VARIANTS: tuple[BwdConfig, ...] = tuple(
@@ -397,10 +399,12 @@ VARIANTS: tuple[BwdConfig, ...] = tuple(
 HOPPER: tuple[Sm90BwdConfig, ...] = tuple(
     Sm90BwdConfig(dtype, d, softcap=softcap)
     for dtype, d, softcap in itertools.product(DTYPES, SM90_D_HEADS, (False, True)))
+DEFAULT: tuple[AnyBwdConfig, ...] = SM80_DEFAULT + HOPPER
+CI: tuple[AnyBwdConfig, ...] = (*SM80_CI, Sm90BwdConfig("bf16", 128))
 
 SETS: dict[str, tuple[AnyBwdConfig, ...]] = {"ci": CI, "default": DEFAULT,
                                              "variants": VARIANTS, "hopper": HOPPER, "none": ()}
-SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS + HOPPER))
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
 
 
 def resolve(spec: str) -> tuple[AnyBwdConfig, ...]:

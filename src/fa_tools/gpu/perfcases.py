@@ -184,8 +184,14 @@ BWD_GATE_CASES = tuple([
     Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
     Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
-    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128
+    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128. On an
+    # sm_90 GPU the cases above run the Hopper kernels at d_head 64 and 128; deterministic
+    # calls run the sm80 family there, so these four keep its d_head 64 and 128 kernels (with
+    # and without a softcap) under the gate too.
     Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, kv_heads=4, deterministic=True, kind="bwd"),
+    Case("bf16", 128, 4, 4096, softcap=30.0, deterministic=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, deterministic=True, kind="bwd"),
     # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
     Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
 ])
