@@ -450,8 +450,9 @@ def test_hopper_backward_cubin_members(monkeypatch):
 
 
 def test_cli_names_the_hopper_backward_set(monkeypatch):
-    """bwd:hopper names the built Hopper backward kernels and their helpers; bwd:default the
-    sm80 family's alone, as before."""
+    """bwd:hopper names the built Hopper backward kernels and their helpers; bwd:default both
+    families' (the Hopper set is part of it); with an arch, a set keeps the kernels that have
+    code for it (the Hopper ones under 90, none of them under 80)."""
     from fa_tools import cli as cli_module
 
     built = ["bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
@@ -462,7 +463,11 @@ def test_cli_names_the_hopper_backward_set(monkeypatch):
         "bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
         "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
     assert cli_module._kernels(Path("x.so"), ["bwd:default"]) == [
-        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_sm90_bf16_d128_c128_r64_f",
+        "bwd_sm90_bf16_d128_c128_r64_ft", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    assert cli_module._kernels(Path("x.so"), ["bwd:default"], "90") == cli_module._kernels(
+        Path("x.so"), ["bwd:default"])
+    assert cli_module._kernels(Path("x.so"), ["bwd:default"], "80") == []
 
 
 def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):

@@ -45,13 +45,16 @@ def _binary(args: argparse.Namespace) -> Path:
     return Path(args.binary) if args.binary else extension_path()
 
 
-def _kernels(binary: Path, names: list[str]) -> list[str]:
-    """Config short forms of the given names / set names / 'all', as built in binary. A
-    backward set is named bwd:<set> (bwd:default: its kernels and their helpers)."""
+def _kernels(binary: Path, names: list[str], arch: str | None = None) -> list[str]:
+    """Config short forms of the given names / set names / 'all', as built in binary (a set or
+    'all' keeps the kernels with code for `arch` where one is named: an sm_90a-only Hopper kernel
+    under 90 or 90a, never under 80). A backward set is named bwd:<set> (bwd:default: its
+    kernels and their helpers)."""
     from flash_attention import config_bwd
     from flash_attention.config_sets import SETS
 
-    built = sorted({m.kernel for m in cubins.list_cubins(binary)})
+    built = sorted({m.kernel for m in cubins.list_cubins(binary)
+                    if arch is None or m.arch == arch or (arch == "90" and m.arch == "90a")})
     out: list[str] = []
     for name in names:
         if name == "all":
@@ -104,7 +107,7 @@ def _histograms(binary: Path, kernels: list[str], arch: str) -> list[opcodes.His
 
 def cmd_count(args: argparse.Namespace) -> int:
     binary = _binary(args)
-    hists = _histograms(binary, _kernels(binary, args.kernels), args.arch)
+    hists = _histograms(binary, _kernels(binary, args.kernels, args.arch), args.arch)
     if args.format in ("json", "yaml"):
         sys.stdout.write(formats.render([h.as_dict() for h in hists], args.format))
         return 0
