@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "../backward_registry.h"
 #include "../registry.h"
 
 namespace flash {
@@ -61,6 +62,22 @@ constexpr KernelEntry kernel_entry(const char* name, LaunchFn launch, int arch,
                        launch,
                        arch,
                        tile_counter};
+}
+
+// The backward registry entry of config Cfg (either family), launched by `launch`; arch: 80
+// (sm80 family) or 90 (sm_90a).
+template <class Cfg>
+constexpr BwdKernelEntry bwd_kernel_entry(const char* name, BwdLaunchFn launch, int arch) {
+    return BwdKernelEntry{name,
+                          std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
+                          Cfg::kDHead,
+                          Cfg::kBc,
+                          Cfg::kBr,
+                          Cfg::kThreads,
+                          Cfg::kSmemBytes,
+                          Cfg::kSoftcap,
+                          arch,
+                          launch};
 }
 
 }  // namespace flash

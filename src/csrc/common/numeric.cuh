@@ -28,6 +28,21 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// fp32 accumulators of n8 tiles (the mma.sync m16n8 / wgmma layout of a warp's 16 rows) ->
+// 16-bit A fragments of the next GEMM, whose k16 step kk is n8 tiles 2 kk and 2 kk + 1. The
+// four registers of a step are also the stmatrix.x4 fragments of those two tiles.
+template <typename Elem, int kSteps>
+__device__ __forceinline__ void to_a_fragments(const float (&x)[2 * kSteps][4],
+                                               uint32_t (&f)[kSteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+        f[kk][0] = pack2<Elem>(x[2 * kk][0], x[2 * kk][1]);
+        f[kk][1] = pack2<Elem>(x[2 * kk][2], x[2 * kk][3]);
+        f[kk][2] = pack2<Elem>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        f[kk][3] = pack2<Elem>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

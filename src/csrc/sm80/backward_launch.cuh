@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -29,16 +28,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
 
 template <class Cfg>
 constexpr BwdKernelEntry make_bwd_entry(const char* name) {
-    return BwdKernelEntry{name,
-                          std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-                          Cfg::kDHead,
-                          Cfg::kBc,
-                          Cfg::kBr,
-                          Cfg::kThreads,
-                          Cfg::kSmemBytes,
-                          Cfg::kSoftcap,
-                          /*arch=*/80,
-                          &launch_bwd<Cfg>};
+    return bwd_kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/80);
 }
 
 }  // namespace flash

@@ -1,10 +1,8 @@
 // Host-side launcher of one Hopper backward config and its registry entry: the TMA tensor maps
 // of Q, K, V, dO (loads) and dK, dV (stores), then the preprocess, the main kernel and the dQ
 // conversion. Plain CUDA (no torch). The binding calls it only for fixed-length, non-deterministic
-// calls that sm90_unfit() (binding/dispatch.h) accepts; errors are returned, never swallowed.
+// calls that sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
 #pragma once
-
-#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -49,16 +47,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
 
 template <class Cfg>
 constexpr BwdKernelEntry make_bwd_entry(const char* name) {
-    return BwdKernelEntry{name,
-                          std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-                          Cfg::kDHead,
-                          Cfg::kBc,
-                          Cfg::kBr,
-                          Cfg::kThreads,
-                          Cfg::kSmemBytes,
-                          Cfg::kSoftcap,
-                          /*arch=*/90,
-                          &launch_bwd_sm90<Cfg>};
+    return bwd_kernel_entry<Cfg>(name, &launch_bwd_sm90<Cfg>, /*arch=*/90);
 }
 
 }  // namespace flash::sm90

@@ -234,19 +234,6 @@ struct BackwardConsumer {
         }
     }
 
-    // fp32 accumulators of S^T (or dP^T) -> 16-bit A fragments: n8 tiles 2kk and 2kk + 1 are the
-    // k16 step kk. The same four registers are a stmatrix.x4 of those two tiles.
-    __device__ __forceinline__ static void to_fragments(const float (&x)[kNS][4],
-                                                        uint32_t (&f)[kStepsR][4]) {
-#pragma unroll
-        for (int kk = 0; kk < kStepsR; ++kk) {
-            f[kk][0] = pack2<Elem>(x[2 * kk][0], x[2 * kk][1]);
-            f[kk][1] = pack2<Elem>(x[2 * kk][2], x[2 * kk][3]);
-            f[kk][2] = pack2<Elem>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-            f[kk][3] = pack2<Elem>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-        }
-    }
-
     // ---- element-wise ---------------------------------------------------------------------------
 
     // Key (row of S^T) of this thread's element e of any n8 tile, within the CTA's block.
@@ -312,7 +299,7 @@ struct BackwardConsumer {
     }
 
     // dS^T of this warpgroup's keys into buffer `buf` (rows 64 wg .., swizzled as a TMA tile):
-    // one stmatrix.x4 per k16 step, whose fragments are those of the dK GEMM (to_fragments).
+    // one stmatrix.x4 per k16 step, whose fragments are those of the dK GEMM (to_a_fragments).
     // Lane l addresses row l % 8 of matrix l / 8: rows + 8 for odd l / 8, the step's second n8
     // tile for l / 16; chunk (2 kk + l / 16) ^ (row & 7), row & 7 = l % 8.
     __device__ __forceinline__ void store_ds(const uint32_t (&f)[kStepsR][4], int buf) const {
@@ -368,7 +355,7 @@ struct BackwardConsumer {
             fence_regs(S);
             fence_regs(dP);
             probabilities<true>(S, dP, s, i, masked);
-            to_fragments(S, Pf);
+            to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
             wgmma_commit();
@@ -376,7 +363,7 @@ struct BackwardConsumer {
             wgmma_wait<1>();  // S^T is in registers; dP^T may still run
             fence_regs(S);
             probabilities<false>(S, dP, s, i, masked);
-            to_fragments(S, Pf);
+            to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
             wgmma_commit();
@@ -384,7 +371,7 @@ struct BackwardConsumer {
             fence_regs(dP);
             dscores(S, dP, s);
         }
-        to_fragments(dP, dSf);
+        to_a_fragments<Elem>(dP, dSf);
         wgmma_fence();
         issue_acc(dK, dSf, sm.q(s));
         wgmma_commit();

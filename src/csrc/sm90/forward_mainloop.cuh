@@ -155,17 +155,8 @@ struct ForwardConsumer {
         }
     }
 
-    // P (fp32 accumulators of S) -> 16-bit A fragments: n8 tiles 2kk and 2kk + 1 of S are the
-    // k16 step kk of P V.
-    __device__ __forceinline__ void convert_p() {
-#pragma unroll
-        for (int kk = 0; kk < kStepsPV; ++kk) {
-            P[kk][0] = pack2<Elem>(S[2 * kk][0], S[2 * kk][1]);
-            P[kk][1] = pack2<Elem>(S[2 * kk][2], S[2 * kk][3]);
-            P[kk][2] = pack2<Elem>(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-            P[kk][3] = pack2<Elem>(S[2 * kk + 1][2], S[2 * kk + 1][3]);
-        }
-    }
+    // P (fp32 accumulators of S) -> 16-bit A fragments of P V.
+    __device__ __forceinline__ void convert_p() { to_a_fragments<Elem>(S, P); }
 
     // ---- turns (ping-pong) and stage release --------------------------------------------------
 

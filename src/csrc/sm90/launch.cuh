@@ -1,6 +1,6 @@
 // Host-side launcher of one Hopper config: the TMA tensor maps of Q, K, V and O (encoded per call,
 // tensor_map.h), the shared-memory opt-in and the launch. The binding calls it only for calls that
-// sm90_unfit() (binding/dispatch.h) accepts; errors are returned, never swallowed.
+// sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
 #pragma once
 
 #include <atomic>
