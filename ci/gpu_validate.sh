@@ -3,7 +3,7 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile gate-aa bwd-planted
+#        sanitize debug asv calibrate hang profile gate-aa bwd-planted bwd90-planted
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -22,9 +22,10 @@
 #   hang      a head whose attention() never returns on one case: the gate must end in exit 2
 #   gate-aa   the A/B gate's comparison of this build with itself (fa-tools gate perf --aa), all
 #             cases, forward and backward: every verdict must be "same" (exit 0)
-#   bwd-planted  the A/B gate on a copy of this tree whose softcap backward kernels spin 400
-#             cycles per query block: the softcap backward cases (and those the SASS diff adds
-#             for the other softcap backward kernels) must be "slower", all else "same" (exit 1)
+#   bwd-planted  the A/B gate on a copy of this tree whose sm80-family softcap backward kernels
+#             spin 400 cycles per query block: the backward cases that run them (and those the
+#             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
+#   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
@@ -209,19 +210,24 @@ if step gate-aa; then
     run gate-aa bash -c "time python3 -m fa_tools gate perf --aa --out '$LOG_DIR/gate-aa'; \
         echo exit \$?"
 fi
-if step bwd-planted; then
-    # head: a copy of this built tree, rebuilt with the plant; base: this tree. The plant is
-    # applied here, in the copy, so no planted source is ever committed; it anchors on the
-    # main kernel's per-query-block call of probabilities() and refuses (exit 3) if that moved.
-    rm -rf /tmp/fa-bwd-plant && cp -r . /tmp/fa-bwd-plant
-    python3 - <<'PY' || exit 3
+# A planted backward slowdown: head = a copy of this built tree, rebuilt with a 400-cycle spin per
+# query block in the softcap kernels of one backward family; base = this tree. The plant is
+# applied in the copy, so no planted source is ever committed; it anchors on a line of the
+# family's per-query-block code and refuses (exit 3) if that line moved.
+#   bwd-planted    the sm80 family (on sm_90: the deterministic softcap cases and d_head 256)
+#   bwd90-planted  the Hopper family (on sm_90: the fixed-length softcap cases)
+bwd_plant() {  # bwd_plant STEP FILE ANCHOR
+    local name=$1 file=$2 anchor=$3 copy=/tmp/fa-$1
+    rm -rf "$copy" && cp -r . "$copy"
+    PLANT_FILE="$copy/$file" PLANT_ANCHOR="$anchor" PLANT_STEP="$name" python3 - <<'PY' || exit 3
+import os
 import pathlib
-p = pathlib.Path("/tmp/fa-bwd-plant/src/csrc/sm80/backward_kernel.cuh")
+p = pathlib.Path(os.environ["PLANT_FILE"])
 t = p.read_text()
-anchor = t.find("probabilities(i, stage(buf)")
+anchor = t.find(os.environ["PLANT_ANCHOR"])
 if anchor < 0:
-    raise SystemExit("bwd-planted: the anchor 'probabilities(i, stage(buf)' is not in "
-                     "backward_kernel.cuh any more; update the plant")
+    raise SystemExit(f"{os.environ['PLANT_STEP']}: the anchor {os.environ['PLANT_ANCHOR']!r} is "
+                     f"not in {p.name} any more; update the plant")
 line = t.rindex("\n", 0, anchor) + 1
 indent = t[line:anchor]
 spin = ("if constexpr (Cfg::kSoftcap) {  // planted: 400 cycles per query block\n"
@@ -231,12 +237,19 @@ spin = ("if constexpr (Cfg::kSoftcap) {  // planted: 400 cycles per query block\
         "}\n")
 p.write_text(t[:line] + "".join(indent + s + "\n" for s in spin.splitlines()) + t[line:])
 PY
-    run bwd-planted-build bash -c "cd /tmp/fa-bwd-plant && FLASH_ATTENTION_KERNELS='$KERNELS' \
+    run "$name-build" bash -c "cd $copy && FLASH_ATTENTION_KERNELS='$KERNELS' \
         FLASH_ATTENTION_ARCHS='$ARCHS' MAX_JOBS='${MAX_JOBS:-16}' python3 setup.py -q \
         build_ext --inplace" || exit 2
-    run bwd-planted bash -c "cd /tmp/fa-bwd-plant && time PYTHONPATH=/tmp/fa-bwd-plant/src \
-        python3 -m fa_tools gate perf --base-dir '$PWD' --out '$LOG_DIR/bwd-planted'; \
+    run "$name" bash -c "cd $copy && time PYTHONPATH=$copy/src \
+        python3 -m fa_tools gate perf --base-dir '$PWD' --out '$LOG_DIR/$name'; \
         echo exit \$?"
+}
+if step bwd-planted; then
+    bwd_plant bwd-planted src/csrc/sm80/backward_kernel.cuh "probabilities(i, stage(buf)"
+fi
+if step bwd90-planted; then
+    bwd_plant bwd90-planted src/csrc/sm90/backward_mainloop.cuh \
+        "mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed"
 fi
 if step profile; then
     shape=${PROFILE_SHAPE:-bf16 128 16 4096 16}
