@@ -3,7 +3,7 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile gate-aa bwd-planted bwd90-planted
+#        sanitize debug asv calibrate hang profile gate-aa bwd-planted bwd90-planted bwd-prog
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -26,6 +26,8 @@
 #             spin 400 cycles per query block: the backward cases that run them (and those the
 #             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
 #   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
+#   bwd-prog  the backward's progression: each family's kernel of the default set at d_head 64
+#             and 128, bf16, the standard shapes, causal and not (fa-tools bench --pass bwd)
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
@@ -244,6 +246,13 @@ PY
         python3 -m fa_tools gate perf --base-dir '$PWD' --out '$LOG_DIR/$name'; \
         echo exit \$?"
 }
+if step bwd-prog; then
+    for c in "" --causal; do
+        run "bwd-prog${c:+-causal}" python3 -m fa_tools bench --pass bwd --configs default \
+            --dtypes bf16 --d-heads 64,128 $c --json "$LOG_DIR/bwd-prog${c:+-causal}.json" \
+            --md "$LOG_DIR/bwd-prog${c:+-causal}.md"
+    done
+fi
 if step bwd-planted; then
     bwd_plant bwd-planted src/csrc/sm80/backward_kernel.cuh "probabilities(i, stage(buf)"
 fi

@@ -81,3 +81,24 @@ def test_clock_stamps_count_the_cycles_of_a_spin():
         assert 300 < stamps.mhz() < 3000
     with pytest.raises(RuntimeError, match="two marks"):
         stamps.mark()
+
+
+def test_bench_times_the_backward_of_each_named_kernel(require_extension):
+    """fa-tools bench --pass bwd: one row per built backward kernel of the call's variant
+    (the operator's choice without --configs), each with our rate and the ratio to SDPA FA2's
+    backward timed in the same rounds."""
+    from fa_tools.gpu import bench
+    from flash_attention.backward import built
+
+    names = {c.short for c in built()}
+    wanted = [k for k in bench.backward_kernels("default", "bf16", 64) if k in names]
+    if not wanted:
+        pytest.skip("no bf16 d_head 64 backward kernel of the default set built")
+    rows = bench.run(["bf16"], [64], [(1, 512)], heads=4, configs=",".join(wanted), reps=2,
+                     rounds=1, sustained=False, pass_="bwd")
+    assert [r["config"] for r in rows] == wanted
+    assert all(r["pass"] == "bwd" and r["ours_tflops"] > 0 for r in rows)
+    assert all(r["ratio_sdpa_fa2"] is None or r["ratio_sdpa_fa2"] > 0 for r in rows)
+    (default,) = bench.run(["bf16"], [64], [(1, 512)], heads=4, reps=2, rounds=1,
+                           sustained=False, pass_="bwd")
+    assert default["config"] in names

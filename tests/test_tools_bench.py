@@ -38,3 +38,27 @@ def test_gemm_lines_put_each_row_against_the_gemm_of_its_rounds():
     text = bench.gemm_lines(rows)
     assert "| fp16 | 16x2048 | `sm90_fp16_x` | 680.0 (650.5-700.2) | 0.801 | 0.790 |" in text
     assert "| bf16 | 16x4096 | `sm90_bf16_x` | 700.0 (690.0-710.0) | 0.900 | n/a |" in text
+
+
+def test_backward_rows_time_each_family_on_the_variant_a_call_runs():
+    """--pass bwd --configs: of the named backward kernels (sets expand), those of the row's
+    dtype without a softcap on the d_head variant a call of that d_head runs, one per family
+    (the sm80 family's and the Hopper one's, for a progression); without --configs the
+    operator's own choice (named after the run)."""
+    assert bench.backward_kernels("default", "bf16", 128) == [
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_sm90_bf16_d128_c128_r64_f"]
+    assert bench.backward_kernels("default", "fp16", 40) == [
+        "bwd_fp16_d64_c128_r128_w8_fb", "bwd_sm90_fp16_d64_c128_r64_f"]
+    assert bench.backward_kernels("default", "bf16", 192) == ["bwd_bf16_d256_c64_r64_w8_f"]
+    assert bench.backward_kernels("hopper", "bf16", 256) == []
+    assert bench.backward_kernels(None, "bf16", 128) == [""]
+
+
+def test_markdown_names_the_backward_pass():
+    row = {"dtype": "bf16", "d_head": 128, "batch": 16, "seqlen": 4096, "heads": 16,
+           "config": "bwd_sm90_bf16_d128_c128_r64_f", "pass": "bwd", "ours_tflops": 377.8,
+           "sdpa_fa2_tflops": 306.8, "ratio_sdpa_fa2": 1.23, "sdpa_cudnn_tflops": 505.6,
+           "ratio_sdpa_cudnn": 0.75}
+    text = bench.markdown([row], {"gpu": "NVIDIA H100", "torch": "2.11", "commit": "abc"})
+    assert "The backward alone (FLOPs 2.5x the forward's)." in text
+    assert "`bwd_sm90_bf16_d128_c128_r64_f`" in text

@@ -1,6 +1,7 @@
-"""Benchmark harness: attention() against PyTorch SDPA's FLASH_ATTENTION (FA2) and
-CUDNN_ATTENTION backends, in the same process on the same inputs, timed with CUDA events
-(median of interleaved rounds). Prints a markdown table; --json keeps every number."""
+"""Benchmark harness: attention() (or with --pass bwd its backward) against PyTorch SDPA's
+FLASH_ATTENTION (FA2) and CUDNN_ATTENTION backends, in the same process on the same inputs, timed
+with CUDA events (median of interleaved rounds). Prints a markdown table; --json keeps every
+number."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def environment() -> dict:
 
 def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], heads: int = 16,
         configs: str | None = None, reps: int = 10, rounds: int = 3,
-        causal: bool = False, sustained: bool = True, gemm: bool = False) -> list[dict]:
+        causal: bool = False, sustained: bool = True, gemm: bool = False,
+        pass_: str = "fwd") -> list[dict]:
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
     FA2 and cuDNN backends timed in the same interleaved rounds (all causal with `causal`,
     FLOPs halved). `configs` names configs or sets (comma-separated); configs of another
@@ -63,9 +65,16 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
     each contender's calls timed after 300 ms of the same calls (steady clocks under the power
     limit, perfcases.time_sustained_ms); else 10-call bursts after an idle gap. `gemm`: the
     cuBLAS bf16 GEMM (GEMM_N^3) is one more contender of each row's rounds, so that its rate
-    meets the row's at the same state of the GPU (clocks drift as it warms over a run)."""
+    meets the row's at the same state of the GPU (clocks drift as it warms over a run).
+    `pass_` "bwd": the backward alone (backward_kernels names its configs), FLOPs 2.5x."""
     import flash_attention as fa
 
+    if pass_ == "bwd":
+        return [_measure_bwd_row(dtype, d_head, batch, seqlen, heads, kernel, reps, rounds,
+                                 causal, sustained, gemm)
+                for dtype in dtypes for d_head in d_heads
+                for (batch, seqlen) in shapes
+                for kernel in backward_kernels(configs, dtype, d_head)]
     wanted = fa.resolve(configs) if configs else None
     rows = []
     for dtype in dtypes:
@@ -79,6 +88,21 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
     return rows
 
 
+def backward_kernels(configs: str | None, dtype: str, d_head: int) -> list[str]:
+    """The backward kernels a --pass bwd row times for (dtype, d_head): of `configs` (backward
+    short forms and set names, flash_attention.config_bwd.resolve), those of the dtype whose
+    d_head variant is the one a call of d_head runs on, without a softcap, in order; "" (the
+    operator's choice) when configs is None."""
+    from flash_attention.config_bwd import resolve
+
+    if not configs:
+        return [""]
+    wanted = [c for c in resolve(configs) if c.dtype == dtype and not c.softcap
+              and c.d_head >= d_head]
+    variant = {type(c): min(x.d_head for x in wanted if type(x) is type(c)) for c in wanted}
+    return [c.short for c in wanted if c.d_head == variant[type(c)]]
+
+
 def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
                  reps: int, rounds: int, causal: bool = False, sustained: bool = True,
                  gemm: bool = False) -> dict:
@@ -87,15 +111,57 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     import flash_attention as fa
     from flash_attention.timing import attention_flops
 
-    from .perfcases import contenders, time_cuda_ms, time_sustained_cycles
+    from .perfcases import contenders
 
     tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     q, k, v = (torch.randn(batch, seqlen, heads, d_head, device="cuda", dtype=tdtype)
                for _ in range(3))
     out = torch.empty_like(q)
     fns = contenders(q, k, v, out, config=config, causal=causal)
+    flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
+    # What ran: the named config, or dispatch's choice after its run-time fallback.
+    right = 0 if causal else -1
+    chosen = config.short if config else fa.ops.extension().explain(q, k, v, -1, right, False)
+    row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
+           "causal": causal, "config": chosen, "pass": "fwd"}
+    return _time_row(row, fns, flops, reps, rounds, sustained, gemm)
+
+
+def _measure_bwd_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, kernel: str,
+                     reps: int, rounds: int, causal: bool = False, sustained: bool = True,
+                     gemm: bool = False) -> dict:
+    """The backward of one shape (perfcases' bwd case: ours is the backward operator on the
+    forward's out and LSE, the peers SDPA's backward through autograd.grad), named kernel or
+    the operator's choice."""
+    import torch
+
+    from flash_attention import backward
+    from flash_attention.config_bwd import select
+
+    from .perfcases import Case, Inputs, training_contenders
+
+    case = Case(dtype, d_head, batch, seqlen, heads=heads, causal=causal, kind="bwd")
+    fns = training_contenders(case, Inputs.make(case), kernel=kernel)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if not kernel:  # what the operator picks for this fixed-length call (config_bwd.select)
+        picked = select(dtype, d_head, False, backward.built(), hopper=hopper)
+        kernel = picked.short if picked else "?"
+    row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
+           "causal": causal, "config": kernel, "pass": "bwd"}
+    return _time_row(row, fns, case.flops(), reps, rounds, sustained, gemm)
+
+
+def _time_row(row: dict, fns: dict, flops: float, reps: int, rounds: int, sustained: bool,
+              gemm: bool) -> dict:
+    """Times the contenders `fns` (ours and the SDPA peers that run the row) in interleaved
+    rounds and adds to `row` their median times, rates, SM cycles and ratios."""
+    import torch
+
+    from .perfcases import time_cuda_ms, time_sustained_cycles
+
     for name in set(PEERS) - set(fns):
-        log.warning("%s cannot run %s d%d %dx%d", name, dtype, d_head, batch, seqlen)
+        log.warning("%s cannot run %s d%d %dx%d", name, row["dtype"], row["d_head"],
+                    row["batch"], row["seqlen"])
     if gemm:
         a, b = (torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
@@ -110,12 +176,7 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
                 mcycles[name].append(cycles)
             else:
                 samples[name] += time_cuda_ms(fn, reps=reps, warmup=3)
-    flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
-    # What ran: the named config, or dispatch's choice after its run-time fallback.
-    right = 0 if causal else -1
-    chosen = config.short if config else fa.ops.extension().explain(q, k, v, -1, right, False)
-    row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
-           "causal": causal, "config": chosen, "timing": "sustained" if sustained else "burst"}
+    row["timing"] = "sustained" if sustained else "burst"
     for name in ("ours", *PEERS):
         got = samples.get(name)
         row[f"{name}_ms"] = statistics.median(got) if got else None
@@ -140,8 +201,9 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
         row[f"cycle_ratio_{name}"] = (row[f"{name}_mcycles"] / row["ours_mcycles"]
                                       if row[f"{name}_mcycles"] and row["ours_mcycles"]
                                       else None)
-    log.info("%s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", dtype, d_head, batch, seqlen,
-             row["ours_tflops"], _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
+    log.info("%s %s d%d %dx%d: ours %.1f, fa2 %s, cudnn %s TFLOP/s", row["pass"], row["dtype"],
+             row["d_head"], row["batch"], row["seqlen"], row["ours_tflops"],
+             _fmt(row["sdpa_fa2_tflops"]), _fmt(row["sdpa_cudnn_tflops"]))
     return row
 
 
@@ -162,6 +224,8 @@ def markdown(rows: list[dict], env: dict) -> str:
            if rows and rows[0].get("timing") == "burst" else
            "Calls timed after 300 ms of continuous work (clocks settled under the power "
            "limit). ")
+        + ("The backward alone (FLOPs 2.5x the forward's). "
+           if rows and rows[0].get("pass") == "bwd" else "")
         + "TFLOP/s from median times; "
         "ratio = peer time / our time (> 1: we are faster), from medians and, in brackets, "
         "from the fastest sample of each; cycles: the same ratio of SM cycles per call (clock "
@@ -193,7 +257,7 @@ def command(args: argparse.Namespace) -> int:
     env = environment()
     rows = run(args.dtypes.split(","), [int(d) for d in args.d_heads.split(",")],
                parse_shapes(args.shapes), args.heads, args.configs, args.reps, args.rounds,
-               args.causal, not args.burst, args.gemm)
+               args.causal, not args.burst, args.gemm, args.pass_)
     table = markdown(rows, env) + (gemm_lines(rows) if args.gemm else "")
     print(table)
     if args.json:
@@ -218,8 +282,12 @@ def gemm_lines(rows: list[dict]) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="time attention() against SDPA FA2 and cuDNN",
-                       description=__doc__)
+    p = sub.add_parser("bench", help="time attention() or its backward against SDPA FA2 and "
+                       "cuDNN", description=__doc__)
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd",
+                   help="bwd: the backward alone (the operator on the forward's out and LSE "
+                   "against SDPA's backward through autograd.grad; FLOPs 2.5x the forward's), "
+                   "--configs then naming backward kernels or sets (bwd_*, default, hopper)")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--d-heads", default="128")
     p.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in STANDARD_SHAPES),

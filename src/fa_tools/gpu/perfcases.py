@@ -432,14 +432,15 @@ def _sdpa_training_peer(backend, case: Case, qt, kt, vt, dout_t, expand: bool):
     return lambda: torch.autograd.grad(forward(), leaves, dout_t)
 
 
-def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
+def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS, kernel: str = "") -> dict:
     """Zero-argument callables, one per contender, timing a bwd or fwdbwd case on the same
     inputs; each returns the gradients (dq, dk, dv). Ours: for bwd, the flash_attention::bwd
     operator on the out and LSE of one attention() call made here (the forward's saved
     tensors), called as the autograd formula calls it; for fwdbwd, attention() on q, k, v that
     require grad and autograd.grad. The SDPA peers: _sdpa_training_peer on the (B, H, S, D)
     views of the same tensors; a backend that cannot run the case is left out, and so is SDPA
-    for a case it has no counterpart of (Case.peer_note)."""
+    for a case it has no counterpart of (Case.peer_note). `kernel`: the backward kernel ours
+    runs in a bwd case (a built short form; "" the operator's choice)."""
     import torch
 
     import flash_attention as fa
@@ -457,7 +458,7 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
         bwd = torch.ops.flash_attention.bwd.default
         fns["ours"] = lambda: bwd(dout, q, k, v, out, lse, None, None, None, 0, 0, None,
                                   case.causal, left, right, case.softcap, case.deterministic,
-                                  "")
+                                  kernel)
     elif "ours" in names:
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         fns["ours"] = lambda: torch.autograd.grad(fa.attention(*leaves, **opts), leaves, dout)
