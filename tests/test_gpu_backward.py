@@ -137,6 +137,55 @@ def test_deterministic_is_bitwise_reproducible(require_extension, causal):
     check_grads(first, q, k, v, dout, what="deterministic", causal=causal)
 
 
+def _bwd_op(q, k, v, dout, out, lse, kernel="", deterministic=False, causal=False):
+    return torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0, 0,
+                                                 None, causal, -1, -1, 0.0, deterministic, kernel)
+
+
+@pytest.mark.parametrize("d_head", [64, 128])
+def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
+    """On an sm_90 GPU with the Hopper backward built, a fixed-length non-deterministic call
+    runs the Hopper kernel and a deterministic one the sm80 family's: dK and dV (summed in
+    registers, no atomics) come out bitwise equal to those of the kernel named explicitly (the
+    two families sum in different orders, so their dK and dV differ in the last bits). Expanded K/V (not
+    TMA-addressable) run on the sm80 family."""
+    from flash_attention.backward import built
+    from flash_attention.config_bwd import select
+
+    configs = built()
+    hopper = select("bf16", d_head, False, configs, hopper=True)
+    sm80 = select("bf16", d_head, False, configs)
+    if torch.cuda.get_device_capability() != (9, 0) or hopper is None or hopper == sm80:
+        pytest.skip("needs an sm_90 GPU and a build with the Hopper backward (default set)")
+    torch.manual_seed(3)
+    q, k, v = rand_inputs(2, 300, 500, 4, 2, d_head, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
+                                                           True, -1, -1, 0.0, True, "")
+    picked = _bwd_op(q, k, v, dout, out, lse, causal=True)
+    named_h = _bwd_op(q, k, v, dout, out, lse, hopper.short, causal=True)
+    named_s = _bwd_op(q, k, v, dout, out, lse, sm80.short, causal=True)
+    if all(torch.equal(h, s) for h, s in zip(named_h[1:], named_s[1:])):
+        pytest.skip("the two families' dK and dV agree bitwise here: the route is not visible")
+    for a, b in zip(picked[1:], named_h[1:]):
+        assert torch.equal(a, b)
+    det = _bwd_op(q, k, v, dout, out, lse, deterministic=True, causal=True)
+    named_det = _bwd_op(q, k, v, dout, out, lse, sm80.short, deterministic=True, causal=True)
+    for a, b in zip(det, named_det):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="cannot run this call"):
+        _bwd_op(q, k, v, dout, out, lse, hopper.short, deterministic=True, causal=True)
+    # K and V expanded over their heads (stride 0): not TMA-addressable, read in place by the
+    # sm80 family
+    kx, vx = (t[:, :, :1].expand(-1, -1, 2, -1) for t in (k, v))
+    out_x, lse_x = torch.ops.flash_attention.attention.default(q, kx, vx, None, None, 0, 0, None,
+                                                               True, -1, -1, 0.0, True, "")
+    grads = _bwd_op(q, kx, vx, dout, out_x, lse_x, causal=True)
+    named = _bwd_op(q, kx, vx, dout, out_x, lse_x, sm80.short, causal=True)
+    for a, b in zip(grads[1:], named[1:]):
+        assert torch.equal(a, b)
+
+
 def test_flash_attn_func_training_step(require_extension):
     torch.manual_seed(2)
     q, k, v = rand_inputs(2, 333, 333, 8, 4, 128, torch.bfloat16)
