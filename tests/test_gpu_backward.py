@@ -147,8 +147,8 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     """On an sm_90 GPU with the Hopper backward built, a fixed-length non-deterministic call
     runs the Hopper kernel and a deterministic one the sm80 family's: dK and dV (summed in
     registers, no atomics) come out bitwise equal to those of the kernel named explicitly (the
-    two families sum in different orders, so their dK and dV differ in the last bits). Expanded K/V (not
-    TMA-addressable) run on the sm80 family."""
+    two families sum in different orders, so their dK and dV differ in the last bits).
+    Expanded K/V (not TMA-addressable) run on the sm80 family."""
     from flash_attention.backward import built
     from flash_attention.config_bwd import select
 
