@@ -1,8 +1,10 @@
-"""Scripts outside the packages (ci/, benchmarks/) loaded as modules by their tests."""
+"""Scripts outside the packages (ci/, benchmarks/) loaded as modules by their tests, and the
+asv benchmark classes among them run as asv runs them."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -19,3 +21,18 @@ def load_script(relpath: str):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_asv_class(cls, cache) -> dict[tuple, dict[str, float]]:
+    """Every case of an asv benchmark class as asv runs it: setup (NotImplementedError: skipped),
+    then each track_* method. {params: {method: value}} for the cases not skipped."""
+    methods = [m for m in dir(cls) if m.startswith("track_")]
+    out = {}
+    for params in itertools.product(*cls.params):
+        bench = cls()
+        try:
+            bench.setup(cache, *params)
+        except NotImplementedError:
+            continue
+        out[params] = {m: getattr(bench, m)(cache, *params) for m in methods}
+    return out

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from .script_modules import load_script
+from .script_modules import load_script, run_asv_class
 
 ba = load_script("benchmarks/bench_attention.py")
 GRAD_CLASSES = (ba.Backward, ba.TrainingStep)
@@ -24,33 +24,18 @@ def _cache(skipped: dict[str, str] | None = None):
     return ba.Measured(measured, skipped or {})
 
 
-def _run(cls, cache) -> dict[tuple, dict[str, float]]:
-    """Every parameter combination as asv runs it: setup (NotImplementedError: skipped), then
-    each track_* method."""
-    methods = [m for m in dir(cls) if m.startswith("track_")]
-    out = {}
-    for params in itertools.product(*cls.params):
-        bench = cls()
-        try:
-            bench.setup(cache, *params)
-        except NotImplementedError:
-            continue
-        out[params] = {m: getattr(bench, m)(cache, *params) for m in methods}
-    return out
-
-
 def test_every_parameter_combination_is_a_measured_case_and_back():
     for cls in GRAD_CLASSES:
         assert cls.param_names == ["dtype", "d_head", "mask", "batch_x_seq"]
         combos = list(itertools.product(*cls.params))
         assert len(combos) == len(ba.BWD_CASES) == len({c.name for c in ba.BWD_CASES})
-        assert len(_run(cls, _cache())) == len(combos), "every combination finds its case"
+        assert len(run_asv_class(cls, _cache())) == len(combos), "every combination finds its case"
     assert {c.causal for c in ba.BWD_CASES} == {False, True}
     assert {c.d_head for c in ba.BWD_CASES} == {64, 128}
 
 
 def test_tracks_are_the_times_and_their_ratios_in_the_same_run():
-    got = _run(ba.Backward, _cache())
+    got = run_asv_class(ba.Backward, _cache())
     d128 = got[("bf16", 128, "causal", "16x4096")]
     assert d128["track_ours_ms"] == 2.0 and d128["track_sdpa_fa2_ms"] == 2.5
     assert d128["track_ratio_to_sdpa_fa2"] == pytest.approx(0.8)
@@ -64,11 +49,11 @@ def test_cases_without_a_backward_kernel_or_gpu_are_skipped_with_the_reason():
     name = ba.Case("fp16", 64, 16, 1024).name
     cache = _cache({name: "this build has no fp16 backward kernel for d_head 64"})
     for cls in GRAD_CLASSES:
-        assert ("fp16", 64, "full", "16x1024") not in _run(cls, cache)
+        assert ("fp16", 64, "full", "16x1024") not in run_asv_class(cls, cache)
         with pytest.raises(NotImplementedError, match="no fp16 backward kernel"):
             cls().setup(cache, "fp16", 64, "full", "16x1024")
         no_gpu = {"skip": "no CUDA GPU: timings skipped"}
-        assert _run(cls, no_gpu) == {}
+        assert run_asv_class(cls, no_gpu) == {}
     assert ba.TrainingStep.setup_cache is not ba.Backward.setup_cache, "each measures its kind"
 
 

@@ -4,7 +4,6 @@ nvcc into a shared library named as the build names its objects (CPU)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -16,7 +15,7 @@ import pytest
 
 from fa_tools.analysis import binaries, opcodes, ptxas_report, sass
 
-from .script_modules import load_script
+from .script_modules import load_script, run_asv_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,26 +77,11 @@ def cache(build, monkeypatch):
     return bs._collect()
 
 
-def _run(cls, cache) -> dict[tuple, dict[str, float]]:
-    """Every case of an asv benchmark class as asv runs it: setup (NotImplementedError: skipped),
-    then each track_* method. {params: {method: value}} for the cases not skipped."""
-    methods = [m for m in dir(cls) if m.startswith("track_")]
-    out = {}
-    for params in itertools.product(*cls.params):
-        bench = cls()
-        try:
-            bench.setup(cache, *params)
-        except NotImplementedError:
-            continue
-        out[params] = {m: getattr(bench, m)(cache, *params) for m in methods}
-    return out
-
-
 def test_hopper_kernel_is_collected_under_90a(cache, build):
     _, log = build
     assert set(cache) == {(SM80, "80"), (SM90, "90a")}
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
-    resources = _run(bs.KernelResources, cache)
+    resources = run_asv_class(bs.KernelResources, cache)
     assert set(resources) == {(SM80, "80"), (SM90, "90a")}  # (SM90, "90") etc.: skipped
     for key, rec in records.items():
         assert resources[key]["track_registers"] == rec.registers > 0
@@ -107,14 +91,15 @@ def test_hopper_kernel_is_collected_under_90a(cache, build):
 
 def test_sass_categories_of_both_families(cache, build):
     binary, _ = build
-    counts = {k: v["track_count"] for k, v in _run(bs.SassInstructions, cache).items()}
+    counts = {k: v["track_count"] for k, v in run_asv_class(bs.SassInstructions, cache).items()}
     assert {(k, a) for k, a, _ in counts} == {(SM80, "80"), (SM90, "90a")}
     for kernel, arch, mma in ((SM80, "80", "HMMA"), (SM90, "90a", "HGMMA")):
         instrs = sass.instructions(binary, kernel, arch)
         assert counts[(kernel, arch, "total")] == opcodes.histogram(kernel, arch, instrs).total
         assert counts[(kernel, arch, "tensor_mma")] == sum(i.base == mma for i in instrs) > 0
 
-    hopper = {k: v["track_count"] for k, v in _run(bs.HopperSassInstructions, cache).items()}
+    hopper = {k: v["track_count"]
+              for k, v in run_asv_class(bs.HopperSassInstructions, cache).items()}
     assert set(hopper) == {(SM90, "90a", c) for c in bs.HOPPER_CATEGORIES}
     instrs = sass.instructions(binary, SM90, "90a")
     for category in bs.HOPPER_CATEGORIES:
@@ -126,7 +111,7 @@ def test_sass_categories_of_both_families(cache, build):
 
 def test_wgmma_schedule_of_the_hopper_kernel(cache, build):
     binary, log = build
-    got = _run(bs.HopperWgmma, cache)
+    got = run_asv_class(bs.HopperWgmma, cache)
     assert set(got) == {(SM90, "90a")}
     (rec,) = [r for r in ptxas_report.load(log) if r.arch == "90a"]
     assert got[(SM90, "90a")]["track_serialized"] == int(bool(rec.wgmma_serialized))
@@ -135,7 +120,7 @@ def test_wgmma_schedule_of_the_hopper_kernel(cache, build):
     # fa_tools of a commit that could not tell: nan, what asv records for a skipped case
     older = {key: {k: v for k, v in row.items() if k != "ex2_under_wgmma"}
              for key, row in cache.items()}
-    assert math.isnan(_run(bs.HopperWgmma, older)[(SM90, "90a")]["track_ex2_under_wgmma"])
+    assert math.isnan(run_asv_class(bs.HopperWgmma, older)[(SM90, "90a")]["track_ex2_under_wgmma"])
 
 
 def test_missing_build_skips_every_case(monkeypatch):
@@ -146,7 +131,7 @@ def test_missing_build_skips_every_case(monkeypatch):
     cache = bs._collect()
     for cls in (bs.KernelResources, bs.SassInstructions, bs.HopperSassInstructions,
                 bs.HopperWgmma):
-        assert _run(cls, cache) == {}
+        assert run_asv_class(cls, cache) == {}
     with pytest.raises(NotImplementedError, match="not built"):
         bs.KernelResources().setup(cache, SM90, "90a")
 
@@ -203,7 +188,7 @@ def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
     got = cache[(bwd, "90")]
     assert got["registers"] == 244 and got["smem_bytes"] == 128 + 81920
     assert got["sass"]["total"] == 3 and got["sass"]["tensor_mma"] == 2
-    resources = _run(bs.KernelResources, cache)
+    resources = run_asv_class(bs.KernelResources, cache)
     assert resources[(bwd, "90")]["track_spill_bytes"] == 0
 
 
@@ -263,10 +248,10 @@ def test_hopper_backward_kernel_gets_the_hopper_tracks(bwd_build, monkeypatch):
     assert got["sass"]["tensor_mma"] == opcodes.expected_mma_count(parse_kernel(HOPPER_BWD)) \
         == sum(i.base == "HGMMA" for i in instrs) == 24
     assert got["spill_bytes"] == 0 and got["registers"] > 0
-    hopper_counts = {k: v["track_count"] for k, v in _run(bs.HopperSassInstructions,
+    hopper_counts = {k: v["track_count"] for k, v in run_asv_class(bs.HopperSassInstructions,
                                                            cache).items()}
     assert all(hopper_counts[(HOPPER_BWD, "90a", c)] > 0 for c in bs.HOPPER_CATEGORIES)
-    wgmma = _run(bs.HopperWgmma, cache)[(HOPPER_BWD, "90a")]
+    wgmma = run_asv_class(bs.HopperWgmma, cache)[(HOPPER_BWD, "90a")]
     assert wgmma["track_serialized"] == 0
     assert wgmma["track_ex2_under_wgmma"] == opcodes.ex2_under_wgmma(instrs)
     for helper in helpers:
