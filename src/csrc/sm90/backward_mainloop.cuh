@@ -41,8 +41,7 @@ struct BwdSmem {
     unsigned char* base;  // 1024-byte aligned
 
     __device__ __forceinline__ static BwdSmem aligned(unsigned char* raw) {
-        return BwdSmem{reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
-                                                        ~uintptr_t(1023))};
+        return BwdSmem{swizzle_aligned(raw)};
     }
     __device__ __forceinline__ unsigned char* k() const { return base + Cfg::kSK; }
     __device__ __forceinline__ unsigned char* v() const { return base + Cfg::kSV; }

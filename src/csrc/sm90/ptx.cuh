@@ -15,6 +15,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first 1024-byte boundary at or after `raw` (the 128-byte swizzle's period, where the
+// kernels' tiles start; their dynamic smem sizes include the 1024 bytes this may skip).
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* raw) {
+    return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                            ~uintptr_t(1023));
+}
+
 // ---- mbarriers --------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {

@@ -29,8 +29,7 @@ struct SmemLayout {
     // The layout over the kernel's dynamic shared memory, whose base is rounded up to 1024 bytes
     // (Cfg::kSmemBytes has room for that).
     __device__ __forceinline__ static SmemLayout aligned(unsigned char* raw) {
-        return SmemLayout{reinterpret_cast<unsigned char*>(
-            (reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023))};
+        return SmemLayout{swizzle_aligned(raw)};
     }
 
     // Q of the CTA's tile use u (u counts its tiles with work): buffer u % kQBuffers, whose
