@@ -44,24 +44,25 @@ std::string bwd_kernels() {
     return out;
 }
 
-// The named kernel, or the one for (dtype, d_head, softcap) of the family `arch` (80 or 90): its
-// smallest built d_head variant not below d_head (flash_attention.config_bwd.select mirrors this);
-// nullptr when the build has none.
-const flash::BwdKernelEntry* choose(c10::string_view name, bool bf16, int64_t d_head, bool softcap,
-                                    int arch) {
+// The built kernel named `name` (refused if the build lacks it).
+const flash::BwdKernelEntry* named_kernel(c10::string_view name) {
+    for (const flash::BwdKernelEntry* e : entries())
+        if (name == e->name)
+            return e;
+    FA_CHECK(false, "backward kernel ", name,
+             " is not in this build; rebuild with FLASH_ATTENTION_BWD_KERNELS=", name);
+    return nullptr;
+}
+
+// The kernel of the family `arch` (80 or 90) for (dtype, d_head, softcap): its smallest built
+// d_head variant not below d_head (flash_attention.config_bwd.select mirrors this); nullptr
+// when the build has none.
+const flash::BwdKernelEntry* family_kernel(bool bf16, int64_t d_head, bool softcap, int arch) {
     const flash::BwdKernelEntry* best = nullptr;
-    for (const flash::BwdKernelEntry* e : entries()) {
-        if (!name.empty()) {
-            if (name == e->name)
-                return e;
-            continue;
-        }
+    for (const flash::BwdKernelEntry* e : entries())
         if (e->arch == arch && (e->dtype == flash::DType::kBf16) == bf16 && e->softcap == softcap &&
             e->d_head >= d_head && (best == nullptr || e->d_head < best->d_head))
             best = e;
-    }
-    FA_CHECK(name.empty(), "backward kernel ", name,
-             " is not in this build; rebuild with FLASH_ATTENTION_BWD_KERNELS=", name);
     return best;
 }
 
@@ -133,9 +134,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     // The sm80 family serves every call; the Hopper kernel (when built) the calls it can run,
     // decided below once the tensors are known.
     const bool bf16 = dtype == at::kBFloat16;
-    const flash::BwdKernelEntry* named = kernel.empty() ? nullptr : choose(kernel, bf16, D, 0, 0);
-    const flash::BwdKernelEntry* sm80 = named ? nullptr : choose("", bf16, D, softcap > 0, 80);
-    const flash::BwdKernelEntry* sm90 = named ? nullptr : choose("", bf16, D, softcap > 0, 90);
+    const flash::BwdKernelEntry* named = kernel.empty() ? nullptr : named_kernel(kernel);
+    const flash::BwdKernelEntry* sm80 = named ? nullptr : family_kernel(bf16, D, softcap > 0, 80);
+    const flash::BwdKernelEntry* sm90 = named ? nullptr : family_kernel(bf16, D, softcap > 0, 90);
     FA_CHECK(named != nullptr || sm80 != nullptr || sm90 != nullptr,
              "this build has no backward kernel for ", bf16 ? "bf16" : "fp16", " with d_head=", D,
              softcap > 0 ? " with a softcap" : "",
