@@ -186,12 +186,51 @@ static __global__ void __launch_bounds__(256)
     *reinterpret_cast<uint4*>(dq) = out;
 }
 
+// The order of the fp32 dQ accumulator: kRows, row by row (d_pad floats each); kWgmmaTiles, each
+// block of 64 rows in the order of a wgmma m64 accumulator (the Hopper kernel's bulk reductions):
+// n8 tile n (columns 8n .. 8n + 7), then thread x = 32 w + 4 r + c of the warpgroup, then its
+// four floats: rows 16 w + r and 16 w + r + 8, columns 8n + 2c and 8n + 2c + 1, as
+// (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
+enum class DqLayout { kRows, kWgmmaTiles };
+
+// dQ = scale * accumulator (kWgmmaTiles order) in the input dtype. One thread per pair of rows
+// (16 w + r, + 8) and 8 columns: the four float4 of threads 32 w + 4 r .. + 3 of tile n, 64
+// contiguous bytes (a warp: the 2 KB of one tile of 32 such pairs).
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+    const int tiles = p.d_pad / 8;
+    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    const int64_t block = idx / (32 * tiles);
+    const int n = static_cast<int>(idx / 32 % tiles), lane = threadIdx.x % 32;
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    const int64_t row = block * 64 + (lane / 8) * 16 + lane % 8;
+    if (row >= p.seqlen_q || n * 8 >= p.d_head)
+        return;
+    const float4* acc = reinterpret_cast<const float4*>(
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad +
+        (n * 128 + (lane / 8) * 32 + (lane % 8) * 4) * 4);
+    const float s = p.softmax_scale;
+    uint32_t lo[4], hi[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const float4 a = acc[c];
+        lo[c] = pack2<Elem>(a.x * s, a.y * s);
+        hi[c] = pack2<Elem>(a.z * s, a.w * s);
+    }
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + n * 8;
+    *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if (row + 8 < p.seqlen_q)
+        *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+}
+
 // ---- the passes of a backward call -------------------------------------------------------------
 
 // The preprocess, the family's main kernel (`launch_main()`, a cudaError_t), then the dQ
-// conversion, on one stream. The preprocess and the conversion work per query row: a varlen
-// batch is one sequence of total_q rows to them.
-template <typename Elem, class LaunchMain>
+// conversion from the accumulator's kLayout, on one stream. The preprocess and the conversion
+// work per query row: a varlen batch is one sequence of total_q rows to them (kRows only).
+template <typename Elem, DqLayout kLayout, class LaunchMain>
 cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
     BwdParams rows = p;
     if (p.cu_seqlens_q != nullptr) {
@@ -205,9 +244,16 @@ cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& 
         return err;
     if (cudaError_t err = launch_main(); err != cudaSuccess)
         return err;
-    const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
-    const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
-    return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+    if constexpr (kLayout == DqLayout::kWgmmaTiles) {
+        // One thread per row pair and tile of each 64-row block (seqlen_q_pad: whole blocks).
+        const int64_t threads = int64_t(rows.seqlen_q_pad / 64) * 32 * (p.d_pad / 8);
+        const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
+        return launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+    } else {
+        const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
+        const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
+        return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+    }
 }
 
 }  // namespace flash::bwd

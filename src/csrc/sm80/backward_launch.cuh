@@ -20,7 +20,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     if (p.d_pad != Cfg::kDHead)  // the kernel strides the dQ accumulator by its d_head
         return cudaErrorInvalidValue;
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
-    return bwd::launch_passes<Elem>(p, stream, [&] {
+    return bwd::launch_passes<Elem, bwd::DqLayout::kRows>(p, stream, [&] {
         return launch_checked<&bwd::bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      p);
     });

@@ -9,7 +9,11 @@
 //   P^T, dS^T                            registers (fp32), then 16-bit A fragments
 //   dV += P^T dO, dK += dS^T Q           wgmma, A from registers, B MN-major in shared memory
 //   dQ[:, half g] = dS K[:, half g]      wgmma over all B_c keys: dS^T of both warpgroups
-//                                        through shared memory (MN-major A), fp32 reductions
+//                                        through shared memory (MN-major A)
+// and dQ's half goes to shared memory in the accumulator's own order (conflict-free 16-byte
+// stores), from where a writer warp of the producer warpgroup adds it to the fp32 dQ
+// accumulator with one bulk reduce-add: the accumulator holds each block of B_r rows in that
+// order (tile by tile of 8 columns, thread by thread), which the dQ conversion reads back.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +34,7 @@ struct Sm90BwdConfig {
     static constexpr int kDqCols = kDHead / kConsumerWGs;  // dQ columns per warpgroup
 
     static constexpr int kThreads = 128 * (kConsumerWGs + 1);
+    // The producer warpgroup: warp 0 loads (one thread), warp 1 writes dQ (one thread issues).
     static constexpr int kConsumerWarps = 4 * kConsumerWGs;
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
@@ -43,20 +48,24 @@ struct Sm90BwdConfig {
     static constexpr int kNTilesO = kDHead / 8;  // n8 tiles of a dK or dV row
 
     // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):
-    //   K | V | Q x kStages | dO x kStages | dS^T x 2 | LSE x kStages | D x kStages | barriers
+    //   K | V | Q x kStages | dO x kStages | dS^T x 2 | dQ | LSE x kStages | D x kStages |
+    //   barriers
     // dS^T is B_c x B_r (one panel), double-buffered so that one block's is written while the
     // other warpgroup may still read the previous one. At the end the Q and dO stages stage dV
-    // and dK for their TMA stores (each B_c x d_head).
+    // and dK for their TMA stores (each B_c x d_head). dQ is one block's fp32 B_r x d_head, the
+    // warpgroups' halves one after the other.
     static constexpr int kKBytes = kBc * kDHead * 2;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kDSBytes = kBc * kBr * 2;
+    static constexpr int kDqBytes = kBr * kDHead * 4;
     static constexpr int kVecBytes = kBr * 4;
     static constexpr int kSK = 0;
     static constexpr int kSV = kSK + kKBytes;
     static constexpr int kSQ = kSV + kKBytes;
     static constexpr int kSdO = kSQ + kStages * kQBytes;
     static constexpr int kSdS = kSdO + kStages * kQBytes;
-    static constexpr int kSLse = kSdS + 2 * kDSBytes;
+    static constexpr int kSdQ = kSdS + 2 * kDSBytes;
+    static constexpr int kSLse = kSdQ + kDqBytes;
     static constexpr int kSD = kSLse + kStages * kVecBytes;
     static constexpr int kSBarriers = kSD + kStages * kVecBytes;
     static constexpr int kBarrierBytes = 128;

@@ -1,6 +1,7 @@
 // FlashAttention backward on Hopper (the algorithm: backward_config.cuh): TMA copies into
 // 128-byte-swizzled shared memory completing on mbarriers, a producer warp streaming the query
-// blocks, two consumer warpgroups (setmaxnreg) computing the five GEMMs with wgmma.
+// blocks, two consumer warpgroups (setmaxnreg) computing the five GEMMs with wgmma, a writer
+// warp adding each block's dQ to the fp32 accumulator with bulk reduce-adds.
 //
 // This header is the kernel: it initialises the barriers and splits the CTA into its roles, from
 //   backward_config.cuh    the tile shapes and the shared-memory layout
@@ -36,6 +37,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         setmaxnreg_dec<Cfg::kProducerRegs>();
         if (warp == Cfg::kConsumerWarps && lane == 0)
             BackwardLoader<Cfg>{{0}, prm, sm}.run(w);
+        else if (warp == Cfg::kConsumerWarps + 1)
+            BackwardDqWriter<Cfg>{prm, sm, lane}.run(w);
     } else {
         setmaxnreg_inc<Cfg::kConsumerRegs>();
         BackwardConsumer<Cfg>{prm, sm, w, warp / 4, warp, lane}.run();

@@ -39,7 +39,7 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     if (!ok)
         return cudaErrorInvalidValue;
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
-    return bwd::launch_passes<Elem>(p, stream, [&] {
+    return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
         return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      prm);
     });

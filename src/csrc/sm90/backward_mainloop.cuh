@@ -1,13 +1,14 @@
 // The mainloop of the Hopper backward (the algorithm: backward_config.cuh): what a CTA works on
-// (BackwardTile), what its producer loads (BackwardLoader) and what a consumer warpgroup
-// computes (BackwardConsumer).
+// (BackwardTile), what its producer loads (BackwardLoader), what a consumer warpgroup computes
+// (BackwardConsumer) and how dQ leaves (BackwardDqWriter).
 //
 // Pipeline, per query block t of the CTA (stage s = t % 2, its use t / 2 waits for phase parity
 // (t / 2) & 1): q_full[s] completes when Q, LSE and D of the block have landed, do_full[s] when
 // dO has; q_empty[s] when every consumer thread is done with Q, LSE and D (its loads, and the
 // GEMMs reading Q have completed), do_empty[s] when every consumer warp is done with dO, so the
 // producer may refill the stage with block t + 2.
-// kv_full completes once, when K and V have landed.
+// kv_full completes once, when K and V have landed. The dQ buffer is handed between consumer
+// warpgroup g and the writer warp by the named barriers kBwdDqFull + g and kBwdDqEmpty + g.
 #pragma once
 
 #include <cmath>
@@ -53,6 +54,10 @@ struct BwdSmem {
     }
     __device__ __forceinline__ unsigned char* ds(int b) const {
         return base + Cfg::kSdS + b * Cfg::kDSBytes;
+    }
+    // Consumer warpgroup g's half of a block's fp32 dQ (accumulator order: dq_offset()).
+    __device__ __forceinline__ float* dq(int g) const {
+        return reinterpret_cast<float*>(base + Cfg::kSdQ) + g * (Cfg::kDqBytes / 4 / 2);
     }
     __device__ __forceinline__ float* lse(int s) const {
         return reinterpret_cast<float*>(base + Cfg::kSLse + s * Cfg::kVecBytes);
@@ -390,23 +395,28 @@ struct BackwardConsumer {
         fence_regs(dQ);
         mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
         release(sm.do_empty(s));
-        add_dq(dQ, head, i);
+        store_dq(dQ, t);
     }
 
-    // dQ of the block into the fp32 accumulator (rows of Cfg::kDHead = p.d_pad floats; rows
-    // past seqlen_q exist, padded, and add 0).
-    __device__ __forceinline__ void add_dq(const float (&dQ)[kNQ][4], int head, int i) const {
-        const BwdParams& p = prm.p;
-        float* acc = p.dq_accum + ((int64_t(w.batch) * p.heads + head) * p.seqlen_q_pad +
-                                   int64_t(i) * Cfg::kBr) *
-                                      Cfg::kDHead;
-        const int row = (warp % 4) * 16 + lane / 4;
-        float* at = acc + row * Cfg::kDHead + wg * Cfg::kDqCols + 2 * (lane % 4);
+    // dQ of the block into this warpgroup's half of the dQ buffer, for the writer warp: n8 tile
+    // t of thread x at float4 t * 128 + x (bwd::kDqWgmmaTiles). Block 0 finds it free; block
+    // t > 0 waits until the writer has read block t - 1's.
+    __device__ __forceinline__ void store_dq(const float (&dQ)[kNQ][4], int t) const {
+        constexpr int kSync = 128 + 32;
+        if (t > 0)
+            named_sync(kBwdDqEmpty + wg, kSync);
+        const uint32_t at = smem_u32(sm.dq(wg)) + ((warp % 4) * 32 + lane) * 16;
 #pragma unroll
-        for (int t = 0; t < kNQ; ++t)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                bwd::red_add2(at + 8 * h * Cfg::kDHead + t * 8, dQ[t][2 * h], dQ[t][2 * h + 1]);
+        for (int n = 0; n < kNQ; ++n)
+            st_shared_f32x4(at + n * 128 * 16, dQ[n]);
+        fence_proxy_async_smem();  // the bulk reduction reads what these stores wrote
+        named_arrive(kBwdDqFull + wg, kSync);
+    }
+
+    __device__ __forceinline__ static void st_shared_f32x4(uint32_t addr, const float (&v)[4]) {
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v[0]),
+                     "f"(v[1]), "f"(v[2]), "f"(v[3])
+                     : "memory");
     }
 
     // dK (scaled) and dV through the staging buffers and TMA stores (rows past seqlen_k and
@@ -421,6 +431,46 @@ struct BackwardConsumer {
         const Epilogue<Cfg, Cfg::kBc> epilogue{wg, warp, lane};
         epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
         epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
+    }
+};
+
+// The writer warp: each block's dQ, half by half as the consumer warpgroups store it, added to
+// the fp32 accumulator with one bulk reduce-add per half (the block's B_r x d_head floats are
+// contiguous there, in the consumers' order). The buffer is released when the reductions have
+// read it; the last block's release has no taker and is skipped.
+template <class Cfg>
+struct BackwardDqWriter {
+    const Sm90BwdParams& prm;
+    const BwdSmem<Cfg>& sm;
+    const int lane;
+
+    __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
+        constexpr int kSync = 128 + 32;
+        constexpr uint32_t kHalfBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
+        const BwdParams& p = prm.p;
+        auto x = w.first(p.heads_per_kv);
+        for (int t = 0; t < w.n; ++t, w.advance(x)) {
+            float* acc = p.dq_accum + ((int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad +
+                                       int64_t(x.i) * Cfg::kBr) *
+                                          Cfg::kDHead;
+#pragma unroll
+            for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
+                named_sync(kBwdDqFull + g, kSync);
+                if (lane == 0) {
+                    bulk_reduce_add_f32(acc + g * (kHalfBytes / 4), sm.dq(g), kHalfBytes);
+                    tma_store_commit();
+                }
+            }
+            if (lane == 0)
+                tma_store_wait_read();
+            __syncwarp();
+            if (t + 1 < w.n)
+#pragma unroll
+                for (int g = 0; g < Cfg::kConsumerWGs; ++g)
+                    named_arrive(kBwdDqEmpty + g, kSync);
+        }
+        if (lane == 0)
+            bulk_wait_all();
     }
 };
 

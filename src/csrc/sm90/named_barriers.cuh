@@ -13,6 +13,11 @@ enum NamedBarrier : int {
     // Backward: both consumer warpgroups (2 x 128 threads) have stored their dS^T of a block
     // (and at the end: are done with every stage).
     kBwdDsBarrier = 6,
+    // Backward dQ (per consumer warpgroup g, 128 + 32 threads): kBwdDqFull + g when g has
+    // written a block's dQ to shared memory for the writer warp, kBwdDqEmpty + g when the
+    // writer's bulk reduction has read it.
+    kBwdDqFull = 7,   // and 8
+    kBwdDqEmpty = 9,  // and 10
 };
 
 }  // namespace flash::sm90

@@ -142,6 +142,22 @@ __device__ __forceinline__ void tma_store_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
+// Bulk reduce-add of `bytes` (a multiple of 16; both addresses 16-byte aligned) fp32 values
+// from shared memory into global memory, in the issuing thread's bulk group (tma_store_commit,
+// tma_store_wait_read: the same groups as the TMA stores).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+            reinterpret_cast<uint64_t>(dst)),
+        "r"(smem_u32(src)), "r"(bytes)
+        : "memory");
+}
+
+// Every bulk group of this thread has completed (its global writes included).
+__device__ __forceinline__ void bulk_wait_all() {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
