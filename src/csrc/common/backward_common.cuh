@@ -194,22 +194,24 @@ static __global__ void __launch_bounds__(256)
 enum class DqLayout { kRows, kWgmmaTiles };
 
 // dQ = scale * accumulator (kWgmmaTiles order) in the input dtype. One thread per pair of rows
-// (16 w + r, + 8) and 8 columns: the four float4 of threads 32 w + 4 r .. + 3 of tile n, 64
-// contiguous bytes (a warp: the 2 KB of one tile of 32 such pairs).
+// (16 w + r, + 8) and tile n: the four float4 of threads 32 w + 4 r .. + 3 of the tile, 64
+// contiguous bytes. Consecutive threads take consecutive tiles of the same rows, so that a
+// warp's stores are whole row segments.
 template <typename Elem>
 static __global__ void __launch_bounds__(256)
     bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
     const int tiles = p.d_pad / 8;
     const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    const int n = static_cast<int>(idx % tiles);
+    const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
     const int64_t block = idx / (32 * tiles);
-    const int n = static_cast<int>(idx / 32 % tiles), lane = threadIdx.x % 32;
     const int64_t head = blockIdx.y, batch = blockIdx.z;
-    const int64_t row = block * 64 + (lane / 8) * 16 + lane % 8;
+    const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
     if (row >= p.seqlen_q || n * 8 >= p.d_head)
         return;
     const float4* acc = reinterpret_cast<const float4*>(
         p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad +
-        (n * 128 + (lane / 8) * 32 + (lane % 8) * 4) * 4);
+        (n * 128 + (pair / 8) * 32 + (pair % 8) * 4) * 4);
     const float s = p.softmax_scale;
     uint32_t lo[4], hi[4];
 #pragma unroll
@@ -222,7 +224,8 @@ static __global__ void __launch_bounds__(256)
                row * p.dq_row_stride + n * 8;
     *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     if (row + 8 < p.seqlen_q)
-        *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
+            make_uint4(hi[0], hi[1], hi[2], hi[3]);
 }
 
 // ---- the passes of a backward call -------------------------------------------------------------

@@ -245,21 +245,29 @@ struct BackwardConsumer {
         return wg * 64 + (warp % 4) * 16 + lane / 4 + 8 * (e / 2);
     }
 
+    // A stage's row vector (LSE * log2(e) or D) at this thread's query columns: those of n8
+    // tile t at v[t]. Loaded while the block's GEMMs run, ahead of the element-wise pass.
+    __device__ __forceinline__ void load_cols(float2 (&v)[kNS], const float* vec) const {
+        const uint32_t addr = smem_u32(vec) + 8 * (lane % 4);
+#pragma unroll
+        for (int t = 0; t < kNS; ++t)
+            v[t] = ld_shared_f32x2(addr + t * 32);
+    }
+
     // S^T -> P^T in place: exp2(S scale_log2 - LSE log2 e) (softcap: of tanh(S / c), scaled),
-    // 0 where masked (masked blocks only: keys past seqlen_k and pairs outside the window; rows
-    // past seqlen_q have an LSE of +inf). kFused (dP^T has landed too): dP^T -> dS^T in place
-    // in the same pass (softcap: the tanh's derivative is used where it is computed).
-    template <bool kFused>
-    __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4], int s,
-                                                  int i, bool masked) const {
+    // kMasked (a block with keys past seqlen_k or pairs outside the window; rows past seqlen_q
+    // have an LSE of +inf): 0 where masked. A template parameter, so that an unmasked block's
+    // pass is straight-line code with no branch per element. kFused (dP^T has landed too):
+    // dP^T -> dS^T in place in the same pass (softcap: the tanh's derivative is used where it
+    // is computed).
+    template <bool kFused, bool kMasked>
+    __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
+                                                  const float2 (&lse)[kNS],
+                                                  const float2 (&dd)[kNS], int i) const {
         const BwdParams& p = prm.p;
-        const uint32_t lse_addr = smem_u32(sm.lse(s)) + 8 * (lane % 4);
-        const uint32_t d_addr = smem_u32(sm.d(s)) + 8 * (lane % 4);
         const int q_row0 = i * Cfg::kBr;
 #pragma unroll
         for (int t = 0; t < kNS; ++t) {
-            const float2 l = ld_shared_f32x2(lse_addr + t * 32);
-            const float2 d = kFused ? ld_shared_f32x2(d_addr + t * 32) : float2{};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = S[t][e], dtanh = 1.f;
@@ -267,8 +275,8 @@ struct BackwardConsumer {
                     x = tanh_fast(x * p.softcap_scale);
                     dtanh = 1.f - x * x;
                 }
-                float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? l.y : l.x)));
-                if (masked) {
+                float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? lse[t].y : lse[t].x)));
+                if constexpr (kMasked) {
                     const int key = w.k_row0 + key_of(e);
                     const int row = q_row0 + t * 8 + 2 * (lane % 4) + e % 2;
                     if (key >= p.seqlen_k || !w.win.sees(row, key))
@@ -276,22 +284,30 @@ struct BackwardConsumer {
                 }
                 S[t][e] = prob;
                 if constexpr (kFused)
-                    dP[t][e] = prob * (dP[t][e] - (e % 2 ? d.y : d.x)) * dtanh;
+                    dP[t][e] = prob * (dP[t][e] - (e % 2 ? dd[t].y : dd[t].x)) * dtanh;
             }
         }
     }
 
+    template <bool kFused>
+    __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
+                                                  const float2 (&lse)[kNS],
+                                                  const float2 (&dd)[kNS], int i,
+                                                  bool masked) const {
+        if (masked)
+            probabilities<kFused, true>(S, dP, lse, dd, i);
+        else
+            probabilities<kFused, false>(S, dP, lse, dd, i);
+    }
+
     // dP^T -> dS^T in place: P^T (dP^T - D) (no softcap: see probabilities<true>).
     __device__ __forceinline__ void dscores(const float (&P)[kNS][4], float (&dP)[kNS][4],
-                                            int s) const {
-        const uint32_t d_addr = smem_u32(sm.d(s)) + 8 * (lane % 4);
+                                            const float2 (&dd)[kNS]) const {
 #pragma unroll
-        for (int t = 0; t < kNS; ++t) {
-            const float2 d = ld_shared_f32x2(d_addr + t * 32);
+        for (int t = 0; t < kNS; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dP[t][e] = P[t][e] * (dP[t][e] - (e % 2 ? d.y : d.x));
-        }
+                dP[t][e] = P[t][e] * (dP[t][e] - (e % 2 ? dd[t].y : dd[t].x));
     }
 
     // Two fp32 values from shared memory (addr 8-byte aligned). volatile: a stage's address
@@ -350,6 +366,13 @@ struct BackwardConsumer {
         wgmma_fence();
         issue_kq(S, sm.k(), sm.q(s));
         wgmma_commit();
+        // LSE and D at this thread's query columns, loaded while the GEMMs run (without
+        // softcap, each just before its pass: registers are short at d_head 128).
+        float2 lse[kNS], dd[kNS];
+        if constexpr (Cfg::kSoftcap) {
+            load_cols(lse, sm.lse(s));
+            load_cols(dd, sm.d(s));
+        }
         mbar_wait(sm.do_full(s), phase);  // dO has landed
         wgmma_fence();  // (dP^T's registers were last written by the previous block)
         issue_kq(dP, sm.v(), sm.dout(s));
@@ -358,22 +381,24 @@ struct BackwardConsumer {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
             fence_regs(dP);
-            probabilities<true>(S, dP, s, i, masked);
+            probabilities<true>(S, dP, lse, dd, i, masked);
             to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
             wgmma_commit();
         } else {
+            load_cols(lse, sm.lse(s));
             wgmma_wait<1>();  // S^T is in registers; dP^T may still run
             fence_regs(S);
-            probabilities<false>(S, dP, s, i, masked);
+            probabilities<false>(S, dP, lse, dd, i, masked);
             to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
             wgmma_commit();
             wgmma_wait<1>();  // dP^T is in registers; dV may still run
             fence_regs(dP);
-            dscores(S, dP, s);
+            load_cols(dd, sm.d(s));
+            dscores(S, dP, dd);
         }
         to_a_fragments<Elem>(dP, dSf);
         wgmma_fence();
