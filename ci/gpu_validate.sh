@@ -3,7 +3,8 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile gate-aa bwd-planted bwd90-planted bwd-prog
+#        sanitize debug asv calibrate hang profile profile-bwd gate-aa bwd-planted bwd90-planted
+#        bwd-prog
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -31,6 +32,8 @@
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
+#   profile-bwd  the same for the backward's main kernel (the Hopper one) and cuDNN's, at
+#             PROFILE_SHAPE ("bf16 128 4 4096 16")
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
 #             $BUNDLE (a git bundle of the repo, main = the PR's base): an unchanged head
 #   workflow-planted  the same for a head whose Hopper kernels mask every KV block
@@ -273,6 +276,21 @@ if step profile; then
     ncu --import "$LOG_DIR/ncu-ours.ncu-rep" --page source --csv --print-source sass \
         >"$LOG_DIR/ncu-ours-sass.csv" 2>&1
     ncu_run cudnn 'cudnn|sdpa|fprop|fmha' cudnn
+fi
+if step profile-bwd; then
+    shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}
+    # shellcheck disable=SC2086
+    ncu_bwd() {  # ncu_bwd NAME KERNEL_REGEX WHO: the last of 4 backward launches of the kernel
+        run "ncu-bwd-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
+            --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-bwd-$1" \
+            python3 studies/ncu_target.py "$3" $shape --backward
+        ncu --import "$LOG_DIR/ncu-bwd-$1.ncu-rep" --page details \
+            >"$LOG_DIR/ncu-bwd-$1-details.txt" 2>&1
+    }
+    ncu_bwd ours 'bwd_sm90_kernel' ours
+    ncu --import "$LOG_DIR/ncu-bwd-ours.ncu-rep" --page source --csv --print-source sass \
+        >"$LOG_DIR/ncu-bwd-ours-sass.csv" 2>&1
+    ncu_bwd cudnn 'bprop' cudnn
 fi
 workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
     # workspace path as on a runner (so the object cache serves a later job as it would there)

@@ -1,7 +1,9 @@
-"""A target for Nsight Compute (ci/gpu_validate.sh step profile): runs one attention call a few
-times on random inputs, so that ncu can profile the last launch of the kernel it matches.
+"""A target for Nsight Compute (ci/gpu_validate.sh steps profile, profile-bwd): runs one attention
+call (or, with --backward, its backward) a few times on random inputs, so that ncu can profile
+the last launch of the kernel it matches.
     python3 studies/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
-        [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)"""
+        [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)
+        [--backward]                             (the backward of one forward, through autograd)"""
 
 import argparse
 
@@ -15,12 +17,30 @@ ap.add_argument("who", choices=("ours", "cudnn", "fa2"))
 ap.add_argument("shape", nargs="*")
 ap.add_argument("--config")
 ap.add_argument("--window")
+ap.add_argument("--backward", action="store_true")
 args = ap.parse_args()
 dtype, d, b, s, h = (args.shape[:5] + ["bf16", "128", "16", "4096", "16"][len(args.shape[:5]):])
 causal = len(args.shape) > 5 and args.shape[5] == "causal"
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-if args.window or args.config:
+if args.backward:
+    if args.window or args.config:
+        ap.error("--backward takes the dispatched kernels only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if args.who == "ours":
+        o = fa.attention(q, k, v, causal=causal)
+    else:
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+        with sdpa_kernel(backend[args.who]):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=causal).transpose(1, 2)
+    dout = torch.randn_like(o)
+
+    def run():
+        torch.autograd.grad(o, (q, k, v), dout, retain_graph=True)
+elif args.window or args.config:
     if args.who != "ours":
         ap.error("--config and --window apply to ours only")
     opts = {"config": args.config} if args.config else {}
@@ -36,5 +56,5 @@ else:
 for _ in range(4):
     run()
 torch.cuda.synchronize()
-print(args.who, dtype, d, b, s, h, "causal" if causal else "", args.config or "", args.window or "",
-      "done")
+print(args.who, "backward" if args.backward else "", dtype, d, b, s, h, "causal" if causal else "",
+      args.config or "", args.window or "", "done")
