@@ -262,14 +262,19 @@ class Sm90BwdConfig(ShortFormConfig):
 
     @property
     def smem_bytes(self) -> int:
-        """K, V, Q and dO per stage, dS^T twice, one block's fp32 dQ, LSE and D per stage, 128
-        bytes of mbarriers, and 1024 bytes for the alignment of the base
-        (Sm90BwdConfig::kSmemBytes)."""
+        """K, V, Q and dO per stage, dS^T twice, a block's fp32 dQ (at d_head 64 one per
+        consumer warpgroup: kDqOwnKeys), LSE and D per stage, 128 bytes of mbarriers, and 1024
+        bytes for the alignment of the base (Sm90BwdConfig::kSmemBytes)."""
         k = self.block_c * self.d_head * 2
         q = self.block_r * self.d_head * 2
-        return (2 * k + 2 * self.STAGES * q + 2 * self.block_c * self.block_r * 2
-                + self.block_r * self.d_head * 4 + 2 * self.STAGES * self.block_r * 4 + 128
-                + 1024)
+        dq = self.block_r * self.d_head * 4 * (2 if self.dq_own_keys else 1)
+        return (2 * k + 2 * self.STAGES * q + 2 * self.block_c * self.block_r * 2 + dq
+                + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
+
+    @property
+    def dq_own_keys(self) -> bool:
+        """Each consumer warpgroup computes dQ over its own keys (Sm90BwdConfig::kDqOwnKeys)."""
+        return self.d_head == 64
 
     def problems(self) -> list[str]:
         return self.field_problems(("dtype", self.dtype, DTYPES),

@@ -31,7 +31,13 @@ struct Sm90BwdConfig {
     static constexpr int kBc = 64 * kConsumerWGs;          // B_c: keys per CTA
     static constexpr int kBr = 64;                         // B_r: query rows per block
     static constexpr int kStages = 2;                      // query-block stages in shared memory
-    static constexpr int kDqCols = kDHead / kConsumerWGs;  // dQ columns per warpgroup
+    // kDqOwnKeys: each consumer warpgroup computes dQ = dS K over its own 64 keys, every d_head
+    // column (its partial, added by the writer warp like the other's), so the warpgroups never
+    // wait for each other inside the loop. Otherwise each computes half the d_head columns over
+    // all B_c keys, from both warpgroups' dS^T: a barrier of both per block, half the
+    // accumulator (registers: d_head 128).
+    static constexpr bool kDqOwnKeys = kDHead == 64;
+    static constexpr int kDqCols = kDqOwnKeys ? kDHead : kDHead / kConsumerWGs;  // per warpgroup
 
     static constexpr int kThreads = 128 * (kConsumerWGs + 1);
     // The producer warpgroup: warp 0 loads (one thread), warp 1 writes dQ (one thread issues).
@@ -52,12 +58,12 @@ struct Sm90BwdConfig {
     //   barriers
     // dS^T is B_c x B_r (one panel), double-buffered so that one block's is written while the
     // other warpgroup may still read the previous one. At the end the Q and dO stages stage dV
-    // and dK for their TMA stores (each B_c x d_head). dQ is one block's fp32 B_r x d_head, the
-    // warpgroups' halves one after the other.
+    // and dK for their TMA stores (each B_c x d_head). dQ holds the warpgroups' fp32 parts of a
+    // block (B_r x kDqCols each) one after the other.
     static constexpr int kKBytes = kBc * kDHead * 2;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kDSBytes = kBc * kBr * 2;
-    static constexpr int kDqBytes = kBr * kDHead * 4;
+    static constexpr int kDqBytes = kBr * kDqCols * 4 * kConsumerWGs;  // fp32 dQ, all warpgroups
     static constexpr int kVecBytes = kBr * 4;
     static constexpr int kSK = 0;
     static constexpr int kSV = kSK + kKBytes;

@@ -55,9 +55,10 @@ struct BwdSmem {
     __device__ __forceinline__ unsigned char* ds(int b) const {
         return base + Cfg::kSdS + b * Cfg::kDSBytes;
     }
-    // Consumer warpgroup g's half of a block's fp32 dQ (accumulator order: dq_offset()).
+    // Consumer warpgroup g's part of a block's fp32 dQ (BackwardConsumer::store_dq's order).
     __device__ __forceinline__ float* dq(int g) const {
-        return reinterpret_cast<float*>(base + Cfg::kSdQ) + g * (Cfg::kDqBytes / 4 / 2);
+        return reinterpret_cast<float*>(base + Cfg::kSdQ) +
+               g * (Cfg::kDqBytes / 4 / Cfg::kConsumerWGs);
     }
     __device__ __forceinline__ float* lse(int s) const {
         return reinterpret_cast<float*>(base + Cfg::kSLse + s * Cfg::kVecBytes);
@@ -225,13 +226,18 @@ struct BackwardConsumer {
     // dQ[:, this warpgroup's columns] = dS K over all B_c keys: A is dS^T of both warpgroups
     // (B_c rows x B_r columns, one panel: M-major), B is K (B_c rows x d, N-major) from column
     // wg * kDqCols (a panel, or half of one at d_head 64: the swizzle is a function of the
-    // address, so a 64-byte offset inside the 128-byte row reads the right chunks).
+    // address, so a 64-byte offset inside the 128-byte row reads the right chunks). With
+    // kDqOwnKeys: this warpgroup's part of dQ, every column, over its own 64 keys (rows 64 wg ..
+    // of dS^T and K).
     __device__ __forceinline__ void issue_dq(float (&acc)[kNQ][4], int buf) const {
-        const uint32_t a0 = smem_u32(sm.ds(buf));
-        const int col0 = wg * Cfg::kDqCols;
-        const uint32_t b0 = smem_u32(sm.k()) + (col0 / 64) * Cfg::kBc * 128 + (col0 % 64) * 2;
+        constexpr int kSteps = Cfg::kDqOwnKeys ? 64 / 16 : kStepsC;
+        const int row0 = Cfg::kDqOwnKeys ? wg * 64 : 0;
+        const int col0 = Cfg::kDqOwnKeys ? 0 : wg * Cfg::kDqCols;
+        const uint32_t a0 = smem_u32(sm.ds(buf)) + row0 * 128;
+        const uint32_t b0 =
+            smem_u32(sm.k()) + row0 * 128 + (col0 / 64) * Cfg::kBc * 128 + (col0 % 64) * 2;
 #pragma unroll
-        for (int kk = 0; kk < kStepsC; ++kk) {
+        for (int kk = 0; kk < kSteps; ++kk) {
             const uint64_t a = desc_sw128(a0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
             const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
             Wgmma<Cfg::kDqCols, Elem>::ss_mn(acc, a, b, kk > 0 ? 1u : 0u);
@@ -404,12 +410,15 @@ struct BackwardConsumer {
         wgmma_fence();
         issue_acc(dK, dSf, sm.q(s));
         wgmma_commit();
-        // dS^T of both warpgroups into this block's buffer. The other buffer may still be read
-        // by the other warpgroup's dQ GEMM of the previous block; this one was last read two
-        // blocks ago, before both passed the barrier below of the previous block.
+        // dS^T of this warpgroup's keys into this block's buffer. The other buffer may still be
+        // read by a dQ GEMM of the previous block; this one was last read two blocks ago, before
+        // the barrier below of the previous block.
         store_ds(dSf, t % 2);
         fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
-        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+        if constexpr (Cfg::kDqOwnKeys)
+            named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
+        else
+            named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
         float dQ[kNQ][4];
         wgmma_fence();
         issue_dq(dQ, t % 2);
@@ -423,9 +432,9 @@ struct BackwardConsumer {
         store_dq(dQ, t);
     }
 
-    // dQ of the block into this warpgroup's half of the dQ buffer, for the writer warp: n8 tile
-    // t of thread x at float4 t * 128 + x (bwd::kDqWgmmaTiles). Block 0 finds it free; block
-    // t > 0 waits until the writer has read block t - 1's.
+    // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: n8 tile
+    // t of thread x at float4 t * 128 + x (bwd::DqLayout::kWgmmaTiles). Block 0 finds it free;
+    // block t > 0 waits until the writer has read block t - 1's.
     __device__ __forceinline__ void store_dq(const float (&dQ)[kNQ][4], int t) const {
         constexpr int kSync = 128 + 32;
         if (t > 0)
@@ -459,10 +468,11 @@ struct BackwardConsumer {
     }
 };
 
-// The writer warp: each block's dQ, half by half as the consumer warpgroups store it, added to
-// the fp32 accumulator with one bulk reduce-add per half (the block's B_r x d_head floats are
-// contiguous there, in the consumers' order). The buffer is released when the reductions have
-// read it; the last block's release has no taker and is skipped.
+// The writer warp: each block's dQ, part by part as the consumer warpgroups store it, added to
+// the fp32 accumulator with one bulk reduce-add per part (the block's B_r x d_head floats are
+// contiguous there, in the consumers' order): a half of the columns each, or with kDqOwnKeys
+// each warpgroup's partial sum over all of them. The buffer is released when the reductions
+// have read it; the last block's release has no taker and is skipped.
 template <class Cfg>
 struct BackwardDqWriter {
     const Sm90BwdParams& prm;
@@ -471,7 +481,7 @@ struct BackwardDqWriter {
 
     __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
         constexpr int kSync = 128 + 32;
-        constexpr uint32_t kHalfBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
+        constexpr uint32_t kPartBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
         const BwdParams& p = prm.p;
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
@@ -482,7 +492,8 @@ struct BackwardDqWriter {
             for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
                 named_sync(kBwdDqFull + g, kSync);
                 if (lane == 0) {
-                    bulk_reduce_add_f32(acc + g * (kHalfBytes / 4), sm.dq(g), kHalfBytes);
+                    float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
+                    bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
                     tma_store_commit();
                 }
             }

@@ -18,6 +18,9 @@ enum NamedBarrier : int {
     // writer's bulk reduction has read it.
     kBwdDqFull = 7,   // and 8
     kBwdDqEmpty = 9,  // and 10
+    // Backward with kDqOwnKeys: consumer warpgroup g's 128 threads have stored their dS^T of a
+    // block (its own dQ GEMM reads it).
+    kBwdDsOwnBarrier = 11,  // and 12
 };
 
 }  // namespace flash::sm90
