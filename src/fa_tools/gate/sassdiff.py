@@ -27,9 +27,10 @@ INSTRUCTION_BYTES = 16  # sm_70 and later
 
 def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
     """The cubin architecture whose code runs the kernel on a GPU of gpu_arch ("90", "80",
-    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_*) exist as sm_90a
-    only and run on sm_90 alone. A backward helper is compared as the code of the GPU's arch
-    (its sm_90a copy in a Hopper backward unit is left out)."""
+    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_* and their dQ
+    conversion bwd_convert_dq_tiles_*) exist as sm_90a only and run on sm_90 alone. The
+    preprocess is compared as the code of the GPU's arch (its sm_90a copy in a Hopper backward
+    unit is left out)."""
     if is_hopper_name(kernel):
         return "90a" if gpu_arch == "90" else None
     return gpu_arch
@@ -37,7 +38,8 @@ def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
 
 def _code_of(section: str, kernel: str) -> bool:
     """Whether a .text section is the kernel's code: its own, or a compiler subroutine (a
-    backward cubin also holds the two helper kernels of its dtype, each listed apart)."""
+    backward cubin also holds the two helper kernels of its family and dtype, each listed
+    apart)."""
     owner = short_of(section[len(".text."):])
     return owner is None or owner == kernel
 
