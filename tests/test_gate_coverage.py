@@ -401,3 +401,33 @@ def test_kernel_code_reads_the_text_sections_of_each_cubin(tmp_path, monkeypatch
     assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"k1": words, "sm90_k2": [words[4]]}
     assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"k1": [words[0]]}
 
+
+def test_kernel_code_leaves_out_a_helper_the_unit_does_not_hold(tmp_path, monkeypatch):
+    """A base build from before the Hopper dQ conversion: its Hopper unit holds the main kernel,
+    the preprocess and the sm80 family's conversion, while the listing (this commit's configs)
+    names the unit's helpers preprocess and convert_dq_tiles. The tile conversion is left out
+    of the base's code, so the head's is new."""
+    from fa_tools.analysis import cubins
+    from fa_tools.gate import sassdiff
+
+    main = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0EEEEE"
+            "vNS0_13Sm90BwdParamsE")
+    pre = "_ZN5flash3bwd21bwd_preprocess_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    rows = "_ZN5flash3bwd21bwd_convert_dq_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    tiles = "_ZN5flash3bwd27bwd_convert_dq_tiles_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    words = [bytes([i]) * 16 for i in range(4)]
+    unit = "bwd_sm90_bf16_d128_c128_r64_f"
+    for build, conversion in (("base", rows), ("head", tiles)):
+        (tmp_path / build).mkdir()
+        (tmp_path / build / f"{unit}.sm_90a.cubin").write_bytes(_elf({
+            f".text.{main}": words[0], f".text.{pre}": words[1], f".text.{conversion}":
+            words[2] if build == "base" else words[3], ".text.$__internal_0": words[2]}))
+    members = [cubins.Member(k, "90a", f"{unit}.sm_90a.cubin") for k in (
+        unit, "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16")]
+    monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
+    monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path / binary)
+    base, head = sassdiff.kernel_code("base", "90"), sassdiff.kernel_code("head", "90")
+    assert list(base) == [unit]  # (the preprocess is compared as its sm_90 code)
+    assert head["bwd_convert_dq_tiles_bf16"] == [words[3], words[2]]  # with the subroutine
+    (change,) = sassdiff.changed_kernels(base, head)
+    assert change.kernel == "bwd_convert_dq_tiles_bf16" and change.new

@@ -46,7 +46,11 @@ def _code_of(section: str, kernel: str) -> bool:
 
 def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
     """{kernel short form: its SASS instruction words} for every kernel of the binary with code
-    for this GPU (the concatenated .text sections of its cubin)."""
+    for this GPU (the concatenated .text sections of its cubin). A kernel the listing gives a
+    unit whose cubin names other kernels but not it is left out: the listing names a backward
+    unit's helpers by this commit's configs, and a base build from before a helper changed
+    (a Hopper unit holding bwd_convert_dq_<dtype> instead of bwd_convert_dq_tiles_<dtype>) does
+    not hold the helper, which is then new in the head."""
     from ..analysis import cubins
 
     root = cubins.extracted_dir(binary)
@@ -55,6 +59,10 @@ def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
         if member.arch != arch_of_kernel(member.kernel, gpu_arch):
             continue
         sections = cubins.elf_sections(root / member.file)
+        owners = {short_of(name[len(".text."):]) for name in sections
+                  if name.startswith(".text.")} - {None}
+        if owners and member.kernel not in owners:
+            continue
         code = b"".join(data for name, data in sections.items()
                         if name.startswith(".text.") and _code_of(name, member.kernel))
         out[member.kernel] = [code[i:i + INSTRUCTION_BYTES]
