@@ -8,9 +8,10 @@ architectures the build does not contain are skipped with the reason, and so is 
 when fa_tools or the SASS tools are missing.
 
 Architectures are named as fa_tools' ptxas report names them: "80" and "90" for the sm80
-family, "90a" for the Hopper family (the forward's sm90_* and the backward's bwd_sm90_* configs
-compile for sm_90a alone, whatever the build's architecture list; Hopper backward kernels are
-tracked once the default backward set holds them). On sm_90a, tensor_mma counts the wgmma (HGMMA);
+family, "90a" for the Hopper family (the forward's sm90_* and the backward's bwd_sm90_* configs,
+and the Hopper backward's dQ conversion bwd_convert_dq_tiles_*, compile for sm_90a alone,
+whatever the build's architecture list; Hopper backward kernels are tracked once the default
+backward set holds them). On sm_90a, tensor_mma counts the wgmma (HGMMA);
 HopperSassInstructions adds the Hopper-only categories (TMA, mbarrier, the wgmma fences and
 waits, setmaxnreg) and HopperWgmma whether ptxas serialized the wgmma and how many MUFU.EX2 it
 placed under a running wgmma (both pinned by the static gate too). New parameter values and
@@ -20,8 +21,9 @@ from flash_attention.config_sets import SETS
 
 
 def _backward_kernels() -> list[str]:
-    """The `default` backward set and its preprocess and dQ conversion kernels (what the static
-    ratchet pins for the backward); none in a commit from before the backward."""
+    """The `default` backward set and its helpers, the preprocess and each family's dQ
+    conversion of its dtypes (what the static ratchet pins for the backward); none in a commit
+    from before the backward."""
     try:
         from flash_attention.config_bwd import DEFAULT, aux_kernels
     except ImportError:
@@ -34,7 +36,9 @@ ARCHS = ["80", "90", "90a"]  # append only: asv keys the recorded results by the
 CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "shared_store",
               "local_memory", "mufu", "fp32", "conversion", "int_address", "move", "barrier",
               "branch"]
-HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")  # the Hopper forward's and backward's short forms
+# the Hopper forward's and backward's main kernels (their helpers, the sm_90a-only
+# bwd_convert_dq_tiles_* too, have none of the Hopper-only figures)
+HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")
 HOPPER_KERNELS = [k for k in KERNELS if k.startswith(HOPPER_PREFIXES)]
 HOPPER_CATEGORIES = ["tma", "mbarrier", "wgmma_sync", "setmaxnreg"]  # fa_tools' opcodes names
 

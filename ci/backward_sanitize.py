@@ -1,7 +1,8 @@
 """A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
-GPU with the hopper set built, the Hopper kernels for the fixed-length non-deterministic calls)
-on tails, masks, a window, a softcap, GQA and a padded d_head.
+GPU with the hopper set built, the Hopper kernels and their dQ conversion, convert_dq_tiles, for
+the fixed-length non-deterministic calls) on tails, masks, a window, a softcap, GQA and a padded
+d_head.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """

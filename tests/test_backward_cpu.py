@@ -103,8 +103,8 @@ def test_hopper_set_and_configs():
     assert (cfg.family, cfg.arch, cfg.block_c, cfg.block_r, cfg.threads, cfg.warps) == (
         "sm90-bwd", 90, 128, 64, 384, 12)
     assert cfg.short == "bwd_sm90_bf16_d128_c128_r64_ft" and cfg.flags_on == "softcap"
-    assert Sm90BwdConfig("bf16", 128).smem_bytes == 166016
-    assert Sm90BwdConfig("fp16", 64).smem_bytes == 100480
+    assert Sm90BwdConfig("bf16", 128).smem_bytes == 198784  # with one block's fp32 dQ
+    assert Sm90BwdConfig("fp16", 64).smem_bytes == 133248  # a dQ part per warpgroup (kDqOwnKeys)
     assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
     assert isinstance(parse_kernel("bwd_preprocess_bf16"), BwdAuxKernel)
     # resolve names the sets when a short form of either family does not parse

@@ -158,9 +158,10 @@ def test_recorded_parameter_values_are_kept():
 
 def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
     """Every backward kernel the static ratchet pins (the policy's bwd_kernels with the
-    preprocess and dQ conversion of each dtype) is a kernel value of the static tracks, and a
-    backward record of the build's report is collected like a forward one (the analysis
-    functions faked here; test_hopper_kernel_is_collected_under_90a runs them for real)."""
+    preprocess and each family's dQ conversion of each dtype) is a kernel value of the static
+    tracks, and a backward record of the build's report is collected like a forward one (the
+    analysis functions faked here; test_hopper_kernel_is_collected_under_90a runs them for
+    real)."""
     from types import SimpleNamespace
 
     from fa_tools.gate import ratchet
@@ -197,9 +198,9 @@ HOPPER_BWD = "bwd_sm90_bf16_d64_c128_r64_f"
 
 @pytest.fixture(scope="module")
 def bwd_build(tmp_path_factory):
-    """(binary, ptxas log) of one Hopper backward unit (HOPPER_BWD and the bf16 helpers) for
-    sm_90a, built as `build` builds its kernels; cuobjdump names its cubin
-    bwd_sm90_....sm_90a.cubin."""
+    """(binary, ptxas log) of one Hopper backward unit (HOPPER_BWD and its family's bf16
+    helpers, the preprocess and the tile-order dQ conversion) for sm_90a, built as `build`
+    builds its kernels; cuobjdump names its cubin bwd_sm90_....sm_90a.cubin."""
     from flash_attention.codegen_bwd import kernel_source
     from flash_attention.config_bwd import parse_config
 
@@ -228,11 +229,11 @@ def bwd_build(tmp_path_factory):
 def test_hopper_backward_kernel_gets_the_hopper_tracks(bwd_build, monkeypatch):
     """A Hopper backward kernel, once a tracked set holds it, is collected under 90a with the
     Hopper figures (HGMMA as tensor_mma, TMA, setmaxnreg, the wgmma schedule), its helpers
-    under 90a beside it without them."""
+    (the preprocess and the sm_90a-only dQ conversion) under 90a beside it without them."""
     from fa_tools.analysis.kernel_names import parse_kernel
 
     binary, log = bwd_build
-    helpers = ["bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+    helpers = ["bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
     monkeypatch.setattr(binaries, "extension_path", lambda: binary)
     monkeypatch.setattr(binaries, "ptxas_log_path", lambda: log)
     monkeypatch.setattr(bs, "KERNELS", [HOPPER_BWD, *helpers])

@@ -43,7 +43,8 @@ def test_ptxas_report_kept(ext):
     for arch in info["archs"]:
         assert text.count(f"for 'sm_{arch}'") >= len(sm80)
     # Hopper kernels compile for sm_90a alone, whatever the build's list: a forward unit one
-    # kernel, a Hopper backward unit three (its main kernel and its dtype's two helpers).
+    # kernel, a Hopper backward unit three (its main kernel and its family's two helpers of its
+    # dtype: the preprocess and the tile-order dQ conversion).
     hopper_bwd = [c for c in info.get("bwd_configs", []) if c.startswith("bwd_sm90_")]
     assert text.count("for 'sm_90a'") == len(info["configs"]) - len(sm80) + 3 * len(hopper_bwd)
 

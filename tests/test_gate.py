@@ -275,15 +275,16 @@ def test_ratchet_fails_serialized_wgmma_whatever_the_pin():
 
 
 def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
-    """The policy's bwd_kernels set is pinned with the helpers of its dtypes, and
+    """The policy's bwd_kernels set is pinned with the helpers of its dtypes (the preprocess,
+    and the dQ conversion of each family: rows for the sm80 one, tiles for the Hopper one), and
     bwd_zero_spills_for makes any spill of those kernels fail whatever the pin."""
     policy = {"static": {**POLICY["static"], "bwd_kernels": "default",
                          "bwd_zero_spills_for": "default"}}
     scope = ratchet.scope_kernels(policy)
     assert "bwd_bf16_d128_c128_r64_w8_fbt" in scope and K in scope
-    assert {"bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
-            "bwd_convert_dq_bf16"} <= set(scope)
-    assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 8 + 4  # sm80, Hopper, helpers
+    assert {f"bwd_{kind}_{dtype}" for kind in ("preprocess", "convert_dq", "convert_dq_tiles")
+            for dtype in ("fp16", "bf16")} <= set(scope)
+    assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 8 + 6  # sm80, Hopper, helpers
     bwd = "bwd_fp16_d256_c64_r64_w8_ft"
     pinned = {"kernels": {bwd: _metrics(spill_bytes=8)[K]}}
     (f,) = [f for f in ratchet.compare(pinned, {bwd: _metrics(spill_bytes=8)[K]}, policy)
@@ -298,14 +299,15 @@ def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
     """A Hopper backward kernel is measured under 90a alone, with the Hopper figures (TMA,
     setmaxnreg, EX2 under a running wgmma, wgmma serialization); a helper under 90a too only
     when a Hopper backward kernel of its dtype is pinned (a build holding the `hopper` set
-    beside a policy that pins `default` alone measures what it measured before)."""
+    beside a policy that pins `default` alone measures what it measured before); the Hopper
+    dQ conversion under 90a alone, where a Hopper backward kernel of its dtype is pinned."""
     from types import SimpleNamespace
 
     from fa_tools.analysis import cubins, ptxas_report, sass
     from flash_attention.config_bwd import SETS
 
     hopper, sm80 = "bwd_sm90_bf16_d128_c128_r64_f", "bwd_bf16_d128_c128_r64_w8_fb"
-    pre = "bwd_preprocess_bf16"
+    pre, tiles = "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"
 
     def rec(kernel, arch, serialized=""):
         return SimpleNamespace(kernel=kernel, arch=arch, registers=168, spill_stores=0,
@@ -313,7 +315,7 @@ def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
                                wgmma_serialized=serialized)
 
     records = [rec(sm80, "80"), rec(sm80, "90"), rec(hopper, "90a", "C7512"), rec(pre, "80"),
-               rec(pre, "90"), rec(pre, "90a")]
+               rec(pre, "90"), rec(pre, "90a"), rec(tiles, "90a")]
     ops = ["HGMMA", "HGMMA", "MUFU.EX2", "WARPGROUP.DEPBAR.LE", "UTMALDG", "UTMASTG",
            "USETMAXREG", "SYNCS.ARRIVE", "EXIT"]
     instrs = [SimpleNamespace(base=o.split(".")[0], opcode=o, operands=" gsb0, 0x0",
@@ -322,18 +324,19 @@ def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
     monkeypatch.setattr(cubins, "extracted_dir", lambda binary: None)
     monkeypatch.setattr(sass, "instructions", lambda binary, kernel, arch: instrs)
 
-    got = ratchet.current_metrics([sm80, hopper, pre], ["80", "90"], "x", "log")
+    got = ratchet.current_metrics([sm80, hopper, pre, tiles], ["80", "90"], "x", "log")
     assert {k: sorted(v) for k, v in got.items()} == {
-        sm80: ["80", "90"], hopper: ["90a"], pre: ["80", "90", "90a"]}
+        sm80: ["80", "90"], hopper: ["90a"], pre: ["80", "90", "90a"], tiles: ["90a"]}
     h = got[hopper]["90a"]
     assert (h["sass_tensor_mma"], h["sass_tma"], h["sass_setmaxnreg"]) == (2, 2, 1)
     assert (h["sass_ex2_overlapped"], h["wgmma_serialized"]) == (1, 1)
     assert "sass_tma" not in got[sm80]["90"]
-    got = ratchet.current_metrics([sm80, pre], ["80", "90"], "x", "log")
-    assert sorted(got[pre]) == ["80", "90"]
+    got = ratchet.current_metrics([sm80, pre, tiles], ["80", "90"], "x", "log")
+    assert sorted(got[pre]) == ["80", "90"] and tiles not in got
     scope = ratchet.scope_kernels({"static": {**POLICY["static"], "bwd_kernels": "hopper"}})
     assert [k for k in scope if k.startswith("bwd_sm90_")] == [c.short for c in SETS["hopper"]]
-    assert {"bwd_preprocess_fp16", "bwd_convert_dq_bf16"} <= set(scope)
+    assert {"bwd_preprocess_fp16", "bwd_convert_dq_tiles_bf16"} <= set(scope)
+    assert not {"bwd_convert_dq_fp16", "bwd_convert_dq_bf16"} & set(scope)  # the sm80 family's
 
 
 def test_ratchet_new_and_missing_kernels():
@@ -943,9 +946,9 @@ def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch)
     kernels = {r["case"]: r["kernel"] for r in doc["results"]}
     # on sm_90 the default build's Hopper backward runs the fixed-length cases
     assert kernels[BWD.name] == ("bwd_sm90_bf16_d128_c128_r64_f + bwd_preprocess_bf16 + "
-                                 "bwd_convert_dq_bf16")
+                                 "bwd_convert_dq_tiles_bf16")
     assert kernels[STEP.name].startswith("sm90_bf16_d128_") and kernels[STEP.name].endswith(
-        " + bwd_sm90_bf16_d128_c128_r64_f + bwd_preprocess_bf16 + bwd_convert_dq_bf16")
+        " + bwd_sm90_bf16_d128_c128_r64_f + bwd_preprocess_bf16 + bwd_convert_dq_tiles_bf16")
     by_case = {r["case"]: r for r in doc["results"]}
     assert by_case[BWD.name]["head_tflops"] == pytest.approx(
         BWD.flops() / by_case[BWD.name]["head_ms"] / 1e9)
@@ -960,12 +963,13 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
     operator picks for it); a changed helper a gate case runs is reported as measured; an
     accept entry may name a case made for any backward kernel."""
     from fa_tools.gate import sassdiff
+    from flash_attention.config_bwd import aux_kernels
+    from flash_attention.config_bwd import resolve as resolve_bwd
 
     base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
     _default_build(tmp_path, monkeypatch, base, head)
     base.src_dir, head.src_dir = "base", "head"
-    helpers = ["bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
-               "bwd_convert_dq_bf16"]
+    helpers = [a.short for a in aux_kernels(resolve_bwd("default"))]  # both families
     code = {k: [b"\0" * 16] * 10 for k in head.configs + head.bwd_configs + helpers}
     changed = dict(code, bwd_fp16_d256_c64_r64_w8_ft=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
                    bwd_preprocess_bf16=[b"\1" * 16] * 10)

@@ -13,12 +13,22 @@ from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, C
 from flash_attention import config_bwd, dispatch
 from flash_attention.config_sets import resolve
 
-# the sm80 family's default tiles alone (a build without the Hopper backward)
+# the sm80 family's default tiles alone (a build without the Hopper backward), and their
+# helpers: the preprocess and the row-order dQ conversion of each dtype
 BWD_DEFAULT = [c.short for c in config_bwd.SM80_DEFAULT]
-BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
+BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.SM80_DEFAULT)]
 # what the gate's build holds: the `default` set, the Hopper backward beside the sm80 family
-# (which serves the rest)
+# (which serves the rest), and both families' helpers (the Hopper one's dQ conversion too)
 BWD_HOPPER = [c.short for c in config_bwd.resolve("default")]
+BWD_HOPPER_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
+
+
+def test_the_helpers_of_each_build():
+    assert BWD_HELPERS == ["bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
+                           "bwd_convert_dq_bf16"]
+    assert BWD_HOPPER_HELPERS == [
+        "bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_convert_dq_tiles_fp16",
+        "bwd_preprocess_bf16", "bwd_convert_dq_bf16", "bwd_convert_dq_tiles_bf16"]
 
 
 @pytest.fixture
@@ -167,11 +177,18 @@ def test_every_default_backward_kernel_kind_and_helper_is_run_by_a_gate_case():
 def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90():
     """On the runner's GPU (sm_90) with the `default` set: every Hopper kernel and every sm80
     kernel, dtype aside, is the pick of a backward gate case (the sm80 family's d_head 64 and
-    128 kernels through the deterministic cases), and so are the helpers."""
-    ran = {k for c in BWD_GATE_CASES for k in coverage.kernels_run(c, [], BWD_HOPPER, sm90=True)}
+    128 kernels through the deterministic cases), and so are both families' helpers (a Hopper
+    kernel runs with the tile-order dQ conversion, an sm80 one with the row-order one)."""
+    run = {c.name: coverage.kernels_run(c, [], BWD_HOPPER, sm90=True) for c in BWD_GATE_CASES}
+    ran = {k for kernels in run.values() for k in kernels}
     assert {coverage.kind(k) for k in ran if k in BWD_HOPPER} == {
         coverage.kind(k) for k in BWD_HOPPER}
-    assert set(BWD_HELPERS) <= ran
+    assert set(BWD_HOPPER_HELPERS) <= ran
+    for kernels in run.values():
+        main, *helpers = [k for k in kernels if k.startswith("bwd_")]
+        dtype = main.split("_")[2] if main.startswith("bwd_sm90_") else main.split("_")[1]
+        conversion = "convert_dq_tiles" if main.startswith("bwd_sm90_") else "convert_dq"
+        assert helpers == [f"bwd_preprocess_{dtype}", f"bwd_{conversion}_{dtype}"], kernels
 
 
 def test_a_training_step_runs_the_forward_and_the_backward(rows):
@@ -266,7 +283,7 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
         "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt"]
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=True) == [
-        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=False) == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
     # a varlen call never runs the Hopper backward (no backward gate case is varlen: the rule
@@ -278,7 +295,8 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     """case_for_bwd_kernel in a build with the Hopper backward: on sm_90 a Hopper kernel gets
     the plain causal case and an sm80-family kernel it shadows the same case with
     deterministic dQ (what still runs it there); off sm_90 a Hopper kernel gets none and an
-    sm80 one the plain case; a helper gets a case either way."""
+    sm80 one the plain case; a helper gets a case either way but the Hopper dQ conversion,
+    which runs on sm_90 alone (after a Hopper kernel)."""
     hopper, sm80 = "bwd_sm90_fp16_d128_c128_r64_ft", "bwd_fp16_d128_c128_r64_w8_fbt"
     case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=True)
     assert case == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
@@ -292,35 +310,52 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     # d_head 256: no Hopper variant, the plain case
     assert not coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
                                             sm90=True).deterministic
-    for kernel in BWD_HOPPER + BWD_HELPERS:
+    for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
         for sm90 in (True, False):
             made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)
             if made is None:
-                assert kernel.startswith("bwd_sm90_") and not sm90, kernel
+                assert kernel.startswith(("bwd_sm90_", "bwd_convert_dq_tiles_")) and not sm90, \
+                    kernel
                 continue
             assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, sm90), (kernel, sm90)
+    tiles = coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_HOPPER, sm90=True)
+    assert coverage.bwd_kernel(tiles, BWD_HOPPER, sm90=True) == "bwd_sm90_fp16_d128_c128_r64_f"
+    rows = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_HOPPER, sm90=True)
+    assert coverage.bwd_kernel(rows, BWD_HOPPER, sm90=True) == "bwd_fp16_d128_c128_r64_w8_fb"
+    assert rows.deterministic
+    # a build without the Hopper backward has no case for its dQ conversion
+    assert coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_DEFAULT,
+                                        sm90=True) is None
 
 
 def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
     """The SASS diff of a build with the Hopper backward on sm_90: a changed Hopper kernel no
     gate case runs gets the case that runs it, one the gate runs is reported as measured, and a
-    changed sm80-family kernel shadowed by a Hopper one is measured by a deterministic case."""
+    changed sm80-family kernel shadowed by a Hopper one is measured by a deterministic case;
+    each family's dQ conversion is measured by a case of its family."""
     from fa_tools.gate import sassdiff
 
     changes = [sassdiff.KernelChange(k, n, n, 2000) for k, n in [
         ("bwd_sm90_fp16_d128_c128_r64_f", 70),  # no gate case: a case is made
         ("bwd_sm90_bf16_d128_c128_r64_f", 60),  # the causal d_head 128 gate case runs it
-        ("bwd_fp16_d64_c128_r128_w8_fb", 50)]]  # shadowed on sm_90: a deterministic case
+        ("bwd_fp16_d64_c128_r128_w8_fb", 50),  # shadowed on sm_90: a deterministic case
+        ("bwd_convert_dq_tiles_bf16", 40),  # run after every bf16 Hopper kernel
+        ("bwd_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (deterministic)
     sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
     assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd"]
     (added,) = sel.cases
     assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == changes[0].kernel
     assert {c["kernel"]: c["case"] for c in sel.covered} == {
         "bwd_fp16_d64_c128_r128_w8_fb": "fp16_d64_b4_s4096_kv4_det_bwd",
-        "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd"}
+        "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd",
+        "bwd_convert_dq_tiles_bf16": "bf16_d128_b4_s4096_causal_bwd",
+        "bwd_convert_dq_fp16": "fp16_d64_b4_s4096_kv4_det_bwd"}
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "90") == "90a"
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "80") is None
     assert sassdiff.arch_of_kernel("bwd_preprocess_fp16", "90") == "90"
+    assert sassdiff.arch_of_kernel("bwd_convert_dq_fp16", "90") == "90"
+    assert sassdiff.arch_of_kernel("bwd_convert_dq_tiles_fp16", "90") == "90a"
+    assert sassdiff.arch_of_kernel("bwd_convert_dq_tiles_fp16", "80") is None
     assert sassdiff.arch_of_kernel("bwd_fp16_d64_c128_r128_w8_fb", "80") == "80"
 
 
@@ -365,3 +400,34 @@ def test_kernel_code_reads_the_text_sections_of_each_cubin(tmp_path, monkeypatch
     assert cubins.elf_section(tmp_path / "fwd_k1.sm_80.cubin", ".text._Z2k1") == words[0]
     assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"k1": words, "sm90_k2": [words[4]]}
     assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"k1": [words[0]]}
+
+
+def test_kernel_code_leaves_out_a_helper_the_unit_does_not_hold(tmp_path, monkeypatch):
+    """A base build from before the Hopper dQ conversion: its Hopper unit holds the main kernel,
+    the preprocess and the sm80 family's conversion, while the listing (this commit's configs)
+    names the unit's helpers preprocess and convert_dq_tiles. The tile conversion is left out
+    of the base's code, so the head's is new."""
+    from fa_tools.analysis import cubins
+    from fa_tools.gate import sassdiff
+
+    main = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0EEEEE"
+            "vNS0_13Sm90BwdParamsE")
+    pre = "_ZN5flash3bwd21bwd_preprocess_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    rows = "_ZN5flash3bwd21bwd_convert_dq_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    tiles = "_ZN5flash3bwd27bwd_convert_dq_tiles_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+    words = [bytes([i]) * 16 for i in range(4)]
+    unit = "bwd_sm90_bf16_d128_c128_r64_f"
+    for build, conversion in (("base", rows), ("head", tiles)):
+        (tmp_path / build).mkdir()
+        (tmp_path / build / f"{unit}.sm_90a.cubin").write_bytes(_elf({
+            f".text.{main}": words[0], f".text.{pre}": words[1], f".text.{conversion}":
+            words[2] if build == "base" else words[3], ".text.$__internal_0": words[2]}))
+    members = [cubins.Member(k, "90a", f"{unit}.sm_90a.cubin") for k in (
+        unit, "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16")]
+    monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
+    monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path / binary)
+    base, head = sassdiff.kernel_code("base", "90"), sassdiff.kernel_code("head", "90")
+    assert list(base) == [unit]  # (the preprocess is compared as its sm_90 code)
+    assert head["bwd_convert_dq_tiles_bf16"] == [words[3], words[2]]  # with the subroutine
+    (change,) = sassdiff.changed_kernels(base, head)
+    assert change.kernel == "bwd_convert_dq_tiles_bf16" and change.new

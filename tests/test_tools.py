@@ -50,7 +50,7 @@ def _bwd_mains(info: dict) -> list:
 
 def _built_kernels(info: dict) -> list[str]:
     """Short forms of every kernel the build holds: forward, backward (either family) and the
-    backward's helpers (preprocess, dQ conversion) of its dtypes."""
+    backward's helpers (the preprocess and each built family's dQ conversion) of its dtypes."""
     from flash_attention.config_bwd import aux_kernels
 
     bwd = _bwd_mains(info)
@@ -59,8 +59,8 @@ def _built_kernels(info: dict) -> list[str]:
 
 def test_resource_report_covers_every_built_kernel_and_arch(built):
     """Every kernel under each arch the build compiles it for: a Hopper one (forward or
-    backward) under 90a alone, a backward helper also under 90a where a Hopper backward unit of
-    its dtype compiles it."""
+    backward, the Hopper dQ conversion too) under 90a alone, the preprocess also under 90a
+    where a Hopper backward unit of its dtype compiles it."""
     _, info = built
     records = ptxas_report.load(binaries.ptxas_log_path())
     got = {(r.kernel, r.arch) for r in records}
@@ -76,8 +76,9 @@ def test_resource_report_covers_every_built_kernel_and_arch(built):
 
 
 def test_backward_kernels_in_the_sass_tools(built, capsys):
-    """A backward cubin holds the main kernel and its dtype's two helpers: each is listed,
-    counted and dumped alone, by short form."""
+    """An sm80-family backward cubin holds the main kernel and its family's two helpers of its
+    dtype (the preprocess, the row-order dQ conversion): each is listed, counted and dumped
+    alone, by short form."""
     binary, info = built
     sm80 = [k for k in info.get("bwd_configs", []) if not k.startswith("bwd_sm90_")]
     if not sm80:
@@ -104,10 +105,11 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
 
 
 def test_hopper_backward_kernels_in_the_sass_tools(built):
-    """A Hopper backward unit (sm_90a alone) holds its main kernel and its dtype's two helpers:
-    the main kernel found under --arch 90 as under 90a, with the wgmma count of its tile
+    """A Hopper backward unit (sm_90a alone) holds its main kernel and its family's two helpers
+    of its dtype, the preprocess and the tile-order dQ conversion (not the sm80 family's): the
+    main kernel found under --arch 90 as under 90a, with the wgmma count of its tile
     (opcodes.expected_mma_count), TMA loads and stores, mbarriers, setmaxnreg and no mma.sync;
-    its helpers there without matrix instructions."""
+    its helpers there without matrix instructions, the dQ conversion under 90a alone."""
     binary, info = built
     hopper = [k for k in info.get("bwd_configs", []) if k.startswith("bwd_sm90_")]
     if not hopper:
@@ -122,10 +124,14 @@ def test_hopper_backward_kernels_in_the_sass_tools(built):
         assert set(hist.base) >= {"HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "WARPGROUP",
                                   "USETMAXREG", "MUFU"}, short
         assert "HMMA" not in hist.base and "LDGSTS" not in hist.base, short
-        for helper in (f"bwd_preprocess_{cfg.dtype}", f"bwd_convert_dq_{cfg.dtype}"):
+        for helper in (f"bwd_preprocess_{cfg.dtype}", f"bwd_convert_dq_tiles_{cfg.dtype}"):
             assert (helper, "90a") in listed
             assert opcodes.histogram(helper, "90a", sass.instructions(binary, helper, "90a")
                                      ).categories["tensor_mma"] == 0
+        tiles = f"bwd_convert_dq_tiles_{cfg.dtype}"
+        assert {a for k, a in listed if k == tiles} == {"90a"}
+        assert cubins.cubin(binary, tiles, "90") == cubins.cubin(binary, tiles, "90a")
+        assert (f"bwd_convert_dq_{cfg.dtype}", "90a") not in listed
 
 
 def test_default_backward_kernels_do_not_spill(built):
@@ -344,6 +350,10 @@ BWD_MAIN = ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI13__nv_bfloat16Li128ELi128E
 BWD_PRE = "_ZN5flash3bwd21bwd_preprocess_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
 
 
+# The Hopper backward's dQ conversion as nvcc 13.0 names it (flash::bwd, like the other helpers)
+BWD_TILES = "_ZN5flash3bwd27bwd_convert_dq_tiles_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
+
+
 def test_backward_kernel_names():
     assert parse_kernel("bwd_bf16_d128_c128_r64_w8_fb").block_r == 64
     assert parse_kernel("bwd_convert_dq_fp16").threads == 256
@@ -354,6 +364,29 @@ def test_backward_kernel_names():
     assert short_of(BWD_PRE.replace("preprocess", "convert_dq").replace("13__nv_bfloat16",
                                                                         "6__half")) \
         == "bwd_convert_dq_fp16"
+
+
+def test_hopper_backward_dq_conversion_names():
+    """The Hopper family's dQ conversion (bwd_convert_dq_tiles_kernel) parses to its short form
+    for either dtype, a helper of 256 threads without dynamic shared memory, sm_90a code alone
+    (a Hopper-family kernel by config and by name), held by the Hopper units alone."""
+    from fa_tools.analysis.kernel_names import config_of, is_hopper, is_hopper_name, short_of
+    from flash_attention.config_bwd import BwdAuxKernel, aux_kernels_of
+
+    assert short_of(BWD_TILES) == "bwd_convert_dq_tiles_bf16"
+    assert config_of(BWD_TILES) == BwdAuxKernel("convert_dq_tiles", "bf16")
+    assert short_of(BWD_TILES.replace("13__nv_bfloat16", "6__half")) \
+        == "bwd_convert_dq_tiles_fp16"
+    assert short_of(BWD_TILES.replace("27bwd_convert_dq_tiles", "26bwd_convert_dq_tile")) is None
+    tiles = parse_kernel("bwd_convert_dq_tiles_bf16")
+    assert (tiles.kind, tiles.dtype, tiles.threads, tiles.smem_bytes) == (
+        "convert_dq_tiles", "bf16", 256, 0)
+    assert tiles.family == "sm90-bwd" and is_hopper(tiles) and is_hopper_name(tiles.short)
+    assert archs_of(tiles, ["80", "90"]) == ["90a"]
+    assert [a.short for a in aux_kernels_of(parse_kernel("bwd_sm90_bf16_d128_c128_r64_f"))] == [
+        "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+    assert [a.short for a in aux_kernels_of(parse_kernel("bwd_fp16_d64_c128_r128_w8_fb"))] == [
+        "bwd_preprocess_fp16", "bwd_convert_dq_fp16"]
 
 
 # The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c and
@@ -377,6 +410,7 @@ def test_hopper_backward_kernel_names():
         assert archs_of(cfg, ["80", "90"]) == ["90a"]
     assert not is_hopper(parse_kernel("bwd_bf16_d128_c128_r64_w8_fb"))
     assert not is_hopper(parse_kernel("bwd_preprocess_bf16"))
+    assert not is_hopper(parse_kernel("bwd_convert_dq_bf16"))
 
 
 def test_hopper_names_and_families_agree():
@@ -392,10 +426,12 @@ def test_hopper_names_and_families_agree():
 
 
 def test_backward_helpers_have_the_archs_of_their_units():
-    """A helper is compiled in every backward unit of its dtype: under the build's archs for an
-    sm80-family unit, under 90a for a Hopper one; without the build's backward kernels, the
-    build's archs."""
+    """A helper is compiled in every backward unit of its dtype that holds it (the preprocess
+    in both families', a dQ conversion in its own family's): under the build's archs for an
+    sm80-family unit, under 90a for a Hopper one; without the build's backward kernels, its
+    family's (the build's archs, 90a alone for the Hopper dQ conversion)."""
     pre = parse_kernel("bwd_preprocess_bf16")
+    rows, tiles = parse_kernel("bwd_convert_dq_bf16"), parse_kernel("bwd_convert_dq_tiles_bf16")
     sm80 = parse_kernel("bwd_bf16_d128_c128_r64_w8_fb")
     hopper = parse_kernel("bwd_sm90_bf16_d128_c128_r64_f")
     fp16_hopper = parse_kernel("bwd_sm90_fp16_d64_c128_r64_ft")
@@ -405,29 +441,41 @@ def test_backward_helpers_have_the_archs_of_their_units():
     assert archs_of(pre, ["80", "90"], [hopper]) == ["90a"]
     assert archs_of(pre, ["80", "90"], [fp16_hopper]) == []
     assert archs_of(pre, ["90a"], [sm80, hopper]) == ["90a"]
+    assert archs_of(rows, ["80", "90"]) == ["80", "90"]
+    assert archs_of(rows, ["80", "90"], [hopper, sm80]) == ["80", "90"]
+    assert archs_of(rows, ["80", "90"], [hopper]) == []
+    assert archs_of(tiles, ["80", "90"]) == ["90a"]
+    assert archs_of(tiles, ["80", "90"], [hopper, sm80]) == ["90a"]
+    assert archs_of(tiles, ["80", "90"], [sm80]) == []
+    assert archs_of(tiles, ["80", "90"], [fp16_hopper]) == []
 
 
 def test_hopper_backward_ptxas_records():
-    """ptxas's report of a Hopper backward unit (its main kernel and its dtype's helpers, all
-    sm_90a): named by short form, with the config's shared memory and occupancy."""
+    """ptxas's report of a Hopper backward unit (its main kernel and its family's helpers of
+    its dtype, all sm_90a): named by short form, with the config's shared memory and
+    occupancy."""
     def entry(name: str, regs: int, barriers: int) -> str:
         return (f"ptxas info    : Compiling entry function '{name}' for 'sm_90a'\n"
                 f"ptxas info    : Function properties for {name}\n"
                 "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
                 f"ptxas info    : Used {regs} registers, used {barriers} barriers\n")
 
-    text = entry(BWD_SM90, 168, 16) + entry(BWD_PRE, 28, 0)
+    text = entry(BWD_SM90, 168, 16) + entry(BWD_PRE, 28, 0) + entry(BWD_TILES, 20, 0)
     by = {r.kernel: r for r in ptxas_report.parse(text)}
     main = by["bwd_sm90_bf16_d128_c128_r64_f"]
     assert (main.arch, main.registers, main.barriers, main.dynamic_smem) == ("90a", 168, 16,
-                                                                             166016)
+                                                                             198784)
     assert (main.ctas_per_sm, main.warps_per_sm) == (1, 12)
     assert by["bwd_preprocess_bf16"].arch == "90a"
+    tiles = by["bwd_convert_dq_tiles_bf16"]
+    assert (tiles.arch, tiles.dynamic_smem) == ("90a", 0)
+    assert tiles.warps_per_sm == tiles.ctas_per_sm * 8  # 256 threads a CTA
 
 
 def test_hopper_backward_cubin_members(monkeypatch):
     """cuobjdump's listing of a build with both backward families: a Hopper unit adds its main
-    kernel and its helpers under 90a; --arch 90 finds a Hopper kernel's sm_90a code."""
+    kernel and its family's helpers (the preprocess, the tile-order dQ conversion) under 90a;
+    --arch 90 finds a Hopper kernel's sm_90a code, the Hopper dQ conversion's too."""
     listing = "".join(f"ELF file {i}: {name}.cubin\n" for i, name in enumerate([
         "bwd_bf16_d128_c128_r64_w8_fb.sm_90", "bwd_registry.sm_90",
         "bwd_sm90_bf16_d128_c128_r64_f.sm_90a", "fwd_sm90_bf16_d128_c128_g2_s2_fwes.sm_90a"]))
@@ -437,7 +485,7 @@ def test_hopper_backward_cubin_members(monkeypatch):
     hopper = "bwd_sm90_bf16_d128_c128_r64_f"
     assert set(got) == {("bwd_bf16_d128_c128_r64_w8_fb", "90"), ("bwd_preprocess_bf16", "90"),
                         ("bwd_convert_dq_bf16", "90"), (hopper, "90a"),
-                        ("bwd_preprocess_bf16", "90a"), ("bwd_convert_dq_bf16", "90a"),
+                        ("bwd_preprocess_bf16", "90a"), ("bwd_convert_dq_tiles_bf16", "90a"),
                         ("sm90_bf16_d128_c128_g2_s2_fwes", "90a")}
     assert got[("bwd_preprocess_bf16", "90a")] == f"{hopper}.sm_90a.cubin"
     monkeypatch.setattr(cubins, "_extracted", lambda binary, stamp: Path("/x"))
@@ -445,26 +493,32 @@ def test_hopper_backward_cubin_members(monkeypatch):
     assert cubins.cubin(Path("x.so"), hopper, "90") == Path(f"/x/{hopper}.sm_90a.cubin")
     assert cubins.cubin(Path("x.so"), "bwd_preprocess_bf16", "90") == Path(
         "/x/bwd_bf16_d128_c128_r64_w8_fb.sm_90.cubin")
+    assert cubins.cubin(Path("x.so"), "bwd_convert_dq_tiles_bf16", "90") == Path(
+        f"/x/{hopper}.sm_90a.cubin")
     with pytest.raises(binaries.ToolError, match="no sm_80 code for " + hopper):
         cubins.cubin(Path("x.so"), hopper, "80")
 
 
 def test_cli_names_the_hopper_backward_set(monkeypatch):
-    """bwd:hopper names the built Hopper backward kernels and their helpers; bwd:default both
-    families' (the Hopper set is part of it); with an arch, a set keeps the kernels that have
-    code for it (the Hopper ones under 90, none of them under 80)."""
+    """bwd:hopper names the built Hopper backward kernels and their helpers (the preprocess and
+    the tile-order dQ conversion); bwd:default both families' (the Hopper set is part of it);
+    with an arch, a set keeps the kernels that have code for it (the Hopper ones under 90, none
+    of them under 80)."""
     from fa_tools import cli as cli_module
 
     built = ["bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
-             "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+             "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16",
+             "bwd_convert_dq_tiles_bf16"]
     monkeypatch.setattr(cubins, "list_cubins", lambda binary: [
-        cubins.Member(k, "90a" if k.startswith("bwd_sm90_") else "90", "f") for k in built])
+        cubins.Member(k, "90a" if k.startswith(("bwd_sm90_", "bwd_convert_dq_tiles_")) else "90",
+                      "f") for k in built])
     assert cli_module._kernels(Path("x.so"), ["bwd:hopper"]) == [
         "bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
-        "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
     assert cli_module._kernels(Path("x.so"), ["bwd:default"]) == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_sm90_bf16_d128_c128_r64_f",
-        "bwd_sm90_bf16_d128_c128_r64_ft", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_sm90_bf16_d128_c128_r64_ft", "bwd_preprocess_bf16", "bwd_convert_dq_bf16",
+        "bwd_convert_dq_tiles_bf16"]
     assert cli_module._kernels(Path("x.so"), ["bwd:default"], "90") == cli_module._kernels(
         Path("x.so"), ["bwd:default"])
     assert cli_module._kernels(Path("x.so"), ["bwd:default"], "80") == []
@@ -473,7 +527,8 @@ def test_cli_names_the_hopper_backward_set(monkeypatch):
 def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
     """The `hopper` backward set compiled here for sm_90a (its one target), named from ptxas's
     own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note); each unit
-    holds its main kernel and its dtype's two helpers."""
+    holds its main kernel and its family's two helpers of its dtype (the preprocess, the
+    tile-order dQ conversion)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flash_attention.codegen_bwd import kernel_source
@@ -498,7 +553,7 @@ def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
     for cfg, records in done:
         assert {(r.kernel, r.arch) for r in records} == {
             (cfg.short, "90a"), (f"bwd_preprocess_{cfg.dtype}", "90a"),
-            (f"bwd_convert_dq_{cfg.dtype}", "90a")}
+            (f"bwd_convert_dq_tiles_{cfg.dtype}", "90a")}
         bad = [(r.kernel, r.spill_stores, r.stack_frame, r.wgmma_serialized) for r in records
                if r.spill_stores or r.spill_loads or r.stack_frame or r.wgmma_serialized]
         assert not bad, f"{cfg.short}: {bad}"

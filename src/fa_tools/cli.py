@@ -14,9 +14,11 @@
 
 Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor; backward:
 bwd_bf16_d128_c128_r64_w8_fb, the Hopper backward's bwd_sm90_bf16_d128_c128_r64_f, and their
-helpers bwd_preprocess_bf16, bwd_convert_dq_bf16); a kernel argument may also be a set name (ci,
+helpers: bwd_preprocess_bf16 of both, the dQ conversion bwd_convert_dq_bf16 of the sm80 family
+and bwd_convert_dq_tiles_bf16 of the Hopper one); a kernel argument may also be a set name (ci,
 default, ...; bwd:default, bwd:hopper, ... for the backward's) or 'all' (everything built).
-Hopper-family kernels (sm90_*, bwd_sm90_*) exist as sm_90a code alone: --arch 90 finds them.
+Hopper-family kernels (sm90_*, bwd_sm90_*, bwd_convert_dq_tiles_*) exist as sm_90a code alone:
+--arch 90 finds them.
 `resources` reads the one ptxas report of forward and backward.
 Exit status: 0 ok, 1 errors found (sanitize, debug), 2 bad usage, 3 missing tool, binary or GPU.
 """
@@ -49,7 +51,7 @@ def _kernels(binary: Path, names: list[str], arch: str | None = None) -> list[st
     """Config short forms of the given names / set names / 'all', as built in binary (a set or
     'all' keeps the kernels with code for `arch` where one is named: an sm_90a-only Hopper kernel
     under 90 or 90a, never under 80). A backward set is named bwd:<set> (bwd:default: its
-    kernels and their helpers)."""
+    kernels and their helpers, config_bwd.aux_kernels)."""
     from flash_attention import config_bwd
     from flash_attention.config_sets import SETS
 

@@ -303,28 +303,45 @@ def parse_config(text: str) -> AnyBwdConfig:
     return BwdConfig.parse(text)
 
 
-# The two helper kernels every backward launch runs around the main one (backward_kernel.cuh):
-# templates on the element type alone, instantiated by every backward .cu file of that dtype.
-AUX_KINDS: dict[str, int] = {"preprocess": 128, "convert_dq": 256}  # kind -> threads per CTA
-_AUX_RE = re.compile(r"^bwd_(?P<kind>preprocess|convert_dq)_(?P<dtype>fp16|bf16)$")
+# The helper kernels a backward launch runs around the main one (common/backward_common.cuh):
+# templates on the element type alone, instantiated by every backward unit of that dtype whose
+# family launches them. Both families run the preprocess; the dQ conversion reads the fp32
+# accumulator in the order the family's main kernel writes it: row by row for the sm80 family
+# (convert_dq), in 64-row blocks of the wgmma accumulator's order for the Hopper one
+# (convert_dq_tiles, whose units compile for sm_90a alone). kind -> threads per CTA.
+AUX_KINDS: dict[str, int] = {"preprocess": 128, "convert_dq": 256, "convert_dq_tiles": 256}
+# main kernel's family -> the helper kinds its units hold and its launch runs, in launch order
+AUX_KINDS_OF_FAMILY: dict[str, tuple[str, ...]] = {
+    "sm80-bwd": ("preprocess", "convert_dq"),
+    "sm90-bwd": ("preprocess", "convert_dq_tiles"),
+}
+_AUX_RE = re.compile(
+    r"^bwd_(?P<kind>preprocess|convert_dq_tiles|convert_dq)_(?P<dtype>fp16|bf16)$")
 
 
 @dataclass(frozen=True, order=True)
 class BwdAuxKernel:
     """``flash::bwd::bwd_<kind>_kernel<Elem>``: the preprocess (D, LSE log2 e, the zeroed dQ
-    accumulator) or the dQ conversion. Short form ``bwd_preprocess_bf16``,
-    ``bwd_convert_dq_fp16``."""
+    accumulator), the sm80 family's dQ conversion (accumulator rows) or the Hopper family's
+    (``convert_dq_tiles``: wgmma-ordered 64-row blocks). Short form ``bwd_preprocess_bf16``,
+    ``bwd_convert_dq_fp16``, ``bwd_convert_dq_tiles_bf16``."""
 
     kind: str
     dtype: str
 
-    family = "sm80-bwd"
     smem_bytes = 0  # no dynamic shared memory
 
     def __post_init__(self) -> None:
         if self.kind not in AUX_KINDS or self.dtype not in DTYPES:
             raise ConfigError(f"invalid backward helper kernel {self.kind!r}/{self.dtype!r}: "
                               f"kinds {tuple(AUX_KINDS)}, dtypes {DTYPES}")
+
+    @property
+    def family(self) -> str:
+        """Whose code it is compiled as: ``sm90-bwd`` for a helper of Hopper backward units
+        alone (sm_90a code only, as their main kernels), else ``sm80-bwd`` (every arch of the
+        build; the preprocess, which Hopper units hold too, among them)."""
+        return "sm80-bwd" if self.kind in AUX_KINDS_OF_FAMILY["sm80-bwd"] else "sm90-bwd"
 
     @property
     def short(self) -> str:
@@ -346,7 +363,7 @@ class BwdAuxKernel:
         m = _AUX_RE.match(text.strip())
         if m is None:
             raise ConfigError(f"cannot parse backward helper kernel {text!r}: expected "
-                              "bwd_<preprocess|convert_dq>_<fp16|bf16>")
+                              f"bwd_<{'|'.join(AUX_KINDS)}>_<fp16|bf16>")
         return cls(m["kind"], m["dtype"])
 
     def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
@@ -355,11 +372,19 @@ class BwdAuxKernel:
         return occupancy(self.threads, regs_per_thread or 255, static_smem, arch)
 
 
+def aux_kernels_of(config: AnyBwdConfig) -> tuple[BwdAuxKernel, ...]:
+    """The helper kernels of a backward main kernel: what its unit holds beside it and its
+    launch runs around it, the preprocess and its family's dQ conversion, of its dtype."""
+    return tuple(BwdAuxKernel(kind, config.dtype) for kind in AUX_KINDS_OF_FAMILY[config.family])
+
+
 def aux_kernels(configs: tuple[AnyBwdConfig, ...] | list[AnyBwdConfig]
                 ) -> tuple[BwdAuxKernel, ...]:
-    """The helper kernels a build of these backward configs holds (one of each kind per dtype)."""
-    dtypes = [d for d in DTYPES if any(c.dtype == d for c in configs)]
-    return tuple(BwdAuxKernel(kind, d) for d in dtypes for kind in AUX_KINDS)
+    """The helper kernels a build of these backward configs holds: those of each config
+    (aux_kernels_of), once, by dtype and then kind (AUX_KINDS' order)."""
+    held = {aux for c in configs for aux in aux_kernels_of(c)}
+    return tuple(a for a in (BwdAuxKernel(kind, d) for d in DTYPES for kind in AUX_KINDS)
+                 if a in held)
 
 
 def parse_kernel(text: str) -> AnyBwdConfig | BwdAuxKernel:

@@ -28,9 +28,9 @@ struct Sm90BwdConfig {
     static constexpr int kDHead = kDHead_;       // 64 or 128; serves multiples of 8 up to it
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr int kConsumerWGs = 2;
-    static constexpr int kBc = 64 * kConsumerWGs;          // B_c: keys per CTA
-    static constexpr int kBr = 64;                         // B_r: query rows per block
-    static constexpr int kStages = 2;                      // query-block stages in shared memory
+    static constexpr int kBc = 64 * kConsumerWGs;  // B_c: keys per CTA
+    static constexpr int kBr = 64;                 // B_r: query rows per block
+    static constexpr int kStages = 2;              // query-block stages in shared memory
     // kDqOwnKeys: each consumer warpgroup computes dQ = dS K over its own 64 keys, every d_head
     // column (its partial, added by the writer warp like the other's), so the warpgroups never
     // wait for each other inside the loop. Otherwise each computes half the d_head columns over

@@ -268,8 +268,8 @@ struct BackwardConsumer {
     // is computed).
     template <bool kFused, bool kMasked>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
-                                                  const float2 (&lse)[kNS],
-                                                  const float2 (&dd)[kNS], int i) const {
+                                                  const float2 (&lse)[kNS], const float2 (&dd)[kNS],
+                                                  int i) const {
         const BwdParams& p = prm.p;
         const int q_row0 = i * Cfg::kBr;
 #pragma unroll
@@ -297,9 +297,8 @@ struct BackwardConsumer {
 
     template <bool kFused>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
-                                                  const float2 (&lse)[kNS],
-                                                  const float2 (&dd)[kNS], int i,
-                                                  bool masked) const {
+                                                  const float2 (&lse)[kNS], const float2 (&dd)[kNS],
+                                                  int i, bool masked) const {
         if (masked)
             probabilities<kFused, true>(S, dP, lse, dd, i);
         else
@@ -448,8 +447,8 @@ struct BackwardConsumer {
     }
 
     __device__ __forceinline__ static void st_shared_f32x4(uint32_t addr, const float (&v)[4]) {
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v[0]),
-                     "f"(v[1]), "f"(v[2]), "f"(v[3])
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v[0]), "f"(v[1]),
+                     "f"(v[2]), "f"(v[3])
                      : "memory");
     }
 

@@ -2,10 +2,12 @@
 cubins and PTX, extracted with cuobjdump into a directory kept for the session.
 
 A forward translation unit (fwd_<short>.cu) holds one kernel. A backward one (<bwd short>.cu,
-either family) holds three: the main kernel and the two helpers of its dtype
-(bwd_preprocess_<dtype>, bwd_convert_dq_<dtype>), the same code in every unit of that dtype and
-arch; each helper is listed once per arch, from the first such unit in name order. A Hopper
-backward unit (bwd_sm90_*) compiles for sm_90a alone, so it adds its helpers under 90a."""
+either family) holds three: the main kernel and the two helpers of its family and dtype
+(config_bwd.aux_kernels_of): an sm80-family unit bwd_preprocess_<dtype> and
+bwd_convert_dq_<dtype>, a Hopper one (bwd_sm90_*) bwd_preprocess_<dtype> and
+bwd_convert_dq_tiles_<dtype>; a helper is the same code in every unit of that dtype and arch
+holding it, listed once per arch, from the first such unit in name order. A Hopper backward unit
+compiles for sm_90a alone, so it adds its helpers under 90a."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class Member:
 
 def _members(listing: str, pattern: re.Pattern) -> list[Member]:
     """The kernels of every forward and backward unit in cuobjdump's listing."""
-    from flash_attention.config_bwd import ConfigError, aux_kernels, parse_config
+    from flash_attention.config_bwd import ConfigError, aux_kernels_of, parse_config
 
     members: list[Member] = []
     for m in pattern.finditer(listing):
@@ -48,7 +50,7 @@ def _members(listing: str, pattern: re.Pattern) -> list[Member]:
         except ConfigError:  # bwd_registry: no kernels
             continue
         members.append(Member(unit, m["arch"], m["file"]))
-        members += [Member(aux.short, m["arch"], m["file"]) for aux in aux_kernels([cfg])]
+        members += [Member(aux.short, m["arch"], m["file"]) for aux in aux_kernels_of(cfg)]
     seen: dict[tuple[str, str], Member] = {}
     for member in sorted(members, key=lambda m: m.file):
         seen.setdefault((member.kernel, member.arch), member)

@@ -3,10 +3,11 @@ flash::fwd_kernel<flash::FwdConfig<Elem, D, B_r, B_c, warps, flags...>> (sm80 fa
 flash::sm90::fwd_sm90_kernel<flash::sm90::Sm90Config<Elem, D, B_c, WGs, stages, flags...>>
 (sm90 family); the backward's are flash::bwd::bwd_kernel<flash::BwdConfig<...>> (sm80-bwd
 family), flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap>> (sm90-bwd
-family, the Hopper backward) and the two helpers of both, flash::bwd::bwd_preprocess_kernel<Elem>
-and bwd_convert_dq_kernel<Elem> (short forms bwd_preprocess_bf16, bwd_convert_dq_fp16). Their
-mangled names carry every template argument, so any ptxas or disassembler output can be named by
-config."""
+family, the Hopper backward) and their helpers: flash::bwd::bwd_preprocess_kernel<Elem> of
+both, and the dQ conversion, bwd_convert_dq_kernel<Elem> of the sm80 family and
+bwd_convert_dq_tiles_kernel<Elem> of the Hopper one (short forms bwd_preprocess_bf16,
+bwd_convert_dq_fp16, bwd_convert_dq_tiles_bf16). Their mangled names carry every template
+argument, so any ptxas or disassembler output can be named by config."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from flash_attention.codegen import ELEM_TYPES
 from flash_attention.config import FLAGS, KernelConfig, parse_config
 from flash_attention.config_bwd import FLAGS as BWD_FLAGS
 from flash_attention.config_bwd import SM90_FLAGS as SM90_BWD_FLAGS
-from flash_attention.config_bwd import AnyBwdConfig, BwdAuxKernel, BwdConfig, Sm90BwdConfig
+from flash_attention.config_bwd import (
+    AnyBwdConfig,
+    BwdAuxKernel,
+    BwdConfig,
+    Sm90BwdConfig,
+    aux_kernels_of,
+)
 from flash_attention.config_bwd import parse_kernel as parse_bwd_kernel
 from flash_attention.config_sm90 import FLAGS as SM90_FLAGS
 from flash_attention.config_sm90 import Sm90Config
@@ -87,16 +94,17 @@ def _sm90_bwd_config_of(mangled: str) -> Sm90BwdConfig | None:
 
 
 _MANGLED_BWD_AUX = re.compile(
-    r"_ZN5flash3bwd\d+bwd_(?P<kind>preprocess|convert_dq)_kernelI(?P<elem>6__half|13__nv_bfloat16)"
-    r"EEvNS_9BwdParamsE"
+    r"_ZN5flash3bwd\d+bwd_(?P<kind>preprocess|convert_dq_tiles|convert_dq)_kernel"
+    r"I(?P<elem>6__half|13__nv_bfloat16)EEvNS_9BwdParamsE"
 )
 
 AnyKernel = KernelConfig | Sm90Config | BwdConfig | Sm90BwdConfig | BwdAuxKernel
 # The families whose kernels compile for sm_90a alone (wgmma, TMA, setmaxnreg), whatever the
-# build's architecture list: the Hopper forward and the Hopper backward, and the prefixes of
-# their short forms (what config.parse_config and config_bwd.parse_config dispatch on).
+# build's architecture list: the Hopper forward and the Hopper backward (its main kernels and
+# the dQ conversion of its units), and the prefixes of their short forms (the main kernels':
+# what config.parse_config and config_bwd.parse_config dispatch on).
 HOPPER_FAMILIES = ("sm90", "sm90-bwd")
-HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")
+HOPPER_PREFIXES = ("sm90_", "bwd_sm90_", "bwd_convert_dq_tiles_")
 
 
 def _bwd_aux_of(mangled: str) -> BwdAuxKernel | None:
@@ -106,8 +114,8 @@ def _bwd_aux_of(mangled: str) -> BwdAuxKernel | None:
 
 def config_of(mangled: str) -> AnyKernel | None:
     """The config of a mangled kernel symbol of either forward family or the backward (a
-    helper kernel's kind and dtype for the preprocess and the dQ conversion), None for any
-    other symbol."""
+    helper kernel's kind and dtype for the preprocess and either family's dQ conversion), None
+    for any other symbol."""
     m = _MANGLED.search(mangled)
     if m is None:
         return (_sm90_config_of(mangled) or _bwd_config_of(mangled)
@@ -149,14 +157,16 @@ def archs_of(cfg: AnyKernel, build_archs: list[str],
              bwd_mains: Iterable[AnyBwdConfig] | None = None) -> list[str]:
     """The architectures a build holds code of cfg for: a Hopper-family kernel (forward or
     backward) compiles for sm_90a alone (whatever the build's list), an sm80-family one for
-    each of the build's. A backward helper is compiled in every backward unit of its dtype, so
-    it has the architectures of those units' main kernels: with bwd_mains (the build's backward
-    main kernels) those of the mains of its dtype, in the build's order and then sm_90a (where
-    a Hopper backward kernel of its dtype is built); without, the build's."""
+    each of the build's. A backward helper is compiled in every backward unit that holds it
+    (config_bwd.aux_kernels_of: the preprocess in the units of its dtype of both families, a
+    dQ conversion in those of its family), so it has the architectures of those units' main
+    kernels: with bwd_mains (the build's backward main kernels) those of the mains that hold
+    it, in the build's order and then sm_90a (where a Hopper backward kernel holding it is
+    built); without, its family's (the build's, or sm_90a alone for the Hopper one's)."""
     build = [str(a) for a in build_archs]
+    if isinstance(cfg, BwdAuxKernel) and bwd_mains is not None:
+        have = {a for m in bwd_mains if cfg in aux_kernels_of(m) for a in archs_of(m, build)}
+        return [a for a in dict.fromkeys([*build, "90a"]) if a in have]
     if is_hopper(cfg):
         return ["90a"]
-    if isinstance(cfg, BwdAuxKernel) and bwd_mains is not None:
-        have = {a for m in bwd_mains if m.dtype == cfg.dtype for a in archs_of(m, build)}
-        return [a for a in dict.fromkeys([*build, "90a"]) if a in have]
     return build

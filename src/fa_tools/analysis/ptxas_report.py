@@ -63,7 +63,8 @@ def _int(pattern: re.Pattern, text: str) -> int:
 def parse(text: str) -> list[KernelResources]:
     """Records for every 'Compiling entry function' block, sorted by (kernel, arch); a kernel
     compiled in several translation units (the backward's helpers, instantiated by every
-    backward unit of their dtype: the same code) is recorded once, from its first block.
+    backward unit of their dtype that holds them: the same code) is recorded once, from its
+    first block.
     Raises ValueError on a block that lacks its register line (a truncated log)."""
     blocks: list[tuple[str, str, list[str], list[str]]] = []
     pending: dict[str, list[str]] = {}  # serialization notes of functions not yet entered

@@ -10,10 +10,12 @@ contiguous, so that never applies to them.
 
 The backward has no table: the operator runs the built kernel of the call's dtype and softcap
 with the smallest d_head variant not below the call's (flash_attention.config_bwd.select mirrors
-it), with the preprocess and the dQ conversion of the dtype around it. On an sm_90 GPU a
-fixed-length, non-deterministic call takes it among the Hopper backward kernels (sm90-bwd) where
-one is built, else among the sm80 family; every other call, and every call on another GPU, runs
-the sm80 family. (Here too the gate's contiguous inputs always suit TMA.)
+it), with the preprocess and the dQ conversion of its family and dtype around it
+(config_bwd.aux_kernels_of: bwd_convert_dq_<dtype> after an sm80-family kernel,
+bwd_convert_dq_tiles_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length,
+non-deterministic call takes it among the Hopper backward kernels (sm90-bwd) where one is built,
+else among the sm80 family; every other call, and every call on another GPU, runs the sm80
+family. (Here too the gate's contiguous inputs always suit TMA.)
 """
 
 from __future__ import annotations
@@ -149,18 +151,17 @@ def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None
 def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
                 sm90: bool) -> list[str]:
     """Every kernel the case's timed calls launch on this GPU: the forward's (route) when it
-    times the forward, the backward's main kernel with the preprocess and the dQ conversion of
-    its dtype when it times the backward; a kernel the build has no row or config for is not
-    listed."""
-    from flash_attention.config_bwd import AUX_KINDS, BwdAuxKernel
+    times the forward, the backward's main kernel with its helpers (the preprocess and the dQ
+    conversion of its family and dtype) when it times the backward; a kernel the build has no
+    row or config for is not listed."""
+    from flash_attention.config_bwd import aux_kernels_of, parse_config
 
     run = []
     if case.times_forward:
         run.append(route(case, rows, sm90))
     if case.times_backward:
         main = bwd_kernel(case, bwd_configs, sm90)
-        run += [main] + ([BwdAuxKernel(kind, case.dtype).short for kind in AUX_KINDS]
-                         if main else [])
+        run += [main] + ([a.short for a in aux_kernels_of(parse_config(main))] if main else [])
     return [k for k in run if k is not None]
 
 
@@ -170,14 +171,16 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
     tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
     blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
     a Hopper one shadows, the same with deterministic dQ (what still runs it there); for a
-    helper, the case of its dtype's main kernel without a softcap and with the d_head nearest
-    128. None when the operator runs another kernel for every call the kernel could serve (a
-    kernel of a test set beside the default one, a Hopper kernel off sm_90)."""
-    from flash_attention.config_bwd import BwdAuxKernel, parse_config, parse_kernel
+    helper, the case of a main kernel it runs with (config_bwd.aux_kernels_of: of its dtype,
+    and of its family for a dQ conversion) without a softcap and with the d_head nearest 128.
+    None when the operator runs another kernel for every call the kernel could serve (a kernel
+    of a test set beside the default one, a Hopper kernel or the Hopper dQ conversion off
+    sm_90)."""
+    from flash_attention.config_bwd import BwdAuxKernel, aux_kernels_of, parse_config, parse_kernel
 
     cfg = parse_kernel(kernel)
     if isinstance(cfg, BwdAuxKernel):
-        mains = sorted((c for c in map(parse_config, bwd_configs) if c.dtype == cfg.dtype),
+        mains = sorted((c for c in map(parse_config, bwd_configs) if cfg in aux_kernels_of(c)),
                        key=lambda c: (c.softcap, abs(c.d_head - 128), c.d_head))
         made = (case_for_bwd_kernel(c.short, bwd_configs, sm90) for c in mains)
         return next((c for c in made if c is not None), None)

@@ -41,8 +41,8 @@ class Finding:
 
 
 def _bwd_set(spec: str | None) -> list[str]:
-    """Short forms of a backward set: its main kernels, then the helpers (preprocess, dQ
-    conversion) of their dtypes."""
+    """Short forms of a backward set: its main kernels, then their helpers (the preprocess and
+    each family's dQ conversion of their dtypes, config_bwd.aux_kernels)."""
     from flash_attention.config_bwd import aux_kernels, resolve
 
     configs = resolve(spec) if spec else ()
@@ -84,10 +84,10 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
                     ) -> dict[str, dict[str, dict[str, int]]]:
     """{kernel: {arch: {metric: value}}} for the kernels and archs present in the build (a
     Hopper-family kernel, forward or backward, under 90a whatever `archs` says; a backward
-    helper under the archs of the backward kernels of its dtype among `kernels`, 90a too where
-    one of them is a Hopper kernel). The kernels are disassembled side by side (one nvdisasm
-    process per kernel and arch, as many at once as there are CPUs): 195 entries took 2-3 min
-    one after another on a 2-core machine."""
+    helper under the archs of the backward kernels among `kernels` whose units hold it, 90a
+    too where one of them is a Hopper kernel: kernel_names.archs_of). The kernels are
+    disassembled side by side (one nvdisasm process per kernel and arch, as many at once as
+    there are CPUs): 195 entries took 2-3 min one after another on a 2-core machine."""
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
     cfgs = {kernel: parse_kernel(kernel) for kernel in kernels}
     mains = [c for c in cfgs.values() if isinstance(c, AnyBwdConfig)]

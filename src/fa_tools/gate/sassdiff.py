@@ -27,9 +27,10 @@ INSTRUCTION_BYTES = 16  # sm_70 and later
 
 def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
     """The cubin architecture whose code runs the kernel on a GPU of gpu_arch ("90", "80",
-    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_*) exist as sm_90a
-    only and run on sm_90 alone. A backward helper is compared as the code of the GPU's arch
-    (its sm_90a copy in a Hopper backward unit is left out)."""
+    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_* and their dQ
+    conversion bwd_convert_dq_tiles_*) exist as sm_90a only and run on sm_90 alone. The
+    preprocess is compared as the code of the GPU's arch (its sm_90a copy in a Hopper backward
+    unit is left out)."""
     if is_hopper_name(kernel):
         return "90a" if gpu_arch == "90" else None
     return gpu_arch
@@ -37,14 +38,19 @@ def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
 
 def _code_of(section: str, kernel: str) -> bool:
     """Whether a .text section is the kernel's code: its own, or a compiler subroutine (a
-    backward cubin also holds the two helper kernels of its dtype, each listed apart)."""
+    backward cubin also holds the two helper kernels of its family and dtype, each listed
+    apart)."""
     owner = short_of(section[len(".text."):])
     return owner is None or owner == kernel
 
 
 def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
     """{kernel short form: its SASS instruction words} for every kernel of the binary with code
-    for this GPU (the concatenated .text sections of its cubin)."""
+    for this GPU (the concatenated .text sections of its cubin). A kernel the listing gives a
+    unit whose cubin names other kernels but not it is left out: the listing names a backward
+    unit's helpers by this commit's configs, and a base build from before a helper changed
+    (a Hopper unit holding bwd_convert_dq_<dtype> instead of bwd_convert_dq_tiles_<dtype>) does
+    not hold the helper, which is then new in the head."""
     from ..analysis import cubins
 
     root = cubins.extracted_dir(binary)
@@ -53,6 +59,10 @@ def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
         if member.arch != arch_of_kernel(member.kernel, gpu_arch):
             continue
         sections = cubins.elf_sections(root / member.file)
+        owners = {short_of(name[len(".text."):]) for name in sections
+                  if name.startswith(".text.")} - {None}
+        if owners and member.kernel not in owners:
+            continue
         code = b"".join(data for name, data in sections.items()
                         if name.startswith(".text.") and _code_of(name, member.kernel))
         out[member.kernel] = [code[i:i + INSTRUCTION_BYTES]
