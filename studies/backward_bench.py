@@ -1,8 +1,9 @@
-"""Backward timing on a GPU, side by side in one process: this project's sm80-family backward
-(the flash_attention::bwd operator on the forward's saved out and LSE) against SDPA's FA2
-backend (autograd.grad with the graph kept), bf16, 16 heads; the cost of deterministic=True;
-and forward + backward through autograd (time against SDPA FA2, peak memory against SDPA FA2
-and cuDNN). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for causal).
+"""Backward timing on a GPU, side by side in one process: this project's backward as dispatch
+picks it (the flash_attention::bwd operator on the forward's saved out and LSE; --variants
+adds named kernels of either family) against SDPA's FA2 and cuDNN backends (autograd.grad
+with the graph kept), 16 heads; the cost of deterministic=True; and forward + backward
+through autograd (time and peak memory against SDPA FA2 and cuDNN, bf16, at seq 2048 and
+4096). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for causal).
 Shapes default to the issue's grid: 16 heads, batch 16/16/16/16/8/4 for seq 512..16384.
 
     PYTHONPATH=src python3 studies/backward_bench.py [--d 64,128] [--seqs 1024,4096]
@@ -83,7 +84,7 @@ def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = Fals
 
 def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
     """Forward + backward as a training step does it (autograd, fresh graph each call): time
-    of ours and SDPA FA2, and peak memory of ours, SDPA FA2 and SDPA cuDNN."""
+    and peak memory of ours, SDPA FA2 and SDPA cuDNN."""
     heads = 16
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
@@ -111,9 +112,9 @@ def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
-    return {"ours_ms": time_ms(ours), "fa2_ms": time_ms(sdpa(SDPBackend.FLASH_ATTENTION)),
-            "ours_mb": peak(ours), "fa2_mb": peak(sdpa(SDPBackend.FLASH_ATTENTION)),
-            "cudnn_mb": peak(sdpa(SDPBackend.CUDNN_ATTENTION))}
+    fa2, cudnn = sdpa(SDPBackend.FLASH_ATTENTION), sdpa(SDPBackend.CUDNN_ATTENTION)
+    return {"ours_ms": time_ms(ours), "fa2_ms": time_ms(fa2), "cudnn_ms": time_ms(cudnn),
+            "ours_mb": peak(ours), "fa2_mb": peak(fa2), "cudnn_mb": peak(cudnn)}
 
 
 def main() -> None:
@@ -161,15 +162,20 @@ def main() -> None:
             print(line + f"  {r['kernel']}", flush=True)
     if args.no_train:
         return
-    print("forward + backward (autograd), bf16, d_head 128, 16 heads; peak memory above the "
-          "inputs")
-    print(f"{'batch':>5} {'seq':>5} {'causal':>6} {'ours ms':>8} {'fa2 ms':>8} {'fa2/ours':>8} "
-          f"{'ours MB':>8} {'fa2 MB':>8} {'cudnn MB':>8}")
-    for batch, seq, causal in [(16, 4096, False), (16, 4096, True)]:
-        r = train_step(batch, seq, 128, causal)
-        print(f"{batch:>5} {seq:>5} {causal!s:>6} {r['ours_ms']:>8.2f} {r['fa2_ms']:>8.2f} "
-              f"{r['fa2_ms'] / r['ours_ms']:>8.2f} {r['ours_mb']:>8.0f} {r['fa2_mb']:>8.0f} "
-              f"{r['cudnn_mb']:>8.0f}", flush=True)
+    print("forward + backward (autograd), bf16, 16 heads, each --d at seq 2048 and 4096; peak "
+          "memory above the inputs")
+    print(f"{'batch':>5} {'seq':>5} {'d':>4} {'causal':>6} {'ours ms':>8} {'fa2 ms':>8} "
+          f"{'fa2/ours':>8} {'cudnn ms':>8} {'cudnn/ours':>10} {'ours MB':>8} {'fa2 MB':>8} "
+          f"{'cudnn MB':>8}")
+    for d in map(int, args.d.split(",")):
+        for seq in (2048, 4096):
+            for causal in (False, True):
+                r = train_step(16, seq, d, causal)
+                print(f"{16:>5} {seq:>5} {d:>4} {causal!s:>6} {r['ours_ms']:>8.2f} "
+                      f"{r['fa2_ms']:>8.2f} {r['fa2_ms'] / r['ours_ms']:>8.2f} "
+                      f"{r['cudnn_ms']:>8.2f} {r['cudnn_ms'] / r['ours_ms']:>10.2f} "
+                      f"{r['ours_mb']:>8.0f} {r['fa2_mb']:>8.0f} {r['cudnn_mb']:>8.0f}",
+                      flush=True)
 
 
 if __name__ == "__main__":
