@@ -89,7 +89,7 @@ def test_hopper_set_and_configs():
     `default` (beside the sm80 family's tiles), its bf16 d_head 128 kernel in `ci`, none in
     `variants`. The fields and the shared
     memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO, dS^T
-    twice, LSE and D per stage, the barriers, 1024 bytes of alignment)."""
+    twice, the dQ buffer, LSE and D per stage, the barriers, 1024 bytes of alignment)."""
     hopper = SETS["hopper"]
     assert len(hopper) == 8 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
     assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {

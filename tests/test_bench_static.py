@@ -33,13 +33,9 @@ def _smallest(family: str) -> str:
 SM80, SM90 = _smallest("sm80"), _smallest("sm90")
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory):
-    """(binary, ptxas log) of SM80 for sm_80 and SM90 for sm_90a. -lineinfo, as in the build:
-    cuobjdump then names each cubin after its source (fwd_<kernel>.sm_<arch>.cubin)."""
-    from flash_attention.codegen import kernel_source
-    from flash_attention.config import parse_config
-
+def _nvcc_or_skip() -> str:
+    """nvcc's path, once nvcc, g++, cuobjdump and nvdisasm are all found (else a skip that
+    names the missing one): what building and disassembling a unit here needs."""
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if not os.path.exists(nvcc):
         pytest.skip("nvcc not found")
@@ -50,6 +46,17 @@ def build(tmp_path_factory):
             binaries.find_tool(tool)
     except binaries.ToolError as exc:
         pytest.skip(str(exc))
+    return nvcc
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """(binary, ptxas log) of SM80 for sm_80 and SM90 for sm_90a. -lineinfo, as in the build:
+    cuobjdump then names each cubin after its source (fwd_<kernel>.sm_<arch>.cubin)."""
+    from flash_attention.codegen import kernel_source
+    from flash_attention.config import parse_config
+
+    nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("bench_static")
     objects, log = [], []
     for short, arch in ((SM80, "80"), (SM90, "90a")):
@@ -204,14 +211,7 @@ def bwd_build(tmp_path_factory):
     from flash_attention.codegen_bwd import kernel_source
     from flash_attention.config_bwd import parse_config
 
-    nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    if not os.path.exists(nvcc) or shutil.which("g++") is None:
-        pytest.skip("nvcc or g++ not found")
-    try:
-        for tool in ("cuobjdump", "nvdisasm"):
-            binaries.find_tool(tool)
-    except binaries.ToolError as exc:
-        pytest.skip(str(exc))
+    nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("bench_static_bwd")
     src = out / f"{HOPPER_BWD}.cu"
     src.write_text(kernel_source(parse_config(HOPPER_BWD)))

@@ -42,14 +42,22 @@ _MANGLED_SM90 = re.compile(
 assert set(_ELEM.values()) == set(ELEM_TYPES)
 
 
+def _flags(m: re.Match, names: tuple[str, ...]) -> dict[str, bool] | None:
+    """The bool template arguments of a matched symbol (group "flags": Lb0E/Lb1E, in order)
+    as config fields, None if their number is not the config's."""
+    bits = re.findall(r"Lb([01])E", m["flags"])
+    if len(bits) != len(names):
+        return None
+    return {name: bit == "1" for name, bit in zip(names, bits)}
+
+
 def _sm90_config_of(mangled: str) -> Sm90Config | None:
     m = _MANGLED_SM90.search(mangled)
     if m is None:
         return None
-    bits = re.findall(r"Lb([01])E", m["flags"])
-    if len(bits) != len(SM90_FLAGS):
+    flags = _flags(m, SM90_FLAGS)
+    if flags is None:
         return None
-    flags = {name: bit == "1" for name, bit in zip(SM90_FLAGS, bits)}
     return Sm90Config(_ELEM[m["elem"]], int(m["d"]), int(m["bc"]), int(m["wgs"]),
                       int(m["stages"]), **flags)
 
@@ -66,10 +74,9 @@ def _bwd_config_of(mangled: str) -> BwdConfig | None:
     m = _MANGLED_BWD.search(mangled)
     if m is None:
         return None
-    bits = re.findall(r"Lb([01])E", m["flags"])
-    if len(bits) != len(BWD_FLAGS):
+    flags = _flags(m, BWD_FLAGS)
+    if flags is None:
         return None
-    flags = {name: bit == "1" for name, bit in zip(BWD_FLAGS, bits)}
     return BwdConfig(_ELEM[m["elem"]], int(m["d"]), int(m["bc"]), int(m["br"]), int(m["w"]),
                      **flags)
 
@@ -86,10 +93,9 @@ def _sm90_bwd_config_of(mangled: str) -> Sm90BwdConfig | None:
     m = _MANGLED_SM90_BWD.search(mangled)
     if m is None:
         return None
-    bits = re.findall(r"Lb([01])E", m["flags"])
-    if len(bits) != len(SM90_BWD_FLAGS):
+    flags = _flags(m, SM90_BWD_FLAGS)
+    if flags is None:
         return None
-    flags = {name: bit == "1" for name, bit in zip(SM90_BWD_FLAGS, bits)}
     return Sm90BwdConfig(_ELEM[m["elem"]], int(m["d"]), **flags)
 
 
@@ -120,10 +126,9 @@ def config_of(mangled: str) -> AnyKernel | None:
     if m is None:
         return (_sm90_config_of(mangled) or _bwd_config_of(mangled)
                 or _sm90_bwd_config_of(mangled) or _bwd_aux_of(mangled))
-    bits = re.findall(r"Lb([01])E", m["flags"])
-    if len(bits) != len(FLAGS):
+    flags = _flags(m, FLAGS)
+    if flags is None:
         return None
-    flags = {name: bit == "1" for name, bit in zip(FLAGS, bits)}
     return KernelConfig(_ELEM[m["elem"]], int(m["d"]), int(m["br"]), int(m["bc"]), int(m["w"]),
                         **flags)
 
