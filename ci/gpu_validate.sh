@@ -263,34 +263,31 @@ if step bwd90-planted; then
     bwd_plant bwd90-planted src/csrc/sm90/backward_mainloop.cuh \
         "mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed"
 fi
+# ncu_run NAME KERNEL_REGEX WHO [TARGET ARGS...]: Nsight Compute (full set, clocks untouched) of
+# the last of 4 launches of the matching kernel in studies/ncu_target.py WHO $shape ARGS, and
+# its details page.
+# shellcheck disable=SC2086
+ncu_run() {
+    run "ncu-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
+        --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
+        python3 studies/ncu_target.py "$3" $shape "${@:4}"
+    ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
+}
+ncu_sass() {  # ncu_sass NAME: the per-SASS-line page of ncu_run NAME's report
+    ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page source --csv --print-source sass \
+        >"$LOG_DIR/ncu-$1-sass.csv" 2>&1
+}
 if step profile; then
     shape=${PROFILE_SHAPE:-bf16 128 16 4096 16}
-    # shellcheck disable=SC2086
-    ncu_run() {  # ncu_run NAME KERNEL_REGEX WHO: the last of 4 launches of the matching kernel
-        run "ncu-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
-            --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
-            python3 studies/ncu_target.py "$3" $shape
-        ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
-    }
     ncu_run ours fwd_sm90 ours
-    ncu --import "$LOG_DIR/ncu-ours.ncu-rep" --page source --csv --print-source sass \
-        >"$LOG_DIR/ncu-ours-sass.csv" 2>&1
+    ncu_sass ours
     ncu_run cudnn 'cudnn|sdpa|fprop|fmha' cudnn
 fi
 if step profile-bwd; then
     shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}
-    # shellcheck disable=SC2086
-    ncu_bwd() {  # ncu_bwd NAME KERNEL_REGEX WHO: the last of 4 backward launches of the kernel
-        run "ncu-bwd-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
-            --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-bwd-$1" \
-            python3 studies/ncu_target.py "$3" $shape --backward
-        ncu --import "$LOG_DIR/ncu-bwd-$1.ncu-rep" --page details \
-            >"$LOG_DIR/ncu-bwd-$1-details.txt" 2>&1
-    }
-    ncu_bwd ours 'bwd_sm90_kernel' ours
-    ncu --import "$LOG_DIR/ncu-bwd-ours.ncu-rep" --page source --csv --print-source sass \
-        >"$LOG_DIR/ncu-bwd-ours-sass.csv" 2>&1
-    ncu_bwd cudnn 'bprop' cudnn
+    ncu_run bwd-ours 'bwd_sm90_kernel' ours --backward
+    ncu_sass bwd-ours
+    ncu_run bwd-cudnn 'bprop' cudnn --backward
 fi
 workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
     # workspace path as on a runner (so the object cache serves a later job as it would there)
