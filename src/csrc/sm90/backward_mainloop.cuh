@@ -133,6 +133,11 @@ struct BackwardTile {
     __device__ __forceinline__ Pair first(int heads_per_kv) const {
         return Pair{kv_head * heads_per_kv, i_first};
     }
+    // The first row of pair x in the preprocess's padded per-row buffers (LSE * log2(e), D, and
+    // the dQ accumulator, d_head floats per row): whole blocks, seqlen_q_pad rows per head.
+    __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
+        return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
+    }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {
             x.i = i_first;
@@ -162,9 +167,7 @@ struct BackwardLoader : TmaLoader<Cfg> {
             wait_buffer_free(sm.q_empty(s), use);
             this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
                                                       x.head, w.batch);
-            // The row vectors: whole padded blocks (seqlen_q_pad is a multiple of B_r).
-            const int64_t vec =
-                (int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
+            const int64_t vec = w.padded_row(p, x);
             mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
             bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
             bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
@@ -484,9 +487,7 @@ struct BackwardDqWriter {
         const BwdParams& p = prm.p;
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
-            float* acc = p.dq_accum + ((int64_t(w.batch) * p.heads + x.head) * p.seqlen_q_pad +
-                                       int64_t(x.i) * Cfg::kBr) *
-                                          Cfg::kDHead;
+            float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
 #pragma unroll
             for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
                 named_sync(kBwdDqFull + g, kSync);
