@@ -1,8 +1,8 @@
 """A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
-GPU with the hopper set built, the Hopper kernels and their dQ conversion, convert_dq_tiles, for
-the fixed-length non-deterministic calls) on tails, masks, a window, a softcap, GQA and a padded
-d_head.
+GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
+conversion, convert_dq_tiles, for the fixed-length calls at d_head up to 128; d_head 256 and
+varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -20,7 +20,7 @@ def main() -> None:
             (128, True, False, (130, 200), (4, 2), {}),
             (64, False, True, (77, 77), (2, 1), {}),
             (40, True, True, (200, 90), (2, 2), {}),
-            (256, False, False, (65, 100), (2, 2), {}),
+            (256, False, True, (65, 100), (2, 2), {}),
             (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
             (96, True, False, (300, 260), (2, 2), {"softcap": 30.0})]:
         q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

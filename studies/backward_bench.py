@@ -139,8 +139,10 @@ def main() -> None:
     cases = [(dt, BATCH_OF_SEQ.get(s, 16), s, d, c, False) for dt in args.dtypes.split(",")
              for d in map(int, args.d.split(",")) for s in map(int, args.seqs.split(","))
              for c in (False, True)]
-    if not args.no_det:
-        cases += [("bf16", 16, 4096, 128, False, True), ("bf16", 16, 4096, 128, True, True)]
+    if not args.no_det:  # deterministic=True, bf16, each --d at the --seqs from 4096
+        cases += [("bf16", BATCH_OF_SEQ.get(s, 16), s, d, c, True)
+                  for d in map(int, args.d.split(",")) for s in map(int, args.seqs.split(","))
+                  if s >= 4096 for c in (False, True)]
     built = set(torch.ops.flash_attention.bwd_kernels().split(","))
     variants = [v for v in args.variants.split(",") if v]
     missing = [v for v in variants if v not in built]
@@ -149,7 +151,7 @@ def main() -> None:
     for dt, *case in cases:
         mine = [v for v in variants if (parse_config(v).dtype, parse_config(v).d_head)
                 == (dt, case[2])]  # either family (bwd_..., bwd_sm90_...)
-        for kernel in ["", *(mine if not case[4] else [])]:
+        for kernel in ["", *mine]:
             r = bench(*case, kernel=kernel, dtype=dt, peers=peers)
             line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
                     f"{r['det']!s:>5} {r['ours_ms']:>8.2f} {r['ours_tflops']:>8.1f}")

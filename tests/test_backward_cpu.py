@@ -161,7 +161,7 @@ def test_resolve_and_select():
 
 
 def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
-    """hopper=True (an sm_90 GPU, fixed length, not deterministic): the Hopper kernel of the
+    """hopper=True (an sm_90 GPU, fixed length, TMA-addressable): the Hopper kernel of the
     smallest d_head variant not below the call's, else the sm80 family's; hopper=False: the
     sm80 family's alone (what the operator does in C++)."""
     built = SETS["default"] + SETS["hopper"]

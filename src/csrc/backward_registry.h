@@ -22,7 +22,7 @@ struct BwdKernelEntry {
     int threads;
     int smem_bytes;
     bool softcap;  // applies BwdParams::softcap_scale (serves only softcap > 0)
-    // 80: the sm80 family (any GPU, every call); 90: sm_90a, fixed-length non-deterministic calls
+    // 80: the sm80 family (any GPU, every call); 90: sm_90a, fixed-length calls
     // whose tensors TMA can address (the binding falls back to the sm80 family for the rest).
     int arch;
     BwdLaunchFn launch;

@@ -7,8 +7,8 @@ is the kernel's name in the build, the backward registry and every report. The r
 mirror the static_asserts of backward_config.cuh. A :class:`Sm90BwdConfig`
 (``bwd_sm90_bf16_d128_c128_r64_f``) names one of ``flash::sm90::Sm90BwdConfig``
 (src/csrc/sm90/backward_config.cuh), the Hopper backward (wgmma, TMA, a producer warp and two
-consumer warpgroups; sm_90a, fixed-length non-deterministic calls: the rest run on the sm80
-family).
+consumer warpgroups; sm_90a, fixed-length calls, deterministic ones too: the rest run on the
+sm80 family).
 
 Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names or short forms;
 ``none`` builds no backward):
@@ -18,7 +18,7 @@ Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names o
   kernel of bf16 d_head 128.
 - ``hopper``: the Hopper backward kernels (:class:`Sm90BwdConfig`), d_head 64 and 128 in both
   dtypes, with and without a softcap (8 kernels). They need the sm80 family beside them for
-  the calls they do not run (varlen, deterministic, other GPUs, d_head above 128).
+  the calls they do not run (varlen, other GPUs, d_head above 128).
 - ``default``: the sm80 family's tile of :func:`default_tile` for d_head 64, 128 and 256 in
   both dtypes, with and without a softcap (12 kernels; every other d_head runs zero-padded on
   the next), and the ``hopper`` set.
@@ -460,8 +460,8 @@ def select(dtype: str, d_head: int, softcap: bool, built: tuple[AnyBwdConfig, ..
            hopper: bool = False) -> AnyBwdConfig | None:
     """The backward kernel for a call (what the operator picks in C++): of the built configs of
     the dtype and softcap flag, the smallest d_head variant not below d_head; a Hopper one when
-    ``hopper`` (the call can run on one: an sm_90 GPU, fixed length, not deterministic, tensors
-    TMA can address) and one is built, else an sm80-family one."""
+    ``hopper`` (the call can run on one: an sm_90 GPU, fixed length, tensors TMA can address)
+    and one is built, else an sm80-family one."""
     def fits(family: type) -> list[AnyBwdConfig]:
         return [c for c in built if isinstance(c, family) and c.dtype == dtype
                 and c.softcap == softcap and c.d_head >= d_head]

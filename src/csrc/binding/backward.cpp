@@ -179,10 +179,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor lse = lse_in.contiguous();
     const at::Tensor dlse = dlse_in ? dlse_in->contiguous() : at::Tensor();
 
-    // The Hopper kernel runs fixed-length, non-deterministic calls whose tensors TMA can
-    // address on an sm_90 GPU; the rest run on the sm80 family.
-    const char* unfit = deterministic ? "the deterministic order runs on the sm80 family"
-                                      : sm90_unfit(prop, varlen, {&q, &k, &v, &dout, &dk, &dv});
+    // The Hopper kernel runs fixed-length calls whose tensors TMA can address on an sm_90 GPU
+    // (deterministic ones too); the rest run on the sm80 family.
+    const char* unfit = sm90_unfit(prop, varlen, {&q, &k, &v, &dout, &dk, &dv});
     if (named != nullptr && named->arch == 90)
         FA_CHECK(unfit == nullptr, "backward kernel ", named->name,
                  " (sm_90a) cannot run this call: ", unfit);

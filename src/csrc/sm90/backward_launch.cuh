@@ -1,7 +1,7 @@
 // Host-side launcher of one Hopper backward config and its registry entry: the TMA tensor maps
 // of Q, K, V, dO (loads) and dK, dV (stores), then the preprocess, the main kernel and the dQ
-// conversion. Plain CUDA (no torch). The binding calls it only for fixed-length, non-deterministic
-// calls that sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
+// conversion. Plain CUDA (no torch). The binding calls it only for fixed-length calls that
+// sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,9 +17,8 @@ namespace flash::sm90 {
 template <class Cfg>
 cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
-    // Varlen and the deterministic order run on the sm80 family; the kernel strides the dQ
-    // accumulator by its d_head.
-    if (p.cu_seqlens_q != nullptr || p.dq_semaphore != nullptr || p.d_pad != Cfg::kDHead)
+    // Varlen runs on the sm80 family; the kernel strides the dQ accumulator by its d_head.
+    if (p.cu_seqlens_q != nullptr || p.d_pad != Cfg::kDHead)
         return cudaErrorInvalidValue;
     Sm90BwdParams prm{};
     prm.p = p;

@@ -100,9 +100,11 @@ struct BwdSmem {
     }
 };
 
-// The CTA's work: KV block blockIdx.x of (KV head blockIdx.y, batch blockIdx.z), and the query
-// blocks that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head,
-// block) pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask.
+// The CTA's work: a KV block of (KV head blockIdx.y, batch blockIdx.z), and the query blocks
+// that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head, block)
+// pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask. The KV block is blockIdx.x
+// (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
+// last KV block first, as dq_turn adds them.
 template <class Cfg>
 struct BackwardTile {
     int kv_block, kv_head, batch, k_row0;
@@ -111,7 +113,7 @@ struct BackwardTile {
     bwd::Window win;
 
     __device__ __forceinline__ explicit BackwardTile(const BwdParams& p)
-        : kv_block(blockIdx.x),
+        : kv_block(p.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x)),
           kv_head(blockIdx.y),
           batch(blockIdx.z),
           k_row0(kv_block * Cfg::kBc),
@@ -137,6 +139,20 @@ struct BackwardTile {
     // the dQ accumulator, d_head floats per row): whole blocks, seqlen_q_pad rows per head.
     __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
+    }
+    // The deterministic order: pair x's turn counter, and the number of KV blocks whose dQ
+    // additions to it come before this CTA's. The KV blocks that see query block i add from
+    // the last to the first (the sm80 family's order): those CTAs were launched earlier, so
+    // waiting for them cannot deadlock, and under a causal mask the last one meets the block
+    // first.
+    __device__ __forceinline__ int* dq_turn(const BwdParams& p, Pair x, int& turn) const {
+        const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
+        const int q_end = x.i * Cfg::kBr + Cfg::kBr;
+        const int q_last = (q_end < p.seqlen_q ? q_end : p.seqlen_q) - 1;
+        int64_t k_lo, k_hi;
+        win.keys(x.i * Cfg::kBr, q_last, p.seqlen_k, k_lo, k_hi);
+        turn = static_cast<int>(k_hi / Cfg::kBc) - kv_block;
+        return p.dq_semaphore + (int64_t(batch) * p.heads + x.head) * q_blocks + x.i;
     }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {
@@ -474,7 +490,9 @@ struct BackwardConsumer {
 // the fp32 accumulator with one bulk reduce-add per part (the block's B_r x d_head floats are
 // contiguous there, in the consumers' order): a half of the columns each, or with kDqOwnKeys
 // each warpgroup's partial sum over all of them. The buffer is released when the reductions
-// have read it; the last block's release has no taker and is skipped.
+// have read it; the last block's release has no taker and is skipped. The deterministic order
+// (dq_semaphore): the reductions of a block wait for its turn (BackwardTile::dq_turn), own-key
+// partials one after the other, and the turn passes on when they have completed.
 template <class Cfg>
 struct BackwardDqWriter {
     const Sm90BwdParams& prm;
@@ -486,8 +504,17 @@ struct BackwardDqWriter {
         constexpr uint32_t kPartBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
         const BwdParams& p = prm.p;
         auto x = w.first(p.heads_per_kv);
+        const bool ordered = p.dq_semaphore != nullptr;
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
+            int turn = 0;
+            int* sem = nullptr;
+            if (ordered && lane == 0) {
+                sem = w.dq_turn(p, x, turn);
+                while (bwd::ld_acquire(sem) != turn) {
+                }
+                fence_proxy_async_global();  // the earlier KV blocks' additions come first
+            }
 #pragma unroll
             for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
                 named_sync(kBwdDqFull + g, kSync);
@@ -495,10 +522,19 @@ struct BackwardDqWriter {
                     float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
                     bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
                     tma_store_commit();
+                    if (Cfg::kDqOwnKeys && ordered && g + 1 < Cfg::kConsumerWGs)
+                        bulk_wait_all();  // the partials add in a fixed order too
                 }
             }
-            if (lane == 0)
-                tma_store_wait_read();
+            if (lane == 0) {
+                if (ordered) {
+                    bulk_wait_all();
+                    fence_proxy_async_global();
+                    bwd::st_release(sem, turn + 1);
+                } else {
+                    tma_store_wait_read();
+                }
+            }
             __syncwarp();
             if (t + 1 < w.n)
 #pragma unroll

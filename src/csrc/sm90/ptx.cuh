@@ -168,6 +168,13 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Orders this thread's global-memory accesses across the generic and async proxies: a bulk
+// reduction it waited for before a release it makes, or an acquire it made before a bulk
+// reduction it issues.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // ---- wgmma --------------------------------------------------------------------------------------
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
