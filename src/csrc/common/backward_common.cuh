@@ -40,6 +40,10 @@ __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 // The keys a query row sees, off = seqlen_k - seqlen_q: [row + off - left, row + off + right].
 struct Window {
     int off;          // fits 32 bits: both lengths are below 2^31 - 256

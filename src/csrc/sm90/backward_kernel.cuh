@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char smem_raw[];
     const BwdSmem<Cfg> sm = BwdSmem<Cfg>::aligned(smem_raw);
-    const BackwardTile<Cfg> w(prm.p);
+    const BackwardTile<Cfg> w(prm);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&prm.tma_q);

@@ -38,6 +38,10 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     if (!ok)
         return cudaErrorInvalidValue;
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
+    // The deterministic order adds the last KV block first (BackwardTile::dq_turn): it runs
+    // first, so no CTA waits for one not yet launched.
+    prm.kv_block0 = p.dq_semaphore != nullptr ? int(grid.x) - 1 : 0;
+    prm.kv_block_step = p.dq_semaphore != nullptr ? -1 : 1;
     return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
         return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      prm);

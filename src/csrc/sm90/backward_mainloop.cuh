@@ -33,6 +33,10 @@ namespace flash::sm90 {
 struct Sm90BwdParams {
     BwdParams p;
     CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
+    // The KV block of CTA x: kv_block0 + kv_block_step * x (0, 1; the deterministic order:
+    // the last KV block first). Affine in kernel parameters, so that ptxas rematerialises it
+    // rather than keep it in a register.
+    int kv_block0, kv_block_step;
 };
 
 // Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
@@ -112,8 +116,10 @@ struct BackwardTile {
     int2 unmasked;
     bwd::Window win;
 
-    __device__ __forceinline__ explicit BackwardTile(const BwdParams& p)
-        : kv_block(p.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x)),
+    __device__ __forceinline__ explicit BackwardTile(const Sm90BwdParams& prm)
+        : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
+    __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
+        : kv_block(kv_block_),
           kv_head(blockIdx.y),
           batch(blockIdx.z),
           k_row0(kv_block * Cfg::kBc),
@@ -144,15 +150,19 @@ struct BackwardTile {
     // additions to it come before this CTA's. The KV blocks that see query block i add from
     // the last to the first (the sm80 family's order): those CTAs were launched earlier, so
     // waiting for them cannot deadlock, and under a causal mask the last one meets the block
-    // first.
-    __device__ __forceinline__ int* dq_turn(const BwdParams& p, Pair x, int& turn) const {
+    // first. Worked out from the kernel's parameters, not the tile's fields: the writer warp
+    // runs it within the producer's 24 registers.
+    __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
+        const BwdParams& p = prm.p;
         const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
         const int q_end = x.i * Cfg::kBr + Cfg::kBr;
         const int q_last = (q_end < p.seqlen_q ? q_end : p.seqlen_q) - 1;
+        const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
         int64_t k_lo, k_hi;
         win.keys(x.i * Cfg::kBr, q_last, p.seqlen_k, k_lo, k_hi);
+        const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
         turn = static_cast<int>(k_hi / Cfg::kBc) - kv_block;
-        return p.dq_semaphore + (int64_t(batch) * p.heads + x.head) * q_blocks + x.i;
+        return p.dq_semaphore + (int64_t(blockIdx.z) * p.heads + x.head) * q_blocks + x.i;
     }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {
@@ -507,10 +517,10 @@ struct BackwardDqWriter {
         const bool ordered = p.dq_semaphore != nullptr;
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
-            int turn = 0;
             int* sem = nullptr;
             if (ordered && lane == 0) {
-                sem = w.dq_turn(p, x, turn);
+                int turn;
+                sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
                 while (bwd::ld_acquire(sem) != turn) {
                 }
                 fence_proxy_async_global();  // the earlier KV blocks' additions come first
@@ -530,7 +540,7 @@ struct BackwardDqWriter {
                 if (ordered) {
                     bulk_wait_all();
                     fence_proxy_async_global();
-                    bwd::st_release(sem, turn + 1);
+                    bwd::red_release_add(sem, 1);  // the next KV block's turn
                 } else {
                     tma_store_wait_read();
                 }
