@@ -163,16 +163,21 @@ FWD_GATE_CASES = tuple([
     # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
 ])
-# The gate's backward cases (sm80-family backward, every GPU): each kernel of the `default`
-# backward set, dtype aside (d_head 64, 128, 256, with and without a softcap; the preprocess
-# and dQ conversion of both dtypes run with them), and each feature of the backward's calls:
-# causal, GQA (dK and dV summed over the group), a sliding window, deterministic dQ, and a
-# training step (forward + autograd backward). 16 heads, 16384 tokens: 3-9 ms a call on an
-# H100 at the 150-300 TFLOP/s the first backward measured there (estimated, to be measured).
-# 4 of the 8 cases have an SDPA FA2 peer (not the softcap and deterministic ones): 12 timed
-# contenders at about 5.3 s each per gate run (the forward's 31 in its 185 s A/A run, less
-# about 20 s of start-up), about 65 s more per gate run (estimated, to be measured)
-# (tests/test_gate_coverage.py checks the kernels against the backward's selection).
+# The gate's backward cases: each kernel of the `default` backward set, dtype aside, on the
+# runner's sm_90 GPU (the Hopper family's d_head 64 and 128 and the sm80 family's d_head 64, 128
+# and 256, each with and without a softcap; the preprocess and both families' dQ conversions of
+# both dtypes run with them), and each feature of the backward's calls: causal, GQA (dK and dV
+# summed over the group), a sliding window, varlen, deterministic dQ, and a training step
+# (forward + autograd backward). On an sm_90 GPU the fixed-length cases at d_head 64 and 128
+# run the Hopper kernels (deterministic ones too) and varlen calls the sm80 family, so the
+# varlen cases keep its d_head 64 and 128 kernels under the gate there; on another GPU every
+# case runs the sm80 family. 16 heads, 16384 tokens (a varlen case 4 sequences of 1024-4096):
+# 3-9 ms a call on an H100 at the 150-300 TFLOP/s the first backward measured there. 6 of the
+# 12 cases have an SDPA FA2 peer (not the softcap and deterministic ones; a varlen case's runs
+# the padded batch): 18 timed contenders at about 5.3 s each (the forward's 31 in its 185 s A/A
+# run, less about 20 s of start-up), about 95 s per gate run (with four deterministic cases
+# where the varlen ones are, 15 contenders, about 80 s; estimated, to be measured).
+# tests/test_gate_coverage.py checks the kernels against the backward's selection.
 BWD_GATE_CASES = tuple([
     # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
     # d_head 256
@@ -184,14 +189,15 @@ BWD_GATE_CASES = tuple([
     Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
     Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
-    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128. On an
-    # sm_90 GPU the cases above run the Hopper kernels at d_head 64 and 128; deterministic
-    # calls run the sm80 family there, so these four keep its d_head 64 and 128 kernels (with
-    # and without a softcap) under the gate too.
+    # varlen (all K/V heads; the sm80 family on every GPU): its d_head 128 and 64 kernels with
+    # and without a softcap, whose fixed-length cases above run the Hopper kernels on sm_90
+    Case("bf16", 128, 4, 4096, causal=True, varlen=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, varlen=True, kind="bwd"),
+    Case("bf16", 128, 4, 4096, softcap=30.0, varlen=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, varlen=True, kind="bwd"),
+    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128: the
+    # Hopper kernel's order on sm_90, the sm80 family's elsewhere
     Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
-    Case("fp16", 64, 4, 4096, kv_heads=4, deterministic=True, kind="bwd"),
-    Case("bf16", 128, 4, 4096, softcap=30.0, deterministic=True, kind="bwd"),
-    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, deterministic=True, kind="bwd"),
     # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
     Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
 ])
