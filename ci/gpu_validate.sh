@@ -219,7 +219,7 @@ fi
 # query block in the softcap kernels of one backward family; base = this tree. The plant is
 # applied in the copy, so no planted source is ever committed; it anchors on a line of the
 # family's per-query-block code and refuses (exit 3) if that line moved.
-#   bwd-planted    the sm80 family (on sm_90: the deterministic softcap cases and d_head 256)
+#   bwd-planted    the sm80 family (on sm_90: the varlen softcap cases and d_head 256)
 #   bwd90-planted  the Hopper family (on sm_90: the fixed-length softcap cases)
 bwd_plant() {  # bwd_plant STEP FILE ANCHOR
     local name=$1 file=$2 anchor=$3 copy=/tmp/fa-$1

@@ -716,9 +716,96 @@ def test_backward_cases_name_their_kind_and_travel_as_json():
     assert (bwd.times_forward, bwd.times_backward) == (False, True)
     assert "deterministic" in bwd.peer_note() and not step.peer_note()
     for bad, why in (({"kind": "backward"}, "kind"), ({"deterministic": True}, "deterministic"),
-                     ({"varlen": True, "kind": "bwd"}, "fixed-length")):
+                     ({"varlen": True, "kind": "fwdbwd"}, "training step is fixed-length"),
+                     ({"varlen": True, "kind": "bwd", "kv_heads": 4}, "all K/V heads")):
         with pytest.raises(ValueError, match=why):
             Case("bf16", 128, 4, 1024, **bad)
+
+
+def test_a_varlen_backward_case_counts_its_sequences():
+    """A varlen bwd case: named as one, 2.5 forwards of FLOPs summed over its sequences (less
+    than the padded batch's), SDPA its peer (on the padded batch) but under a softcap, and
+    deterministic dQ an option of it as of a fixed-length one."""
+    from fa_tools.gpu.perfcases import varlen_lengths
+
+    case = Case("fp16", 64, 4, 4096, varlen=True, kind="bwd")
+    assert case.name == "fp16_d64_b4_s4096_varlen_bwd"
+    assert Case(**json.loads(json.dumps(case.as_dict()))) == case
+    assert (case.times_forward, case.times_backward) == (False, True)
+    lengths = varlen_lengths(case)
+    assert len(lengths) == 4 and max(lengths) == 4096 and sum(lengths) < 4 * 4096
+    assert case.flops() == 2.5 * 4 * 16 * 64 * sum(n * n for n in lengths)
+    assert case.flops() < Case("fp16", 64, 4, 4096, kind="bwd").flops()
+    causal = Case("bf16", 128, 4, 4096, causal=True, varlen=True, kind="bwd")
+    assert causal.flops() == 2.5 * Case("bf16", 128, 4, 4096, causal=True, varlen=True).flops()
+    assert causal.flops() == 2.5 * 4 * 16 * 128 * sum(n * n for n in lengths) / 2
+    assert not case.peer_note() and not causal.peer_note()
+    capped = Case("bf16", 128, 4, 4096, softcap=30.0, varlen=True, kind="bwd")
+    assert capped.name == "bf16_d128_b4_s4096_cap30_varlen_bwd" and "softcap" in capped.peer_note()
+    det = Case("bf16", 128, 4, 4096, causal=True, varlen=True, deterministic=True, kind="bwd")
+    assert det.name == "bf16_d128_b4_s4096_causal_varlen_det_bwd"
+    assert det.options() == {"causal": True, "deterministic": True}
+
+
+def test_a_varlen_backward_case_calls_the_operator_on_packed_inputs(monkeypatch):
+    """Inputs and callables of a varlen bwd case, made on the CPU with the operator faked:
+    q, k, v and dout packed from the rows the peers get padded, cu_seqlens the running sums of
+    the lengths; ours calls flash_attention::bwd with attention_varlen's out and LSE, those
+    cu_seqlens and the longest length; the SDPA peer differentiates the padded batch with the
+    padded dout."""
+    import itertools
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    import flash_attention as fa
+    from fa_tools.gpu import perfcases
+
+    case = Case("bf16", 32, 3, 128, heads=2, causal=True, varlen=True, kind="bwd")
+    inputs = perfcases.Inputs.make(case, device="cpu")
+    lengths = perfcases.varlen_lengths(case)
+    cu, max_len, (qp, kp, vp) = inputs.varlen
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, *itertools.accumulate(lengths)]
+    assert max_len == 128 and len(set(lengths)) > 1, "sequences of different lengths"
+    pairs = ((inputs.q, qp), (inputs.k, kp), (inputs.v, vp), (inputs.dout, inputs.dout_padded))
+    for packed, padded in pairs:
+        assert packed.shape == (sum(lengths), 2, 32) and padded.shape == (3, 128, 2, 32)
+        for b, n in enumerate(lengths):
+            assert torch.equal(packed[cu[b]:cu[b + 1]], padded[b, :n])
+
+    calls = []
+
+    def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **opts):
+        calls.append((q, k, v, cu_q, cu_k, max_q, max_k, opts))
+        return "out", "lse"
+
+    def bwd(*args):
+        calls.append(args)
+        return "dq", "dk", "dv"
+
+    monkeypatch.setattr(fa, "attention_varlen", attention_varlen)
+    monkeypatch.setattr(torch.ops.flash_attention, "bwd", SimpleNamespace(default=bwd),
+                        raising=False)
+    fns = perfcases.training_contenders(case, inputs, ("ours", "sdpa_fa2"))
+    assert fns["ours"]() == ("dq", "dk", "dv")
+    (*fwd_tensors, fwd_cu_q, fwd_cu_k, fwd_max_q, fwd_max_k, opts), args = calls
+    assert all(a is b for a, b in zip(fwd_tensors, (inputs.q, inputs.k, inputs.v)))
+    assert fwd_cu_q is cu and fwd_cu_k is cu and (fwd_max_q, fwd_max_k) == (128, 128)
+    assert opts == {"causal": True, "return_lse": True}
+    tensors = (inputs.dout, inputs.q, inputs.k, inputs.v)
+    assert len(args) == 18 and all(a is b for a, b in zip(args[:4], tensors))
+    assert args[4:7] == ("out", "lse", None) and args[7] is cu and args[8] is cu
+    assert args[9:] == (128, 128, None, True, -1, -1, 0.0, False, "")
+
+    # the peer (SDPA's CPU flash kernel here): the padded batch's gradients
+    assert set(fns) == {"ours", "sdpa_fa2"}
+    leaves = [t.transpose(1, 2).float().requires_grad_() for t in (qp, kp, vp)]
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=True), leaves,
+                              inputs.dout_padded.transpose(1, 2).float())
+    for got, want in zip(fns["sdpa_fa2"](), ref):
+        assert got.shape == (3, 2, 128, 32)
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
 
 
 def test_backward_flops_are_two_and_a_half_forwards():

@@ -6,6 +6,8 @@ features."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fa_tools.gate import coverage
@@ -66,7 +68,7 @@ def test_softcap_and_varlen_kernels_are_run(rows):
     flags = {k.rsplit("_f", 1)[1] for k in routes.values() if not k.startswith("sm90_")}
     assert any(f.endswith("t") and "m" not in f for f in flags), "softcap, no mask"
     assert any(f.endswith("mt") for f in flags), "softcap with masks"
-    varlen = [c for c in GATE_CASES if c.varlen]
+    varlen = [c for c in GATE_CASES if c.varlen and c.times_forward]
     assert varlen and all(not routes[c.name].startswith("sm90_") for c in varlen)
 
 
@@ -177,8 +179,8 @@ def test_every_default_backward_kernel_kind_and_helper_is_run_by_a_gate_case():
 def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90():
     """On the runner's GPU (sm_90) with the `default` set: every Hopper kernel and every sm80
     kernel, dtype aside, is the pick of a backward gate case (the sm80 family's d_head 64 and
-    128 kernels through the deterministic cases), and so are both families' helpers (a Hopper
-    kernel runs with the tile-order dQ conversion, an sm80 one with the row-order one)."""
+    128 kernels through the varlen cases), and so are both families' helpers (a Hopper kernel
+    runs with the tile-order dQ conversion, an sm80 one with the row-order one)."""
     run = {c.name: coverage.kernels_run(c, [], BWD_HOPPER, sm90=True) for c in BWD_GATE_CASES}
     ran = {k for kernels in run.values() for k in kernels}
     assert {coverage.kind(k) for k in ran if k in BWD_HOPPER} == {
@@ -208,7 +210,9 @@ def test_each_backward_feature_has_a_case():
     assert has(lambda c: c.kind == "bwd" and not (c.causal or c.window or c.softcap)), "no mask"
     assert has(lambda c: c.kind == "bwd" and c.kv_heads is not None), "GQA"
     assert has(lambda c: c.window is not None), "sliding window"
-    assert has(lambda c: c.deterministic), "deterministic"
+    assert has(lambda c: c.deterministic and not c.varlen), "deterministic"
+    assert has(lambda c: c.varlen and not c.peer_note()), "varlen, against SDPA"
+    assert has(lambda c: c.varlen and c.softcap > 0), "varlen with a softcap"
     assert has(lambda c: c.softcap > 0) and has(lambda c: c.kind == "fwdbwd"), "training step"
     assert {c.dtype for c in BWD_GATE_CASES} == {"bf16", "fp16"}
     assert {c.d_head for c in BWD_GATE_CASES} == set(config_bwd.DEFAULT_D_HEADS)
@@ -261,42 +265,49 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
 
 
 def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
-    """With the Hopper backward built, on an sm_90 GPU a fixed-length non-deterministic gate
-    case runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128); the
-    deterministic case and d_head 256 stay on the sm80 family; on another GPU, and on sm_90 in a
+    """With the Hopper backward built, on an sm_90 GPU a fixed-length gate case, deterministic
+    or not, runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128);
+    the varlen cases and d_head 256 stay on the sm80 family; on another GPU, and on sm_90 in a
     build without them, every case runs what it ran before."""
     for case in BWD_GATE_CASES:
         before = coverage.bwd_kernel(case, BWD_DEFAULT, sm90=True)
         assert coverage.bwd_kernel(case, BWD_HOPPER, sm90=False) == before
         assert coverage.bwd_kernel(case, BWD_DEFAULT, sm90=False) == before
         on_hopper = coverage.bwd_kernel(case, BWD_HOPPER, sm90=True)
-        if case.deterministic or case.d_head > 128:
+        if case.varlen or case.d_head > 128:
             assert on_hopper == before, case.name
         else:
             cfg = config_bwd.parse_config(on_hopper)
             assert isinstance(cfg, config_bwd.Sm90BwdConfig), case.name
             assert (cfg.dtype, cfg.softcap, cfg.d_head) == (case.dtype, case.softcap > 0,
                                                              case.d_head)
-    dets = [c for c in BWD_GATE_CASES if c.deterministic]
-    assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in dets] == [
+    varlen = [c for c in BWD_GATE_CASES if c.varlen]
+    assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in varlen] == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_fp16_d64_c128_r128_w8_fb",
         "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt"]
+    (det,) = [c for c in BWD_GATE_CASES if c.deterministic]
+    assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=True) == [
+        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+    assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=False) == [
+        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=True) == [
         "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=False) == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
-    # a varlen call never runs the Hopper backward (no backward gate case is varlen: the rule
-    # of coverage.bwd_hopper, which the operator applies in C++)
-    assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True), sm90=True)
+    # the rule of coverage.bwd_hopper, which the operator applies in C++: varlen calls never
+    # run the Hopper backward, deterministic fixed-length ones do, and nothing does off sm_90
+    assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True, kind="bwd"), True)
+    assert coverage.bwd_hopper(Case("bf16", 128, 4, 4096, deterministic=True, kind="bwd"), True)
+    assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, kind="bwd"), sm90=False)
 
 
 def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     """case_for_bwd_kernel in a build with the Hopper backward: on sm_90 a Hopper kernel gets
-    the plain causal case and an sm80-family kernel it shadows the same case with
-    deterministic dQ (what still runs it there); off sm_90 a Hopper kernel gets none and an
-    sm80 one the plain case; a helper gets a case either way but the Hopper dQ conversion,
-    which runs on sm_90 alone (after a Hopper kernel)."""
+    the plain causal case and an sm80-family kernel it shadows the same case as a varlen batch
+    (what still runs it there); off sm_90 a Hopper kernel gets none and an sm80 one the plain
+    case; a helper gets a case either way but the Hopper dQ conversion, which runs on sm_90
+    alone (after a Hopper kernel)."""
     hopper, sm80 = "bwd_sm90_fp16_d128_c128_r64_ft", "bwd_fp16_d128_c128_r64_w8_fbt"
     case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=True)
     assert case == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
@@ -304,12 +315,15 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     assert coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=False) is None
     shadowed = coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=True)
     assert shadowed == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
-                            kind="bwd", deterministic=True)
-    assert shadowed.name == "fp16_d128_b4_s4096_cap30_causal_det_bwd"
+                            kind="bwd", varlen=True)
+    assert shadowed.name == "fp16_d128_b4_s4096_cap30_causal_varlen_bwd"
     assert coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=False) == case
+    # deterministic dQ no longer reaches the sm80 family on sm_90: it runs the Hopper kernel
+    assert coverage.bwd_kernel(replace(case, deterministic=True), BWD_HOPPER, True) == hopper
     # d_head 256: no Hopper variant, the plain case
-    assert not coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
-                                            sm90=True).deterministic
+    assert coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
+                                        sm90=True) == Case("bf16", 256, 4, 4096, causal=True,
+                                                           kind="bwd")
     for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
         for sm90 in (True, False):
             made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)
@@ -318,11 +332,15 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
                     kernel
                 continue
             assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, sm90), (kernel, sm90)
+            assert not made.deterministic, kernel
     tiles = coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_HOPPER, sm90=True)
     assert coverage.bwd_kernel(tiles, BWD_HOPPER, sm90=True) == "bwd_sm90_fp16_d128_c128_r64_f"
+    assert not tiles.varlen
+    # the sm80 family's row-order dQ conversion: after its d_head 128 kernel, varlen on sm_90
     rows = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_HOPPER, sm90=True)
     assert coverage.bwd_kernel(rows, BWD_HOPPER, sm90=True) == "bwd_fp16_d128_c128_r64_w8_fb"
-    assert rows.deterministic
+    assert rows == Case("fp16", 128, 4, 4096, causal=True, varlen=True, kind="bwd")
+    assert not coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_HOPPER, sm90=False).varlen
     # a build without the Hopper backward has no case for its dQ conversion
     assert coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_DEFAULT,
                                         sm90=True) is None
@@ -331,25 +349,28 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
 def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
     """The SASS diff of a build with the Hopper backward on sm_90: a changed Hopper kernel no
     gate case runs gets the case that runs it, one the gate runs is reported as measured, and a
-    changed sm80-family kernel shadowed by a Hopper one is measured by a deterministic case;
-    each family's dQ conversion is measured by a case of its family."""
+    changed sm80-family kernel shadowed by a Hopper one is measured by a varlen gate case, or
+    gets a varlen case made for it; each family's dQ conversion is measured by a case of its
+    family."""
     from fa_tools.gate import sassdiff
 
     changes = [sassdiff.KernelChange(k, n, n, 2000) for k, n in [
         ("bwd_sm90_fp16_d128_c128_r64_f", 70),  # no gate case: a case is made
         ("bwd_sm90_bf16_d128_c128_r64_f", 60),  # the causal d_head 128 gate case runs it
-        ("bwd_fp16_d64_c128_r128_w8_fb", 50),  # shadowed on sm_90: a deterministic case
+        ("bwd_fp16_d64_c128_r128_w8_fb", 50),  # shadowed on sm_90: a varlen gate case
+        ("bwd_fp16_d128_c128_r64_w8_fb", 45),  # shadowed, no gate case: a varlen case is made
         ("bwd_convert_dq_tiles_bf16", 40),  # run after every bf16 Hopper kernel
-        ("bwd_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (deterministic)
+        ("bwd_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (varlen)
     sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
-    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd"]
-    (added,) = sel.cases
-    assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == changes[0].kernel
+    assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd",
+                                              "fp16_d128_b4_s4096_causal_varlen_bwd"]
+    for added, change in zip(sel.cases, (changes[0], changes[3])):
+        assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == change.kernel
     assert {c["kernel"]: c["case"] for c in sel.covered} == {
-        "bwd_fp16_d64_c128_r128_w8_fb": "fp16_d64_b4_s4096_kv4_det_bwd",
+        "bwd_fp16_d64_c128_r128_w8_fb": "fp16_d64_b4_s4096_varlen_bwd",
         "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd",
         "bwd_convert_dq_tiles_bf16": "bf16_d128_b4_s4096_causal_bwd",
-        "bwd_convert_dq_fp16": "fp16_d64_b4_s4096_kv4_det_bwd"}
+        "bwd_convert_dq_fp16": "fp16_d64_b4_s4096_varlen_bwd"}
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "90") == "90a"
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "80") is None
     assert sassdiff.arch_of_kernel("bwd_preprocess_fp16", "90") == "90"

@@ -12,10 +12,10 @@ The backward has no table: the operator runs the built kernel of the call's dtyp
 with the smallest d_head variant not below the call's (flash_attention.config_bwd.select mirrors
 it), with the preprocess and the dQ conversion of its family and dtype around it
 (config_bwd.aux_kernels_of: bwd_convert_dq_<dtype> after an sm80-family kernel,
-bwd_convert_dq_tiles_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length,
-non-deterministic call takes it among the Hopper backward kernels (sm90-bwd) where one is built,
-else among the sm80 family; every other call, and every call on another GPU, runs the sm80
-family. (Here too the gate's contiguous inputs always suit TMA.)
+bwd_convert_dq_tiles_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length call
+(deterministic or not) takes it among the Hopper backward kernels (sm90-bwd) where one is built,
+else among the sm80 family; a varlen call, and every call on another GPU, runs the sm80 family.
+(Here too the gate's contiguous inputs always suit TMA.)
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from ..gpu.perfcases import Case
 CASE_SEQLEN_CAP = 4096
 CASE_TOKENS = 65536  # batch x seqlen of a case made for a row
 CASE_SOFTCAP = 30.0
-# A backward case made for a kernel: 4 sequences of 4096, as the gate's own backward cases.
+# A backward case made for a kernel: 4 sequences of 4096, as the gate's own backward cases (a
+# varlen one: 4 sequences of varlen_lengths, the longest 4096).
 BWD_CASE_SEQLEN = 4096
 BWD_CASE_TOKENS = 16384
 
@@ -131,9 +132,9 @@ def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None
 
 def bwd_hopper(case: Case, sm90: bool) -> bool:
     """Whether the backward operator may run the case's calls on a Hopper backward kernel: on
-    an sm_90 GPU (sm90=True), fixed-length and not deterministic (the gate's inputs are
-    contiguous, so TMA can address them)."""
-    return sm90 and not case.varlen and not case.deterministic
+    an sm_90 GPU (sm90=True) and fixed-length, with deterministic dQ or not (the gate's inputs
+    are contiguous, so TMA can address them)."""
+    return sm90 and not case.varlen
 
 
 def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None:
@@ -170,7 +171,7 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
     one (a main kernel, a preprocess or a dQ conversion): for a main kernel BWD_CASE_TOKENS
     tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
     blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
-    a Hopper one shadows, the same with deterministic dQ (what still runs it there); for a
+    a Hopper one shadows, the same as a varlen batch (what still runs it there); for a
     helper, the case of a main kernel it runs with (config_bwd.aux_kernels_of: of its dtype,
     and of its family for a dQ conversion) without a softcap and with the d_head nearest 128.
     None when the operator runs another kernel for every call the kernel could serve (a kernel
@@ -186,7 +187,7 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
         return next((c for c in made if c is not None), None)
     case = Case(cfg.dtype, cfg.d_head, BWD_CASE_TOKENS // BWD_CASE_SEQLEN, BWD_CASE_SEQLEN,
                 causal=True, softcap=CASE_SOFTCAP if cfg.softcap else 0.0, kind="bwd")
-    for made in (case, replace(case, deterministic=True)):
+    for made in (case, replace(case, varlen=True)):
         if bwd_kernel(made, bwd_configs, sm90) == kernel:
             return made
     return None

@@ -52,8 +52,8 @@ class Case:
             raise ValueError(f"case kind must be one of {KINDS}, got {self.kind!r}")
         if self.deterministic and not self.times_backward:
             raise ValueError("deterministic is an option of the backward: a bwd or fwdbwd case")
-        if self.varlen and self.times_backward:
-            raise ValueError("backward cases are fixed-length (no varlen backward timing yet)")
+        if self.varlen and self.kind == "fwdbwd":
+            raise ValueError("a training step is fixed-length (no varlen fwdbwd timing yet)")
 
     @property
     def name(self) -> str:
@@ -163,16 +163,21 @@ FWD_GATE_CASES = tuple([
     # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
 ])
-# The gate's backward cases (sm80-family backward, every GPU): each kernel of the `default`
-# backward set, dtype aside (d_head 64, 128, 256, with and without a softcap; the preprocess
-# and dQ conversion of both dtypes run with them), and each feature of the backward's calls:
-# causal, GQA (dK and dV summed over the group), a sliding window, deterministic dQ, and a
-# training step (forward + autograd backward). 16 heads, 16384 tokens: 3-9 ms a call on an
-# H100 at the 150-300 TFLOP/s the first backward measured there (estimated, to be measured).
-# 4 of the 8 cases have an SDPA FA2 peer (not the softcap and deterministic ones): 12 timed
-# contenders at about 5.3 s each per gate run (the forward's 31 in its 185 s A/A run, less
-# about 20 s of start-up), about 65 s more per gate run (estimated, to be measured)
-# (tests/test_gate_coverage.py checks the kernels against the backward's selection).
+# The gate's backward cases: each kernel of the `default` backward set, dtype aside, on the
+# runner's sm_90 GPU (the Hopper family's d_head 64 and 128 and the sm80 family's d_head 64, 128
+# and 256, each with and without a softcap; the preprocess and both families' dQ conversions of
+# both dtypes run with them), and each feature of the backward's calls: causal, GQA (dK and dV
+# summed over the group), a sliding window, varlen, deterministic dQ, and a training step
+# (forward + autograd backward). On an sm_90 GPU the fixed-length cases at d_head 64 and 128
+# run the Hopper kernels (deterministic ones too) and varlen calls the sm80 family, so the
+# varlen cases keep its d_head 64 and 128 kernels under the gate there; on another GPU every
+# case runs the sm80 family. 16 heads, 16384 tokens (a varlen case 4 sequences of 1024-4096):
+# 3-9 ms a call on an H100 at the 150-300 TFLOP/s the first backward measured there. 6 of the
+# 12 cases have an SDPA FA2 peer (not the softcap and deterministic ones; a varlen case's runs
+# the padded batch): 18 timed contenders at about 5.3 s each (the forward's 31 in its 185 s A/A
+# run, less about 20 s of start-up), about 95 s per gate run (with four deterministic cases
+# where the varlen ones are, 15 contenders, about 80 s; estimated, to be measured).
+# tests/test_gate_coverage.py checks the kernels against the backward's selection.
 BWD_GATE_CASES = tuple([
     # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
     # d_head 256
@@ -184,14 +189,15 @@ BWD_GATE_CASES = tuple([
     Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
     Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
-    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128. On an
-    # sm_90 GPU the cases above run the Hopper kernels at d_head 64 and 128; deterministic
-    # calls run the sm80 family there, so these four keep its d_head 64 and 128 kernels (with
-    # and without a softcap) under the gate too.
+    # varlen (all K/V heads; the sm80 family on every GPU): its d_head 128 and 64 kernels with
+    # and without a softcap, whose fixed-length cases above run the Hopper kernels on sm_90
+    Case("bf16", 128, 4, 4096, causal=True, varlen=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, varlen=True, kind="bwd"),
+    Case("bf16", 128, 4, 4096, softcap=30.0, varlen=True, kind="bwd"),
+    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, varlen=True, kind="bwd"),
+    # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128: the
+    # Hopper kernel's order on sm_90, the sm80 family's elsewhere
     Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
-    Case("fp16", 64, 4, 4096, kv_heads=4, deterministic=True, kind="bwd"),
-    Case("bf16", 128, 4, 4096, softcap=30.0, deterministic=True, kind="bwd"),
-    Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, deterministic=True, kind="bwd"),
     # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
     Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
 ])
@@ -436,11 +442,13 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS, kernel: st
     """Zero-argument callables, one per contender, timing a bwd or fwdbwd case on the same
     inputs; each returns the gradients (dq, dk, dv). Ours: for bwd, the flash_attention::bwd
     operator on the out and LSE of one attention() call made here (the forward's saved
-    tensors), called as the autograd formula calls it; for fwdbwd, attention() on q, k, v that
-    require grad and autograd.grad. The SDPA peers: _sdpa_training_peer on the (B, H, S, D)
-    views of the same tensors; a backend that cannot run the case is left out, and so is SDPA
-    for a case it has no counterpart of (Case.peer_note). `kernel`: the backward kernel ours
-    runs in a bwd case (a built short form; "" the operator's choice)."""
+    tensors), called as the autograd formula calls it (a varlen case: attention_varlen on the
+    packed q, k, v, its (heads, total) LSE and the cu_seqlens to bwd); for fwdbwd, attention()
+    on q, k, v that require grad and autograd.grad. The SDPA peers: _sdpa_training_peer on the
+    (B, H, S, D) views of the same tensors (a varlen case: of the same tokens padded to the
+    longest sequence, with dout padded alike); a backend that cannot run the case is left out,
+    and so is SDPA for a case it has no counterpart of (Case.peer_note). `kernel`: the backward
+    kernel ours runs in a bwd case (a built short form; "" the operator's choice)."""
     import torch
 
     import flash_attention as fa
@@ -453,22 +461,30 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS, kernel: st
     opts = case.options()
     fns = {}
     if "ours" in names and case.kind == "bwd":
-        out, lse = fa.attention(q, k, v, return_lse=True, **opts)
+        if case.varlen:
+            cu, max_len, _ = inputs.varlen
+            out, lse = fa.attention_varlen(q, k, v, cu, cu, max_len, max_len, return_lse=True,
+                                           **opts)
+            seqs = (cu, cu, max_len, max_len)
+        else:
+            out, lse = fa.attention(q, k, v, return_lse=True, **opts)
+            seqs = (None, None, 0, 0)
         left, right = case.window or (-1, -1)
         bwd = torch.ops.flash_attention.bwd.default
-        fns["ours"] = lambda: bwd(dout, q, k, v, out, lse, None, None, None, 0, 0, None,
-                                  case.causal, left, right, case.softcap, case.deterministic,
-                                  kernel)
+        fns["ours"] = lambda: bwd(dout, q, k, v, out, lse, None, *seqs, None, case.causal, left,
+                                  right, case.softcap, case.deterministic, kernel)
     elif "ours" in names:
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         fns["ours"] = lambda: torch.autograd.grad(fa.attention(*leaves, **opts), leaves, dout)
-    dout_t = dout.transpose(1, 2)
+    # the peers run a varlen case's tokens padded to its longest sequence
+    peer_qkv = inputs.varlen[2] if case.varlen else (q, k, v)
+    dout_t = (inputs.dout_padded if case.varlen else dout).transpose(1, 2)
 
     def make(backend, expand):
-        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+        qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in peer_qkv)
         return _sdpa_training_peer(backend, case, qt, kt, vt, dout_t, expand)
 
-    fns.update(_working_peers(names, make, gqa=k.shape[2] != q.shape[2]))
+    fns.update(_working_peers(names, make, gqa=case.kv != case.heads))
     return fns
 
 
@@ -531,7 +547,8 @@ class Inputs:
     """Random q, k, v of a case (BSHD) and the output buffer attention() writes into; for a
     varlen case q, k, v are packed (total, H, D), and `varlen` holds cu_seqlens, the longest
     length and the same tokens padded to it (B, S, H, D) for the peers. A case that times the
-    backward also gets a random output gradient `dout` (like q)."""
+    backward also gets a random output gradient `dout` (like q: packed for a varlen case, whose
+    peers get the same rows padded, `dout_padded`)."""
 
     q: object
     k: object
@@ -539,29 +556,31 @@ class Inputs:
     out: object
     varlen: tuple | None = None
     dout: object = None
+    dout_padded: object = None  # a varlen backward case's dout as (B, S, H, D), for the peers
     last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
     planted: dict = field(default_factory=dict)  # {fraction: (k, v)}, planted_attention
 
     @classmethod
-    def make(cls, case: Case) -> Inputs:
+    def make(cls, case: Case, device: str = "cuda") -> Inputs:
         import torch
 
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
-        q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device="cuda",
+        q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device=device,
                         dtype=dtype)
-        k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device="cuda",
+        k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
                             dtype=dtype) for _ in range(2))
-        if case.times_backward:  # fixed-length (Case refuses varlen backward cases)
-            return cls(q, k, v, torch.empty_like(q), dout=torch.randn_like(q))
+        dout = torch.randn_like(q) if case.times_backward else None
         if not case.varlen:
-            return cls(q, k, v, torch.empty_like(q))
+            return cls(q, k, v, torch.empty_like(q), dout=dout)
         lengths = varlen_lengths(case)
-        packed = [torch.cat([t[b, :n] for b, n in enumerate(lengths)]) for t in (q, k, v)]
+        padded = (q, k, v) if dout is None else (q, k, v, dout)
+        packed = [torch.cat([t[b, :n] for b, n in enumerate(lengths)]) for t in padded]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-        return cls(*packed, torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)))
+        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        return cls(*packed[:3], torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)),
+                   dout=packed[3] if dout is not None else None, dout_padded=dout)
 
 
 def planted_keys(case: Case, fraction: float) -> int:
