@@ -510,15 +510,23 @@ struct BackwardDqWriter {
     const int lane;
 
     __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
+        // Two loops, so that the default one carries no test of the order.
+        if (prm.p.dq_semaphore != nullptr)
+            loop<true>(w);
+        else
+            loop<false>(w);
+    }
+
+    template <bool kOrdered>
+    __device__ __forceinline__ void loop(const BackwardTile<Cfg>& w) const {
         constexpr int kSync = 128 + 32;
         constexpr uint32_t kPartBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
         const BwdParams& p = prm.p;
         auto x = w.first(p.heads_per_kv);
-        const bool ordered = p.dq_semaphore != nullptr;
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
             int* sem = nullptr;
-            if (ordered && lane == 0) {
+            if (kOrdered && lane == 0) {
                 int turn;
                 sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
                 while (bwd::ld_acquire(sem) != turn) {
@@ -532,12 +540,12 @@ struct BackwardDqWriter {
                     float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
                     bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
                     tma_store_commit();
-                    if (Cfg::kDqOwnKeys && ordered && g + 1 < Cfg::kConsumerWGs)
+                    if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
                         bulk_wait_all();  // the partials add in a fixed order too
                 }
             }
             if (lane == 0) {
-                if (ordered) {
+                if (kOrdered) {
                     bulk_wait_all();
                     fence_proxy_async_global();
                     bwd::red_release_add(sem, 1);  // the next KV block's turn
