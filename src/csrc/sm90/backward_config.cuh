@@ -10,7 +10,8 @@
 //   dV += P^T dO, dK += dS^T Q           wgmma, A from registers, B MN-major in shared memory
 //   dQ[:, half g] = dS K[:, half g]      wgmma over all B_c keys: dS^T of both warpgroups
 //                                        through shared memory (MN-major A); at d_head 64
-//                                        (kDqOwnKeys) dQ_g = dS_g K_g over its own keys instead
+//                                        (kDqOwnKeys) dQ_g = dS_g K_g over its own keys instead,
+//                                        issued before dK's GEMM so that dQ leaves while dK runs
 // and its dQ part goes to shared memory in the accumulator's own order (conflict-free 16-byte
 // stores), from where a writer warp of the producer warpgroup adds it to the fp32 dQ
 // accumulator with one bulk reduce-add: the accumulator holds each block of B_r rows in that

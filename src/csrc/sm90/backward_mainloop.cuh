@@ -435,29 +435,49 @@ struct BackwardConsumer {
             dscores(S, dP, dd);
         }
         to_a_fragments<Elem>(dP, dSf);
-        wgmma_fence();
-        issue_acc(dK, dSf, sm.q(s));
-        wgmma_commit();
-        // dS^T of this warpgroup's keys into this block's buffer. The other buffer may still be
-        // read by a dQ GEMM of the previous block; this one was last read two blocks ago, before
-        // the barrier below of the previous block.
-        store_ds(dSf, t % 2);
-        fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
-        if constexpr (Cfg::kDqOwnKeys)
+        if constexpr (Cfg::kDqOwnKeys) {
+            // dS^T of this warpgroup's keys into this block's buffer (the other buffer may still
+            // be read by the previous block's dQ GEMM), then dQ = dS_g K_g before dK += dS^T Q,
+            // so that dQ leaves for the writer while dK runs.
+            store_ds(dSf, t % 2);
+            fence_proxy_async_smem();                // the wgmma reads what the stmatrix wrote
             named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
-        else
+            float dQ[kNQ][4];
+            wgmma_fence();
+            issue_dq(dQ, t % 2);
+            wgmma_commit();
+            issue_acc(dK, dSf, sm.q(s));
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ are complete (dO is free); dK may still run
+            fence_regs(dV);
+            fence_regs(dQ);
+            release(sm.do_empty(s));
+            store_dq(dQ, t);
+            wgmma_wait<0>();  // dK is complete: Q may be refilled
+            fence_regs(dK);
+            mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
+        } else {
+            wgmma_fence();
+            issue_acc(dK, dSf, sm.q(s));
+            wgmma_commit();
+            // dS^T of this warpgroup's keys into this block's buffer. The other buffer may still
+            // be read by a dQ GEMM of the previous block; this one was last read two blocks ago,
+            // before the barrier below of the previous block.
+            store_ds(dSf, t % 2);
+            fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
             named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
-        float dQ[kNQ][4];
-        wgmma_fence();
-        issue_dq(dQ, t % 2);
-        wgmma_commit();
-        wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
-        fence_regs(dV);
-        fence_regs(dK);
-        fence_regs(dQ);
-        mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
-        release(sm.do_empty(s));
-        store_dq(dQ, t);
+            float dQ[kNQ][4];
+            wgmma_fence();
+            issue_dq(dQ, t % 2);
+            wgmma_commit();
+            wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
+            fence_regs(dV);
+            fence_regs(dK);
+            fence_regs(dQ);
+            mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
+            release(sm.do_empty(s));
+            store_dq(dQ, t);
+        }
     }
 
     // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: n8 tile
