@@ -40,6 +40,9 @@ struct Sm90BwdConfig {
     // accumulator (registers: d_head 128).
     static constexpr bool kDqOwnKeys = kDHead == 64;
     static constexpr int kDqCols = kDqOwnKeys ? kDHead : kDHead / kConsumerWGs;  // per warpgroup
+    // kDqBeforeDk: dQ's GEMM is issued before dK's, so that dQ leaves for the writer while dK
+    // runs (at d_head 128 without a softcap its registers would spill).
+    static constexpr bool kDqBeforeDk = kDqOwnKeys || kSoftcap;
 
     static constexpr int kThreads = 128 * (kConsumerWGs + 1);
     // The producer warpgroup: warp 0 loads (one thread), warp 1 writes dQ (one thread issues).

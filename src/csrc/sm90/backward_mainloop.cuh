@@ -435,13 +435,16 @@ struct BackwardConsumer {
             dscores(S, dP, dd);
         }
         to_a_fragments<Elem>(dP, dSf);
-        if constexpr (Cfg::kDqOwnKeys) {
+        if constexpr (Cfg::kDqBeforeDk) {
             // dS^T of this warpgroup's keys into this block's buffer (the other buffer may still
-            // be read by the previous block's dQ GEMM), then dQ = dS_g K_g before dK += dS^T Q,
+            // be read by the previous block's dQ GEMM), then the dQ GEMM before dK += dS^T Q,
             // so that dQ leaves for the writer while dK runs.
             store_ds(dSf, t % 2);
-            fence_proxy_async_smem();                // the wgmma reads what the stmatrix wrote
-            named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
+            fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
+            if constexpr (Cfg::kDqOwnKeys)
+                named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
+            else
+                named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
             float dQ[kNQ][4];
             wgmma_fence();
             issue_dq(dQ, t % 2);
