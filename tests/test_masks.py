@@ -12,7 +12,9 @@ import torch
 from flash_attention.masks import (
     block_mask,
     canonical_window,
+    dq_turn,
     kv_blocks,
+    query_blocks,
     visible,
     visible_pairs,
 )
@@ -86,6 +88,43 @@ def test_kv_blocks_random():
             touched, whole = brute_force(q_row0, block_r, block_c, sq, sk, left, right)
             assert list(range(b.first, b.last + 1)) == touched
             assert [j for j in touched if not b.needs_mask(j)] == whole
+
+
+def _backward_order_holds(block_r, block_c, sq, sk, left, right):
+    """The backward's block loops against the element rule: each KV block visits exactly the
+    query blocks with a pair it sees, and the KV blocks that visit a query block hold the turns
+    0 .. n-1 of the deterministic order, each once, the last of them first. A gap or a repeat
+    would make a CTA wait for a turn that never comes (a hang)."""
+    seen = visible(sq, sk, left, right)
+    n_kv = -(-sk // block_c)
+    visitors = {}
+    for j in range(n_kv):
+        blocks = query_blocks(j * block_c, block_c, block_r, sq, sk, left, right)
+        touched = [i for i in range(-(-sq // block_r))
+                   if seen[i * block_r:(i + 1) * block_r, j * block_c:(j + 1) * block_c].any()]
+        assert list(blocks) == touched, (j, left, right)
+        for i in blocks:
+            visitors.setdefault(i, []).append(j)
+    for i, kv in visitors.items():
+        turns = sorted(dq_turn(i, j, block_r, block_c, sq, sk, left, right) for j in kv)
+        assert turns == list(range(len(kv))), (i, kv, turns)
+        assert dq_turn(i, max(kv), block_r, block_c, sq, sk, left, right) == 0
+
+
+@pytest.mark.parametrize("block_r, block_c", [(64, 128), (128, 128), (64, 64)])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (300, 113), (113, 300), (1000, 1000), (700, 900)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (300, 50), (16, -1), (-1, 17)])
+def test_backward_blocks_and_deterministic_turns(block_r, block_c, sq, sk, window):
+    for causal in (False, True):
+        _backward_order_holds(block_r, block_c, sq, sk, *canonical_window(causal, window, sq, sk))
+
+
+def test_backward_blocks_and_deterministic_turns_random():
+    rng = random.Random(2)
+    for _ in range(150):
+        sq, sk = rng.randint(1, 600), rng.randint(1, 600)
+        left, right = rng.choice([-1, rng.randint(0, 700)]), rng.choice([-1, rng.randint(0, 700)])
+        _backward_order_holds(rng.choice([64, 128]), rng.choice([64, 128]), sq, sk, left, right)
 
 
 def test_block_mask_is_the_element_rule():

@@ -8,7 +8,10 @@ seqlen_q`` (the diagonal aligned bottom-right), each side unbounded when its win
 query block visits and which of them need masking; :func:`block_mask` mirrors
 ``flash::WindowMask``: the element mask of one such block, as a range of column - row. The block
 emulation uses both, and the tests check them against the element-wise rule, so the kernel's
-index arithmetic has a CPU-tested twin.
+index arithmetic has a CPU-tested twin. The backward's twins: :func:`query_blocks` mirrors
+``bwd::Window::rows`` as both backward families use it (the query blocks a KV block visits),
+:func:`dq_turn` the deterministic order's turn (``accumulate_dq`` in sm80/backward_kernel.cuh,
+``BackwardTile::dq_turn`` in sm90/backward_mainloop.cuh).
 """
 
 from __future__ import annotations
@@ -106,3 +109,24 @@ def block_mask(q_row0: int, kv_col0: int, rows: int, cols: int, seqlen_q: int, s
     c = torch.arange(cols)[None, :]
     d = c - r
     return (c < seqlen_k - kv_col0) & (d >= lo) & (d <= hi)
+
+
+def query_blocks(k_row0: int, block_c: int, block_r: int, seqlen_q: int, seqlen_k: int,
+                 left: int, right: int) -> range:
+    """The query blocks of block_r rows the KV block [k_row0, k_row0 + block_c) visits in the
+    backward (``bwd::Window::rows`` of its first and last key; empty when no row sees them)."""
+    off = seqlen_k - seqlen_q
+    k_last = min(k_row0 + block_c, seqlen_k) - 1
+    lo = 0 if right < 0 else max(0, k_row0 - off - right)
+    hi = seqlen_q - 1 if left < 0 else min(seqlen_q - 1, k_last - off + left)
+    return range(lo // block_r, hi // block_r + 1) if hi >= lo else range(0)
+
+
+def dq_turn(i: int, kv_block: int, block_r: int, block_c: int, seqlen_q: int, seqlen_k: int,
+            left: int, right: int) -> int:
+    """The deterministic backward's turn of KV block kv_block at query block i: how many KV
+    blocks add their dQ to the block before it (the last KV block that sees it first)."""
+    off = seqlen_k - seqlen_q
+    q_last = min(i * block_r + block_r, seqlen_q) - 1
+    key_hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, q_last + off + right)
+    return key_hi // block_c - kv_block
