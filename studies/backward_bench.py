@@ -3,7 +3,9 @@ picks it (the flash_attention::bwd operator on the forward's saved out and LSE; 
 adds named kernels of either family) against SDPA's FA2 and cuDNN backends (autograd.grad
 with the graph kept), 16 heads; the cost of deterministic=True; and forward + backward
 through autograd (time and peak memory against SDPA FA2 and cuDNN, bf16, at seq 2048 and
-4096). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved for causal).
+4096). Each contender is timed at steady clocks (20 calls after about 300 ms of the same
+calls, as the gate times). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved
+for causal).
 Shapes default to the issue's grid: 16 heads, batch 16/16/16/16/8/4 for seq 512..16384.
 
     PYTHONPATH=src python3 studies/backward_bench.py [--d 64,128] [--seqs 1024,4096]
@@ -19,22 +21,17 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attention as fa
+from fa_tools.gpu.perfcases import time_sustained_ms
 from flash_attention import ops
 from flash_attention.config_bwd import parse_config
 
 
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn, reps: int = 20) -> float:
+    """Median CUDA-event milliseconds of `reps` calls queued back to back after about 300 ms of
+    the same calls (perfcases.time_sustained_ms: clocks settled, as the gate times). Until
+    2026-11-26 each call was timed alone after 3 warm-up calls, from a cold GPU: d_head 64 at
+    16 x 4096 read 7.19-8.22 ms across runs of the same kernel."""
+    return statistics.median(time_sustained_ms(fn, reps))
 
 
 
