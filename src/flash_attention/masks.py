@@ -11,7 +11,7 @@ emulation uses both, and the tests check them against the element-wise rule, so 
 index arithmetic has a CPU-tested twin. The backward's twins: :func:`query_blocks` mirrors
 ``bwd::Window::rows`` as both backward families use it (the query blocks a KV block visits),
 :func:`dq_turn` the deterministic order's turn (``accumulate_dq`` in sm80/backward_kernel.cuh,
-``BackwardTile::dq_turn`` in sm90/backward_mainloop.cuh).
+``BackwardTile::dq_turn`` in sm90/backward_tile.cuh).
 """
 
 from __future__ import annotations

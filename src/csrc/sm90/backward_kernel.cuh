@@ -5,12 +5,15 @@
 //
 // This header is the kernel: it initialises the barriers and splits the CTA into its roles, from
 //   backward_config.cuh    the tile shapes and the shared-memory layout
-//   backward_mainloop.cuh  the CTA's work, the producer's loads, a consumer warpgroup's GEMMs
+//   backward_tile.cuh      the kernel's argument, the shared memory, the CTA's work
+//   backward_mainloop.cuh  the producer's loads, a consumer warpgroup's GEMMs
+//   backward_dq_writer.cuh the writer warp: dQ to the fp32 accumulator
 //   epilogue.cuh           dK and dV out through shared memory and TMA stores
 // The preprocess and the dQ conversion around it are common/backward_common.cuh's.
 #pragma once
 
 #include "backward_config.cuh"
+#include "backward_dq_writer.cuh"
 #include "backward_mainloop.cuh"
 #include "ptx.cuh"
 

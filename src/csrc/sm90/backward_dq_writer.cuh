@@ -1,0 +1,86 @@
+// How dQ leaves the Hopper backward (the algorithm: backward_config.cuh): the writer warp of
+// the producer warpgroup adds each block's fp32 dQ, as the consumer warpgroups hand it over in
+// shared memory (named barriers kBwdDqFull + g, kBwdDqEmpty + g), to the accumulator with bulk
+// reduce-adds, in a fixed order for deterministic calls.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/backward_common.cuh"
+#include "../common/bwd_params.h"
+#include "backward_config.cuh"
+#include "backward_tile.cuh"
+#include "named_barriers.cuh"
+#include "ptx.cuh"
+
+namespace flash::sm90 {
+
+// The writer warp: each block's dQ, part by part as the consumer warpgroups store it, added to
+// the fp32 accumulator with one bulk reduce-add per part (the block's B_r x d_head floats are
+// contiguous there, in the consumers' order): a half of the columns each, or with kDqOwnKeys
+// each warpgroup's partial sum over all of them. The buffer is released when the reductions
+// have read it; the last block's release has no taker and is skipped. The deterministic order
+// (dq_semaphore): the reductions of a block wait for its turn (BackwardTile::dq_turn), own-key
+// partials one after the other, and the turn passes on when they have completed.
+template <class Cfg>
+struct BackwardDqWriter {
+    const Sm90BwdParams& prm;
+    const BwdSmem<Cfg>& sm;
+    const int lane;
+
+    __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
+        // Two loops, so that the default one carries no test of the order.
+        if (prm.p.dq_semaphore != nullptr)
+            loop<true>(w);
+        else
+            loop<false>(w);
+    }
+
+    template <bool kOrdered>
+    __device__ __forceinline__ void loop(const BackwardTile<Cfg>& w) const {
+        constexpr int kSync = 128 + 32;
+        constexpr uint32_t kPartBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
+        const BwdParams& p = prm.p;
+        auto x = w.first(p.heads_per_kv);
+        for (int t = 0; t < w.n; ++t, w.advance(x)) {
+            float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
+            int* sem = nullptr;
+            if (kOrdered && lane == 0) {
+                int turn;
+                sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
+                while (bwd::ld_acquire(sem) != turn) {
+                }
+                fence_proxy_async_global();  // the earlier KV blocks' additions come first
+            }
+#pragma unroll
+            for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
+                named_sync(kBwdDqFull + g, kSync);
+                if (lane == 0) {
+                    float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
+                    bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
+                    tma_store_commit();
+                    if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
+                        bulk_wait_all();  // the partials add in a fixed order too
+                }
+            }
+            if (lane == 0) {
+                if (kOrdered) {
+                    bulk_wait_all();
+                    fence_proxy_async_global();
+                    bwd::red_release_add(sem, 1);  // the next KV block's turn
+                } else {
+                    tma_store_wait_read();
+                }
+            }
+            __syncwarp();
+            if (t + 1 < w.n)
+#pragma unroll
+                for (int g = 0; g < Cfg::kConsumerWGs; ++g)
+                    named_arrive(kBwdDqEmpty + g, kSync);
+        }
+        if (lane == 0)
+            bulk_wait_all();
+    }
+};
+
+}  // namespace flash::sm90

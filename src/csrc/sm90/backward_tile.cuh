@@ -1,0 +1,162 @@
+// What a CTA of the Hopper backward works on and where (the algorithm: backward_config.cuh):
+// the kernel's argument (Sm90BwdParams), its shared memory and mbarriers (BwdSmem), and its
+// tile (BackwardTile): the KV block, the (query head, query block) pairs it visits, and the
+// deterministic order's turns.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/backward_common.cuh"
+#include "../common/bwd_params.h"
+#include "backward_config.cuh"
+#include "ptx.cuh"
+#include "tensor_map.h"
+
+namespace flash::sm90 {
+
+// The kernel's argument: the call's BwdParams and the TMA maps, 4-D (d_head, seqlen, heads,
+// batch), 128-byte swizzled: Q and dO in boxes of 64 columns x B_r rows, K and V x B_c rows, dK
+// and dV x 64 rows (one warpgroup's, stores).
+struct Sm90BwdParams {
+    BwdParams p;
+    CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
+    // The KV block of CTA x: kv_block0 + kv_block_step * x (0, 1; the deterministic order:
+    // the last KV block first). Affine in kernel parameters, so that ptxas rematerialises it
+    // rather than keep it in a register.
+    int kv_block0, kv_block_step;
+};
+
+// Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
+//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+2S .. q_empty | 1+3S .. do_empty   (S stages)
+template <class Cfg>
+struct BwdSmem {
+    unsigned char* base;  // 1024-byte aligned
+
+    __device__ __forceinline__ static BwdSmem aligned(unsigned char* raw) {
+        return BwdSmem{swizzle_aligned(raw)};
+    }
+    __device__ __forceinline__ unsigned char* k() const { return base + Cfg::kSK; }
+    __device__ __forceinline__ unsigned char* v() const { return base + Cfg::kSV; }
+    __device__ __forceinline__ unsigned char* q(int s) const {
+        return base + Cfg::kSQ + s * Cfg::kQBytes;
+    }
+    __device__ __forceinline__ unsigned char* dout(int s) const {
+        return base + Cfg::kSdO + s * Cfg::kQBytes;
+    }
+    __device__ __forceinline__ unsigned char* ds(int b) const {
+        return base + Cfg::kSdS + b * Cfg::kDSBytes;
+    }
+    // Consumer warpgroup g's part of a block's fp32 dQ (BackwardConsumer::store_dq's order).
+    __device__ __forceinline__ float* dq(int g) const {
+        return reinterpret_cast<float*>(base + Cfg::kSdQ) +
+               g * (Cfg::kDqBytes / 4 / Cfg::kConsumerWGs);
+    }
+    __device__ __forceinline__ float* lse(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::kSLse + s * Cfg::kVecBytes);
+    }
+    __device__ __forceinline__ float* d(int s) const {
+        return reinterpret_cast<float*>(base + Cfg::kSD + s * Cfg::kVecBytes);
+    }
+    // At the end: the staging buffers of dV and dK (B_c x d_head each), over the Q and dO stages.
+    __device__ __forceinline__ unsigned char* dv_staging() const { return base + Cfg::kSQ; }
+    __device__ __forceinline__ unsigned char* dk_staging() const { return base + Cfg::kSdO; }
+
+    __device__ __forceinline__ uint64_t* bar(int i) const {
+        return reinterpret_cast<uint64_t*>(base + Cfg::kSBarriers) + i;
+    }
+    __device__ __forceinline__ uint64_t* kv_full() const { return bar(0); }
+    __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(1 + s); }
+    __device__ __forceinline__ uint64_t* do_full(int s) const { return bar(1 + Cfg::kStages + s); }
+    __device__ __forceinline__ uint64_t* q_empty(int s) const {
+        return bar(1 + 2 * Cfg::kStages + s);
+    }
+    __device__ __forceinline__ uint64_t* do_empty(int s) const {
+        return bar(1 + 3 * Cfg::kStages + s);
+    }
+    static_assert((1 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+
+    // One thread, before any other uses them. kv_full takes two arrivals (K's copies and V's,
+    // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one;
+    // do_empty one per consumer warp (dO is read by wgmma alone), q_empty one per consumer
+    // thread (each reads LSE and D with its own loads, which its own arrival releases).
+    __device__ __forceinline__ void init_barriers() const {
+        mbar_init(kv_full(), 2);
+        for (int s = 0; s < Cfg::kStages; ++s) {
+            mbar_init(q_full(s), 2);
+            mbar_init(do_full(s), 1);
+            mbar_init(q_empty(s), 128 * Cfg::kConsumerWGs);
+            mbar_init(do_empty(s), Cfg::kConsumerWarps);
+        }
+        fence_barrier_init();
+    }
+};
+
+// The CTA's work: a KV block of (KV head blockIdx.y, batch blockIdx.z), and the query blocks
+// that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head, block)
+// pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask. The KV block is blockIdx.x
+// (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
+// last KV block first, as dq_turn adds them.
+template <class Cfg>
+struct BackwardTile {
+    int kv_block, kv_head, batch, k_row0;
+    int i_first, n_q, n;
+    int2 unmasked;
+    bwd::Window win;
+
+    __device__ __forceinline__ explicit BackwardTile(const Sm90BwdParams& prm)
+        : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
+    __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
+        : kv_block(kv_block_),
+          kv_head(blockIdx.y),
+          batch(blockIdx.z),
+          k_row0(kv_block * Cfg::kBc),
+          win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right} {
+        const int k_last = (k_row0 + Cfg::kBc < p.seqlen_k ? k_row0 + Cfg::kBc : p.seqlen_k) - 1;
+        int64_t q_lo, q_hi;
+        win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
+        i_first = q_hi >= q_lo ? static_cast<int>(q_lo / Cfg::kBr) : 0;
+        n_q = q_hi >= q_lo ? static_cast<int>(q_hi / Cfg::kBr) - i_first + 1 : 0;
+        n = n_q * p.heads_per_kv;
+        unmasked =
+            bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k, win);
+    }
+
+    // (query head, query block) of pair t, stepped without divisions by the caller.
+    struct Pair {
+        int head, i;
+    };
+    __device__ __forceinline__ Pair first(int heads_per_kv) const {
+        return Pair{kv_head * heads_per_kv, i_first};
+    }
+    // The first row of pair x in the preprocess's padded per-row buffers (LSE * log2(e), D, and
+    // the dQ accumulator, d_head floats per row): whole blocks, seqlen_q_pad rows per head.
+    __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
+        return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
+    }
+    // The deterministic order: pair x's turn counter, and the number of KV blocks whose dQ
+    // additions to it come before this CTA's. The KV blocks that see query block i add from
+    // the last to the first (the sm80 family's order): those CTAs were launched earlier, so
+    // waiting for them cannot deadlock, and under a causal mask the last one meets the block
+    // first. Worked out from the kernel's parameters, not the tile's fields: the writer warp
+    // runs it within the producer's 24 registers.
+    __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
+        const BwdParams& p = prm.p;
+        const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
+        const int q_end = x.i * Cfg::kBr + Cfg::kBr;
+        const int q_last = (q_end < p.seqlen_q ? q_end : p.seqlen_q) - 1;
+        const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        int64_t k_lo, k_hi;
+        win.keys(x.i * Cfg::kBr, q_last, p.seqlen_k, k_lo, k_hi);
+        const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
+        turn = static_cast<int>(k_hi / Cfg::kBc) - kv_block;
+        return p.dq_semaphore + (int64_t(blockIdx.z) * p.heads + x.head) * q_blocks + x.i;
+    }
+    __device__ __forceinline__ void advance(Pair& x) const {
+        if (++x.i == i_first + n_q) {
+            x.i = i_first;
+            ++x.head;
+        }
+    }
+};
+
+}  // namespace flash::sm90
