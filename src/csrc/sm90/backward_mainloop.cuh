@@ -220,6 +220,18 @@ struct BackwardConsumer {
             stmatrix_x4(row ^ (kk * 32), f[kk]);
     }
 
+    // dS^T of this warpgroup's keys into block t's buffer, for the dQ GEMM of this warpgroup
+    // (kDqOwnKeys) or of both. The other buffer may still be read by the previous block's dQ
+    // GEMM; this one was last read two blocks ago, before the previous block's barrier here.
+    __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsR][4], int t) const {
+        store_ds(dSf, t % 2);
+        fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
+        if constexpr (Cfg::kDqOwnKeys)
+            named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
+        else
+            named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+    }
+
     // ---- the loop ------------------------------------------------------------------------------
 
     __device__ __forceinline__ void release(uint64_t* bar) const {
@@ -292,15 +304,8 @@ struct BackwardConsumer {
         }
         to_a_fragments<Elem>(dP, dSf);
         if constexpr (Cfg::kDqBeforeDk) {
-            // dS^T of this warpgroup's keys into this block's buffer (the other buffer may still
-            // be read by the previous block's dQ GEMM), then the dQ GEMM before dK += dS^T Q,
-            // so that dQ leaves for the writer while dK runs.
-            store_ds(dSf, t % 2);
-            fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
-            if constexpr (Cfg::kDqOwnKeys)
-                named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
-            else
-                named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+            // The dQ GEMM before dK += dS^T Q, so that dQ leaves for the writer while dK runs.
+            share_ds(dSf, t);
             float dQ[kNQ][4];
             wgmma_fence();
             issue_dq(dQ, t % 2);
@@ -319,12 +324,7 @@ struct BackwardConsumer {
             wgmma_fence();
             issue_acc(dK, dSf, sm.q(s));
             wgmma_commit();
-            // dS^T of this warpgroup's keys into this block's buffer. The other buffer may still
-            // be read by a dQ GEMM of the previous block; this one was last read two blocks ago,
-            // before the barrier below of the previous block.
-            store_ds(dSf, t % 2);
-            fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
-            named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+            share_ds(dSf, t);
             float dQ[kNQ][4];
             wgmma_fence();
             issue_dq(dQ, t % 2);
