@@ -22,7 +22,8 @@ def main() -> None:
             (40, True, True, (200, 90), (2, 2), {}),
             (256, False, True, (65, 100), (2, 2), {}),
             (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
-            (96, True, False, (300, 260), (2, 2), {"softcap": 30.0})]:
+            (96, True, False, (300, 260), (2, 2), {"softcap": 30.0}),
+            (64, True, True, (400, 300), (2, 1), {"softcap": 30.0})]:
         q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

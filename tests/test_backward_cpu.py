@@ -85,15 +85,19 @@ def test_invalid_configs_are_refused_with_the_reason(text, message):
 
 
 def test_hopper_set_and_configs():
-    """The `hopper` set: d_head 64 and 128, both dtypes, softcap off and on; all of it in
-    `default` (beside the sm80 family's tiles), its bf16 d_head 128 kernel in `ci`, none in
-    `variants`. The fields and the shared
-    memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO, dS^T
-    twice, the dQ buffer, LSE and D per stage, the barriers, 1024 bytes of alignment)."""
+    """The `hopper` set: d_head 64 (B_r 128) and 128 (B_r 64), both dtypes, softcap off and
+    on; all of it in `default` (beside the sm80 family's tiles), its bf16 d_head 128 kernel in
+    `ci`, none in `variants`; `hopper-r64` the d_head 64 ones at B_r 64. The fields and the
+    shared memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO,
+    dS^T twice (once at d_head 64), the dQ buffer, LSE and D per stage, the barriers, 1024
+    bytes of alignment); B_r 128 only at d_head 64."""
     hopper = SETS["hopper"]
     assert len(hopper) == 8 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
     assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
         (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128) for sc in (False, True)}
+    assert {(c.d_head, c.block_r) for c in hopper} == {(64, 128), (128, 64)}
+    assert {(c.d_head, c.block_r) for c in SETS["hopper-r64"]} == {(64, 64)}
+    assert set(SETS["hopper-r64"]) <= set(SETS["all"]) and len(SETS["hopper-r64"]) == 4
     assert set(hopper) <= set(SETS["all"])
     assert SETS["default"][-8:] == hopper and not set(hopper) & set(SETS["variants"])
     assert set(hopper) & set(SETS["ci"]) == {Sm90BwdConfig("bf16", 128)}
@@ -104,7 +108,9 @@ def test_hopper_set_and_configs():
         "sm90-bwd", 90, 128, 64, 384, 12)
     assert cfg.short == "bwd_sm90_bf16_d128_c128_r64_ft" and cfg.flags_on == "softcap"
     assert Sm90BwdConfig("bf16", 128).smem_bytes == 198784  # with one block's fp32 dQ
-    assert Sm90BwdConfig("fp16", 64).smem_bytes == 133248  # a dQ part per warpgroup (kDqOwnKeys)
+    # a dQ part per warpgroup, one dS^T buffer (kDqOwnKeys)
+    assert Sm90BwdConfig("fp16", 64).smem_bytes == 116864
+    assert Sm90BwdConfig("fp16", 64, block_r=128).smem_bytes == 199808
     assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
     assert isinstance(parse_kernel("bwd_preprocess_bf16"), BwdAuxKernel)
     # resolve names the sets when a short form of either family does not parse
@@ -116,7 +122,8 @@ def test_hopper_set_and_configs():
     ("bwd_sm90_bf16_d96_c128_r64_f", r"d_head must be one of \(64, 128\), got 96"),
     ("bwd_sm90_fp16_d256_c128_r64_ft", "d_head must be one of"),
     ("bwd_sm90_bf16_d128_c64_r64_f", r"B_c must be one of \(128,\), got 64"),
-    ("bwd_sm90_bf16_d128_c128_r128_f", r"B_r must be one of \(64,\), got 128"),
+    ("bwd_sm90_bf16_d128_c128_r128_f", "B_r=128 needs d_head=64"),
+    ("bwd_sm90_bf16_d64_c128_r256_f", r"B_r must be one of \(64, 128\), got 256"),
     ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 't'"),
     ("bwd_sm90_bf16_d128_c128_r64_ftt", "must be a subset"),
     ("bwd_sm90_bf16_d128_c128_f", "cannot parse Hopper backward config"),
@@ -169,14 +176,16 @@ def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     assert h == Sm90BwdConfig("bf16", 128)
     assert select("bf16", 128, False, built) == default_tile("bf16", 128)
     assert select("bf16", 128, False, built, hopper=False) == default_tile("bf16", 128)
-    assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig("fp16", 64, softcap=True)
+    assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig(
+        "fp16", 64, block_r=128, softcap=True)
     assert select("fp16", 96, False, built, hopper=True).short == "bwd_sm90_fp16_d128_c128_r64_f"
     # above the Hopper variants: the sm80 family's d_head 256 kernel
     assert select("bf16", 192, False, built, hopper=True) == default_tile("bf16", 256)
     # no Hopper kernel built: the sm80 family; only Hopper kernels: none off Hopper
     assert select("bf16", 64, True, SM80_DEFAULT, hopper=True) == default_tile("bf16", 64, True)
     assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
-    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig("bf16", 64)
+    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig(
+        "bf16", 64, block_r=128)
     assert select("bf16", 192, False, SETS["hopper"], hopper=True) is None
 
 
@@ -215,7 +224,7 @@ def test_codegen_of_a_hopper_config(tmp_path):
     assert ARCH_MARKER in text[:4096] and "torch" not in text
     assert '#include "sm90/backward_launch.cuh"' in text
     assert (f"using Cfg_{hopper.short} = "
-            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false>;") in text
+            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false, /*B_r=*/64>;") in text
     assert f'sm90::make_bwd_entry<Cfg_{hopper.short}>("{hopper.short}")' in text
     assert f"extern const BwdKernelEntry entry_{hopper.short} =" in text
     other = paths[1].read_text()
@@ -227,8 +236,8 @@ def test_codegen_of_a_hopper_config(tmp_path):
     args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
     assert arch_override(args, str(paths[0])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
     assert arch_override(args, str(paths[1])) == args
-    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, softcap=True))
-    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true>;" in fp16
+    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, block_r=128, softcap=True))
+    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true, /*B_r=*/128>;" in fp16
     for name in Sm90BwdConfig.FLAGS:
         flipped = hopper.replace(**{name: not getattr(hopper, name)})
         assert codegen_bwd.kernel_source(flipped) != codegen_bwd.kernel_source(hopper)

@@ -32,7 +32,7 @@ def kernel_source(cfg: AnyBwdConfig) -> str:
     name = cfg.short
     if isinstance(cfg, Sm90BwdConfig):
         args = (f"{ELEM_TYPES[cfg.dtype]}, {cfg.d_head}, "
-                f"/*softcap=*/{'true' if cfg.softcap else 'false'}")
+                f"/*softcap=*/{'true' if cfg.softcap else 'false'}, /*B_r=*/{cfg.block_r}")
         return (
             f"{HEADER}{ARCH_MARKER}\n// {cfg.describe()}\n"
             '#include "sm90/backward_launch.cuh"\n\n'

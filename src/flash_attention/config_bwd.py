@@ -229,7 +229,8 @@ _SHORT90_RE = re.compile(
 @dataclass(frozen=True, order=True)
 class Sm90BwdConfig(ShortFormConfig):
     """One Hopper backward kernel: B_c = 128 keys per CTA (64 per consumer warpgroup), query
-    blocks of B_r = 64 rows in two stages, a producer warpgroup (mirrors
+    blocks of B_r = 64 rows (or 128 at d_head 64, where each consumer warpgroup computes dQ
+    over its own keys) in two stages, a producer warpgroup (mirrors
     sm90/backward_config.cuh)."""
 
     dtype: str
@@ -262,13 +263,15 @@ class Sm90BwdConfig(ShortFormConfig):
 
     @property
     def smem_bytes(self) -> int:
-        """K, V, Q and dO per stage, dS^T twice, a block's fp32 dQ (at d_head 64 one per
-        consumer warpgroup: kDqOwnKeys), LSE and D per stage, 128 bytes of mbarriers, and 1024
-        bytes for the alignment of the base (Sm90BwdConfig::kSmemBytes)."""
+        """K, V, Q and dO per stage, dS^T (once at d_head 64: kDqOwnKeys, else twice), a
+        block's fp32 dQ (at d_head 64 one per consumer warpgroup), LSE and D per stage, 128
+        bytes of mbarriers, and 1024 bytes for the alignment of the base
+        (Sm90BwdConfig::kSmemBytes)."""
         k = self.block_c * self.d_head * 2
         q = self.block_r * self.d_head * 2
         dq = self.block_r * self.d_head * 4 * (2 if self.dq_own_keys else 1)
-        return (2 * k + 2 * self.STAGES * q + 2 * self.block_c * self.block_r * 2 + dq
+        ds_buffers = 1 if self.dq_own_keys else 2
+        return (2 * k + 2 * self.STAGES * q + ds_buffers * self.block_c * self.block_r * 2 + dq
                 + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
 
     @property
@@ -277,9 +280,13 @@ class Sm90BwdConfig(ShortFormConfig):
         return self.d_head == 64
 
     def problems(self) -> list[str]:
-        return self.field_problems(("dtype", self.dtype, DTYPES),
-                                   ("d_head", self.d_head, SM90_D_HEADS),
-                                   ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64,)))
+        out = self.field_problems(("dtype", self.dtype, DTYPES),
+                                  ("d_head", self.d_head, SM90_D_HEADS),
+                                  ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64, 128)))
+        if self.block_r == 128 and not self.dq_own_keys:
+            out.append(f"B_r=128 needs d_head=64 (each warpgroup's dQ over its own keys), got "
+                       f"d_head={self.d_head}")
+        return out
 
     def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
                   static_smem: int = 0) -> dict[str, int]:
@@ -428,15 +435,22 @@ VARIANTS: tuple[BwdConfig, ...] = tuple(
     default_tile(dtype, d, softcap)
     for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
 
+# B_r = 128 at d_head 64 (dQ over each warpgroup's own keys), 64 at d_head 128.
 HOPPER: tuple[Sm90BwdConfig, ...] = tuple(
-    Sm90BwdConfig(dtype, d, softcap=softcap)
+    Sm90BwdConfig(dtype, d, block_r=128 if d == 64 else 64, softcap=softcap)
     for dtype, d, softcap in itertools.product(DTYPES, SM90_D_HEADS, (False, True)))
+# The d_head 64 kernels at B_r = 64, for side-by-side timing (studies/backward_bench.py
+# --variants).
+HOPPER_R64: tuple[Sm90BwdConfig, ...] = tuple(
+    Sm90BwdConfig(dtype, 64, block_r=64, softcap=softcap)
+    for dtype, softcap in itertools.product(DTYPES, (False, True)))
 DEFAULT: tuple[AnyBwdConfig, ...] = SM80_DEFAULT + HOPPER
 CI: tuple[AnyBwdConfig, ...] = (*SM80_CI, Sm90BwdConfig("bf16", 128))
 
 SETS: dict[str, tuple[AnyBwdConfig, ...]] = {"ci": CI, "default": DEFAULT,
-                                             "variants": VARIANTS, "hopper": HOPPER, "none": ()}
-SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS))
+                                             "variants": VARIANTS, "hopper": HOPPER,
+                                             "hopper-r64": HOPPER_R64, "none": ()}
+SETS["all"] = tuple(dict.fromkeys(CI + DEFAULT + VARIANTS + HOPPER_R64))
 
 
 def resolve(spec: str) -> tuple[AnyBwdConfig, ...]:

@@ -3,8 +3,8 @@
 //
 // One CTA owns B_c = 128 keys (and values) of one (batch, KV head); consumer warpgroup g owns keys
 // 64g .. 64g + 63 end to end (its dK and dV rows stay in registers). A producer warp streams the
-// query blocks of B_r = 64 rows that see them (Q, dO, LSE * log2(e), D; two stages) for every
-// query head of the group. Per query block, in each consumer warpgroup:
+// query blocks of B_r = 64 rows (128 at d_head 64) that see them (Q, dO, LSE * log2(e), D; two
+// stages) for every query head of the group. Per query block, in each consumer warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T          wgmma, both operands in shared memory (K-major)
 //   P^T, dS^T                            registers (fp32), then 16-bit A fragments
 //   dV += P^T dO, dK += dS^T Q           wgmma, A from registers, B MN-major in shared memory
@@ -23,7 +23,7 @@
 
 namespace flash::sm90 {
 
-template <typename Elem_, int kDHead_, bool kSoftcap_>
+template <typename Elem_, int kDHead_, bool kSoftcap_, int kBr_ = 64>
 struct Sm90BwdConfig {
     using Elem = Elem_;
 
@@ -31,7 +31,9 @@ struct Sm90BwdConfig {
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr int kConsumerWGs = 2;
     static constexpr int kBc = 64 * kConsumerWGs;  // B_c: keys per CTA
-    static constexpr int kBr = 64;                 // B_r: query rows per block
+    // B_r: query rows per block; 128 only with kDqOwnKeys (d_head 64), where the per-block
+    // costs (barriers, waits, the writer's handover) weigh most against GEMMs of 64 columns.
+    static constexpr int kBr = kBr_;
     static constexpr int kStages = 2;              // query-block stages in shared memory
     // kDqOwnKeys: each consumer warpgroup computes dQ = dS K over its own 64 keys, every d_head
     // column (its partial, added by the writer warp like the other's), so the warpgroups never
@@ -40,6 +42,12 @@ struct Sm90BwdConfig {
     // accumulator (registers: d_head 128).
     static constexpr bool kDqOwnKeys = kDHead == 64;
     static constexpr int kDqCols = kDqOwnKeys ? kDHead : kDHead / kConsumerWGs;  // per warpgroup
+    static constexpr int kDqMTiles = kBr / 64;  // m64 tiles of a warpgroup's dQ (query rows)
+    // dS^T buffers: with kDqOwnKeys a warpgroup's dQ GEMM reads only its own rows of dS^T, and
+    // has completed in every warp of the warpgroup before that warpgroup stores the next
+    // block's (BackwardConsumer::store_dq), so one buffer serves; otherwise two (the other
+    // warpgroup may still read the previous block's).
+    static constexpr int kDsBuffers = kDqOwnKeys ? 1 : 2;
     // kDqBeforeDk: dQ's GEMM is issued before dK's, so that dQ leaves for the writer while dK
     // runs (at d_head 128 without a softcap its registers would spill).
     static constexpr bool kDqBeforeDk = kDqOwnKeys || kSoftcap;
@@ -59,12 +67,11 @@ struct Sm90BwdConfig {
     static constexpr int kNTilesO = kDHead / 8;  // n8 tiles of a dK or dV row
 
     // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):
-    //   K | V | Q x kStages | dO x kStages | dS^T x 2 | dQ | LSE x kStages | D x kStages |
-    //   barriers
-    // dS^T is B_c x B_r (one panel), double-buffered so that one block's is written while the
-    // other warpgroup may still read the previous one. At the end the Q and dO stages stage dV
-    // and dK for their TMA stores (each B_c x d_head). dQ holds the warpgroups' fp32 parts of a
-    // block (B_r x kDqCols each) one after the other.
+    //   K | V | Q x kStages | dO x kStages | dS^T x kDsBuffers | dQ | LSE x kStages |
+    //   D x kStages | barriers
+    // dS^T is B_c x B_r (B_r / 64 panels). At the end the Q and dO stages stage dV and dK for
+    // their TMA stores (each B_c x d_head). dQ holds the warpgroups' fp32 parts of a block
+    // (B_r x kDqCols each) one after the other, each in m64 tiles of query rows.
     static constexpr int kKBytes = kBc * kDHead * 2;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kDSBytes = kBc * kBr * 2;
@@ -75,7 +82,7 @@ struct Sm90BwdConfig {
     static constexpr int kSQ = kSV + kKBytes;
     static constexpr int kSdO = kSQ + kStages * kQBytes;
     static constexpr int kSdS = kSdO + kStages * kQBytes;
-    static constexpr int kSdQ = kSdS + 2 * kDSBytes;
+    static constexpr int kSdQ = kSdS + kDsBuffers * kDSBytes;
     static constexpr int kSLse = kSdQ + kDqBytes;
     static constexpr int kSD = kSLse + kStages * kVecBytes;
     static constexpr int kSBarriers = kSD + kStages * kVecBytes;
@@ -85,7 +92,8 @@ struct Sm90BwdConfig {
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
     static_assert(kDHead == 64 || kDHead == 128, "d_head variants 64 and 128");
-    static_assert(kStages * kQBytes == kKBytes, "the Q and dO stages stage dV and dK at the end");
+    static_assert(kBr == 64 || (kBr == 128 && kDqOwnKeys), "B_r 64, or 128 with kDqOwnKeys");
+    static_assert(kStages * kQBytes >= kKBytes, "the Q and dO stages stage dV and dK at the end");
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");

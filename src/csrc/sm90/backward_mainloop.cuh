@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
@@ -67,6 +68,7 @@ struct BackwardConsumer {
     static constexpr int kNS = Cfg::kBr / 8;          // n8 tiles of S^T, dP^T (query columns)
     static constexpr int kNO = Cfg::kNTilesO;         // n8 tiles of dK, dV (d_head columns)
     static constexpr int kNQ = Cfg::kDqCols / 8;      // n8 tiles of this warpgroup's dQ columns
+    static constexpr int kMQ = Cfg::kDqMTiles;        // m64 tiles of its dQ rows
     static constexpr int kStepsD = Cfg::kDHead / 16;  // k16 steps over d_head
     static constexpr int kStepsR = Cfg::kBr / 16;     // over a query block
     static constexpr int kStepsC = Cfg::kBc / 16;     // over the CTA's keys
@@ -113,8 +115,8 @@ struct BackwardConsumer {
     // wg * kDqCols (a panel, or half of one at d_head 64: the swizzle is a function of the
     // address, so a 64-byte offset inside the 128-byte row reads the right chunks). With
     // kDqOwnKeys: this warpgroup's part of dQ, every column, over its own 64 keys (rows 64 wg ..
-    // of dS^T and K).
-    __device__ __forceinline__ void issue_dq(float (&acc)[kNQ][4], int buf) const {
+    // of dS^T and K). Query rows 64 m .. of the block (m64 tile m) from panel m of dS^T.
+    __device__ __forceinline__ void issue_dq(float (&acc)[kMQ][kNQ][4], int buf) const {
         constexpr int kSteps = Cfg::kDqOwnKeys ? 64 / 16 : kStepsC;
         const int row0 = Cfg::kDqOwnKeys ? wg * 64 : 0;
         const int col0 = Cfg::kDqOwnKeys ? 0 : wg * Cfg::kDqCols;
@@ -122,11 +124,14 @@ struct BackwardConsumer {
         const uint32_t b0 =
             smem_u32(sm.k()) + row0 * 128 + (col0 / 64) * Cfg::kBc * 128 + (col0 % 64) * 2;
 #pragma unroll
-        for (int kk = 0; kk < kSteps; ++kk) {
-            const uint64_t a = desc_sw128(a0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
-            const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
-            Wgmma<Cfg::kDqCols, Elem>::ss_mn(acc, a, b, kk > 0 ? 1u : 0u);
-        }
+        for (int m = 0; m < kMQ; ++m)
+#pragma unroll
+            for (int kk = 0; kk < kSteps; ++kk) {
+                const uint64_t a =
+                    desc_sw128(a0 + m * Cfg::kBc * 128 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+                const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+                Wgmma<Cfg::kDqCols, Elem>::ss_mn(acc[m], a, b, kk > 0 ? 1u : 0u);
+            }
     }
 
     // ---- element-wise ---------------------------------------------------------------------------
@@ -137,12 +142,27 @@ struct BackwardConsumer {
     }
 
     // A stage's row vector (LSE * log2(e) or D) at this thread's query columns: those of n8
-    // tile t at v[t]. Loaded while the block's GEMMs run, ahead of the element-wise pass.
-    __device__ __forceinline__ void load_cols(float2 (&v)[kNS], const float* vec) const {
+    // tile t at v[t]. At B_r = 64 loaded into registers while the block's GEMMs run, ahead of
+    // the element-wise pass (kEagerCols); at B_r = 128 (32 registers per vector) read from
+    // shared memory tile by tile in the pass.
+    static constexpr bool kEagerCols = kNS <= 8;
+    struct SmemCols {
+        uint32_t addr;
+        __device__ __forceinline__ float2 operator[](int t) const {
+            return ld_shared_f32x2(addr + t * 32);
+        }
+    };
+    using Cols = std::conditional_t<kEagerCols, float2[kNS], SmemCols>;
+
+    __device__ __forceinline__ void load_cols(Cols& v, const float* vec) const {
         const uint32_t addr = smem_u32(vec) + 8 * (lane % 4);
+        if constexpr (kEagerCols) {
 #pragma unroll
-        for (int t = 0; t < kNS; ++t)
-            v[t] = ld_shared_f32x2(addr + t * 32);
+            for (int t = 0; t < kNS; ++t)
+                v[t] = ld_shared_f32x2(addr + t * 32);
+        } else {
+            v.addr = addr;
+        }
     }
 
     // S^T -> P^T in place: exp2(S scale_log2 - LSE log2 e) (softcap: of tanh(S / c), scaled),
@@ -153,12 +173,16 @@ struct BackwardConsumer {
     // is computed).
     template <bool kFused, bool kMasked>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
-                                                  const float2 (&lse)[kNS], const float2 (&dd)[kNS],
+                                                  const Cols& lse_cols, const Cols& dd_cols,
                                                   int i) const {
         const BwdParams& p = prm.p;
         const int q_row0 = i * Cfg::kBr;
 #pragma unroll
         for (int t = 0; t < kNS; ++t) {
+            const float2 lse = lse_cols[t];
+            float2 dd;
+            if constexpr (kFused)
+                dd = dd_cols[t];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float x = S[t][e], dtanh = 1.f;
@@ -166,7 +190,7 @@ struct BackwardConsumer {
                     x = tanh_fast(x * p.softcap_scale);
                     dtanh = 1.f - x * x;
                 }
-                float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? lse[t].y : lse[t].x)));
+                float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
                 if constexpr (kMasked) {
                     const int key = w.k_row0 + key_of(e);
                     const int row = q_row0 + t * 8 + 2 * (lane % 4) + e % 2;
@@ -175,15 +199,15 @@ struct BackwardConsumer {
                 }
                 S[t][e] = prob;
                 if constexpr (kFused)
-                    dP[t][e] = prob * (dP[t][e] - (e % 2 ? dd[t].y : dd[t].x)) * dtanh;
+                    dP[t][e] = prob * (dP[t][e] - (e % 2 ? dd.y : dd.x)) * dtanh;
             }
         }
     }
 
     template <bool kFused>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
-                                                  const float2 (&lse)[kNS], const float2 (&dd)[kNS],
-                                                  int i, bool masked) const {
+                                                  const Cols& lse, const Cols& dd, int i,
+                                                  bool masked) const {
         if (masked)
             probabilities<kFused, true>(S, dP, lse, dd, i);
         else
@@ -192,12 +216,14 @@ struct BackwardConsumer {
 
     // dP^T -> dS^T in place: P^T (dP^T - D) (no softcap: see probabilities<true>).
     __device__ __forceinline__ void dscores(const float (&P)[kNS][4], float (&dP)[kNS][4],
-                                            const float2 (&dd)[kNS]) const {
+                                            const Cols& dd_cols) const {
 #pragma unroll
-        for (int t = 0; t < kNS; ++t)
+        for (int t = 0; t < kNS; ++t) {
+            const float2 dd = dd_cols[t];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dP[t][e] = P[t][e] * (dP[t][e] - (e % 2 ? dd[t].y : dd[t].x));
+                dP[t][e] = P[t][e] * (dP[t][e] - (e % 2 ? dd.y : dd.x));
+        }
     }
 
     // Two fp32 values from shared memory (addr 8-byte aligned). volatile: a stage's address
@@ -211,20 +237,21 @@ struct BackwardConsumer {
     // dS^T of this warpgroup's keys into buffer `buf` (rows 64 wg .., swizzled as a TMA tile):
     // one stmatrix.x4 per k16 step, whose fragments are those of the dK GEMM (to_a_fragments).
     // Lane l addresses row l % 8 of matrix l / 8: rows + 8 for odd l / 8, the step's second n8
-    // tile for l / 16; chunk (2 kk + l / 16) ^ (row & 7), row & 7 = l % 8.
+    // tile for l / 16; chunk (2 (kk % 4) + l / 16) ^ (row & 7), row & 7 = l % 8, in panel kk / 4.
     __device__ __forceinline__ void store_ds(const uint32_t (&f)[kStepsR][4], int buf) const {
         const int r = wg * 64 + (warp % 4) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
         const uint32_t row = smem_u32(sm.ds(buf)) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
 #pragma unroll
         for (int kk = 0; kk < kStepsR; ++kk)
-            stmatrix_x4(row ^ (kk * 32), f[kk]);
+            stmatrix_x4((row ^ ((kk % 4) * 32)) + (kk / 4) * Cfg::kBc * 128, f[kk]);
     }
 
     // dS^T of this warpgroup's keys into block t's buffer, for the dQ GEMM of this warpgroup
-    // (kDqOwnKeys) or of both. The other buffer may still be read by the previous block's dQ
-    // GEMM; this one was last read two blocks ago, before the previous block's barrier here.
+    // (kDqOwnKeys: one buffer, see store_dq) or of both (two: the other buffer may still be
+    // read by the previous block's dQ GEMM; this one was last read two blocks ago, before the
+    // previous block's barrier here).
     __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsR][4], int t) const {
-        store_ds(dSf, t % 2);
+        store_ds(dSf, t % Cfg::kDsBuffers);
         fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
         if constexpr (Cfg::kDqOwnKeys)
             named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
@@ -270,7 +297,7 @@ struct BackwardConsumer {
         wgmma_commit();
         // LSE and D at this thread's query columns, loaded while the GEMMs run (without
         // softcap, each just before its pass: registers are short at d_head 128).
-        float2 lse[kNS], dd[kNS];
+        Cols lse, dd;
         if constexpr (Cfg::kSoftcap) {
             load_cols(lse, sm.lse(s));
             load_cols(dd, sm.d(s));
@@ -306,9 +333,9 @@ struct BackwardConsumer {
         if constexpr (Cfg::kDqBeforeDk) {
             // The dQ GEMM before dK += dS^T Q, so that dQ leaves for the writer while dK runs.
             share_ds(dSf, t);
-            float dQ[kNQ][4];
+            float dQ[kMQ][kNQ][4];
             wgmma_fence();
-            issue_dq(dQ, t % 2);
+            issue_dq(dQ, t % Cfg::kDsBuffers);
             wgmma_commit();
             issue_acc(dK, dSf, sm.q(s));
             wgmma_commit();
@@ -325,9 +352,9 @@ struct BackwardConsumer {
             issue_acc(dK, dSf, sm.q(s));
             wgmma_commit();
             share_ds(dSf, t);
-            float dQ[kNQ][4];
+            float dQ[kMQ][kNQ][4];
             wgmma_fence();
-            issue_dq(dQ, t % 2);
+            issue_dq(dQ, t % Cfg::kDsBuffers);
             wgmma_commit();
             wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
             fence_regs(dV);
@@ -339,17 +366,24 @@ struct BackwardConsumer {
         }
     }
 
-    // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: n8 tile
-    // t of thread x at float4 t * 128 + x (bwd::DqLayout::kWgmmaTiles). Block 0 finds it free;
-    // block t > 0 waits until the writer has read block t - 1's.
-    __device__ __forceinline__ void store_dq(const float (&dQ)[kNQ][4], int t) const {
+    // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: of m64
+    // tile m, n8 tile n of thread x at float4 (m kNQ + n) * 128 + x (bwd::DqLayout::
+    // kWgmmaTiles, 64 rows at a time). Block 0 finds it free; block t > 0 waits until the
+    // writer has read block t - 1's. Every warp of the warpgroup is past the wait for block t's
+    // dQ GEMM here, so after this barrier the single dS^T buffer (kDsBuffers) may be refilled;
+    // block 0 has a barrier of the warpgroup alone for that.
+    __device__ __forceinline__ void store_dq(const float (&dQ)[kMQ][kNQ][4], int t) const {
         constexpr int kSync = 128 + 32;
         if (t > 0)
             named_sync(kBwdDqEmpty + wg, kSync);
+        else if constexpr (Cfg::kDsBuffers == 1)
+            named_sync(kBwdDsOwnBarrier + wg, 128);
         const uint32_t at = smem_u32(sm.dq(wg)) + ((warp % 4) * 32 + lane) * 16;
 #pragma unroll
-        for (int n = 0; n < kNQ; ++n)
-            st_shared_f32x4(at + n * 128 * 16, dQ[n]);
+        for (int m = 0; m < kMQ; ++m)
+#pragma unroll
+            for (int n = 0; n < kNQ; ++n)
+                st_shared_f32x4(at + (m * kNQ + n) * 128 * 16, dQ[m][n]);
         fence_proxy_async_smem();  // the bulk reduction reads what these stores wrote
         named_arrive(kBwdDqFull + wg, kSync);
     }

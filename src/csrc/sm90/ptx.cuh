@@ -212,6 +212,12 @@ __device__ __forceinline__ void fence_regs(float (&d)[kRows][kCols]) {
         for (int j = 0; j < kCols; ++j)
             asm volatile("" : "+f"(d[i][j])::"memory");
 }
+template <int kM, int kRows, int kCols>
+__device__ __forceinline__ void fence_regs(float (&d)[kM][kRows][kCols]) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+        fence_regs(d[m]);
+}
 
 // ---- warp roles ---------------------------------------------------------------------------------
 
