@@ -17,11 +17,15 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import flash_attention as fa
+from flash_attention import ops
 from flash_attention.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -33,6 +37,8 @@ from flash_attention.reference import attention_reference
 from .gpu_support import rand_inputs
 
 pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GRAD_FLOOR = 1e-4
 SHAPES = [(113, 203), (128, 217), (1023, 1024), (1, 300), (256, 256), (512, 512), (300, 113)]
@@ -446,6 +452,129 @@ def test_varlen_deterministic_is_bitwise_reproducible(require_extension, d, max_
     _, (atomic,) = varlen_grads(lens_q, lens_k, 8, 2, d, deterministic=False,
                                 max_slack=max_slack, **features)
     check_varlen_sequences(atomic, inputs, "atomic order", **features)
+
+
+# A sequence longer than max_seqlen_q/k: cu_seqlens valid when checked (and when a CUDA graph
+# captured the backward), then rewritten in place. Lengths (q, k) per sequence:
+LONG_LENS = ([130, 200, 70], [150, 90, 260])  # valid: max_seqlen_q 200, max_seqlen_k 260
+LONG_CU = ([0, 330, 350, 400], [0, 100, 500, 500])  # the rewrite: 330 > 200 queries, 400 > 260 keys
+# What the backward kernel makes of the rewrite (each sequence cut to max_seqlen_q/k): the rows
+# of q and of k/v that stay, and cu_seqlens of those rows alone.
+LONG_KEPT = ([*range(0, 200), *range(330, 400)], [*range(0, 100), *range(100, 360)])
+LONG_KEPT_CU = ([0, 200, 220, 270], [0, 100, 360, 360])
+GRAPH_TIMEOUT_S = 300
+
+
+def long_sequence_case(causal):
+    """A varlen batch of LONG_LENS (bf16, d_head 128, GQA 4/2): its cu_seqlens, the inputs of
+    its backward (dout, q, k, v, out and lse of its forward) and bwd(cu_q, cu_k), the
+    deterministic backward operator on them with max_seqlen_q/k of LONG_LENS."""
+    torch.manual_seed(15)
+    ops.require()
+    lens_q, lens_k = LONG_LENS
+    max_q, max_k = max(lens_q), max(lens_k)
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                               device="cuda") for lens in LONG_LENS)
+    q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(
+        q, k, v, cu_q, cu_k, max_q, max_k, None, causal, -1, -1, 0.0, True, "")
+
+    def bwd(cu_q, cu_k, dout=dout, q=q, k=k, v=v, out=out, lse=lse):
+        return torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, cu_q, cu_k,
+                                                     max_q, max_k, None, causal, -1, -1, 0.0,
+                                                     True, "")
+
+    return cu_q, cu_k, (dout, q, k, v, out, lse), bwd
+
+
+def graph_replay_past_max_seqlen(causal):
+    """Run in a child process by the test below, so that a hang dies with the process: capture
+    the deterministic varlen backward in a CUDA graph, replay it with valid cu_seqlens (equal
+    to an eager call), rewrite cu_seqlens in place so that a sequence is longer than
+    max_seqlen_q and another than max_seqlen_k, replay again. The replay must return with
+    finite gradients, those of the rows the kernel keeps (each sequence cut to max_seqlen_q/k)
+    bitwise those of an eager call on these rows alone, and dq of the rows cut off 0."""
+    cu_q, cu_k, (dout, q, k, v, out, lse), bwd = long_sequence_case(causal)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (cu_seqlens checked there)
+        for _ in range(2):
+            bwd(cu_q, cu_k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # cu_seqlens cannot be read here: not checked
+        grads = bwd(cu_q, cu_k)
+    graph.replay()
+    for name, a, b in zip(("dq", "dk", "dv"), grads, bwd(cu_q, cu_k)):
+        assert torch.equal(a, b), f"valid replay: {name} differs from an eager call"
+
+    for cu, values in zip((cu_q, cu_k), LONG_CU):
+        cu.copy_(torch.tensor(values, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()  # a hang stops here (the parent kills the process)
+    # dk and dv of the keys cut off are not written: they keep the valid replay's values.
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf after the rewritten replay"
+    kept_q, kept_k = (torch.tensor(rows, device="cuda") for rows in LONG_KEPT)
+    cut_cu_q, cut_cu_k = (torch.tensor(values, dtype=torch.int32, device="cuda")
+                          for values in LONG_KEPT_CU)
+    cut = bwd(cut_cu_q, cut_cu_k, dout=dout[kept_q], q=q[kept_q], k=k[kept_k], v=v[kept_k],
+              out=out[kept_q], lse=lse[:, kept_q].contiguous())
+    for name, g, kept, c in zip(("dq", "dk", "dv"), grads, (kept_q, kept_k, kept_k), cut):
+        assert torch.equal(g[kept], c), f"{name} of the kept rows differs from the cut call"
+    dropped_q = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    dropped_q[kept_q] = False
+    assert torch.count_nonzero(grads[0][dropped_q]) == 0, "dq of the rows cut off is not 0"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_deterministic_graph_replay_past_max_seqlen_returns(require_extension, causal):
+    """Deterministic varlen backward under CUDA graph capture, whose cu_seqlens the host cannot
+    check: a replay after cu_seqlens were rewritten so that sequences exceed max_seqlen_q/k
+    returns (the kernel cuts each sequence to them, so that no turn waits for a KV block the
+    grid lacks and no turn counter is indexed past its head) with finite gradients, those of
+    the kept rows as an eager call on them alone gives. Run in a child process with a timeout:
+    a hung kernel would otherwise hold the GPU for the rest of the session."""
+    src = str(Path(ops.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [src, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    code = (f"from tests.test_gpu_backward import graph_replay_past_max_seqlen; "
+            f"graph_replay_past_max_seqlen(causal={causal})")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=GRAPH_TIMEOUT_S,
+                              check=False)
+    except subprocess.TimeoutExpired as exc:  # its output is bytes whatever text= says
+        output = b"".join(o for o in (exc.stdout, exc.stderr) if isinstance(o, bytes))
+        pytest.fail(f"the replay did not return within {GRAPH_TIMEOUT_S} s (a hang?): "
+                    f"{output.decode(errors='replace')}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_varlen_backward_refuses_cu_seqlens_rewritten_past_max_seqlen(require_extension):
+    """Outside capture the same rewrite is refused before any launch with a clear error: the
+    operator checked cu_seqlens on an earlier call and cached that, but an in-place write bumps
+    the tensor's version, so it reads the values again (binding/validation.h,
+    check_cu_seqlens_values). The process stays healthy."""
+    cu_q, cu_k, _, bwd = long_sequence_case(causal=False)
+    bwd(cu_q, cu_k)  # valid: checked and cached
+    valid_q, valid_k = cu_q.clone(), cu_k.clone()
+    cu_q.copy_(torch.tensor(LONG_CU[0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"a sequence of 330 tokens is longer than "
+                                         r"max_seqlen_q = 200"):
+        bwd(cu_q, cu_k)
+    cu_q.copy_(valid_q)
+    cu_k.copy_(torch.tensor(LONG_CU[1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"a sequence of 400 tokens is longer than "
+                                         r"max_seqlen_k = 260"):
+        bwd(cu_q, cu_k)
+    cu_k.copy_(valid_k)
+    dq, dk, dv = bwd(cu_q, cu_k)
+    torch.cuda.synchronize()  # the context is still usable
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
 # ---- FlashAttention's backward grid -----------------------------------------------------------

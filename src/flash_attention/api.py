@@ -210,7 +210,9 @@ def attention_varlen(
     bottom-right in each). Returns out (total_q, heads, d_head) and, with return_lse, lse
     (heads, total_q) fp32. The values of cu_seqlens are checked before any launch (one
     device-to-host copy per new or modified cu_seqlens tensor; none during CUDA graph capture,
-    where the kernel clamps offsets into the tensors instead). Inputs that require grad get
+    where the kernel clamps offsets into the tensors instead, and the backward cuts a sequence
+    longer than max_seqlen_q/k to them: such input is invalid, the cut only keeps the call
+    from hanging or addressing outside its buffers). Inputs that require grad get
     gradients through autograd; deterministic=True makes that backward bitwise reproducible.
     """
     if (not deterministic and type(causal) is bool and type(window_size) is tuple

@@ -207,7 +207,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     at::Tensor lse_log2 = at::empty({B_rows, H, Sq_pad}, f32);
     // Deterministic: one turn counter per (batch, query head, query block), zeroed. The kernel
     // indexes it with the query blocks of BwdParams::seqlen_q, which is Sq for both layouts:
-    // varlen, max_seqlen_q, so every sequence (none longer, checked above) has room.
+    // varlen, max_seqlen_q, so every sequence has room (none longer: checked above, and during
+    // CUDA graph capture, where the values cannot be read, cut to it by the kernel).
     at::Tensor semaphore;
     if (deterministic)
         semaphore =

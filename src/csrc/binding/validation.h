@@ -192,7 +192,8 @@ inline void check_cu_seqlens_meta(const at::Tensor& cu, const char* name,
 // a dead TensorImpl's memory from being reused by a new tensor (so an address match is the same
 // object) without keeping it alive, whose last release would run Python code without the GIL.
 // During CUDA graph capture device memory cannot be read; the kernel then clamps every offset
-// into the tensors instead.
+// into the tensors instead, and the backward's main kernel (sm80/backward_kernel.cuh,
+// clamped_span) cuts each sequence to max_seqlen_q/k, which size its grid and turn counters.
 struct CheckedSeqlens {
     c10::weak_intrusive_ptr<c10::TensorImpl> impl;
     uint32_t version;
