@@ -212,7 +212,7 @@ def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
 def test_codegen_of_a_hopper_config(tmp_path):
     """A Hopper backward unit: the sm_90a marker in its head (the nvcc wrapper then compiles it
     for sm_90a alone), the Hopper launcher's header, flash::sm90::Sm90BwdConfig<Elem, d_head,
-    softcap> and its registry entry; listed in the registry beside the sm80 family's, which
+    softcap, B_r> and its registry entry; listed in the registry beside the sm80 family's, which
     keeps its own template and no marker. Every flag changes the instantiation."""
     from flash_attention.nvcc_wrapper import ARCH_MARKER, arch_override
 

@@ -389,10 +389,11 @@ def test_hopper_backward_dq_conversion_names():
         "bwd_preprocess_fp16", "bwd_convert_dq_fp16"]
 
 
-# The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c and
-# B_r are fixed by the family, so the template arguments are Elem, d_head and softcap alone.
-BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0EEEEE"
-            "vNS0_13Sm90BwdParamsE")
+# The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c is
+# fixed by the family, so the template arguments are Elem, d_head, softcap and B_r (absent in
+# builds before B_r was one: read as 64).
+BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0ELi64EE"
+            "EEEvNS0_13Sm90BwdParamsE")
 
 
 def test_hopper_backward_kernel_names():
@@ -401,8 +402,9 @@ def test_hopper_backward_kernel_names():
 
     assert short_of(BWD_SM90) == "bwd_sm90_bf16_d128_c128_r64_f"
     assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128)
-    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELb0E", "6__halfLi64ELb1E")
-    assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_c128_r64_ft"
+    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELb0ELi64E", "6__halfLi64ELb1ELi128E")
+    assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_c128_r128_ft"
+    assert short_of(BWD_SM90.replace("Li64E", "")) == "bwd_sm90_bf16_d128_c128_r64_f"  # older
     assert short_of(BWD_SM90.replace("Lb0E", "Lb0ELb1E")) is None  # a flag more: not ours
     assert short_of(BWD_SM90.replace("bwd_sm90_kernel", "bwd_sm91_kernel")) is None
     for cfg in SETS["hopper"]:

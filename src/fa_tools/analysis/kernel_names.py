@@ -2,8 +2,8 @@
 flash::fwd_kernel<flash::FwdConfig<Elem, D, B_r, B_c, warps, flags...>> (sm80 family) and
 flash::sm90::fwd_sm90_kernel<flash::sm90::Sm90Config<Elem, D, B_c, WGs, stages, flags...>>
 (sm90 family); the backward's are flash::bwd::bwd_kernel<flash::BwdConfig<...>> (sm80-bwd
-family), flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap>> (sm90-bwd
-family, the Hopper backward) and their helpers: flash::bwd::bwd_preprocess_kernel<Elem> of
+family), flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap, B_r>>
+(sm90-bwd family, the Hopper backward) and their helpers: flash::bwd::bwd_preprocess_kernel<Elem> of
 both, and the dQ conversion, bwd_convert_dq_kernel<Elem> of the sm80 family and
 bwd_convert_dq_tiles_kernel<Elem> of the Hopper one (short forms bwd_preprocess_bf16,
 bwd_convert_dq_fp16, bwd_convert_dq_tiles_bf16). Their mangled names carry every template
@@ -83,20 +83,20 @@ def _bwd_config_of(mangled: str) -> BwdConfig | None:
 
 _MANGLED_SM90_BWD = re.compile(
     r"_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI(?P<elem>6__half|13__nv_bfloat16)"
-    r"Li(?P<d>\d+)E(?P<flags>(?:Lb[01]E)+)EEEEvNS0_13Sm90BwdParamsE"
+    r"Li(?P<d>\d+)E(?P<flags>(?:Lb[01]E)+)(?:Li(?P<br>\d+)E)?EEEEvNS0_13Sm90BwdParamsE"
 )
 
 
 def _sm90_bwd_config_of(mangled: str) -> Sm90BwdConfig | None:
-    """flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap>> (B_c and B_r
-    are fixed by the family, not template arguments)."""
+    """flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap, B_r>> (B_c is
+    fixed by the family, not a template argument; B_r defaults to 64 in older builds' names)."""
     m = _MANGLED_SM90_BWD.search(mangled)
     if m is None:
         return None
     flags = _flags(m, SM90_BWD_FLAGS)
     if flags is None:
         return None
-    return Sm90BwdConfig(_ELEM[m["elem"]], int(m["d"]), **flags)
+    return Sm90BwdConfig(_ELEM[m["elem"]], int(m["d"]), block_r=int(m["br"] or 64), **flags)
 
 
 _MANGLED_BWD_AUX = re.compile(
