@@ -114,34 +114,38 @@ __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
 
 // ---- preprocess --------------------------------------------------------------------------------
 
-// One warp per query row (rows < seqlen_q_pad): D = rowsum(dO * O) - dLSE and LSE * log2(e)
-// (0 and +inf past seqlen_q; +inf for an LSE of -inf), and the row's dQ accumulator zeroed.
-// Lane l reads the 16-byte chunk l of the row.
+// Lanes of the preprocess per query row: one 16-byte chunk each of d_pad columns, rounded up to
+// a power of two (8 at d_pad 64, 32 at 256), so a warp covers 32 / lanes rows at once.
+__host__ __device__ __forceinline__ int preprocess_lanes(int d_pad) {
+    int lanes = 1;
+    while (lanes * 8 < d_pad)
+        lanes *= 2;
+    return lanes;
+}
+
+// Four warps of 32 / preprocess_lanes(d_pad) query rows each (rows < seqlen_q_pad): D =
+// rowsum(dO * O) - dLSE and LSE * log2(e) (0 and +inf past seqlen_q; +inf for an LSE of -inf),
+// and the row's dQ accumulator zeroed. Lane l of a row reads its 16-byte chunk l. (One warp per
+// row left 24 of 32 lanes idle at d_head 64 and ran at 1.9 TB/s on an H100.)
 template <typename Elem>
 static __global__ void __launch_bounds__(128)
     bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
-    const int lane = threadIdx.x % 32;
-    const int row = blockIdx.x * 4 + threadIdx.x / 32;
+    const int lanes = preprocess_lanes(p.d_pad);
+    const int lane = threadIdx.x % 32, sub = lane % lanes;
+    const int row = (blockIdx.x * 4 + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
     const int64_t head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.seqlen_q_pad)
-        return;
-    float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
-    for (int c = lane * 4; c < p.d_pad; c += 32 * 4)
-        *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
-    if (row >= p.seqlen_q) {
-        if (lane == 0) {
-            p.d_rows[at] = 0.f;
-            p.lse_log2[at] = INFINITY;
-        }
-        return;
+    const bool in_pad = row < p.seqlen_q_pad, live = row < p.seqlen_q;
+    if (in_pad) {
+        float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+        for (int c = sub * 4; c < p.d_pad; c += lanes * 4)
+            *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float sum = 0.f;
-    if (lane * 8 < p.d_head) {
+    if (live && sub * 8 < p.d_head) {
         const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
-                        head * p.o_head_stride + row * p.o_row_stride + lane * 8;
+                        head * p.o_head_stride + row * p.o_row_stride + sub * 8;
         const Elem* d = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
-                        head * p.do_head_stride + row * p.do_row_stride + lane * 8;
+                        head * p.do_head_stride + row * p.do_row_stride + sub * 8;
         const uint4 ov = *reinterpret_cast<const uint4*>(o);
         const uint4 dv = *reinterpret_cast<const uint4*>(d);
         const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
@@ -151,15 +155,20 @@ static __global__ void __launch_bounds__(128)
             sum += a.x * b.x + a.y * b.y;
         }
     }
-#pragma unroll
-    for (int s = 16; s > 0; s /= 2)
+    for (int s = lanes / 2; s > 0; s /= 2)  // within the row's aligned group of lanes
         sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (lane == 0) {
-        const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
-        p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
-        const float lse = p.lse[in];
-        p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    if (!in_pad || sub != 0)
+        return;
+    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
+    if (!live) {
+        p.d_rows[at] = 0.f;
+        p.lse_log2[at] = INFINITY;
+        return;
     }
+    const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
+    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+    const float lse = p.lse[in];
+    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
 // ---- dQ conversion ----------------------------------------------------------------------------
@@ -244,7 +253,8 @@ cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& 
         rows.batch = 1;
         rows.seqlen_q = p.total_q;
     }
-    const dim3 pre_grid((rows.seqlen_q_pad + 3) / 4, rows.heads, rows.batch);
+    const int pre_rows = 4 * (32 / preprocess_lanes(p.d_pad));  // per CTA
+    const dim3 pre_grid((rows.seqlen_q_pad + pre_rows - 1) / pre_rows, rows.heads, rows.batch);
     if (cudaError_t err =
             launch_checked<&bwd_preprocess_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
         err != cudaSuccess)
