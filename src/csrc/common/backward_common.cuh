@@ -75,6 +75,27 @@ __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) {  // b > 0
     return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
+// The deterministic order (BwdParams::dq_semaphore): the turn counter of (sequence `batch`,
+// query head, query block i), one per query block of the longest sequence (p.seqlen_q), and the
+// turn of KV block kv_block there: how many KV blocks add their dQ to query block i before it.
+// They add from the last KV block that sees the block to the first: those CTAs are launched
+// earlier (so waiting on them cannot deadlock), and under a causal mask the last one meets the
+// block first. Both families follow it; flash_attention.masks.dq_turn is its CPU twin.
+template <int kBr>
+__device__ __forceinline__ int* dq_turn_counter(const BwdParams& p, int64_t batch, int64_t head,
+                                                int i) {
+    const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;
+    return p.dq_semaphore + (batch * p.heads + head) * q_blocks + i;
+}
+template <int kBr, int kBc>
+__device__ __forceinline__ int dq_turn(const Window& win, int seqlen_q, int seqlen_k, int i,
+                                       int kv_block) {
+    const int q_last = (i * kBr + kBr < seqlen_q ? i * kBr + kBr : seqlen_q) - 1;
+    int64_t k_lo, k_hi;
+    win.keys(i * kBr, q_last, seqlen_k, k_lo, k_hi);
+    return static_cast<int>(k_hi / kBc) - kv_block;
+}
+
 // The query blocks of B_r rows that see all kBc keys k0 .. k0 + kBc - 1 and lie whole inside
 // the sequence ([lo, hi]; lo > hi: none): the block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside
 // the window iff its corners are, i.e. i B_r + B_r - 1 <= k0 - off + left and

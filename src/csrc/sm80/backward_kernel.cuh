@@ -346,18 +346,11 @@ struct BackwardCta {
     __device__ __forceinline__ void accumulate_dq(int64_t head, int i) {
         int* sem = nullptr;
         int turn = 0;
-        if (p.dq_semaphore != nullptr) {                        // uniform over the CTA
-            const int q_blocks = (p.seqlen_q + kBr - 1) / kBr;  // of the longest sequence
-            sem = p.dq_semaphore + (int64_t(batch) * p.heads + head) * q_blocks + i;
-            const int q_last =
-                (i * kBr + kBr < span().seqlen_q ? i * kBr + kBr : span().seqlen_q) - 1;
-            int64_t k_lo, k_hi;
-            win().keys(i * kBr, q_last, span().seqlen_k, k_lo, k_hi);
-            // The KV blocks of query block i add from the last to the first: those CTAs were
-            // launched earlier (so waiting on them cannot deadlock), and under a causal mask
-            // the last KV block that sees query block i meets it first, so each CTA trails the
+        if (p.dq_semaphore != nullptr) {  // uniform over the CTA
+            // The last KV block first (bwd::dq_turn): under a causal mask each CTA trails the
             // one before by a single query block.
-            turn = static_cast<int>(k_hi / kBc) - kv_block;  // KV blocks added before this one
+            sem = dq_turn_counter<kBr>(p, batch, head, i);
+            turn = dq_turn<kBr, kBc>(win(), span().seqlen_q, span().seqlen_k, i, kv_block);
             if (threadIdx.x == 0)
                 while (ld_acquire(sem) != turn) {
                 }

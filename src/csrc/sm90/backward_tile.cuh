@@ -133,23 +133,16 @@ struct BackwardTile {
     __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
     }
-    // The deterministic order: pair x's turn counter, and the number of KV blocks whose dQ
-    // additions to it come before this CTA's. The KV blocks that see query block i add from
-    // the last to the first (the sm80 family's order): those CTAs were launched earlier, so
-    // waiting for them cannot deadlock, and under a causal mask the last one meets the block
-    // first. Worked out from the kernel's parameters, not the tile's fields: the writer warp
-    // runs it within the producer's 24 registers.
+    // The deterministic order (bwd::dq_turn, the sm80 family's): pair x's turn counter, and
+    // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
+    // the kernel's parameters, not the tile's fields: the writer warp runs it within the
+    // producer's 24 registers.
     __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
         const BwdParams& p = prm.p;
-        const int q_blocks = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
-        const int q_end = x.i * Cfg::kBr + Cfg::kBr;
-        const int q_last = (q_end < p.seqlen_q ? q_end : p.seqlen_q) - 1;
         const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
-        int64_t k_lo, k_hi;
-        win.keys(x.i * Cfg::kBr, q_last, p.seqlen_k, k_lo, k_hi);
         const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
-        turn = static_cast<int>(k_hi / Cfg::kBc) - kv_block;
-        return p.dq_semaphore + (int64_t(blockIdx.z) * p.heads + x.head) * q_blocks + x.i;
+        turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
+        return bwd::dq_turn_counter<Cfg::kBr>(p, blockIdx.z, x.head, x.i);
     }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {
