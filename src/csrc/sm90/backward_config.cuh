@@ -34,7 +34,7 @@ struct Sm90BwdConfig {
     // B_r: query rows per block; 128 only with kDqOwnKeys (d_head 64), where the per-block
     // costs (barriers, waits, the writer's handover) weigh most against GEMMs of 64 columns.
     static constexpr int kBr = kBr_;
-    static constexpr int kStages = 2;              // query-block stages in shared memory
+    static constexpr int kStages = 2;  // query-block stages in shared memory
     // kDqOwnKeys: each consumer warpgroup computes dQ = dS K over its own 64 keys, every d_head
     // column (its partial, added by the writer warp like the other's), so the warpgroups never
     // wait for each other inside the loop. Otherwise each computes half the d_head columns over
