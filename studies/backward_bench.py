@@ -79,10 +79,10 @@ def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = Fals
     return r
 
 
-def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
-    """Forward + backward as a training step does it (autograd, fresh graph each call): time
-    and peak memory of ours, SDPA FA2 and SDPA cuDNN."""
-    heads = 16
+def train_step_fns(batch: int, seq: int, heads: int, d: int, causal: bool) -> dict:
+    """One training step each (forward + backward through autograd, a fresh graph per call,
+    bf16): "ours", and SDPA's "fa2" and "cudnn" on the same inputs as (batch, heads, seq, d)
+    views. studies/step_profile.py profiles the same steps."""
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
@@ -100,6 +100,15 @@ def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
             torch.autograd.grad(out, tleaves, dout.transpose(1, 2))
         return step
 
+    return {"ours": ours, "fa2": sdpa(BACKENDS["fa2"]), "cudnn": sdpa(BACKENDS["cudnn"])}
+
+
+def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
+    """Forward + backward as a training step does it (autograd, fresh graph each call): time
+    and peak memory of ours, SDPA FA2 and SDPA cuDNN."""
+    steps = train_step_fns(batch, seq, 16, d, causal)
+    ours, fa2, cudnn = steps["ours"], steps["fa2"], steps["cudnn"]
+
     def peak(fn) -> float:
         fn()
         torch.cuda.synchronize()
@@ -109,7 +118,6 @@ def train_step(batch: int, seq: int, d: int, causal: bool) -> dict:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
-    fa2, cudnn = sdpa(SDPBackend.FLASH_ATTENTION), sdpa(SDPBackend.CUDNN_ATTENTION)
     return {"ours_ms": time_ms(ours), "fa2_ms": time_ms(fa2), "cudnn_ms": time_ms(cudnn),
             "ours_mb": peak(ours), "fa2_mb": peak(fa2), "cudnn_mb": peak(cudnn)}
 

@@ -15,30 +15,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from backward_bench import train_step_fns
 from torch.profiler import ProfilerActivity, profile
 
-import flash_attention as fa
 from flash_attention import ops
-
-
-def step_fns(batch: int, seq: int, heads: int, d: int, causal: bool):
-    torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    tleaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
-
-    def ours():
-        out = fa.attention(*leaves, causal=causal)
-        torch.autograd.grad(out, leaves, dout)
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(*tleaves, is_causal=causal)
-        torch.autograd.grad(out, tleaves, dout.transpose(1, 2))
-
-    return {"ours": ours, "cudnn": cudnn}
 
 
 def kernel_ms(fn, steps: int = 5) -> dict[str, float]:
@@ -76,7 +56,9 @@ def main() -> None:
           f"seq {seq}, {heads} heads; ms per training step")
     for d in map(int, args.d.split(",")):
         for causal in (False, True):
-            for name, fn in step_fns(batch, seq, heads, d, causal).items():
+            steps = train_step_fns(batch, seq, heads, d, causal)
+            for name in ("ours", "cudnn"):
+                fn = steps[name]
                 for _ in range(30):
                     fn()
                 torch.cuda.synchronize()
