@@ -2,7 +2,9 @@
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls at d_head up to 128; d_head 256 and
-varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head.
+varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head;
+the last three calls have more tiles than an H100 has SMs, so that the Hopper kernel's
+persistent grid walks several per CTA (some with no query block under the window).
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -23,7 +25,10 @@ def main() -> None:
             (256, False, True, (65, 100), (2, 2), {}),
             (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
             (96, True, False, (300, 260), (2, 2), {"softcap": 30.0}),
-            (64, True, True, (400, 300), (2, 1), {"softcap": 30.0})]:
+            (64, True, True, (400, 300), (2, 1), {"softcap": 30.0}),
+            (64, False, False, (128, 20000), (2, 2), {}),
+            (128, False, True, (64, 17000), (2, 2), {"window_size": (64, 0)}),
+            (128, False, False, (100, 20000), (2, 2), {"softcap": 30.0})]:
         q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)

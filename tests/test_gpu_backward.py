@@ -206,6 +206,41 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     assert _main_kernels(q, kx, vx, dout, out_x, lse_x, causal=True) == {"sm80"}
 
 
+@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("shape, features", [
+    ((3, 1000, 1111, 30, 30), {}),
+    ((3, 1000, 1111, 30, 6), {"softcap": 30.0}),
+    ((3, 1000, 1111, 30, 10), {"causal": True}),
+    ((4, 128, 4000, 32, 8), {"window_size": (64, 0)}),
+    ((2, 700, 3000, 24, 24), {"window_size": (200, 100), "deterministic": True}),
+])
+def test_hopper_persistent_grid_walks_many_tiles(require_extension, d_head, shape, features):
+    """More tiles (KV block, KV head, batch) than SMs, so that each CTA of the Hopper
+    backward's persistent grid walks several, some with no query block (a window far from
+    the queries), as the next tile's loads overlap the current one's last blocks and its dK
+    and dV leave through buffers the next tile reuses. Checked by the rule, deterministic
+    calls bitwise over repeats; the Hopper kernel must be the one that ran."""
+    from flash_attention.backward import built
+    from flash_attention.config_bwd import select
+
+    if (torch.cuda.get_device_capability() != (9, 0)
+            or select("bf16", d_head, False, built(), hopper=True) is None):
+        pytest.skip("needs an sm_90 GPU and a build with the Hopper backward (default set)")
+    torch.manual_seed(5)
+    q, k, v = rand_inputs(*shape, d_head, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
+                                                           True, -1, -1, 0.0, True, "")
+    assert _main_kernels(q, k, v, dout, out, lse) == {"sm90"}
+    grads = run_backward(q, k, v, dout, **features)
+    check_grads(grads, q, k, v, dout, what=f"persistent {shape} {d_head} {features}",
+                **{key: val for key, val in features.items() if key != "deterministic"})
+    if features.get("deterministic"):
+        for _ in range(2):
+            for a, b in zip(grads, run_backward(q, k, v, dout, **features)):
+                assert torch.equal(a, b)
+
+
 def test_flash_attn_func_training_step(require_extension):
     torch.manual_seed(2)
     q, k, v = rand_inputs(2, 333, 333, 8, 4, 128, torch.bfloat16)
