@@ -3,8 +3,8 @@ kernel of the backward (preprocess, main with and without the ordered dQ, conver
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls at d_head up to 128; d_head 256 and
 varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head;
-the last three calls have more tiles than an H100 has SMs, so that the Hopper kernel's
-persistent grid walks several per CTA (some with no query block under the window).
+the last three calls have more CTAs than an H100 has SMs, some with no query block under the
+window.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """

@@ -214,12 +214,12 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     ((4, 128, 4000, 32, 8), {"window_size": (64, 0)}),
     ((2, 700, 3000, 24, 24), {"window_size": (200, 100), "deterministic": True}),
 ])
-def test_hopper_persistent_grid_walks_many_tiles(require_extension, d_head, shape, features):
-    """More tiles (KV block, KV head, batch) than SMs, so that each CTA of the Hopper
-    backward's persistent grid walks several, some with no query block (a window far from
-    the queries), as the next tile's loads overlap the current one's last blocks and its dK
-    and dV leave through buffers the next tile reuses. Checked by the rule, deterministic
-    calls bitwise over repeats; the Hopper kernel must be the one that ran."""
+def test_hopper_backward_many_tiles(require_extension, d_head, shape, features):
+    """Several times more tiles (KV block, KV head, batch) than an H100 has SMs, some with no
+    query block (a window far from the queries), with GQA, softcap, causal and the
+    deterministic order (bitwise over repeats; its turns cross many waves of CTAs). Checked by
+    the rule; the Hopper kernel must be the one that ran. (The shapes once tested a persistent
+    grid's tile walk: docs/results/2026-11-27-h200-hopper-backward-persistent-grid.md.)"""
     from flash_attention.backward import built
     from flash_attention.config_bwd import select
 
@@ -233,7 +233,7 @@ def test_hopper_persistent_grid_walks_many_tiles(require_extension, d_head, shap
                                                            True, -1, -1, 0.0, True, "")
     assert _main_kernels(q, k, v, dout, out, lse) == {"sm90"}
     grads = run_backward(q, k, v, dout, **features)
-    check_grads(grads, q, k, v, dout, what=f"persistent {shape} {d_head} {features}",
+    check_grads(grads, q, k, v, dout, what=f"many tiles {shape} {d_head} {features}",
                 **{key: val for key, val in features.items() if key != "deterministic"})
     if features.get("deterministic"):
         for _ in range(2):

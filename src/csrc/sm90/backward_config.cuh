@@ -59,8 +59,7 @@ struct Sm90BwdConfig {
     static constexpr int kConsumerRegs = 240;
 
     // What the shared TMA loader and epilogue read (sm90/tma_loader.cuh, epilogue.cuh): no
-    // cluster, d_head in 64-column panels; the epilogue's stage() and issue_store() serve
-    // (BackwardConsumer::write_dk_dv orders the staging buffers' uses itself).
+    // cluster, one CTA per (KV block, KV head, batch), d_head in 64-column panels.
     static constexpr bool kCluster = false;
     static constexpr int kClusterCtas = 1;
     static constexpr bool kPersistent = false;
@@ -70,9 +69,8 @@ struct Sm90BwdConfig {
     // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):
     //   K | V | Q x kStages | dO x kStages | dS^T x kDsBuffers | dQ | LSE x kStages |
     //   D x kStages | barriers
-    // dS^T is B_c x B_r (B_r / 64 panels). At the end of a tile the dS^T and dQ buffers stage
-    // dV and dK for their TMA stores (each B_c x d_head; the Q and dO stages may hold the next
-    // tile's blocks by then). dQ holds the warpgroups' fp32 parts of a block
+    // dS^T is B_c x B_r (B_r / 64 panels). At the end the Q and dO stages stage dV and dK for
+    // their TMA stores (each B_c x d_head). dQ holds the warpgroups' fp32 parts of a block
     // (B_r x kDqCols each) one after the other, each in m64 tiles of query rows.
     static constexpr int kKBytes = kBc * kDHead * 2;
     static constexpr int kQBytes = kBr * kDHead * 2;
@@ -95,8 +93,7 @@ struct Sm90BwdConfig {
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
     static_assert(kDHead == 64 || kDHead == 128, "d_head variants 64 and 128");
     static_assert(kBr == 64 || (kBr == 128 && kDqOwnKeys), "B_r 64, or 128 with kDqOwnKeys");
-    static_assert(kDsBuffers * kDSBytes + kDqBytes >= 2 * kKBytes,
-                  "the dS^T and dQ buffers stage dV and dK at the end of a tile");
+    static_assert(kStages * kQBytes >= kKBytes, "the Q and dO stages stage dV and dK at the end");
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");

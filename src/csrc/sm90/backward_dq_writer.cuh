@@ -19,8 +19,7 @@ namespace flash::sm90 {
 // the fp32 accumulator with one bulk reduce-add per part (the block's B_r x d_head floats are
 // contiguous there, in the consumers' order): a half of the columns each, or with kDqOwnKeys
 // each warpgroup's partial sum over all of them. The buffer is released when the reductions
-// have read it (the consumer waits before its next block's dQ, or before a tile's dK and dV
-// staging, which lies over the buffer). The deterministic order
+// have read it; the last block's release has no taker and is skipped. The deterministic order
 // (dq_semaphore): the reductions of a block wait for its turn (BackwardTile::dq_turn), own-key
 // partials one after the other, and the turn passes on when they have completed.
 template <class Cfg>
@@ -29,57 +28,55 @@ struct BackwardDqWriter {
     const BwdSmem<Cfg>& sm;
     const int lane;
 
-    __device__ __forceinline__ void run() const {
+    __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
         // Two loops, so that the default one carries no test of the order.
         if (prm.p.dq_semaphore != nullptr)
-            loop<true>();
+            loop<true>(w);
         else
-            loop<false>();
+            loop<false>(w);
     }
 
     template <bool kOrdered>
-    __device__ __forceinline__ void loop() const {
+    __device__ __forceinline__ void loop(const BackwardTile<Cfg>& w) const {
         constexpr int kSync = 128 + 32;
         constexpr uint32_t kPartBytes = Cfg::kDqBytes / Cfg::kConsumerWGs;
         const BwdParams& p = prm.p;
-        for (int tile = blockIdx.x; tile < prm.tiles; tile += gridDim.x) {
-            const BackwardTile<Cfg> w(prm, tile);
-            auto x = w.first(p.heads_per_kv);
-            for (int t = 0; t < w.n; ++t, w.advance(x)) {
-                float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
-                int* sem = nullptr;
-                if (kOrdered && lane == 0) {
-                    int turn;
-                    sem = w.dq_turn(p, x, turn);
-                    while (bwd::ld_acquire(sem) != turn) {
-                    }
-                    fence_proxy_async_global();  // the earlier KV blocks' additions come first
+        auto x = w.first(p.heads_per_kv);
+        for (int t = 0; t < w.n; ++t, w.advance(x)) {
+            float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
+            int* sem = nullptr;
+            if (kOrdered && lane == 0) {
+                int turn;
+                sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
+                while (bwd::ld_acquire(sem) != turn) {
                 }
+                fence_proxy_async_global();  // the earlier KV blocks' additions come first
+            }
 #pragma unroll
-                for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
-                    named_sync(kBwdDqFull + g, kSync);
-                    if (lane == 0) {
-                        float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
-                        bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
-                        tma_store_commit();
-                        if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
-                            bulk_wait_all();  // the partials add in a fixed order too
-                    }
-                }
+            for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
+                named_sync(kBwdDqFull + g, kSync);
                 if (lane == 0) {
-                    if (kOrdered) {
-                        bulk_wait_all();
-                        fence_proxy_async_global();
-                        bwd::red_release_add(sem, 1);  // the next KV block's turn
-                    } else {
-                        tma_store_wait_read();
-                    }
+                    float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
+                    bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
+                    tma_store_commit();
+                    if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
+                        bulk_wait_all();  // the partials add in a fixed order too
                 }
-                __syncwarp();
+            }
+            if (lane == 0) {
+                if (kOrdered) {
+                    bulk_wait_all();
+                    fence_proxy_async_global();
+                    bwd::red_release_add(sem, 1);  // the next KV block's turn
+                } else {
+                    tma_store_wait_read();
+                }
+            }
+            __syncwarp();
+            if (t + 1 < w.n)
 #pragma unroll
                 for (int g = 0; g < Cfg::kConsumerWGs; ++g)
                     named_arrive(kBwdDqEmpty + g, kSync);
-            }
         }
         if (lane == 0)
             bulk_wait_all();

@@ -1,9 +1,7 @@
 // FlashAttention backward on Hopper (the algorithm: backward_config.cuh): TMA copies into
 // 128-byte-swizzled shared memory completing on mbarriers, a producer warp streaming the query
 // blocks, two consumer warpgroups (setmaxnreg) computing the five GEMMs with wgmma, a writer
-// warp adding each block's dQ to the fp32 accumulator with bulk reduce-adds. Every role walks
-// the CTA's tiles (Sm90BwdParams::tiles) in the same order: one per CTA, or on a persistent
-// grid every gridDim.x-th, the next tile's loads overlapping the last blocks of the current one.
+// warp adding each block's dQ to the fp32 accumulator with bulk reduce-adds.
 //
 // This header is the kernel: it initialises the barriers and splits the CTA into its roles, from
 //   backward_config.cuh    the tile shapes and the shared-memory layout
@@ -27,6 +25,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char smem_raw[];
     const BwdSmem<Cfg> sm = BwdSmem<Cfg>::aligned(smem_raw);
+    const BackwardTile<Cfg> w(prm);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         prefetch_tensor_map(&prm.tma_q);
@@ -40,12 +39,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if (warp >= Cfg::kConsumerWarps) {
         setmaxnreg_dec<Cfg::kProducerRegs>();
         if (warp == Cfg::kConsumerWarps && lane == 0)
-            BackwardLoader<Cfg>{{0}, prm, sm}.run();
+            BackwardLoader<Cfg>{{0}, prm, sm}.run(w);
         else if (warp == Cfg::kConsumerWarps + 1)
-            BackwardDqWriter<Cfg>{prm, sm, lane}.run();
+            BackwardDqWriter<Cfg>{prm, sm, lane}.run(w);
     } else {
         setmaxnreg_inc<Cfg::kConsumerRegs>();
-        BackwardConsumer<Cfg>{prm, sm, warp / 4, warp, lane}.run();
+        BackwardConsumer<Cfg>{prm, sm, w, warp / 4, warp, lane}.run();
     }
 #endif
 }

@@ -4,8 +4,6 @@
 // sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
 
 #include "../backward_registry.h"
@@ -39,35 +37,14 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                           p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, 64);
     if (!ok)
         return cudaErrorInvalidValue;
-    const int kv_blocks = (p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc;
-    const int64_t tiles = int64_t(kv_blocks) * p.kv_heads * p.batch;
-    if (tiles > INT32_MAX)
-        return cudaErrorInvalidValue;
-    prm.tiles = static_cast<int>(tiles);
-    prm.kv_blocks = FastDiv(kv_blocks);
-    prm.kv_heads = FastDiv(p.kv_heads);
+    const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
     // The deterministic order adds the last KV block first (BackwardTile::dq_turn): it runs
-    // first, so no CTA waits for a tile not yet started (a tile waits only for tiles of lower
-    // numbers, each a CTA's earlier tile or another CTA's running or finished one).
-    prm.kv_block0 = p.dq_semaphore != nullptr ? kv_blocks - 1 : 0;
+    // first, so no CTA waits for one not yet launched.
+    prm.kv_block0 = p.dq_semaphore != nullptr ? int(grid.x) - 1 : 0;
     prm.kv_block_step = p.dq_semaphore != nullptr ? -1 : 1;
-    // A persistent grid (one CTA per SM, each walking every grid-th tile) where tiles carry
-    // about the same work; under a causal mask (a bound on one side only) the first KV blocks
-    // see many more query blocks than the last, and one CTA per tile lets the hardware balance
-    // them.
-    int grid = prm.tiles;
-    const bool uneven = (p.window_left < 0) != (p.window_right < 0);
-    if (!uneven) {
-        int sms = 0;
-        if (cudaError_t err = multiprocessor_count(sms); err != cudaSuccess)
-            return err;
-        grid = prm.tiles < sms ? prm.tiles : sms;
-    }
-    if (grid == 0)
-        grid = 1;  // no keys: the tile loop is empty, the passes still run
     return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
-        return launch_checked<&bwd_sm90_kernel<Cfg>>(dim3(grid), Cfg::kThreads, Cfg::kSmemBytes,
-                                                     stream, prm);
+        return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
+                                                     prm);
     });
 }
 

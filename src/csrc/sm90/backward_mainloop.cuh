@@ -2,15 +2,13 @@
 // loads (BackwardLoader) and what a consumer warpgroup computes (BackwardConsumer), over the
 // CTA's tile (backward_tile.cuh); dQ leaves through the writer warp (backward_dq_writer.cuh).
 //
-// Pipeline, per query block t of the CTA, counted across its tiles (stage s = t % 2, its use
-// t / 2 waits for phase parity (t / 2) & 1): q_full[s] completes when Q, LSE and D of the
-// block have landed, do_full[s] when dO has; q_empty[s] when every consumer thread is done with
-// Q, LSE and D (its loads, and the GEMMs reading Q have completed), do_empty[s] when every
-// consumer warp is done with dO, so the producer may refill the stage with block t + 2.
-// Per tile (the CTA's k-th, parity k & 1): kv_full completes when its K and V have landed (at
-// once for a tile with no query blocks), kv_empty when every consumer warp is done with them. The
-// dQ buffer is handed between consumer warpgroup g and the writer warp by the named barriers
-// kBwdDqFull + g and kBwdDqEmpty + g, once per block.
+// Pipeline, per query block t of the CTA (stage s = t % 2, its use t / 2 waits for phase parity
+// (t / 2) & 1): q_full[s] completes when Q, LSE and D of the block have landed, do_full[s] when
+// dO has; q_empty[s] when every consumer thread is done with Q, LSE and D (its loads, and the
+// GEMMs reading Q have completed), do_empty[s] when every consumer warp is done with dO, so the
+// producer may refill the stage with block t + 2.
+// kv_full completes once, when K and V have landed. The dQ buffer is handed between consumer
+// warpgroup g and the writer warp by the named barriers kBwdDqFull + g and kBwdDqEmpty + g.
 #pragma once
 
 #include <cmath>
@@ -31,54 +29,39 @@
 
 namespace flash::sm90 {
 
-// The producer's side: per tile, Q, LSE, D and dO of each (head, query block) pair through the
-// stage ring, and K and V after the first block's Q (the consumers release the previous
-// tile's K and V only after its last block). One thread.
+// The producer's side: K and V once, then Q, LSE, D and dO of each (head, query block) pair
+// through the stage ring. One thread.
 template <class Cfg>
 struct BackwardLoader : TmaLoader<Cfg> {
     const Sm90BwdParams& prm;
     const BwdSmem<Cfg>& sm;
 
-    __device__ __forceinline__ void run() const {
+    __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
         const BwdParams& p = prm.p;
-        int t = 0;               // blocks so far
-        for (int k = 0;; ++k) {  // the CTA's k-th tile
-            const int tile = int(blockIdx.x) + k * int(gridDim.x);
-            if (tile >= prm.tiles)
-                break;
-            const BackwardTile<Cfg> w(prm, tile);
-            if (w.n == 0) {  // nothing to load: kv_full completes with no bytes
-                wait_buffer_free(sm.kv_empty(), k);
-                mbar_arrive(sm.kv_full());
-                mbar_arrive(sm.kv_full());
-            }
-            auto x = w.first(p.heads_per_kv);
-            for (int j = 0; j < w.n; ++j, ++t, w.advance(x)) {
-                const int s = t % Cfg::kStages, use = t / Cfg::kStages;
-                wait_buffer_free(sm.q_empty(s), use);
-                this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
-                                                          x.head, w.batch);
-                const int64_t vec = w.padded_row(p, x);
-                mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
-                bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
-                bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
-                if (j == 0) {
-                    wait_buffer_free(sm.kv_empty(), k);
-                    this->template load_tile<Cfg::kBc, false>(sm.k(), &prm.tma_k, sm.kv_full(),
-                                                              w.kv_block, w.kv_head, w.batch);
-                    this->template load_tile<Cfg::kBc, false>(sm.v(), &prm.tma_v, sm.kv_full(),
-                                                              w.kv_block, w.kv_head, w.batch);
-                }
-                wait_buffer_free(sm.do_empty(s), use);
-                this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s),
-                                                          x.i, x.head, w.batch);
-            }
+        if (w.n == 0)
+            return;
+        this->template load_tile<Cfg::kBc, false>(sm.k(), &prm.tma_k, sm.kv_full(), w.kv_block,
+                                                  w.kv_head, w.batch);
+        this->template load_tile<Cfg::kBc, false>(sm.v(), &prm.tma_v, sm.kv_full(), w.kv_block,
+                                                  w.kv_head, w.batch);
+        auto x = w.first(p.heads_per_kv);
+        for (int t = 0; t < w.n; ++t, w.advance(x)) {
+            const int s = t % Cfg::kStages, use = t / Cfg::kStages;
+            wait_buffer_free(sm.q_empty(s), use);
+            this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
+                                                      x.head, w.batch);
+            const int64_t vec = w.padded_row(p, x);
+            mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
+            bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
+            bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
+            wait_buffer_free(sm.do_empty(s), use);
+            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s), x.i,
+                                                      x.head, w.batch);
         }
     }
 };
 
-// One consumer warpgroup: keys 64 wg .. 64 wg + 63 of each tile's KV block through every query
-// block that sees them, then that tile's dK and dV rows out.
+// One consumer warpgroup: keys 64 wg .. 64 wg + 63 of the CTA's block through every query block.
 template <class Cfg>
 struct BackwardConsumer {
     using Elem = typename Cfg::Elem;
@@ -92,18 +75,11 @@ struct BackwardConsumer {
 
     const Sm90BwdParams& prm;
     const BwdSmem<Cfg>& sm;
+    const BackwardTile<Cfg>& w;
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
 
     float dV[kNO][4];
     float dK[kNO][4];
-
-    // What is still in flight when block j of a tile starts: the writer has yet to release
-    // this warpgroup's part of the dQ buffer after block j - 1 (j > 0: the end of a tile waits
-    // for the tile's last block), and the previous tile's dK and dV stores have yet to read the
-    // staging buffers over dS^T and dQ (j == 0 after the CTA's first tile).
-    struct InFlight {
-        bool dq, staging;
-    };
 
     // ---- GEMMs ----------------------------------------------------------------------------------
 
@@ -198,7 +174,7 @@ struct BackwardConsumer {
     template <bool kFused, bool kMasked>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
                                                   const Cols& lse_cols, const Cols& dd_cols,
-                                                  const BackwardTile<Cfg>& w, int i) const {
+                                                  int i) const {
         const BwdParams& p = prm.p;
         const int q_row0 = i * Cfg::kBr;
 #pragma unroll
@@ -230,12 +206,12 @@ struct BackwardConsumer {
 
     template <bool kFused>
     __device__ __forceinline__ void probabilities(float (&S)[kNS][4], float (&dP)[kNS][4],
-                                                  const Cols& lse, const Cols& dd,
-                                                  const BackwardTile<Cfg>& w, int i) const {
-        if (i < w.unmasked.x || i > w.unmasked.y)
-            probabilities<kFused, true>(S, dP, lse, dd, w, i);
+                                                  const Cols& lse, const Cols& dd, int i,
+                                                  bool masked) const {
+        if (masked)
+            probabilities<kFused, true>(S, dP, lse, dd, i);
         else
-            probabilities<kFused, false>(S, dP, lse, dd, w, i);
+            probabilities<kFused, false>(S, dP, lse, dd, i);
     }
 
     // dP^T -> dS^T in place: P^T (dP^T - D) (no softcap: see probabilities<true>).
@@ -274,15 +250,7 @@ struct BackwardConsumer {
     // (kDqOwnKeys: one buffer, see store_dq) or of both (two: the other buffer may still be
     // read by the previous block's dQ GEMM; this one was last read two blocks ago, before the
     // previous block's barrier here).
-    // The first block of a tile waits first until the previous tile's dK and dV stores (both
-    // warpgroups') have read the staging buffers over dS^T and dQ.
-    __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsR][4], int t,
-                                             InFlight f) const {
-        if (f.staging) {
-            if (threadIdx.x % 128 == 0)
-                tma_store_wait_read();
-            named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
-        }
+    __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsR][4], int t) const {
         store_ds(dSf, t % Cfg::kDsBuffers);
         fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
         if constexpr (Cfg::kDqOwnKeys)
@@ -300,34 +268,26 @@ struct BackwardConsumer {
     }
 
     __device__ __forceinline__ void run() {
-        int t = 0;               // blocks so far
-        for (int k = 0;; ++k) {  // the CTA's k-th tile
-            const int tile = int(blockIdx.x) + k * int(gridDim.x);
-            if (tile >= prm.tiles)
-                break;
-            const BackwardTile<Cfg> w(prm, tile);
 #pragma unroll
-            for (int c = 0; c < kNO; ++c)
+        for (int t = 0; t < kNO; ++t)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dV[c][e] = dK[c][e] = 0.f;
-            mbar_wait(sm.kv_full(), k & 1);  // K and V have landed (if the tile has blocks)
-            // The query blocks of each head of the group in turn (the head matters not here).
-            for (int j = 0, i = w.i_first; j < w.n; ++j, ++t) {
-                block(w, t, i, InFlight{j > 0, j == 0 && k > 0});
-                if (++i == w.i_first + w.n_q)
-                    i = w.i_first;
-            }
-            release(sm.kv_empty());  // every GEMM of the tile has completed
-            write_dk_dv(w.k_row0, tile, InFlight{w.n > 0, w.n == 0 && k > 0});
+            for (int e = 0; e < 4; ++e)
+                dV[t][e] = dK[t][e] = 0.f;
+        if (w.n > 0) {
+            mbar_wait(sm.kv_full(), 0);  // K and V have landed
+            auto x = w.first(prm.p.heads_per_kv);
+            for (int t = 0; t < w.n; ++t, w.advance(x))
+                block(t, x.head, x.i);
         }
-        if (threadIdx.x % 128 == 0)
-            tma_store_wait_read();  // smem stays valid until the last stores have read it
+        // Both warpgroups are done with every stage (the dV and dK staging buffers).
+        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
+        write_dk_dv();
     }
 
-    __device__ __forceinline__ void block(const BackwardTile<Cfg>& w, int t, int i, InFlight f) {
+    __device__ __forceinline__ void block(int t, int head, int i) {
         const int s = t % Cfg::kStages;
         const uint32_t phase = (t / Cfg::kStages) & 1;
+        const bool masked = i < w.unmasked.x || i > w.unmasked.y;
         float S[kNS][4], dP[kNS][4];
         uint32_t Pf[kStepsR][4], dSf[kStepsR][4];
 
@@ -350,7 +310,7 @@ struct BackwardConsumer {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
             fence_regs(dP);
-            probabilities<true>(S, dP, lse, dd, w, i);
+            probabilities<true>(S, dP, lse, dd, i, masked);
             to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
@@ -359,7 +319,7 @@ struct BackwardConsumer {
             load_cols(lse, sm.lse(s));
             wgmma_wait<1>();  // S^T is in registers; dP^T may still run
             fence_regs(S);
-            probabilities<false>(S, dP, lse, dd, w, i);
+            probabilities<false>(S, dP, lse, dd, i, masked);
             to_a_fragments<Elem>(S, Pf);
             wgmma_fence();
             issue_acc(dV, Pf, sm.dout(s));
@@ -372,7 +332,7 @@ struct BackwardConsumer {
         to_a_fragments<Elem>(dP, dSf);
         if constexpr (Cfg::kDqBeforeDk) {
             // The dQ GEMM before dK += dS^T Q, so that dQ leaves for the writer while dK runs.
-            share_ds(dSf, t, f);
+            share_ds(dSf, t);
             float dQ[kMQ][kNQ][4];
             wgmma_fence();
             issue_dq(dQ, t % Cfg::kDsBuffers);
@@ -383,7 +343,7 @@ struct BackwardConsumer {
             fence_regs(dV);
             fence_regs(dQ);
             release(sm.do_empty(s));
-            store_dq(dQ, f);
+            store_dq(dQ, t);
             wgmma_wait<0>();  // dK is complete: Q may be refilled
             fence_regs(dK);
             mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
@@ -391,7 +351,7 @@ struct BackwardConsumer {
             wgmma_fence();
             issue_acc(dK, dSf, sm.q(s));
             wgmma_commit();
-            share_ds(dSf, t, f);
+            share_ds(dSf, t);
             float dQ[kMQ][kNQ][4];
             wgmma_fence();
             issue_dq(dQ, t % Cfg::kDsBuffers);
@@ -402,20 +362,19 @@ struct BackwardConsumer {
             fence_regs(dQ);
             mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
             release(sm.do_empty(s));
-            store_dq(dQ, f);
+            store_dq(dQ, t);
         }
     }
 
     // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: of m64
     // tile m, n8 tile n of thread x at float4 (m kNQ + n) * 128 + x (bwd::DqLayout::
-    // kWgmmaTiles, 64 rows at a time). It waits until the writer has read the previous block's
-    // (unless the end of a tile waited already). Every warp of the warpgroup is past the wait
-    // for block t's dQ GEMM here, so after this barrier the single dS^T buffer (kDsBuffers) may
-    // be refilled; without a previous block pending there is a barrier of the warpgroup alone
-    // for that.
-    __device__ __forceinline__ void store_dq(const float (&dQ)[kMQ][kNQ][4], InFlight f) const {
+    // kWgmmaTiles, 64 rows at a time). Block 0 finds it free; block t > 0 waits until the
+    // writer has read block t - 1's. Every warp of the warpgroup is past the wait for block t's
+    // dQ GEMM here, so after this barrier the single dS^T buffer (kDsBuffers) may be refilled;
+    // block 0 has a barrier of the warpgroup alone for that.
+    __device__ __forceinline__ void store_dq(const float (&dQ)[kMQ][kNQ][4], int t) const {
         constexpr int kSync = 128 + 32;
-        if (f.dq)
+        if (t > 0)
             named_sync(kBwdDqEmpty + wg, kSync);
         else if constexpr (Cfg::kDsBuffers == 1)
             named_sync(kBwdDsOwnBarrier + wg, 128);
@@ -436,32 +395,17 @@ struct BackwardConsumer {
     }
 
     // dK (scaled) and dV through the staging buffers and TMA stores (rows past seqlen_k and
-    // columns past d_head are not written). The staging buffers lie over dS^T and dQ: this
-    // warpgroup waits until the writer has read its last dQ, then both warpgroups until both
-    // are done (their GEMMs reading dS^T completed in their last block, and the previous
-    // tile's stores have read the buffers, where this tile had no block to wait for them).
-    // The stores are left to read the buffers while the next tile starts (share_ds waits).
-    __device__ __forceinline__ void write_dk_dv(int k_row0, int tile, InFlight f) {
+    // columns past d_head are not written).
+    __device__ __forceinline__ void write_dk_dv() {
         const float scale = prm.p.softmax_scale;
 #pragma unroll
         for (int t = 0; t < kNO; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 dK[t][e] *= scale;
-        if (f.dq)
-            named_sync(kBwdDqEmpty + wg, 128 + 32);
-        if (f.staging && threadIdx.x % 128 == 0)
-            tma_store_wait_read();
-        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
         const Epilogue<Cfg, Cfg::kBc> epilogue{wg, warp, lane};
-        epilogue.stage(dV, sm.dv_staging());
-        epilogue.stage(dK, sm.dk_staging());
-        fence_proxy_async_smem();                // the TMA stores read what these stores wrote
-        named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
-        const int pair = prm.kv_blocks.div(tile), batch = prm.kv_heads.div(pair);
-        const int kv_head = pair - batch * prm.kv_heads.d;
-        epilogue.issue_store(sm.dv_staging(), &prm.tma_dv, k_row0, kv_head, batch);
-        epilogue.issue_store(sm.dk_staging(), &prm.tma_dk, k_row0, kv_head, batch);
+        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
+        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
     }
 };
 

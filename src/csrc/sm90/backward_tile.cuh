@@ -1,6 +1,6 @@
 // What a CTA of the Hopper backward works on and where (the algorithm: backward_config.cuh):
 // the kernel's argument (Sm90BwdParams), its shared memory and mbarriers (BwdSmem), and its
-// tiles (BackwardTile): a KV block, the (query head, query block) pairs that visit it, and the
+// tile (BackwardTile): the KV block, the (query head, query block) pairs it visits, and the
 // deterministic order's turns.
 #pragma once
 
@@ -9,7 +9,6 @@
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
 #include "backward_config.cuh"
-#include "fast_div.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
@@ -21,19 +20,14 @@ namespace flash::sm90 {
 struct Sm90BwdParams {
     BwdParams p;
     CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
-    // Tiles: `tiles` (KV block, KV head, batch) triples, numbered KV block fastest (neighbouring
-    // tiles read the same Q and dO from L2); CTA x takes tiles x, x + gridDim.x, ... (one CTA
-    // per tile, or a persistent grid of one CTA per SM). kv_blocks and kv_heads divide the tile
-    // number; the KV block of the tile's k-th place is kv_block0 + kv_block_step * k (0, 1; the
-    // deterministic order: the last KV block first).
-    int tiles;
-    FastDiv kv_blocks, kv_heads;
+    // The KV block of CTA x: kv_block0 + kv_block_step * x (0, 1; the deterministic order:
+    // the last KV block first). Affine in kernel parameters, so that ptxas rematerialises it
+    // rather than keep it in a register.
     int kv_block0, kv_block_step;
 };
 
 // Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
-//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+2S .. q_empty | 1+3S .. do_empty |
-//   1+4S kv_empty   (S stages)
+//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+2S .. q_empty | 1+3S .. do_empty   (S stages)
 template <class Cfg>
 struct BwdSmem {
     unsigned char* base;  // 1024-byte aligned
@@ -63,12 +57,9 @@ struct BwdSmem {
     __device__ __forceinline__ float* d(int s) const {
         return reinterpret_cast<float*>(base + Cfg::kSD + s * Cfg::kVecBytes);
     }
-    // At the end of a tile: the staging buffers of dV and dK (B_c x d_head each), over the dS^T
-    // and dQ buffers (the Q and dO stages may already hold the next tile's blocks).
-    __device__ __forceinline__ unsigned char* dv_staging() const { return base + Cfg::kSdS; }
-    __device__ __forceinline__ unsigned char* dk_staging() const {
-        return base + Cfg::kSdS + Cfg::kKBytes;
-    }
+    // At the end: the staging buffers of dV and dK (B_c x d_head each), over the Q and dO stages.
+    __device__ __forceinline__ unsigned char* dv_staging() const { return base + Cfg::kSQ; }
+    __device__ __forceinline__ unsigned char* dk_staging() const { return base + Cfg::kSdO; }
 
     __device__ __forceinline__ uint64_t* bar(int i) const {
         return reinterpret_cast<uint64_t*>(base + Cfg::kSBarriers) + i;
@@ -82,17 +73,14 @@ struct BwdSmem {
     __device__ __forceinline__ uint64_t* do_empty(int s) const {
         return bar(1 + 3 * Cfg::kStages + s);
     }
-    __device__ __forceinline__ uint64_t* kv_empty() const { return bar(1 + 4 * Cfg::kStages); }
-    static_assert((2 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+    static_assert((1 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
 
     // One thread, before any other uses them. kv_full takes two arrivals (K's copies and V's,
     // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one;
-    // do_empty and kv_empty one per consumer warp (dO, K and V are read by wgmma alone),
-    // q_empty one per consumer thread (each reads LSE and D with its own loads, which its own
-    // arrival releases).
+    // do_empty one per consumer warp (dO is read by wgmma alone), q_empty one per consumer
+    // thread (each reads LSE and D with its own loads, which its own arrival releases).
     __device__ __forceinline__ void init_barriers() const {
         mbar_init(kv_full(), 2);
-        mbar_init(kv_empty(), Cfg::kConsumerWarps);
         for (int s = 0; s < Cfg::kStages; ++s) {
             mbar_init(q_full(s), 2);
             mbar_init(do_full(s), 1);
@@ -103,11 +91,11 @@ struct BwdSmem {
     }
 };
 
-// A tile of the CTA: a KV block of (KV head, batch), and the query blocks that see it,
-// i_first .. i_first + n_q - 1, for each query head of the group: n (head, block) pairs,
-// head-major. Blocks unmasked.x .. unmasked.y need no mask. Within a (KV head, batch) the
-// KV blocks come first to last (causal: the longest query range first), or with the
-// deterministic order (dq_semaphore) last to first, as dq_turn adds them.
+// The CTA's work: a KV block of (KV head blockIdx.y, batch blockIdx.z), and the query blocks
+// that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head, block)
+// pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask. The KV block is blockIdx.x
+// (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
+// last KV block first, as dq_turn adds them.
 template <class Cfg>
 struct BackwardTile {
     int kv_block, kv_head, batch, k_row0;
@@ -115,16 +103,14 @@ struct BackwardTile {
     int2 unmasked;
     bwd::Window win;
 
-    BackwardTile() = default;
-    __device__ __forceinline__ BackwardTile(const Sm90BwdParams& prm, int tile)
-        : BackwardTile(prm.p, prm, prm.kv_blocks.div(tile), tile) {}
-    __device__ __forceinline__ BackwardTile(const BwdParams& p, const Sm90BwdParams& prm, int pair,
-                                            int tile)
-        : kv_block(prm.kv_block0 + prm.kv_block_step * (tile - pair * prm.kv_blocks.d)),
-          batch(prm.kv_heads.div(pair)),
+    __device__ __forceinline__ explicit BackwardTile(const Sm90BwdParams& prm)
+        : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
+    __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
+        : kv_block(kv_block_),
+          kv_head(blockIdx.y),
+          batch(blockIdx.z),
+          k_row0(kv_block * Cfg::kBc),
           win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right} {
-        kv_head = pair - batch * prm.kv_heads.d;
-        k_row0 = kv_block * Cfg::kBc;
         const int k_last = (k_row0 + Cfg::kBc < p.seqlen_k ? k_row0 + Cfg::kBc : p.seqlen_k) - 1;
         int64_t q_lo, q_hi;
         win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
@@ -148,10 +134,15 @@ struct BackwardTile {
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
     }
     // The deterministic order (bwd::dq_turn, the sm80 family's): pair x's turn counter, and
-    // the number of KV blocks whose dQ additions to it come before this tile's.
-    __device__ __forceinline__ int* dq_turn(const BwdParams& p, Pair x, int& turn) const {
+    // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
+    // the kernel's parameters, not the tile's fields: the writer warp runs it within the
+    // producer's 24 registers.
+    __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
+        const BwdParams& p = prm.p;
+        const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
         turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
-        return bwd::dq_turn_counter<Cfg::kBr>(p, batch, x.head, x.i);
+        return bwd::dq_turn_counter<Cfg::kBr>(p, blockIdx.z, x.head, x.i);
     }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {

@@ -37,19 +37,6 @@ struct Epilogue {
                 tma_store_wait_read();
             named_sync(kEpilogueBarrier + wg, 128);  // the previous tile's rows have been read
         }
-        stage(acc, buffer);
-        fence_proxy_async_smem();                // the TMA store reads what these stores wrote
-        named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
-        issue_store(buffer, map, row0, head, batch);
-        if constexpr (!Cfg::kPersistent)
-            if (threadIdx.x % 128 == 0)
-                tma_store_wait_read();  // smem stays valid until the store has read it
-    }
-
-    // The parts of store_tma, for a caller that orders the buffer's uses itself: this
-    // warpgroup's rows of `acc` into `buffer` as 16-bit elements (then the caller's
-    // fence_proxy_async_smem and a barrier of the warpgroup) ...
-    __device__ __forceinline__ void stage(const float (&acc)[kNO][4], unsigned char* buffer) const {
         // One stmatrix.x4 per two n8 tiles t, t + 1 (t even): its 8x8 matrices are rows +0
         // and +8 of tile t, then of t + 1; lane l gives the address of row l % 8 of matrix
         // l / 8, CTA row r below, tile t + l / 16. That tile's chunk (t % 8 + l / 16) ^ (r & 7)
@@ -65,18 +52,16 @@ struct Epilogue {
                                       pack2<Elem>(acc[t + 1][2], acc[t + 1][3])};
             stmatrix_x4((row ^ ((t % 8) * 16)) + (t / 8) * kTileRows * 128, frag);
         }
-    }
-
-    // ... and the TMA stores of those rows, issued and committed by the warpgroup's first thread
-    // (which alone may wait for them: tma_store_wait_read).
-    __device__ __forceinline__ void issue_store(unsigned char* buffer, const CUtensorMap* map,
-                                                int row0, int head, int batch) const {
+        fence_proxy_async_smem();                // the TMA store reads what these stores wrote
+        named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
         if (threadIdx.x % 128 == 0) {
 #pragma unroll
             for (int c = 0; c < Cfg::kPanels; ++c)
                 tma_store_4d(map, buffer + c * kTileRows * 128 + wg * 64 * 128, c * 64,
                              row0 + wg * 64, head, batch);
             tma_store_commit();
+            if constexpr (!Cfg::kPersistent)
+                tma_store_wait_read();  // smem stays valid until the store has read it
         }
     }
 
