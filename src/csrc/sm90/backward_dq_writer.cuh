@@ -47,7 +47,7 @@ struct BackwardDqWriter {
             int* sem = nullptr;
             if (kOrdered && lane == 0) {
                 int turn;
-                sem = w.dq_turn(p, x, turn);
+                sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
                 while (bwd::ld_acquire(sem) != turn) {
                 }
                 fence_proxy_async_global();  // the earlier KV blocks' additions come first

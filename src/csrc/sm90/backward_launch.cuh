@@ -4,8 +4,6 @@
 // sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
 
 #include "../backward_registry.h"
@@ -39,34 +37,11 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
                           p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, 64);
     if (!ok)
         return cudaErrorInvalidValue;
-    // The CTA order (Sm90BwdParams). Under a causal mask (a window bounded on one side only)
-    // the first KV blocks see many more query blocks than the last: groups of pairs whose Q,
-    // dO, LSE and D take at most 16 MB (a third of an H100's L2), heaviest KV blocks first.
-    // Otherwise one pair per group (more only where the pairs exceed the grid's z limit). The
-    // deterministic order adds the last KV block first (BackwardTile::dq_turn): a CTA waits
-    // only for CTAs earlier in the order, which run first. Groups are a divisor of the pairs.
-    const int kv_blocks = (p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc;
-    const int64_t pairs = int64_t(p.batch) * p.kv_heads;
-    if (pairs <= 0 || pairs > INT32_MAX || kv_blocks <= 0 || kv_blocks > 65535)
-        return cudaErrorInvalidValue;  // (the binding answers empty calls itself)
-    int64_t want = 1;
-    const bool uneven = (p.window_left < 0) != (p.window_right < 0);
-    if (uneven && p.dq_semaphore == nullptr) {
-        const int64_t pair_bytes = int64_t(p.seqlen_q_pad) * p.heads_per_kv * (4 * p.d_pad + 8);
-        want = pair_bytes > 0 ? (int64_t(16) << 20) / pair_bytes : 1;
-    }
-    int64_t group = 0;  // the largest divisor of the pairs up to `want` leaving z in its limit
-    for (int64_t g = want < pairs ? want : pairs; g >= 1 && group == 0; --g)
-        if (pairs % g == 0 && pairs / g <= 65535)
-            group = g;
-    for (int64_t g = want + 1; g <= pairs && group == 0; ++g)  // else the smallest above it
-        if (pairs % g == 0 && pairs / g <= 65535)
-            group = g;
-    prm.kv_heads = FastDiv(p.kv_heads);
-    prm.kv_block0 = p.dq_semaphore != nullptr ? kv_blocks - 1 : 0;
+    const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
+    // The deterministic order adds the last KV block first (BackwardTile::dq_turn): it runs
+    // first, so no CTA waits for one not yet launched.
+    prm.kv_block0 = p.dq_semaphore != nullptr ? int(grid.x) - 1 : 0;
     prm.kv_block_step = p.dq_semaphore != nullptr ? -1 : 1;
-    const dim3 grid(static_cast<unsigned>(group), static_cast<unsigned>(kv_blocks),
-                    static_cast<unsigned>(pairs / group));
     return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
         return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      prm);

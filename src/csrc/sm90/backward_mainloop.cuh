@@ -275,19 +275,16 @@ struct BackwardConsumer {
                 dV[t][e] = dK[t][e] = 0.f;
         if (w.n > 0) {
             mbar_wait(sm.kv_full(), 0);  // K and V have landed
-            // The query blocks of each head of the group in turn (the head matters not here).
-            for (int t = 0, i = w.i_first; t < w.n; ++t) {
-                block(t, i);
-                if (++i == w.i_first + w.n_q)
-                    i = w.i_first;
-            }
+            auto x = w.first(prm.p.heads_per_kv);
+            for (int t = 0; t < w.n; ++t, w.advance(x))
+                block(t, x.head, x.i);
         }
         // Both warpgroups are done with every stage (the dV and dK staging buffers).
         named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);
         write_dk_dv();
     }
 
-    __device__ __forceinline__ void block(int t, int i) {
+    __device__ __forceinline__ void block(int t, int head, int i) {
         const int s = t % Cfg::kStages;
         const uint32_t phase = (t / Cfg::kStages) & 1;
         const bool masked = i < w.unmasked.x || i > w.unmasked.y;
@@ -407,9 +404,8 @@ struct BackwardConsumer {
             for (int e = 0; e < 4; ++e)
                 dK[t][e] *= scale;
         const Epilogue<Cfg, Cfg::kBc> epilogue{wg, warp, lane};
-        const auto c = BackwardTile<Cfg>::coord(prm);  // recomputed: no registers held for it
-        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, c.kv_head, c.batch);
-        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, c.kv_head, c.batch);
+        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
+        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
     }
 };
 

@@ -9,7 +9,6 @@
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
 #include "backward_config.cuh"
-#include "fast_div.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
@@ -21,17 +20,9 @@ namespace flash::sm90 {
 struct Sm90BwdParams {
     BwdParams p;
     CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
-    // The CTA order: the grid is (group_pairs, KV blocks, groups), the hardware's order x
-    // fastest: groups of group_pairs (batch, KV head) pairs (pair = blockIdx.z * gridDim.x +
-    // blockIdx.x, of kv_heads each batch); inside a group the KV block's place k = blockIdx.y,
-    // KV block kv_block0 + kv_block_step * k (affine in kernel parameters and blockIdx.y, so
-    // that ptxas rematerialises it rather than keep it in a register). By default one pair per
-    // group, KV blocks first to last (each head's CTAs run together and share its Q and dO in
-    // L2); under a causal mask several pairs whose Q and dO fit in L2 together, so that the
-    // heaviest KV blocks of the group (the first: the longest query range) run first and the
-    // last CTAs to run are light ones; deterministic, the last KV block first
-    // (BackwardTile::dq_turn).
-    FastDiv kv_heads;
+    // The KV block of CTA x: kv_block0 + kv_block_step * x (0, 1; the deterministic order:
+    // the last KV block first). Affine in kernel parameters, so that ptxas rematerialises it
+    // rather than keep it in a register.
     int kv_block0, kv_block_step;
 };
 
@@ -100,9 +91,11 @@ struct BwdSmem {
     }
 };
 
-// The CTA's work: a KV block of (KV head, batch) (blockIdx.x in Sm90BwdParams' order), and the
-// query blocks that see it, i_first .. i_first + n_q - 1, for each query head of the group: n
-// (head, block) pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask.
+// The CTA's work: a KV block of (KV head blockIdx.y, batch blockIdx.z), and the query blocks
+// that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head, block)
+// pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask. The KV block is blockIdx.x
+// (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
+// last KV block first, as dq_turn adds them.
 template <class Cfg>
 struct BackwardTile {
     int kv_block, kv_head, batch, k_row0;
@@ -110,26 +103,14 @@ struct BackwardTile {
     int2 unmasked;
     bwd::Window win;
 
-    // (KV block, KV head, batch) of this CTA, from blockIdx.x: also for a role that would
-    // rather recompute them than hold them in registers.
-    struct Coord {
-        int kv_block, kv_head, batch;
-    };
-    __device__ __forceinline__ static Coord coord(const Sm90BwdParams& prm) {
-        const int pair = int(blockIdx.z * gridDim.x + blockIdx.x);
-        const int batch = prm.kv_heads.div(pair);
-        return Coord{prm.kv_block0 + prm.kv_block_step * int(blockIdx.y),
-                     pair - batch * prm.kv_heads.d, batch};
-    }
-
     __device__ __forceinline__ explicit BackwardTile(const Sm90BwdParams& prm)
-        : win{prm.p.seqlen_k - prm.p.seqlen_q, prm.p.window_left, prm.p.window_right} {
-        const BwdParams& p = prm.p;
-        const Coord c = coord(prm);
-        kv_block = c.kv_block;
-        kv_head = c.kv_head;
-        batch = c.batch;
-        k_row0 = kv_block * Cfg::kBc;
+        : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
+    __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
+        : kv_block(kv_block_),
+          kv_head(blockIdx.y),
+          batch(blockIdx.z),
+          k_row0(kv_block * Cfg::kBc),
+          win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right} {
         const int k_last = (k_row0 + Cfg::kBc < p.seqlen_k ? k_row0 + Cfg::kBc : p.seqlen_k) - 1;
         int64_t q_lo, q_hi;
         win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
@@ -153,10 +134,15 @@ struct BackwardTile {
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
     }
     // The deterministic order (bwd::dq_turn, the sm80 family's): pair x's turn counter, and
-    // the number of KV blocks whose dQ additions to it come before this CTA's.
-    __device__ __forceinline__ int* dq_turn(const BwdParams& p, Pair x, int& turn) const {
+    // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
+    // the kernel's parameters, not the tile's fields: the writer warp runs it within the
+    // producer's 24 registers.
+    __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
+        const BwdParams& p = prm.p;
+        const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
         turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
-        return bwd::dq_turn_counter<Cfg::kBr>(p, batch, x.head, x.i);
+        return bwd::dq_turn_counter<Cfg::kBr>(p, blockIdx.z, x.head, x.i);
     }
     __device__ __forceinline__ void advance(Pair& x) const {
         if (++x.i == i_first + n_q) {
