@@ -27,8 +27,8 @@
 #             spin 400 cycles per query block: the backward cases that run them (and those the
 #             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
 #   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
-#   bwd-prog  the backward's progression: each family's kernel of the default set at d_head 64
-#             and 128, bf16, the standard shapes, causal and not (fa-tools bench --pass bwd)
+#   bwd-prog  the backward's progression: one kernel per technique at d_head 64 and 128, bf16,
+#             16x1024, 16x4096, 4x16384, causal and not (fa-tools bench --pass bwd)
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
@@ -250,10 +250,20 @@ PY
         echo exit \$?"
 }
 if step bwd-prog; then
-    for c in "" --causal; do
-        run "bwd-prog${c:+-causal}" python3 -m fa_tools bench --pass bwd --configs default \
-            --dtypes bf16 --d-heads 64,128 $c --json "$LOG_DIR/bwd-prog${c:+-causal}.json" \
-            --md "$LOG_DIR/bwd-prog${c:+-causal}.md"
+    # One row per technique (needs FLASH_ATTENTION_BWD_KERNELS=ci,default,hopper-r64 for the
+    # B_r 64 row at d_head 64): results/2026-11-27-h200-backward-progression.md.
+    prog_64=bwd_bf16_d64_c128_r128_w8_fb,bwd_sm90_bf16_d64_c128_r64_f,bwd_sm90_bf16_d64_c128_r128_f
+    prog_128=bwd_bf16_d128_c128_r64_w8_fb,bwd_sm90_bf16_d128_c128_r64_f
+    for d in 64 128; do
+        configs=$prog_64
+        [ "$d" = 128 ] && configs=$prog_128
+        for c in "" --causal; do
+            run "bwd-prog-d$d${c:+-causal}" timeout 150 python3 -m fa_tools bench --pass bwd \
+                --configs "$configs" --dtypes bf16 --d-heads "$d" \
+                --shapes 16x1024,16x4096,4x16384 $c \
+                --json "$LOG_DIR/bwd-prog-d$d${c:+-causal}.json" \
+                --md "$LOG_DIR/bwd-prog-d$d${c:+-causal}.md"
+        done
     done
 fi
 if step bwd-planted; then
