@@ -3,8 +3,8 @@ kernel of the backward (preprocess, main with and without the ordered dQ, conver
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls at d_head up to 128; d_head 256 and
 varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head;
-the last three calls have more CTAs than an H100 has SMs, some with no query block under the
-window.
+a deterministic call with no mask in the Hopper family's rotated order; the last three calls
+have more CTAs than an H100 has SMs, some with no query block under the window.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -26,6 +26,7 @@ def main() -> None:
             (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
             (96, True, False, (300, 260), (2, 2), {"softcap": 30.0}),
             (64, True, True, (400, 300), (2, 1), {"softcap": 30.0}),
+            (128, False, True, (512, 256), (2, 2), {}),
             (64, False, False, (128, 20000), (2, 2), {}),
             (128, False, True, (64, 17000), (2, 2), {"window_size": (64, 0)}),
             (128, False, False, (100, 20000), (2, 2), {"softcap": 30.0})]:

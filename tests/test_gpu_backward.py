@@ -140,6 +140,13 @@ def test_rows_without_keys_get_zero_gradients(require_extension):
     ((2, 700, 900, 8, 2), 64, {"window_size": (300, 50)}),
     ((1, 500, 400, 4, 4), 64, {"causal": True, "softcap": 5.0}),
     ((2, 2048, 2048, 8, 2), 64, {}),
+    # The Hopper family's rotated order (no mask, query blocks a multiple of the KV blocks):
+    # r = 1, 2 and 8 query blocks per KV block, GQA and MQA; and past half an H100's SMs of KV
+    # blocks per head, where the launcher keeps the last-KV-block-first order.
+    ((2, 1024, 1024, 8, 2), 128, {}),
+    ((2, 2048, 1024, 6, 1), 64, {}),
+    ((1, 4096, 1024, 4, 4), 128, {}),
+    ((1, 16384, 16384, 2, 2), 64, {}),
 ])
 def test_deterministic_is_bitwise_reproducible(require_extension, shape, d_head, features):
     torch.manual_seed(11)

@@ -13,6 +13,8 @@ from flash_attention.masks import (
     block_mask,
     canonical_window,
     dq_turn,
+    rotated_dq_turn,
+    rotated_start,
     kv_blocks,
     query_blocks,
     visible,
@@ -161,3 +163,21 @@ def test_flops_count_visible_pairs_under_a_window():
     assert attention_flops(2, 4, 64, 64, 128, window_size=(8, 0)) == 4.0 * 2 * 4 * 128 * pairs
     pairs = int(visible(16, 64, -1, 0).sum())  # causal with Sq != Sk: bottom-right, counted
     assert attention_flops(1, 1, 16, 64, 128, causal=True) == 4.0 * 128 * pairs
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(1, 1), (32, 32), (64, 32), (15, 5), (128, 2), (66, 66),
+                                       (192, 64), (7, 7), (9, 1)])
+def test_rotated_deterministic_turns(n_q, n_kv):
+    """The rotated order (Hopper, deterministic, no mask, n_q a multiple of n_kv: the launcher
+    uses it only then): at every query block the KV blocks
+    hold the turns 0 .. n_kv-1 each once, in the order they reach the block (steps from their
+    start, then index), so a KV block only waits for one that got there in fewer steps or
+    with the same start and a smaller index: no cycle, no turn that never comes."""
+    heads = 3  # of a GQA group: each head's blocks from the same start, cyclically
+    for h in range(heads):
+        for i in range(n_q):
+            turns = [rotated_dq_turn(i, j, n_q, n_kv) for j in range(n_kv)]
+            assert sorted(turns) == list(range(n_kv)), (h, i, turns)
+            steps = [h * n_q + (i - rotated_start(j, n_q, n_kv)) % n_q for j in range(n_kv)]
+            arrival = sorted(range(n_kv), key=lambda j: (steps[j], j))
+            assert [turns[j] for j in arrival] == list(range(n_kv)), (h, i, turns)

@@ -130,3 +130,19 @@ def dq_turn(i: int, kv_block: int, block_r: int, block_c: int, seqlen_q: int, se
     q_last = min(i * block_r + block_r, seqlen_q) - 1
     key_hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, q_last + off + right)
     return key_hi // block_c - kv_block
+
+
+def rotated_start(kv_block: int, n_q: int, n_kv: int) -> int:
+    """The Hopper backward's rotated deterministic order (no mask: every KV block sees every
+    query block; n_q a multiple of n_kv): the query block KV block kv_block visits first, r =
+    n_q / n_kv apart, so that the KV blocks reach a query block one after another rather than
+    all at block 0."""
+    return kv_block * (n_q // n_kv)
+
+
+def rotated_dq_turn(i: int, kv_block: int, n_q: int, n_kv: int) -> int:
+    """The rotated order's turn of KV block kv_block at query block i (of any head: every head's
+    blocks are visited from the same start, cyclically): the KV block whose start is i // r
+    reaches the block first, then i // r - 1, ... cyclically. bwd::rotated_dq_turn is its CUDA
+    twin."""
+    return (i // (n_q // n_kv) - kv_block) % n_kv

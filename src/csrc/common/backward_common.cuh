@@ -96,6 +96,20 @@ __device__ __forceinline__ int dq_turn(const Window& win, int seqlen_q, int seql
     return static_cast<int>(k_hi / kBc) - kv_block;
 }
 
+// The Hopper family's rotated order (deterministic calls with no mask, every KV block seeing
+// every query block, n_q = r n_kv query blocks for n_kv KV blocks): KV block j starts at query
+// block j r, so that the KV blocks reach a block one after another rather than all queue at
+// block 0. Their starts are r apart, so the one that reaches block i first is the one whose
+// start is i / r, then i / r - 1, ... cyclically: KV block j's turn at block i is
+// (i / r - j) mod n_kv, at every head of a GQA group (each head's blocks from the same start).
+// A CTA so waits only for CTAs of the same (batch, KV head) that got there first: safe while
+// they can all be resident at once (the launcher's condition).
+// flash_attention.masks.rotated_dq_turn is its CPU twin; i_over_r = i / r.
+__device__ __forceinline__ int rotated_dq_turn(int i_over_r, int kv_block, int n_kv) {
+    const int d = i_over_r - kv_block;
+    return d < 0 ? d + n_kv : d;
+}
+
 // The query blocks of B_r rows that see all kBc keys k0 .. k0 + kBc - 1 and lie whole inside
 // the sequence ([lo, hi]; lo > hi: none): the block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside
 // the window iff its corners are, i.e. i B_r + B_r - 1 <= k0 - off + left and

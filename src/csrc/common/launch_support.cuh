@@ -1,5 +1,5 @@
 // What the launchers of both families share: the dynamic shared-memory opt-in (once per device),
-// a checked launch, and the registry entry of a config. Plain CUDA (no torch).
+// a checked launch, the SM count, and the registry entry of a config. Plain CUDA (no torch).
 #pragma once
 
 #include <atomic>
@@ -33,6 +33,25 @@ cudaError_t opt_in_smem(int bytes) {
         err != cudaSuccess)
         return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
+    return cudaSuccess;
+}
+
+// The SMs of the current device, asked once per device.
+inline cudaError_t multiprocessor_count(int& count) {
+    static std::atomic<int> known[64] = {};
+    int device = 0;
+    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
+        return err;
+    count = device < 64 ? known[device].load(std::memory_order_relaxed) : 0;
+    if (count > 0)
+        return cudaSuccess;
+    if (cudaError_t err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+        err != cudaSuccess)
+        return err;
+    if (count < 1)
+        return cudaErrorInvalidConfiguration;
+    if (device < 64)
+        known[device].store(count, std::memory_order_relaxed);
     return cudaSuccess;
 }
 

@@ -43,11 +43,12 @@ struct BackwardDqWriter {
         const BwdParams& p = prm.p;
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
-            float* acc = p.dq_accum + w.padded_row(p, x) * Cfg::kDHead;
+            const typename BackwardTile<Cfg>::Pair b{x.head, w.block_at(prm, x.i)};
+            float* acc = p.dq_accum + w.padded_row(p, b) * Cfg::kDHead;
             int* sem = nullptr;
             if (kOrdered && lane == 0) {
                 int turn;
-                sem = BackwardTile<Cfg>::dq_turn(prm, x, turn);
+                sem = BackwardTile<Cfg>::dq_turn(prm, b, turn);
                 while (bwd::ld_acquire(sem) != turn) {
                 }
                 fence_proxy_async_global();  // the earlier KV blocks' additions come first

@@ -47,16 +47,17 @@ struct BackwardLoader : TmaLoader<Cfg> {
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             const int s = t % Cfg::kStages, use = t / Cfg::kStages;
+            const typename BackwardTile<Cfg>::Pair b{x.head, w.block_at(prm, x.i)};
             wait_buffer_free(sm.q_empty(s), use);
-            this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), x.i,
-                                                      x.head, w.batch);
-            const int64_t vec = w.padded_row(p, x);
+            this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), b.i,
+                                                      b.head, w.batch);
+            const int64_t vec = w.padded_row(p, b);
             mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
             bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
             bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
             wait_buffer_free(sm.do_empty(s), use);
-            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s), x.i,
-                                                      x.head, w.batch);
+            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s), b.i,
+                                                      b.head, w.batch);
         }
     }
 };
@@ -277,6 +278,10 @@ struct BackwardConsumer {
             mbar_wait(sm.kv_full(), 0);  // K and V have landed
             auto x = w.first(prm.p.heads_per_kv);
             for (int t = 0; t < w.n; ++t, w.advance(x))
+                // x.i, the place in the head's cycle, serves as the block: with the rotated order
+                // (no mask, block_at) the block matters only for the key tail's mask, which
+                // every block of the last KV block gets, and rows past seqlen_q have an LSE of
+                // +inf (P = 0) in any block; without it the place is the block.
                 block(t, x.head, x.i);
         }
         // Both warpgroups are done with every stage (the dV and dK staging buffers).

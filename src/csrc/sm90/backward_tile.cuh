@@ -9,6 +9,7 @@
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
 #include "backward_config.cuh"
+#include "fast_div.cuh"
 #include "ptx.cuh"
 #include "tensor_map.h"
 
@@ -24,6 +25,12 @@ struct Sm90BwdParams {
     // the last KV block first). Affine in kernel parameters, so that ptxas rematerialises it
     // rather than keep it in a register.
     int kv_block0, kv_block_step;
+    // The rotated deterministic order (bwd::rotated_dq_turn; no mask, KV blocks first to last):
+    // over rotated_kv_blocks KV blocks, KV block j visiting each head's query blocks from
+    // j * rotation.d on, cyclically; rotation_step = rotation.d, or 0 where the order is not
+    // rotated.
+    int rotated_kv_blocks, rotation_step;
+    FastDiv rotation;
 };
 
 // Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
@@ -93,7 +100,8 @@ struct BwdSmem {
 
 // The CTA's work: a KV block of (KV head blockIdx.y, batch blockIdx.z), and the query blocks
 // that see it, i_first .. i_first + n_q - 1, for each query head of the group: n (head, block)
-// pairs, head-major. Blocks unmasked.x .. unmasked.y need no mask. The KV block is blockIdx.x
+// pairs, head-major (each head's blocks in the order block_at gives). Blocks unmasked.x ..
+// unmasked.y need no mask. The KV block is blockIdx.x
 // (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
 // last KV block first, as dq_turn adds them.
 template <class Cfg>
@@ -133,6 +141,14 @@ struct BackwardTile {
     __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
     }
+    // The query block of the i-th place of a head's cycle (i_first .. i_first + n_q - 1): i, or
+    // with the rotated order i + kv_block * r, cyclically (the KV block from blockIdx, as
+    // rematerialisable as the kernel parameters: held in no register).
+    __device__ __forceinline__ int block_at(const Sm90BwdParams& prm, int i) const {
+        const int kv = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
+        const int b = i + kv * prm.rotation_step;
+        return b < i_first + n_q ? b : b - n_q;
+    }
     // The deterministic order (bwd::dq_turn, the sm80 family's): pair x's turn counter, and
     // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
     // the kernel's parameters, not the tile's fields: the writer warp runs it within the
@@ -141,7 +157,10 @@ struct BackwardTile {
         const BwdParams& p = prm.p;
         const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
         const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
-        turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
+        if (prm.rotation_step > 0)
+            turn = bwd::rotated_dq_turn(prm.rotation.div(x.i), kv_block, prm.rotated_kv_blocks);
+        else
+            turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
         return bwd::dq_turn_counter<Cfg::kBr>(p, blockIdx.z, x.head, x.i);
     }
     __device__ __forceinline__ void advance(Pair& x) const {
