@@ -13,10 +13,10 @@ from flash_attention.masks import (
     block_mask,
     canonical_window,
     dq_turn,
-    rotated_dq_turn,
-    rotated_start,
     kv_blocks,
     query_blocks,
+    rotated_dq_turn,
+    rotated_start,
     visible,
     visible_pairs,
 )

@@ -96,7 +96,7 @@ __device__ __forceinline__ int dq_turn(const Window& win, int seqlen_q, int seql
     return static_cast<int>(k_hi / kBc) - kv_block;
 }
 
-// The Hopper family's rotated order (deterministic calls with no mask, every KV block seeing
+// The rotated order of both families (deterministic calls with no mask, every KV block seeing
 // every query block, n_q = r n_kv query blocks for n_kv KV blocks): KV block j starts at query
 // block j r, so that the KV blocks reach a block one after another rather than all queue at
 // block 0. Their starts are r apart, so the one that reaches block i first is the one whose

@@ -31,6 +31,10 @@ struct BwdParams {
     // whose dQ contributions were added, so they are added in a fixed order. nullptr: atomics
     // in any order (the default).
     int* dq_semaphore;
+    // The sm80 family's rotated deterministic order (bwd::rotated_dq_turn): r, the query blocks
+    // per KV block, where its launcher chose it; 0 (the binding's value): the last KV block
+    // first. The Hopper family keeps its own (Sm90BwdParams).
+    int dq_rotation;
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;

@@ -102,9 +102,11 @@ struct BackwardCta {
         : p(params),
           lane(threadIdx.x % 32),
           warp(threadIdx.x / 32),
-          // Deterministic: the last KV block first (see accumulate_dq).
-          kv_block(params.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x)
-                                                  : int(blockIdx.x)),
+          // Deterministic: the last KV block first, or first to last in the rotated order
+          // (see accumulate_dq).
+          kv_block(params.dq_semaphore != nullptr && params.dq_rotation == 0
+                       ? int(gridDim.x - 1 - blockIdx.x)
+                       : int(blockIdx.x)),
           k_row0(kv_block * kBc),
           batch(blockIdx.z),
           kv_head(blockIdx.y),
@@ -162,9 +164,16 @@ struct BackwardCta {
                 .issue(sV, v, span().seqlen_k - k_row0);
             if (threadIdx.x == 0)
                 bwd_cta_unmasked = unmasked_blocks();
-            issue_query_block(block_src(head0, i_first), 0);
+            issue_query_block(block_src(head0, i_first + p.dq_rotation * kv_block), 0);
             cp_async_commit();  // K and V land with the first query block
-            // (head, i) of block t and of block t + 1, stepped without divisions.
+            // (head, i) of block t and of block t + 1, stepped without divisions; i the place in
+            // the head's cycle, at(i) the query block there (the rotated order starts each
+            // head's blocks at kv_block r, cyclically).
+            const int shift = p.dq_rotation * kv_block;
+            const auto at = [&](int place) {
+                const int b = place + shift;
+                return b < i_first + n_q ? b : b - n_q;
+            };
             int64_t head = head0, next_head = head0;
             int i = i_first, next_i = i_first;
             for (int t = 0; t < n; ++t) {
@@ -176,12 +185,12 @@ struct BackwardCta {
                 }
                 const int buf = Cfg::kPrefetch ? t % 2 : 0;
                 if (!Cfg::kPrefetch && t > 0) {
-                    const BlockSrc src = block_src(head, i);
+                    const BlockSrc src = block_src(head, at(i));
                     __syncthreads();  // every warp is done with block t - 1's stage
                     issue_query_block(src, 0);
                     cp_async_commit();
                 }
-                const BlockSrc next = block_src(next_head, next_i);  // (used with prefetch)
+                const BlockSrc next = block_src(next_head, at(next_i));  // (with prefetch)
                 cp_async_wait<0>();  // block t (the only one in flight) has landed
                 // Q_i, dO_i, LSE_i, D_i (K and V on the first) are in smem, and every warp is
                 // done with block t - 1: its stage, sP and sdS are free.
@@ -192,11 +201,11 @@ struct BackwardCta {
                     cp_async_commit();
                 }
 
-                probabilities(i, stage(buf), lse_of(buf), d_of(buf));
+                probabilities(at(i), stage(buf), lse_of(buf), d_of(buf));
                 __syncthreads();  // P^T and dS^T are complete in smem
 
                 accumulate_dk_dv(stage(buf));
-                accumulate_dq(head, i);
+                accumulate_dq(head, at(i));
             }
         }
         write_dk_dv();
@@ -348,9 +357,12 @@ struct BackwardCta {
         int turn = 0;
         if (p.dq_semaphore != nullptr) {  // uniform over the CTA
             // The last KV block first (bwd::dq_turn): under a causal mask each CTA trails the
-            // one before by a single query block.
+            // one before by a single query block. With no mask where the launcher chose it,
+            // the rotated order (bwd::rotated_dq_turn).
             sem = dq_turn_counter<kBr>(p, batch, head, i);
-            turn = dq_turn<kBr, kBc>(win(), span().seqlen_q, span().seqlen_k, i, kv_block);
+            turn = p.dq_rotation > 0
+                       ? rotated_dq_turn(i / p.dq_rotation, kv_block, int(gridDim.x))
+                       : dq_turn<kBr, kBc>(win(), span().seqlen_q, span().seqlen_k, i, kv_block);
             if (threadIdx.x == 0)
                 while (ld_acquire(sem) != turn) {
                 }
