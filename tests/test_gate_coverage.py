@@ -211,6 +211,8 @@ def test_each_backward_feature_has_a_case():
     assert has(lambda c: c.kind == "bwd" and c.kv_heads is not None), "GQA"
     assert has(lambda c: c.window is not None), "sliding window"
     assert has(lambda c: c.deterministic and not c.varlen), "deterministic"
+    assert has(lambda c: c.deterministic and not (c.causal or c.window or c.varlen)), (
+        "deterministic with no mask: the rotated order")
     assert has(lambda c: c.varlen and not c.peer_note()), "varlen, against SDPA"
     assert has(lambda c: c.varlen and c.softcap > 0), "varlen with a softcap"
     assert has(lambda c: c.softcap > 0) and has(lambda c: c.kind == "fwdbwd"), "training step"
@@ -285,7 +287,9 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
     assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in varlen] == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_fp16_d64_c128_r128_w8_fb",
         "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt"]
-    (det,) = [c for c in BWD_GATE_CASES if c.deterministic]
+    det, rotated = [c for c in BWD_GATE_CASES if c.deterministic]
+    assert coverage.kernels_run(rotated, [], BWD_HOPPER, sm90=True)[0] == (
+        "bwd_sm90_bf16_d64_c128_r128_f")
     assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=True) == [
         "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
     assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=False) == [

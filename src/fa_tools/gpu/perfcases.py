@@ -176,7 +176,8 @@ FWD_GATE_CASES = tuple([
 # 12 cases have an SDPA FA2 peer (not the softcap and deterministic ones; a varlen case's runs
 # the padded batch): 18 timed contenders at about 5.3 s each (the forward's 31 in its 185 s A/A
 # run, less about 20 s of start-up), about 95 s per gate run (with four deterministic cases
-# where the varlen ones are, 15 contenders, about 80 s; estimated, to be measured).
+# where the varlen ones are, 15 contenders, about 80 s; estimated, to be measured). Since
+# 2026-11-27 a 13th case, deterministic with no mask (its own order), adds one contender.
 # tests/test_gate_coverage.py checks the kernels against the backward's selection.
 BWD_GATE_CASES = tuple([
     # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
@@ -196,8 +197,10 @@ BWD_GATE_CASES = tuple([
     Case("bf16", 128, 4, 4096, softcap=30.0, varlen=True, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, varlen=True, kind="bwd"),
     # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128: the
-    # Hopper kernel's order on sm_90, the sm80 family's elsewhere
+    # Hopper kernel's order on sm_90, the sm80 family's elsewhere; and with no mask at d_head
+    # 64, the rotated order of either family (bwd::rotated_dq_turn)
     Case("bf16", 128, 4, 4096, causal=True, deterministic=True, kind="bwd"),
+    Case("bf16", 64, 4, 4096, deterministic=True, kind="bwd"),
     # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
     Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
 ])
