@@ -71,7 +71,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
                 probe.gridDim = dim3(kCtas, 1, 1);
                 err = cudaOccupancyMaxActiveClusters(&count, kernel, &probe);
             } else {
-                err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+                err = multiprocessor_count(count);
             }
             if (err != cudaSuccess)
                 return err;
