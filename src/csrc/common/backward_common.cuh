@@ -110,6 +110,23 @@ __device__ __forceinline__ int rotated_dq_turn(int i_over_r, int kv_block, int n
     return d < 0 ? d + n_kv : d;
 }
 
+// Host, both launchers: r of the rotated order for a call of n_kv KV blocks and n_q query blocks
+// per (batch, KV head), or 0 where it keeps the last-KV-block-first order: deterministic, no
+// mask, fixed length, n_q a whole multiple of n_kv, and n_kv CTAs on at most half the SMs, so
+// that those a CTA may wait for (launched after it) are all resident at once.
+inline cudaError_t rotation_of(const BwdParams& p, int n_q, int n_kv, int& r) {
+    r = 0;
+    if (p.dq_semaphore == nullptr || p.cu_seqlens_q != nullptr || p.window_left >= 0 ||
+        p.window_right >= 0 || n_kv <= 0 || n_q % n_kv != 0)
+        return cudaSuccess;
+    int sms = 0;
+    if (cudaError_t err = multiprocessor_count(sms); err != cudaSuccess)
+        return err;
+    if (int64_t(n_kv) * 2 <= sms)
+        r = n_q / n_kv;
+    return cudaSuccess;
+}
+
 // The query blocks of B_r rows that see all kBc keys k0 .. k0 + kBc - 1 and lie whole inside
 // the sequence ([lo, hi]; lo > hi: none): the block [i B_r, i B_r + B_r - 1] x [k0, k1] is inside
 // the window iff its corners are, i.e. i B_r + B_r - 1 <= k0 - off + left and

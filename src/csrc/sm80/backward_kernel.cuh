@@ -164,8 +164,6 @@ struct BackwardCta {
                 .issue(sV, v, span().seqlen_k - k_row0);
             if (threadIdx.x == 0)
                 bwd_cta_unmasked = unmasked_blocks();
-            issue_query_block(block_src(head0, i_first + p.dq_rotation * kv_block), 0);
-            cp_async_commit();  // K and V land with the first query block
             // (head, i) of block t and of block t + 1, stepped without divisions; i the place in
             // the head's cycle, at(i) the query block there (the rotated order starts each
             // head's blocks at kv_block r, cyclically).
@@ -174,6 +172,8 @@ struct BackwardCta {
                 const int b = place + shift;
                 return b < i_first + n_q ? b : b - n_q;
             };
+            issue_query_block(block_src(head0, i_first + shift), 0);  // at(i_first)
+            cp_async_commit();  // K and V land with the first query block
             int64_t head = head0, next_head = head0;
             int i = i_first, next_i = i_first;
             for (int t = 0; t < n; ++t) {

@@ -20,21 +20,12 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     if (p.d_pad != Cfg::kDHead)  // the kernel strides the dQ accumulator by its d_head
         return cudaErrorInvalidValue;
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
-    // Deterministic with no mask, fixed length, the query blocks a whole multiple of the KV
-    // blocks and a (batch, KV head)'s CTAs on at most half the SMs: the rotated order
-    // (bwd::rotated_dq_turn), where a CTA may wait for one launched after it (they are all
-    // resident at once); otherwise the last KV block first.
+    // Deterministic with no mask where it is safe: the rotated order (bwd::rotation_of).
     BwdParams prm = p;
-    prm.dq_rotation = 0;
-    const int n_q = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
-    if (p.dq_semaphore != nullptr && p.cu_seqlens_q == nullptr && p.window_left < 0 &&
-        p.window_right < 0 && n_q % int(grid.x) == 0) {
-        int sms = 0;
-        if (cudaError_t err = multiprocessor_count(sms); err != cudaSuccess)
-            return err;
-        if (int64_t(grid.x) * 2 <= sms)
-            prm.dq_rotation = n_q / int(grid.x);
-    }
+    if (cudaError_t err = bwd::rotation_of(p, (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr, int(grid.x),
+                                           prm.dq_rotation);
+        err != cudaSuccess)
+        return err;
     return bwd::launch_passes<Elem, bwd::DqLayout::kRows>(prm, stream, [&] {
         return launch_checked<&bwd::bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      prm);

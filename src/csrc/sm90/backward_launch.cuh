@@ -41,21 +41,16 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
         return cudaErrorInvalidValue;
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
     // The deterministic order adds the last KV block first (BackwardTile::dq_turn): it runs
-    // first, so no CTA waits for one not yet launched. With no mask, the rotated order
-    // (bwd::rotated_dq_turn) instead, where a CTA may wait for any other of its (batch, KV
-    // head): only while those fit on half the SMs, so that they are all resident at once
-    // (CTAs of earlier pairs, dispatched before them, wait only for each other and finish).
-    bool rotate = false;
-    const int n_q = (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr;
-    if (p.dq_semaphore != nullptr && p.window_left < 0 && p.window_right < 0 &&
-        n_q % int(grid.x) == 0) {
-        int sms = 0;
-        if (cudaError_t err = multiprocessor_count(sms); err != cudaSuccess)
-            return err;
-        rotate = int64_t(grid.x) * 2 <= sms;
-    }
+    // first, so no CTA waits for one not yet launched. With no mask where it is safe, the
+    // rotated order instead (bwd::rotation_of), KV blocks first to last.
+    int r = 0;
+    if (cudaError_t err =
+            bwd::rotation_of(p, (p.seqlen_q + Cfg::kBr - 1) / Cfg::kBr, int(grid.x), r);
+        err != cudaSuccess)
+        return err;
+    const bool rotate = r > 0;
     prm.rotated_kv_blocks = rotate ? int(grid.x) : 0;
-    prm.rotation = FastDiv(rotate ? n_q / int(grid.x) : 1);
+    prm.rotation = FastDiv(rotate ? r : 1);
     prm.rotation_step = rotate ? prm.rotation.d : 0;
     prm.kv_block0 = p.dq_semaphore != nullptr && !rotate ? int(grid.x) - 1 : 0;
     prm.kv_block_step = p.dq_semaphore != nullptr && !rotate ? -1 : 1;
