@@ -1,10 +1,11 @@
 """A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
-conversion, convert_dq_tiles, for the fixed-length calls at d_head up to 128; d_head 256 and
-varlen on the sm80 family there) on tails, masks, a window, a softcap, GQA and a padded d_head;
-a deterministic call with no mask in the Hopper family's rotated order; the last three calls
-have more CTAs than an H100 has SMs, some with no query block under the window.
+conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kernel at d_head
+136-256 among them; varlen on the sm80 family there, and d_head 256 by name) on tails, masks, a
+window, a softcap, GQA and a padded d_head; a deterministic call with no mask in the Hopper
+family's rotated order; the last three calls have more CTAs than an H100 has SMs, some with no
+query block under the window.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -23,6 +24,9 @@ def main() -> None:
             (64, False, True, (77, 77), (2, 1), {}),
             (40, True, True, (200, 90), (2, 2), {}),
             (256, False, True, (65, 100), (2, 2), {}),
+            (192, True, False, (190, 250), (4, 2), {"softcap": 20.0}),
+            (256, False, True, (256, 128), (2, 1), {}),
+            (256, False, False, (100, 9000), (2, 2), {"window_size": (64, 64)}),
             (64, False, False, (150, 333), (4, 1), {"window_size": (40, 7)}),
             (96, True, False, (300, 260), (2, 2), {"softcap": 30.0}),
             (64, True, True, (400, 300), (2, 1), {"softcap": 30.0}),
@@ -42,6 +46,21 @@ def main() -> None:
     fa.attention_varlen(q, kv, kv, cu, cu, 130, 130, causal=True).sum().backward()
     torch.cuda.synchronize()
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    # The sm80 family's d_head 256 kernel by name (on an sm_90 GPU the split-d Hopper kernel
+    # takes the fixed-length calls).
+    from flash_attention.backward import built
+    from flash_attention.config_bwd import select
+    sm80 = select("bf16", 256, False, built())
+    if sm80 is not None:
+        q, k, v, dout = (torch.randn(1, 150, 2, 256, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
+                                                               True, -1, -1, 0.0, True, "")
+        grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None,
+                                                      0, 0, None, True, -1, -1, 0.0, True,
+                                                      sm80.short)
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(g).all() for g in grads)
     print("sanitize cases done")
 
 

@@ -85,23 +85,26 @@ def test_invalid_configs_are_refused_with_the_reason(text, message):
 
 
 def test_hopper_set_and_configs():
-    """The `hopper` set: d_head 64 (B_r 128) and 128 (B_r 64), both dtypes, softcap off and
-    on; all of it in `default` (beside the sm80 family's tiles), its bf16 d_head 128 kernel in
-    `ci`, none in `variants`; `hopper-r64` the d_head 64 ones at B_r 64. The fields and the
-    shared memory mirror sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q and dO,
-    dS^T twice (once at d_head 64), the dQ buffer, LSE and D per stage, the barriers, 1024
-    bytes of alignment); B_r 128 only at d_head 64."""
+    """The `hopper` set: d_head 64 (B_r 128), 128 (B_r 64) and 256 (B_c 64, B_r 64: the
+    warpgroups split d_head), both dtypes, softcap off and on; all of it in `default` (beside
+    the sm80 family's tiles), its bf16 d_head 128 kernel in `ci`, none in `variants`;
+    `hopper-r64` the d_head 64 ones at B_r 64. The fields and the shared memory mirror
+    sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q, two of dO (one at d_head
+    256), dS^T twice (once at d_head 64), P^T twice at d_head 256, a dQ part per warpgroup,
+    LSE and D per stage, the barriers, 1024 bytes of alignment); B_r 128 only at d_head 64."""
     hopper = SETS["hopper"]
-    assert len(hopper) == 8 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
+    assert len(hopper) == 12 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
     assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
-        (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128) for sc in (False, True)}
-    assert {(c.d_head, c.block_r) for c in hopper} == {(64, 128), (128, 64)}
+        (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128, 256) for sc in (False, True)}
+    assert {(c.d_head, c.block_c, c.block_r) for c in hopper} == {
+        (64, 128, 128), (128, 128, 64), (256, 64, 64)}
+    assert [c.split_d for c in hopper].count(True) == 4
     assert {(c.d_head, c.block_r) for c in SETS["hopper-r64"]} == {(64, 64)}
     assert set(SETS["hopper-r64"]) <= set(SETS["all"]) and len(SETS["hopper-r64"]) == 4
     assert set(hopper) <= set(SETS["all"])
-    assert SETS["default"][-8:] == hopper and not set(hopper) & set(SETS["variants"])
+    assert SETS["default"][-12:] == hopper and not set(hopper) & set(SETS["variants"])
     assert set(hopper) & set(SETS["ci"]) == {Sm90BwdConfig("bf16", 128)}
-    assert resolve("hopper,default") == hopper + SETS["default"][:-8]
+    assert resolve("hopper,default") == hopper + SETS["default"][:-12]
     cfg = parse_config("bwd_sm90_bf16_d128_c128_r64_ft")
     assert cfg == Sm90BwdConfig("bf16", 128, softcap=True)
     assert (cfg.family, cfg.arch, cfg.block_c, cfg.block_r, cfg.threads, cfg.warps) == (
@@ -111,6 +114,8 @@ def test_hopper_set_and_configs():
     # a dQ part per warpgroup, one dS^T buffer (kDqOwnKeys)
     assert Sm90BwdConfig("fp16", 64).smem_bytes == 116864
     assert Sm90BwdConfig("fp16", 64, block_r=128).smem_bytes == 199808
+    # one dO stage, P^T and dS^T twice each: 896 bytes under the 227 KB limit
+    assert Sm90BwdConfig("bf16", 256, block_c=64).smem_bytes == 231552
     assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
     assert isinstance(parse_kernel("bwd_preprocess_bf16"), BwdAuxKernel)
     # resolve names the sets when a short form of either family does not parse
@@ -119,9 +124,10 @@ def test_hopper_set_and_configs():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("bwd_sm90_bf16_d96_c128_r64_f", r"d_head must be one of \(64, 128\), got 96"),
-    ("bwd_sm90_fp16_d256_c128_r64_ft", "d_head must be one of"),
-    ("bwd_sm90_bf16_d128_c64_r64_f", r"B_c must be one of \(128,\), got 64"),
+    ("bwd_sm90_bf16_d96_c128_r64_f", r"d_head must be one of \(64, 128, 256\), got 96"),
+    ("bwd_sm90_fp16_d256_c128_r64_ft", "B_c=128 does not go with d_head=256"),
+    ("bwd_sm90_bf16_d128_c64_r64_f", "B_c=64 does not go with d_head=128"),
+    ("bwd_sm90_bf16_d128_c256_r64_f", r"B_c must be one of \(64, 128\), got 256"),
     ("bwd_sm90_bf16_d128_c128_r128_f", "B_r=128 needs d_head=64"),
     ("bwd_sm90_bf16_d64_c128_r256_f", r"B_r must be one of \(64, 128\), got 256"),
     ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 't'"),
@@ -140,8 +146,10 @@ def test_invalid_hopper_config_fields_are_refused():
         Sm90BwdConfig("fp32", 64)
     with pytest.raises(ConfigError, match="softcap must be a bool"):
         Sm90BwdConfig("bf16", 64, softcap=1)
-    with pytest.raises(ConfigError, match="B_c must be one of"):
+    with pytest.raises(ConfigError, match="B_c=64 does not go with d_head=64"):
         Sm90BwdConfig("bf16", 64, block_c=64)
+    with pytest.raises(ConfigError, match="B_c=128 does not go with d_head=256"):
+        Sm90BwdConfig("bf16", 256)
 
 
 def test_warp_grids_take_the_squarest_tile():
@@ -179,14 +187,16 @@ def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig(
         "fp16", 64, block_r=128, softcap=True)
     assert select("fp16", 96, False, built, hopper=True).short == "bwd_sm90_fp16_d128_c128_r64_f"
-    # above the Hopper variants: the sm80 family's d_head 256 kernel
-    assert select("bf16", 192, False, built, hopper=True) == default_tile("bf16", 256)
+    # above 128: the Hopper family's d_head 256 kernel (split d_head), or off Hopper the sm80
+    # family's
+    assert select("bf16", 192, False, built, hopper=True) == Sm90BwdConfig("bf16", 256, 64)
+    assert select("bf16", 192, False, built) == default_tile("bf16", 256)
     # no Hopper kernel built: the sm80 family; only Hopper kernels: none off Hopper
     assert select("bf16", 64, True, SM80_DEFAULT, hopper=True) == default_tile("bf16", 64, True)
     assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
     assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig(
         "bf16", 64, block_r=128)
-    assert select("bf16", 192, False, SETS["hopper"], hopper=True) is None
+    assert select("bf16", 264, False, SETS["hopper"], hopper=True) is None
 
 
 # ---- code generation --------------------------------------------------------------------------

@@ -268,15 +268,15 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
 
 def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
     """With the Hopper backward built, on an sm_90 GPU a fixed-length gate case, deterministic
-    or not, runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128);
-    the varlen cases and d_head 256 stay on the sm80 family; on another GPU, and on sm_90 in a
-    build without them, every case runs what it ran before."""
+    or not, runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128,
+    256); the varlen cases stay on the sm80 family; on another GPU, and on sm_90 in a build
+    without them, every case runs what it ran before."""
     for case in BWD_GATE_CASES:
         before = coverage.bwd_kernel(case, BWD_DEFAULT, sm90=True)
         assert coverage.bwd_kernel(case, BWD_HOPPER, sm90=False) == before
         assert coverage.bwd_kernel(case, BWD_DEFAULT, sm90=False) == before
         on_hopper = coverage.bwd_kernel(case, BWD_HOPPER, sm90=True)
-        if case.varlen or case.d_head > 128:
+        if case.varlen:
             assert on_hopper == before, case.name
         else:
             cfg = config_bwd.parse_config(on_hopper)
@@ -286,7 +286,8 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
     varlen = [c for c in BWD_GATE_CASES if c.varlen]
     assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in varlen] == [
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_fp16_d64_c128_r128_w8_fb",
-        "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt"]
+        "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt",
+        "bwd_bf16_d256_c64_r64_w8_f", "bwd_bf16_d256_c64_r64_w8_ft"]
     det, rotated = [c for c in BWD_GATE_CASES if c.deterministic]
     assert coverage.kernels_run(rotated, [], BWD_HOPPER, sm90=True)[0] == (
         "bwd_sm90_bf16_d64_c128_r128_f")
@@ -324,10 +325,10 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     assert coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=False) == case
     # deterministic dQ no longer reaches the sm80 family on sm_90: it runs the Hopper kernel
     assert coverage.bwd_kernel(replace(case, deterministic=True), BWD_HOPPER, True) == hopper
-    # d_head 256: no Hopper variant, the plain case
+    # d_head 256: shadowed by the Hopper family's split-d kernel on sm_90, a varlen case
     assert coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
                                         sm90=True) == Case("bf16", 256, 4, 4096, causal=True,
-                                                           kind="bwd")
+                                                           kind="bwd", varlen=True)
     for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
         for sm90 in (True, False):
             made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)

@@ -84,7 +84,7 @@ def case(batch, sq, sk, heads, kv_heads, d, dtype, seed=0, layout="bshd", **feat
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head", [64, 128, 256])
 @pytest.mark.parametrize("sq, sk", SHAPES)
 def test_shapes(require_extension, sq, sk, d_head, causal):
     case(2, sq, sk, 4, 2, d_head, torch.bfloat16, causal=causal)
@@ -148,8 +148,11 @@ def test_rows_without_keys_get_zero_gradients(require_extension):
     ((1, 4096, 1024, 4, 4), 128, {}),
     ((2, 1000, 1000, 8, 2), 128, {}),  # partial last query and KV blocks, rotated
     ((2, 1000, 1000, 4, 4), 64, {}),
-    ((2, 1024, 1024, 4, 2), 256, {}),  # the sm80 family's rotated order, r = 1 and 2
+    # d_head 256: the Hopper family's split-d kernel (B_c 64) on sm_90, r = 1 and 2 (the sm80
+    # family's by name: test_sm80_family_rotated_deterministic_order)
+    ((2, 1024, 1024, 4, 2), 256, {}),
     ((1, 2048, 1024, 4, 4), 256, {}),
+    ((2, 1000, 1000, 4, 1), 256, {"causal": True}),
     ((1, 16384, 16384, 2, 2), 64, {}),
 ])
 def test_deterministic_is_bitwise_reproducible(require_extension, shape, d_head, features):
@@ -184,11 +187,11 @@ def _main_kernels(*args, **kwargs) -> set[str]:
         else set())
 
 
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head", [64, 128, 256])
 def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
-    """The sm80 family's kernel named explicitly (on an H100 it serves varlen and d_head above
-    128; elsewhere everything), deterministic with no mask, in the rotated order (r = 1 at
-    d_head 64, 2 at 128, GQA): bitwise over repeats and within the rule."""
+    """The sm80 family's kernel named explicitly (on an H100 it serves varlen; elsewhere
+    everything), deterministic with no mask, in the rotated order (r = 1 at d_head 64 and 256, 2
+    at 128, GQA): bitwise over repeats and within the rule."""
     from flash_attention.backward import built
     from flash_attention.config_bwd import select
 
@@ -205,7 +208,7 @@ def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
     check_grads(first, q, k, v, dout, what=f"sm80 rotated d_head {d_head}")
 
 
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head", [64, 128, 256])
 def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     """On an sm_90 GPU with the Hopper backward built, a fixed-length call runs the Hopper
     kernel, deterministic or not, and gives what the kernel named explicitly gives (bitwise:
@@ -238,7 +241,7 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     assert _main_kernels(q, kx, vx, dout, out_x, lse_x, causal=True) == {"sm80"}
 
 
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head", [64, 128, 256])
 @pytest.mark.parametrize("shape, features", [
     ((3, 1000, 1111, 30, 30), {}),
     ((3, 1000, 1111, 30, 6), {"softcap": 30.0}),

@@ -1,9 +1,10 @@
 """Generates src/csrc/sm90/wgmma.cuh: one inline-PTX wrapper per wgmma shape the Hopper kernels
 issue (m64nNk16, fp32 accumulators, fp16 or bf16 operands), with A from shared memory (S = Q K^T)
-or from registers (O += P V, and S = Q K^T with Q held in registers), and both operands
-MN-major from shared memory (the backward's dQ = dS K, dS stored transposed). The accumulator
-lists are too long to write by hand (up to 128 registers); the file is checked in and
-tests/test_codegen.py checks that it matches this generator.
+or from registers (O += P V, and S = Q K^T with Q held in registers), both operands MN-major
+from shared memory (the backward's dQ = dS K, dS stored transposed), and A K-major with B
+MN-major from shared memory (the d_head 256 backward's dV += P^T dO, P^T in shared memory).
+The accumulator lists are too long to write by hand (up to 128 registers); the file is checked
+in and tests/test_codegen.py checks that it matches this generator.
 
     python -m flash_attention.codegen_wgmma > src/csrc/sm90/wgmma.cuh
 """
@@ -27,7 +28,7 @@ def _accum_operands(n: int) -> str:
 
 
 def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False,
-             mn_major: bool = False) -> str:
+             mn_major: bool = False, b_mn_major: bool = False) -> str:
     ptx_t = TYPES[elem]
     acc = n // 2  # fp32 accumulators per thread: 64 x n over 128 threads
     instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t}"
@@ -43,12 +44,13 @@ def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False,
     else:
         a_ops = f"%{acc}"
         b_op, p_op = f"%{acc + 1}", f"%{acc + 2}"
-        # scale A, scale B, then A and B transposed: neither (Q and K are K-major), or both
-        # (ss_mn: dS^T and K hold M and N contiguous)
-        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 0"
+        # scale A, scale B, then A and B transposed: neither (Q and K are K-major), both
+        # (ss_mn: dS^T and K hold M and N contiguous), or B alone (ss_bmn: P^T K-major, dO
+        # MN-major)
+        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 1" if b_mn_major else "1, 1, 0, 0"
         inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = "uint64_t desc_a, uint64_t desc_b, uint32_t scale_d"
-        name = "ss_mn" if mn_major else "ss"
+        name = "ss_mn" if mn_major else "ss_bmn" if b_mn_major else "ss"
     return (
         f"    __device__ __forceinline__ static void {name}(float (&d)[{n // 8}][4], {sig}) {{\n"
         "        asm volatile(\n"
@@ -71,8 +73,8 @@ def header() -> str:
         "// 2 * (lane % 4) + e % 2 (the mma.sync m16n8 layout, four warps stacked). ss: A and B\n"
         "// from shared memory (descriptors, K-major). rs: A from registers (the m16n8k16 A\n"
         "// fragment of each warp's 16 rows), B from shared memory MN-major; rs_k: the same with\n"
-        "// B K-major; ss_mn: A and B from shared memory, both MN-major. scale_d = 0 overwrites\n"
-        "// d, 1 accumulates.\n"
+        "// B K-major; ss_mn: A and B from shared memory, both MN-major; ss_bmn: A K-major, B\n"
+        "// MN-major. scale_d = 0 overwrites d, 1 accumulates.\n"
         "// asm volatile: the compiler must not move these across the fences and waits around\n"
         "// them.\n"
         "// clang-format off\n#pragma once\n\n"
@@ -87,7 +89,8 @@ def header() -> str:
                 + _wrapper(n, elem, a_from_regs=False) + "\n"
                 + _wrapper(n, elem, a_from_regs=True) + "\n"
                 + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "\n"
-                + _wrapper(n, elem, a_from_regs=False, mn_major=True) + "};\n"
+                + _wrapper(n, elem, a_from_regs=False, mn_major=True) + "\n"
+                + _wrapper(n, elem, a_from_regs=False, b_mn_major=True) + "};\n"
             )
     parts.append("\n}  // namespace flash::sm90\n")
     return "".join(parts)

@@ -16,9 +16,9 @@ Named sets (selected by FLASH_ATTENTION_BWD_KERNELS, comma-separated set names o
 - ``ci``: four kernels: bf16 d_head 64 and 128 with the prefetch, fp16 d_head 256 with a
   softcap and without (the split-column warp grid, the padded 256-wide rows), and the Hopper
   kernel of bf16 d_head 128.
-- ``hopper``: the Hopper backward kernels (:class:`Sm90BwdConfig`), d_head 64 and 128 in both
-  dtypes, with and without a softcap (8 kernels). They need the sm80 family beside them for
-  the calls they do not run (varlen, other GPUs, d_head above 128).
+- ``hopper``: the Hopper backward kernels (:class:`Sm90BwdConfig`), d_head 64, 128 and 256 in
+  both dtypes, with and without a softcap (12 kernels). They need the sm80 family beside them
+  for the calls they do not run (varlen, other GPUs).
 - ``default``: the sm80 family's tile of :func:`default_tile` for d_head 64, 128 and 256 in
   both dtypes, with and without a softcap (12 kernels; every other d_head runs zero-padded on
   the next), and the ``hopper`` set.
@@ -219,7 +219,7 @@ class BwdConfig(ShortFormConfig):
 SM90_FLAGS: dict[str, tuple[str, str]] = {
     "softcap": ("t", "score soft-capping: softcap * tanh(s / softcap), its derivative in dS"),
 }
-SM90_D_HEADS = (64, 128)
+SM90_D_HEADS = (64, 128, 256)
 _SHORT90_RE = re.compile(
     r"^bwd_sm90_(?P<dtype>fp16|bf16)_d(?P<d_head>\d+)_c(?P<block_c>\d+)_r(?P<block_r>\d+)"
     r"_f(?P<flags>[a-z]*)$"
@@ -231,7 +231,8 @@ class Sm90BwdConfig(ShortFormConfig):
     """One Hopper backward kernel: B_c = 128 keys per CTA (64 per consumer warpgroup), query
     blocks of B_r = 64 rows (or 128 at d_head 64, where each consumer warpgroup computes dQ
     over its own keys) in two stages, a producer warpgroup (mirrors
-    sm90/backward_config.cuh)."""
+    sm90/backward_config.cuh). At d_head 256 (split_d) B_c = 64 and the two consumer
+    warpgroups split d_head instead of the keys; dO has one stage."""
 
     dtype: str
     d_head: int
@@ -261,18 +262,30 @@ class Sm90BwdConfig(ShortFormConfig):
         return cls(dtype=m["dtype"], d_head=int(m["d_head"]), block_c=int(m["block_c"]),
                    block_r=int(m["block_r"]), **flags)
 
+    @staticmethod
+    def block_c_for(d_head: int) -> int:
+        """B_c, fixed by d_head (not a template argument of the C++ config): 64 at d_head 256,
+        where the warpgroups split d_head, else 128."""
+        return 64 if d_head == 256 else 128
+
+    @property
+    def split_d(self) -> bool:
+        """The consumer warpgroups split d_head, not the keys (Sm90BwdConfig::kSplitD)."""
+        return self.d_head == 256
+
     @property
     def smem_bytes(self) -> int:
-        """K, V, Q and dO per stage, dS^T (once at d_head 64: kDqOwnKeys, else twice), a
-        block's fp32 dQ (at d_head 64 one per consumer warpgroup), LSE and D per stage, 128
-        bytes of mbarriers, and 1024 bytes for the alignment of the base
-        (Sm90BwdConfig::kSmemBytes)."""
+        """K, V, Q per stage, dO per stage (one at d_head 256), dS^T (once at d_head 64:
+        kDqOwnKeys, else twice), P^T twice at d_head 256, a dQ part of B_r x 64 fp32 per
+        consumer warpgroup, LSE and D per stage, 128 bytes of mbarriers, and 1024 bytes for
+        the alignment of the base (Sm90BwdConfig::kSmemBytes)."""
         k = self.block_c * self.d_head * 2
         q = self.block_r * self.d_head * 2
-        dq = self.block_r * self.d_head * 4 * (2 if self.dq_own_keys else 1)
-        ds_buffers = 1 if self.dq_own_keys else 2
-        return (2 * k + 2 * self.STAGES * q + ds_buffers * self.block_c * self.block_r * 2 + dq
-                + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
+        do_stages = 1 if self.split_d else self.STAGES
+        dq = self.block_r * 64 * 4 * 2
+        ds_buffers = (1 if self.dq_own_keys else 2) + (2 if self.split_d else 0)
+        return (2 * k + (self.STAGES + do_stages) * q + ds_buffers * self.block_c * self.block_r * 2
+                + dq + 2 * self.STAGES * self.block_r * 4 + 128 + 1024)
 
     @property
     def dq_own_keys(self) -> bool:
@@ -282,7 +295,11 @@ class Sm90BwdConfig(ShortFormConfig):
     def problems(self) -> list[str]:
         out = self.field_problems(("dtype", self.dtype, DTYPES),
                                   ("d_head", self.d_head, SM90_D_HEADS),
-                                  ("B_c", self.block_c, (128,)), ("B_r", self.block_r, (64, 128)))
+                                  ("B_c", self.block_c, (64, 128)),
+                                  ("B_r", self.block_r, (64, 128)))
+        if not out and self.block_c != self.block_c_for(self.d_head):
+            out.append(f"B_c={self.block_c} does not go with d_head={self.d_head} (B_c is 64 "
+                       f"at d_head 256, where the warpgroups split d_head, else 128)")
         if self.block_r == 128 and not self.dq_own_keys:
             out.append(f"B_r=128 needs d_head=64 (each warpgroup's dQ over its own keys), got "
                        f"d_head={self.d_head}")
@@ -435,9 +452,11 @@ VARIANTS: tuple[BwdConfig, ...] = tuple(
     default_tile(dtype, d, softcap)
     for dtype, d, softcap in itertools.product(DTYPES, VARIANT_D_HEADS, (False, True)))
 
-# B_r = 128 at d_head 64 (dQ over each warpgroup's own keys), 64 at d_head 128.
+# B_r = 128 at d_head 64 (dQ over each warpgroup's own keys), 64 at d_head 128 and 256; B_c =
+# 64 at d_head 256 (the warpgroups split d_head).
 HOPPER: tuple[Sm90BwdConfig, ...] = tuple(
-    Sm90BwdConfig(dtype, d, block_r=128 if d == 64 else 64, softcap=softcap)
+    Sm90BwdConfig(dtype, d, block_c=Sm90BwdConfig.block_c_for(d),
+                  block_r=128 if d == 64 else 64, softcap=softcap)
     for dtype, d, softcap in itertools.product(DTYPES, SM90_D_HEADS, (False, True)))
 # The d_head 64 kernels at B_r = 64, for side-by-side timing (studies/backward_bench.py
 # --variants).

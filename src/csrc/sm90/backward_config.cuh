@@ -1,10 +1,11 @@
 // The compile-time config of a Hopper (sm_90a) backward kernel: the single C++ description of one
 // instantiation. flash_attention.config_bwd.Sm90BwdConfig holds the same fields and rules.
 //
-// One CTA owns B_c = 128 keys (and values) of one (batch, KV head); consumer warpgroup g owns keys
-// 64g .. 64g + 63 end to end (its dK and dV rows stay in registers). A producer warp streams the
-// query blocks of B_r = 64 rows (128 at d_head 64) that see them (Q, dO, LSE * log2(e), D; two
-// stages) for every query head of the group. Per query block, in each consumer warpgroup:
+// d_head 64 and 128: one CTA owns B_c = 128 keys (and values) of one (batch, KV head); consumer
+// warpgroup g owns keys 64g .. 64g + 63 end to end (its dK and dV rows stay in registers). A
+// producer warp streams the query blocks of B_r = 64 rows (128 at d_head 64) that see them (Q,
+// dO, LSE * log2(e), D; two stages) for every query head of the group. Per query block, in each
+// consumer warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T          wgmma, both operands in shared memory (K-major)
 //   P^T, dS^T                            registers (fp32), then 16-bit A fragments
 //   dV += P^T dO, dK += dS^T Q           wgmma, A from registers, B MN-major in shared memory
@@ -16,6 +17,15 @@
 // stores), from where a writer warp of the producer warpgroup adds it to the fp32 dQ
 // accumulator with one bulk reduce-add: the accumulator holds each block of B_r rows in that
 // order (tile by tile of 8 columns, thread by thread), which the dQ conversion reads back.
+//
+// d_head 256 (kSplitD): 64 keys' dK and dV rows (256 fp32 registers per thread) do not fit one
+// warpgroup, so B_c = 64 and both warpgroups work on all of them, splitting d_head instead:
+//   S^T, dP^T [:, query columns 32g ..]  wgmma m64n32, K and V whole, Q and dO rows 32g ..
+//   P^T, dS^T                            through shared memory (two buffers each), a barrier
+//                                        of both warpgroups per block
+//   dV[:, 128g ..] += P^T dO[:, 128g ..], dK likewise with dS^T and Q: A and B from shared memory
+//   dQ[:, 128g ..] = dS K[:, 128g ..]    in two parts of 64 columns, each handed to the writer
+// dO has one stage (shared memory): the next block's dO loads while this block's dK and dQ run.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,14 +37,21 @@ template <typename Elem_, int kDHead_, bool kSoftcap_, int kBr_ = 64>
 struct Sm90BwdConfig {
     using Elem = Elem_;
 
-    static constexpr int kDHead = kDHead_;       // 64 or 128; serves multiples of 8 up to it
+    static constexpr int kDHead = kDHead_;       // 64, 128 or 256; serves multiples of 8 up to it
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr int kConsumerWGs = 2;
-    static constexpr int kBc = 64 * kConsumerWGs;  // B_c: keys per CTA
+    // kSplitD: the warpgroups share the CTA's keys and split d_head (see above).
+    static constexpr bool kSplitD = kDHead == 256;
+    static constexpr int kBc = kSplitD ? 64 : 64 * kConsumerWGs;  // B_c: keys per CTA
+    static constexpr int kWgKeys = kSplitD ? 0 : 64;  // the first key of warpgroup g: kWgKeys g
     // B_r: query rows per block; 128 only with kDqOwnKeys (d_head 64), where the per-block
     // costs (barriers, waits, the writer's handover) weigh most against GEMMs of 64 columns.
     static constexpr int kBr = kBr_;
-    static constexpr int kStages = 2;  // query-block stages in shared memory
+    static constexpr int kStages = 2;  // query-block stages in shared memory (Q, LSE, D)
+    static constexpr int kDoStages = kSplitD ? 1 : kStages;  // dO's
+    // A warpgroup's S^T and dP^T query columns (from kSCols g), and its dK and dV columns.
+    static constexpr int kSCols = kSplitD ? kBr / kConsumerWGs : kBr;
+    static constexpr int kDCols = kSplitD ? kDHead / kConsumerWGs : kDHead;
     // kDqOwnKeys: each consumer warpgroup computes dQ = dS K over its own 64 keys, every d_head
     // column (its partial, added by the writer warp like the other's), so the warpgroups never
     // wait for each other inside the loop. Otherwise each computes half the d_head columns over
@@ -43,11 +60,14 @@ struct Sm90BwdConfig {
     static constexpr bool kDqOwnKeys = kDHead == 64;
     static constexpr int kDqCols = kDqOwnKeys ? kDHead : kDHead / kConsumerWGs;  // per warpgroup
     static constexpr int kDqMTiles = kBr / 64;  // m64 tiles of a warpgroup's dQ (query rows)
+    // A warpgroup hands its dQ to the writer in parts of 64 columns (two at d_head 256).
+    static constexpr int kDqParts = kDqCols / 64;
     // dS^T buffers: with kDqOwnKeys a warpgroup's dQ GEMM reads only its own rows of dS^T, and
     // has completed in every warp of the warpgroup before that warpgroup stores the next
     // block's (BackwardConsumer::store_dq), so one buffer serves; otherwise two (the other
     // warpgroup may still read the previous block's).
     static constexpr int kDsBuffers = kDqOwnKeys ? 1 : 2;
+    static constexpr int kPBuffers = kSplitD ? 2 : 0;  // P^T in shared memory (kSplitD)
     // kDqBeforeDk: dQ's GEMM is issued before dK's, so that dQ leaves for the writer while dK
     // runs (at d_head 128 without a softcap its registers would spill).
     static constexpr bool kDqBeforeDk = kDqOwnKeys || kSoftcap;
@@ -64,25 +84,26 @@ struct Sm90BwdConfig {
     static constexpr int kClusterCtas = 1;
     static constexpr bool kPersistent = false;
     static constexpr int kPanels = kDHead / 64;
-    static constexpr int kNTilesO = kDHead / 8;  // n8 tiles of a dK or dV row
+    static constexpr int kNTilesO = kDCols / 8;  // n8 tiles of a warpgroup's dK or dV row
 
     // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):
-    //   K | V | Q x kStages | dO x kStages | dS^T x kDsBuffers | dQ | LSE x kStages |
-    //   D x kStages | barriers
-    // dS^T is B_c x B_r (B_r / 64 panels). At the end the Q and dO stages stage dV and dK for
-    // their TMA stores (each B_c x d_head). dQ holds the warpgroups' fp32 parts of a block
-    // (B_r x kDqCols each) one after the other, each in m64 tiles of query rows.
+    //   K | V | Q x kStages | dO x kDoStages | dS^T x kDsBuffers | P^T x kPBuffers | dQ |
+    //   LSE x kStages | D x kStages | barriers
+    // dS^T and P^T are B_c x B_r (B_r / 64 panels). At the end the Q and dO stages stage dV and
+    // dK for their TMA stores (each B_c x d_head). dQ holds one part per warpgroup (B_r x 64
+    // fp32), one after the other, each in m64 tiles of query rows.
     static constexpr int kKBytes = kBc * kDHead * 2;
     static constexpr int kQBytes = kBr * kDHead * 2;
     static constexpr int kDSBytes = kBc * kBr * 2;
-    static constexpr int kDqBytes = kBr * kDqCols * 4 * kConsumerWGs;  // fp32 dQ, all warpgroups
+    static constexpr int kDqBytes = kBr * 64 * 4 * kConsumerWGs;  // a dQ part per warpgroup
     static constexpr int kVecBytes = kBr * 4;
     static constexpr int kSK = 0;
     static constexpr int kSV = kSK + kKBytes;
     static constexpr int kSQ = kSV + kKBytes;
     static constexpr int kSdO = kSQ + kStages * kQBytes;
-    static constexpr int kSdS = kSdO + kStages * kQBytes;
-    static constexpr int kSdQ = kSdS + kDsBuffers * kDSBytes;
+    static constexpr int kSdS = kSdO + kDoStages * kQBytes;
+    static constexpr int kSP = kSdS + kDsBuffers * kDSBytes;
+    static constexpr int kSdQ = kSP + kPBuffers * kDSBytes;
     static constexpr int kSLse = kSdQ + kDqBytes;
     static constexpr int kSD = kSLse + kStages * kVecBytes;
     static constexpr int kSBarriers = kSD + kStages * kVecBytes;
@@ -91,9 +112,11 @@ struct Sm90BwdConfig {
     static constexpr int kSmemBytes = kSBarriers + kBarrierBytes + 1024;
 
     static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
-    static_assert(kDHead == 64 || kDHead == 128, "d_head variants 64 and 128");
+    static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64, 128, 256");
     static_assert(kBr == 64 || (kBr == 128 && kDqOwnKeys), "B_r 64, or 128 with kDqOwnKeys");
-    static_assert(kStages * kQBytes >= kKBytes, "the Q and dO stages stage dV and dK at the end");
+    static_assert(kStages * kQBytes >= kKBytes && kDoStages * kQBytes >= kKBytes,
+                  "the Q and dO stages stage dV and dK at the end");
+    static_assert(kSCols % 16 == 0 && kDCols % 64 == 0, "k16 steps of S^T, panels of dK and dV");
     static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536,
                   "setmaxnreg: the consumers ask for more registers than the producer gives up");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");

@@ -17,11 +17,13 @@ namespace flash::sm90 {
 
 // The writer warp: each block's dQ, part by part as the consumer warpgroups store it, added to
 // the fp32 accumulator with one bulk reduce-add per part (the block's B_r x d_head floats are
-// contiguous there, in the consumers' order): a half of the columns each, or with kDqOwnKeys
-// each warpgroup's partial sum over all of them. The buffer is released when the reductions
-// have read it; the last block's release has no taker and is skipped. The deterministic order
-// (dq_semaphore): the reductions of a block wait for its turn (BackwardTile::dq_turn), own-key
-// partials one after the other, and the turn passes on when they have completed.
+// contiguous there, in the consumers' order: part h of warpgroup g, 64 columns, at
+// (g kDqParts + h) B_r 64 floats; with kDqOwnKeys each warpgroup's partial sum over all the
+// columns, at 0). Parts go in the order h, then g. A warpgroup's buffer is released when the
+// reduction has read it; the last part's release has no taker and is skipped. The
+// deterministic order (dq_semaphore): the reductions of a block wait for its turn
+// (BackwardTile::dq_turn), own-key partials one after the other, and the turn passes on when
+// they have completed.
 template <class Cfg>
 struct BackwardDqWriter {
     const Sm90BwdParams& prm;
@@ -34,6 +36,12 @@ struct BackwardDqWriter {
             loop<true>(w);
         else
             loop<false>(w);
+    }
+
+    __device__ __forceinline__ static void release_buffers() {
+#pragma unroll
+        for (int g = 0; g < Cfg::kConsumerWGs; ++g)
+            named_arrive(kBwdDqEmpty + g, 128 + 32);
     }
 
     template <bool kOrdered>
@@ -54,14 +62,25 @@ struct BackwardDqWriter {
                 fence_proxy_async_global();  // the earlier KV blocks' additions come first
             }
 #pragma unroll
-            for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
-                named_sync(kBwdDqFull + g, kSync);
-                if (lane == 0) {
-                    float* dst = Cfg::kDqOwnKeys ? acc : acc + g * (kPartBytes / 4);
-                    bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
-                    tma_store_commit();
-                    if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
-                        bulk_wait_all();  // the partials add in a fixed order too
+            for (int h = 0; h < Cfg::kDqParts; ++h) {
+#pragma unroll
+                for (int g = 0; g < Cfg::kConsumerWGs; ++g) {
+                    named_sync(kBwdDqFull + g, kSync);
+                    if (lane == 0) {
+                        float* dst = Cfg::kDqOwnKeys
+                                         ? acc
+                                         : acc + (g * Cfg::kDqParts + h) * (kPartBytes / 4);
+                        bulk_reduce_add_f32(dst, sm.dq(g), kPartBytes);
+                        tma_store_commit();
+                        if (Cfg::kDqOwnKeys && kOrdered && g + 1 < Cfg::kConsumerWGs)
+                            bulk_wait_all();  // the partials add in a fixed order too
+                    }
+                }
+                if (h + 1 < Cfg::kDqParts) {  // the buffers take the block's next parts
+                    if (lane == 0)
+                        tma_store_wait_read();
+                    __syncwarp();
+                    release_buffers();
                 }
             }
             if (lane == 0) {
@@ -75,9 +94,7 @@ struct BackwardDqWriter {
             }
             __syncwarp();
             if (t + 1 < w.n)
-#pragma unroll
-                for (int g = 0; g < Cfg::kConsumerWGs; ++g)
-                    named_arrive(kBwdDqEmpty + g, kSync);
+                release_buffers();
         }
         if (lane == 0)
             bulk_wait_all();

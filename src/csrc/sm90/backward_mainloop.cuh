@@ -2,11 +2,12 @@
 // loads (BackwardLoader) and what a consumer warpgroup computes (BackwardConsumer), over the
 // CTA's tile (backward_tile.cuh); dQ leaves through the writer warp (backward_dq_writer.cuh).
 //
-// Pipeline, per query block t of the CTA (stage s = t % 2, its use t / 2 waits for phase parity
-// (t / 2) & 1): q_full[s] completes when Q, LSE and D of the block have landed, do_full[s] when
-// dO has; q_empty[s] when every consumer thread is done with Q, LSE and D (its loads, and the
-// GEMMs reading Q have completed), do_empty[s] when every consumer warp is done with dO, so the
-// producer may refill the stage with block t + 2.
+// Pipeline, per query block t of the CTA (stage s = t % S, its use t / S waits for phase parity
+// (t / S) & 1; S = kStages for Q, LSE and D, kDoStages for dO): q_full[s] completes when Q, LSE
+// and D of the block have landed, do_full[s] when dO has; q_empty[s] when every consumer thread
+// is done with Q, LSE and D (its loads, and the GEMMs reading Q have completed), do_empty[s]
+// when every consumer warp is done with dO, so the producer may refill the stage with block
+// t + S.
 // kv_full completes once, when K and V have landed. The dQ buffer is handed between consumer
 // warpgroup g and the writer warp by the named barriers kBwdDqFull + g and kBwdDqEmpty + g.
 #pragma once
@@ -47,6 +48,7 @@ struct BackwardLoader : TmaLoader<Cfg> {
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             const int s = t % Cfg::kStages, use = t / Cfg::kStages;
+            const int sd = t % Cfg::kDoStages, use_d = t / Cfg::kDoStages;
             const typename BackwardTile<Cfg>::Pair b{x.head, w.block_at(prm, x.i)};
             wait_buffer_free(sm.q_empty(s), use);
             this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), b.i,
@@ -55,23 +57,25 @@ struct BackwardLoader : TmaLoader<Cfg> {
             mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
             bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
             bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
-            wait_buffer_free(sm.do_empty(s), use);
-            this->template load_tile<Cfg::kBr, false>(sm.dout(s), &prm.tma_do, sm.do_full(s), b.i,
+            wait_buffer_free(sm.do_empty(sd), use_d);
+            this->template load_tile<Cfg::kBr, false>(sm.dout(sd), &prm.tma_do, sm.do_full(sd), b.i,
                                                       b.head, w.batch);
         }
     }
 };
 
-// One consumer warpgroup: keys 64 wg .. 64 wg + 63 of the CTA's block through every query block.
+// One consumer warpgroup: keys 64 wg .. 64 wg + 63 of the CTA's block through every query block
+// (kSplitD: all 64 keys, d_head columns 128 wg .. of dK, dV and dQ).
 template <class Cfg>
 struct BackwardConsumer {
     using Elem = typename Cfg::Elem;
-    static constexpr int kNS = Cfg::kBr / 8;          // n8 tiles of S^T, dP^T (query columns)
+    static constexpr int kNS = Cfg::kSCols / 8;       // n8 tiles of S^T, dP^T (query columns)
     static constexpr int kNO = Cfg::kNTilesO;         // n8 tiles of dK, dV (d_head columns)
-    static constexpr int kNQ = Cfg::kDqCols / 8;      // n8 tiles of this warpgroup's dQ columns
+    static constexpr int kNQ = 64 / 8;                // n8 tiles of a dQ part's columns
     static constexpr int kMQ = Cfg::kDqMTiles;        // m64 tiles of its dQ rows
     static constexpr int kStepsD = Cfg::kDHead / 16;  // k16 steps over d_head
     static constexpr int kStepsR = Cfg::kBr / 16;     // over a query block
+    static constexpr int kStepsS = kNS / 2;           // over this warpgroup's query columns
     static constexpr int kStepsC = Cfg::kBc / 16;     // over the CTA's keys
 
     const Sm90BwdParams& prm;
@@ -85,23 +89,25 @@ struct BackwardConsumer {
     // ---- GEMMs ----------------------------------------------------------------------------------
 
     // S^T = K Q^T (A = K, B = Q, or with dP^T V and dO): K-major operands, 16 columns of d per
-    // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel).
+    // instruction (a 32-byte step inside the swizzled 128-byte row, then the next panel). A is
+    // this warpgroup's keys, B its query rows (kSplitD: all keys, query rows kSCols wg ..).
     __device__ __forceinline__ void issue_kq(float (&acc)[kNS][4], const unsigned char* a_tile,
                                              const unsigned char* b_tile) const {
-        const uint32_t a0 = smem_u32(a_tile) + wg * 64 * 128, b0 = smem_u32(b_tile);
+        const uint32_t a0 = smem_u32(a_tile) + wg * Cfg::kWgKeys * 128;
+        const uint32_t b0 = smem_u32(b_tile) + (Cfg::kSplitD ? wg * Cfg::kSCols * 128 : 0);
 #pragma unroll
         for (int kk = 0; kk < kStepsD; ++kk) {
             const uint32_t step = (kk % 4) * 32;
             const uint64_t a = desc_sw128(a0 + (kk / 4) * Cfg::kBc * 128 + step, 16, 1024);
             const uint64_t b = desc_sw128(b0 + (kk / 4) * Cfg::kBr * 128 + step, 16, 1024);
-            Wgmma<Cfg::kBr, Elem>::ss(acc, a, b, kk > 0 ? 1u : 0u);
+            Wgmma<Cfg::kSCols, Elem>::ss(acc, a, b, kk > 0 ? 1u : 0u);
         }
     }
 
     // dV += P^T dO (or dK += dS^T Q): A the 16-bit fragments of this warpgroup's rows, B a
     // query-block tile (B_r rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
     // panels B_r x 128 bytes apart (LBO); 16 query rows per instruction.
-    __device__ __forceinline__ void issue_acc(float (&acc)[kNO][4], const uint32_t (&a)[kStepsR][4],
+    __device__ __forceinline__ void issue_acc(float (&acc)[kNO][4], const uint32_t (&a)[kStepsS][4],
                                               const unsigned char* b_tile) const {
         const uint32_t b0 = smem_u32(b_tile);
 #pragma unroll
@@ -111,19 +117,31 @@ struct BackwardConsumer {
         }
     }
 
-    // dQ[:, this warpgroup's columns] = dS K over all B_c keys: A is dS^T of both warpgroups
-    // (B_c rows x B_r columns, one panel: M-major), B is K (B_c rows x d, N-major) from column
-    // wg * kDqCols (a panel, or half of one at d_head 64: the swizzle is a function of the
-    // address, so a 64-byte offset inside the 128-byte row reads the right chunks). With
-    // kDqOwnKeys: this warpgroup's part of dQ, every column, over its own 64 keys (rows 64 wg ..
-    // of dS^T and K). Query rows 64 m .. of the block (m64 tile m) from panel m of dS^T.
-    __device__ __forceinline__ void issue_dq(float (&acc)[kMQ][kNQ][4], int buf) const {
+    // kSplitD: the same with A from shared memory, P^T or dS^T of all keys (B_c rows x B_r, one
+    // panel, K-major), and B the columns kDCols wg .. of the query-block tile.
+    __device__ __forceinline__ void issue_acc_ss(float (&acc)[kNO][4], const unsigned char* a_tile,
+                                                 const unsigned char* b_tile) const {
+        const uint32_t a0 = smem_u32(a_tile);
+        const uint32_t b0 = smem_u32(b_tile) + wg * (Cfg::kDCols / 64) * Cfg::kBr * 128;
+#pragma unroll
+        for (int kk = 0; kk < kStepsR; ++kk) {
+            const uint64_t a = desc_sw128(a0 + (kk / 4) * Cfg::kBc * 128 + (kk % 4) * 32, 16, 1024);
+            const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBr * 128, 1024);
+            Wgmma<Cfg::kDCols, Elem>::ss_bmn(acc, a, b, 1u);
+        }
+    }
+
+    // dQ part h (64 columns, one panel of K) of this warpgroup = dS K over all B_c keys: A is
+    // dS^T of both warpgroups (B_c rows x B_r columns, one panel: M-major), B is K (B_c rows x
+    // d, N-major) from column wg * kDqCols + 64 h. With kDqOwnKeys (d_head 64): this
+    // warpgroup's part of dQ, every column, over its own 64 keys (rows 64 wg .. of dS^T and
+    // K). Query rows 64 m .. of the block (m64 tile m) from panel m of dS^T.
+    __device__ __forceinline__ void issue_dq(float (&acc)[kMQ][kNQ][4], int buf, int h) const {
         constexpr int kSteps = Cfg::kDqOwnKeys ? 64 / 16 : kStepsC;
         const int row0 = Cfg::kDqOwnKeys ? wg * 64 : 0;
-        const int col0 = Cfg::kDqOwnKeys ? 0 : wg * Cfg::kDqCols;
+        const int col0 = Cfg::kDqOwnKeys ? 0 : wg * Cfg::kDqCols + 64 * h;
         const uint32_t a0 = smem_u32(sm.ds(buf)) + row0 * 128;
-        const uint32_t b0 =
-            smem_u32(sm.k()) + row0 * 128 + (col0 / 64) * Cfg::kBc * 128 + (col0 % 64) * 2;
+        const uint32_t b0 = smem_u32(sm.k()) + row0 * 128 + (col0 / 64) * Cfg::kBc * 128;
 #pragma unroll
         for (int m = 0; m < kMQ; ++m)
 #pragma unroll
@@ -131,7 +149,7 @@ struct BackwardConsumer {
                 const uint64_t a =
                     desc_sw128(a0 + m * Cfg::kBc * 128 + kk * 16 * 128, Cfg::kBc * 128, 1024);
                 const uint64_t b = desc_sw128(b0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
-                Wgmma<Cfg::kDqCols, Elem>::ss_mn(acc[m], a, b, kk > 0 ? 1u : 0u);
+                Wgmma<64, Elem>::ss_mn(acc[m], a, b, kk > 0 ? 1u : 0u);
             }
     }
 
@@ -139,13 +157,16 @@ struct BackwardConsumer {
 
     // Key (row of S^T) of this thread's element e of any n8 tile, within the CTA's block.
     __device__ __forceinline__ int key_of(int e) const {
-        return wg * 64 + (warp % 4) * 16 + lane / 4 + 8 * (e / 2);
+        return wg * Cfg::kWgKeys + (warp % 4) * 16 + lane / 4 + 8 * (e / 2);
     }
 
-    // A stage's row vector (LSE * log2(e) or D) at this thread's query columns: those of n8
-    // tile t at v[t]. At B_r = 64 loaded into registers while the block's GEMMs run, ahead of
-    // the element-wise pass (kEagerCols); at B_r = 128 (32 registers per vector) read from
-    // shared memory tile by tile in the pass.
+    // This warpgroup's first query column of S^T (the block's first query row: 0 but kSplitD).
+    __device__ __forceinline__ int q_col0() const { return Cfg::kSplitD ? wg * Cfg::kSCols : 0; }
+
+    // A stage's row vector (LSE * log2(e) or D) at this thread's query columns (kSplitD: from
+    // column kSCols wg): those of n8 tile t at v[t]. At B_r = 64 loaded into registers while the
+    // block's GEMMs run, ahead of the element-wise pass (kEagerCols); at B_r = 128 (32 registers
+    // per vector) read from shared memory tile by tile in the pass.
     static constexpr bool kEagerCols = kNS <= 8;
     struct SmemCols {
         uint32_t addr;
@@ -156,7 +177,7 @@ struct BackwardConsumer {
     using Cols = std::conditional_t<kEagerCols, float2[kNS], SmemCols>;
 
     __device__ __forceinline__ void load_cols(Cols& v, const float* vec) const {
-        const uint32_t addr = smem_u32(vec) + 8 * (lane % 4);
+        const uint32_t addr = smem_u32(vec) + (q_col0() + 2 * (lane % 4)) * 4;
         if constexpr (kEagerCols) {
 #pragma unroll
             for (int t = 0; t < kNS; ++t)
@@ -177,7 +198,7 @@ struct BackwardConsumer {
                                                   const Cols& lse_cols, const Cols& dd_cols,
                                                   int i) const {
         const BwdParams& p = prm.p;
-        const int q_row0 = i * Cfg::kBr;
+        const int q_row0 = i * Cfg::kBr + q_col0();
 #pragma unroll
         for (int t = 0; t < kNS; ++t) {
             const float2 lse = lse_cols[t];
@@ -235,15 +256,20 @@ struct BackwardConsumer {
         return v;
     }
 
-    // dS^T of this warpgroup's keys into buffer `buf` (rows 64 wg .., swizzled as a TMA tile):
-    // one stmatrix.x4 per k16 step, whose fragments are those of the dK GEMM (to_a_fragments).
-    // Lane l addresses row l % 8 of matrix l / 8: rows + 8 for odd l / 8, the step's second n8
-    // tile for l / 16; chunk (2 (kk % 4) + l / 16) ^ (row & 7), row & 7 = l % 8, in panel kk / 4.
-    __device__ __forceinline__ void store_ds(const uint32_t (&f)[kStepsR][4], int buf) const {
-        const int r = wg * 64 + (warp % 4) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
-        const uint32_t row = smem_u32(sm.ds(buf)) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
+    // dS^T (or P^T) of this warpgroup's keys and query columns into `tile` (B_c x B_r, rows
+    // kWgKeys wg .., swizzled as a TMA tile): one stmatrix.x4 per k16 step, whose fragments are
+    // those of the dK GEMM (to_a_fragments). Lane l addresses row l % 8 of matrix l / 8: rows
+    // + 8 for odd l / 8, the step's second n8 tile for l / 16; chunk (2 (kk % 4) + l / 16) ^
+    // (row & 7), row & 7 = l % 8, in panel kk / 4. kSplitD: this warpgroup's steps are those
+    // from 2 wg of the block's 4 (chunks 4 wg .., a XOR, as 2 wg + kk has no carry).
+    __device__ __forceinline__ void store_scores(const uint32_t (&f)[kStepsS][4],
+                                                 unsigned char* tile) const {
+        static_assert(!Cfg::kSplitD || (kStepsS == 2 && kStepsR == 4), "kSplitD: B_r = 64");
+        const int r = wg * Cfg::kWgKeys + (warp % 4) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
+        const uint32_t row = (smem_u32(tile) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16)) ^
+                             (Cfg::kSplitD ? wg * kStepsS * 32 : 0);
 #pragma unroll
-        for (int kk = 0; kk < kStepsR; ++kk)
+        for (int kk = 0; kk < kStepsS; ++kk)
             stmatrix_x4((row ^ ((kk % 4) * 32)) + (kk / 4) * Cfg::kBc * 128, f[kk]);
     }
 
@@ -251,8 +277,8 @@ struct BackwardConsumer {
     // (kDqOwnKeys: one buffer, see store_dq) or of both (two: the other buffer may still be
     // read by the previous block's dQ GEMM; this one was last read two blocks ago, before the
     // previous block's barrier here).
-    __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsR][4], int t) const {
-        store_ds(dSf, t % Cfg::kDsBuffers);
+    __device__ __forceinline__ void share_ds(const uint32_t (&dSf)[kStepsS][4], int t) const {
+        store_scores(dSf, sm.ds(t % Cfg::kDsBuffers));
         fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
         if constexpr (Cfg::kDqOwnKeys)
             named_sync(kBwdDsOwnBarrier + wg, 128);  // ... of this warpgroup's warps
@@ -290,11 +316,19 @@ struct BackwardConsumer {
     }
 
     __device__ __forceinline__ void block(int t, int head, int i) {
+        if constexpr (Cfg::kSplitD)
+            block_split_d(t, i);
+        else
+            block_own_keys(t, i);
+    }
+
+    // d_head 64 and 128: this warpgroup's keys, every query column of the block.
+    __device__ __forceinline__ void block_own_keys(int t, int i) {
         const int s = t % Cfg::kStages;
         const uint32_t phase = (t / Cfg::kStages) & 1;
         const bool masked = i < w.unmasked.x || i > w.unmasked.y;
         float S[kNS][4], dP[kNS][4];
-        uint32_t Pf[kStepsR][4], dSf[kStepsR][4];
+        uint32_t Pf[kStepsS][4], dSf[kStepsS][4];
 
         mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
         wgmma_fence();
@@ -340,7 +374,7 @@ struct BackwardConsumer {
             share_ds(dSf, t);
             float dQ[kMQ][kNQ][4];
             wgmma_fence();
-            issue_dq(dQ, t % Cfg::kDsBuffers);
+            issue_dq(dQ, t % Cfg::kDsBuffers, 0);
             wgmma_commit();
             issue_acc(dK, dSf, sm.q(s));
             wgmma_commit();
@@ -359,7 +393,7 @@ struct BackwardConsumer {
             share_ds(dSf, t);
             float dQ[kMQ][kNQ][4];
             wgmma_fence();
-            issue_dq(dQ, t % Cfg::kDsBuffers);
+            issue_dq(dQ, t % Cfg::kDsBuffers, 0);
             wgmma_commit();
             wgmma_wait<0>();  // dV, dK and dQ are complete: the stage may be refilled
             fence_regs(dV);
@@ -371,15 +405,86 @@ struct BackwardConsumer {
         }
     }
 
-    // dQ of the block into this warpgroup's part of the dQ buffer, for the writer warp: of m64
-    // tile m, n8 tile n of thread x at float4 (m kNQ + n) * 128 + x (bwd::DqLayout::
-    // kWgmmaTiles, 64 rows at a time). Block 0 finds it free; block t > 0 waits until the
-    // writer has read block t - 1's. Every warp of the warpgroup is past the wait for block t's
-    // dQ GEMM here, so after this barrier the single dS^T buffer (kDsBuffers) may be refilled;
-    // block 0 has a barrier of the warpgroup alone for that.
-    __device__ __forceinline__ void store_dq(const float (&dQ)[kMQ][kNQ][4], int t) const {
+    // kSplitD (d_head 256): this warpgroup's query columns of S^T and dP^T; P^T and dS^T of
+    // both warpgroups meet in shared memory (buffer t % 2: a warpgroup writes block t's after
+    // block t - 1's barrier, which both passed only once done with block t - 2's GEMMs); then
+    // dQ's two parts, dV and dK over this warpgroup's d_head columns, in that order, so that dQ
+    // leaves for the writer while dV and dK run.
+    __device__ __forceinline__ void block_split_d(int t, int i) {
+        static_assert(Cfg::kDqParts == 2 && Cfg::kPBuffers == 2 && Cfg::kDsBuffers == 2,
+                      "kSplitD: two dQ parts, two P^T and dS^T buffers");
+        const int s = t % Cfg::kStages, sd = t % Cfg::kDoStages, buf = t % 2;
+        const uint32_t phase = (t / Cfg::kStages) & 1, phase_d = (t / Cfg::kDoStages) & 1;
+        const bool masked = i < w.unmasked.x || i > w.unmasked.y;
+        float S[kNS][4], dP[kNS][4];
+        uint32_t Pf[kStepsS][4], dSf[kStepsS][4];
+
+        mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
+        wgmma_fence();
+        issue_kq(S, sm.k(), sm.q(s));
+        wgmma_commit();
+        Cols lse, dd;
+        load_cols(lse, sm.lse(s));
+        load_cols(dd, sm.d(s));
+        mbar_wait(sm.do_full(sd), phase_d);  // dO has landed
+        wgmma_fence();  // (dP^T's registers were last written by the previous block)
+        issue_kq(dP, sm.v(), sm.dout(sd));
+        wgmma_commit();
+        if constexpr (Cfg::kSoftcap) {
+            wgmma_wait<0>();  // S^T and dP^T are in registers
+            fence_regs(S);
+            fence_regs(dP);
+            probabilities<true>(S, dP, lse, dd, i, masked);
+        } else {
+            wgmma_wait<1>();  // S^T is in registers; dP^T may still run
+            fence_regs(S);
+            probabilities<false>(S, dP, lse, dd, i, masked);
+            wgmma_wait<0>();
+            fence_regs(dP);
+            dscores(S, dP, dd);
+        }
+        to_a_fragments<Elem>(S, Pf);
+        to_a_fragments<Elem>(dP, dSf);
+        store_scores(Pf, sm.p(buf));
+        store_scores(dSf, sm.ds(buf));
+        fence_proxy_async_smem();  // the wgmma reads what the stmatrix wrote
+        named_sync(kBwdDsBarrier, 128 * Cfg::kConsumerWGs);  // ... of both warpgroups
+
+        float dQ[Cfg::kDqParts][kMQ][kNQ][4];
+        wgmma_fence();
+#pragma unroll
+        for (int h = 0; h < Cfg::kDqParts; ++h) {
+            issue_dq(dQ[h], buf, h);
+            wgmma_commit();
+        }
+        issue_acc_ss(dV, sm.p(buf), sm.dout(sd));
+        wgmma_commit();
+        issue_acc_ss(dK, sm.ds(buf), sm.q(s));
+        wgmma_commit();
+        wgmma_wait<3>();  // dQ part 0 is complete
+        fence_regs(dQ[0]);
+        store_dq(dQ[0], 2 * t);
+        wgmma_wait<2>();  // dQ part 1
+        fence_regs(dQ[1]);
+        store_dq(dQ[1], 2 * t + 1);
+        wgmma_wait<1>();  // dV: dO is free
+        fence_regs(dV);
+        release(sm.do_empty(sd));
+        wgmma_wait<0>();  // dK: Q may be refilled
+        fence_regs(dK);
+        mbar_arrive(sm.q_empty(s));  // this thread's LSE and D loads are done
+    }
+
+    // A dQ part (64 columns) into this warpgroup's dQ buffer, for the writer warp: of m64 tile
+    // m, n8 tile n of thread x at float4 (m kNQ + n) * 128 + x (bwd::DqLayout::kWgmmaTiles, 64
+    // rows at a time). u counts this warpgroup's parts (kDqParts per block): part 0 finds the
+    // buffer free, part u > 0 waits until the writer has read part u - 1. Every warp of the
+    // warpgroup is past the wait for block t's dQ GEMM here, so after this barrier the single
+    // dS^T buffer (kDsBuffers) may be refilled; block 0 has a barrier of the warpgroup alone
+    // for that.
+    __device__ __forceinline__ void store_dq(const float (&dQ)[kMQ][kNQ][4], int u) const {
         constexpr int kSync = 128 + 32;
-        if (t > 0)
+        if (u > 0)
             named_sync(kBwdDqEmpty + wg, kSync);
         else if constexpr (Cfg::kDsBuffers == 1)
             named_sync(kBwdDsOwnBarrier + wg, 128);
@@ -408,7 +513,7 @@ struct BackwardConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 dK[t][e] *= scale;
-        const Epilogue<Cfg, Cfg::kBc> epilogue{wg, warp, lane};
+        const Epilogue<Cfg, Cfg::kBc, Cfg::kSplitD> epilogue{wg, warp, lane};
         epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
         epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
     }

@@ -33,8 +33,8 @@ struct Sm90BwdParams {
     FastDiv rotation;
 };
 
-// Shared memory (offsets: Sm90BwdConfig) and its mbarriers:
-//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+2S .. q_empty | 1+3S .. do_empty   (S stages)
+// Shared memory (offsets: Sm90BwdConfig) and its mbarriers (S = kStages, D = kDoStages):
+//   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+S+D .. q_empty | 1+2S+D .. do_empty
 template <class Cfg>
 struct BwdSmem {
     unsigned char* base;  // 1024-byte aligned
@@ -53,7 +53,10 @@ struct BwdSmem {
     __device__ __forceinline__ unsigned char* ds(int b) const {
         return base + Cfg::kSdS + b * Cfg::kDSBytes;
     }
-    // Consumer warpgroup g's part of a block's fp32 dQ (BackwardConsumer::store_dq's order).
+    __device__ __forceinline__ unsigned char* p(int b) const {  // kSplitD
+        return base + Cfg::kSP + b * Cfg::kDSBytes;
+    }
+    // Consumer warpgroup g's dQ part (BackwardConsumer::store_dq's order).
     __device__ __forceinline__ float* dq(int g) const {
         return reinterpret_cast<float*>(base + Cfg::kSdQ) +
                g * (Cfg::kDqBytes / 4 / Cfg::kConsumerWGs);
@@ -71,16 +74,14 @@ struct BwdSmem {
     __device__ __forceinline__ uint64_t* bar(int i) const {
         return reinterpret_cast<uint64_t*>(base + Cfg::kSBarriers) + i;
     }
+    static constexpr int kS = Cfg::kStages, kD = Cfg::kDoStages;
     __device__ __forceinline__ uint64_t* kv_full() const { return bar(0); }
     __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(1 + s); }
-    __device__ __forceinline__ uint64_t* do_full(int s) const { return bar(1 + Cfg::kStages + s); }
-    __device__ __forceinline__ uint64_t* q_empty(int s) const {
-        return bar(1 + 2 * Cfg::kStages + s);
-    }
-    __device__ __forceinline__ uint64_t* do_empty(int s) const {
-        return bar(1 + 3 * Cfg::kStages + s);
-    }
-    static_assert((1 + 4 * Cfg::kStages) * 8 <= Cfg::kBarrierBytes, "mbarriers do not fit");
+    __device__ __forceinline__ uint64_t* do_full(int s) const { return bar(1 + kS + s); }
+    __device__ __forceinline__ uint64_t* q_empty(int s) const { return bar(1 + kS + kD + s); }
+    __device__ __forceinline__ uint64_t* do_empty(int s) const { return bar(1 + 2 * kS + kD + s); }
+    static_assert((1 + 2 * kS + 2 * kD) * 8 <= Cfg::kBarrierBytes && kD <= kS,
+                  "mbarriers do not fit");
 
     // One thread, before any other uses them. kv_full takes two arrivals (K's copies and V's,
     // each with its byte count), q_full two (Q's copies, then LSE's and D's), do_full one;
@@ -88,11 +89,13 @@ struct BwdSmem {
     // thread (each reads LSE and D with its own loads, which its own arrival releases).
     __device__ __forceinline__ void init_barriers() const {
         mbar_init(kv_full(), 2);
-        for (int s = 0; s < Cfg::kStages; ++s) {
+        for (int s = 0; s < kS; ++s) {
             mbar_init(q_full(s), 2);
-            mbar_init(do_full(s), 1);
+            if (s < kD)
+                mbar_init(do_full(s), 1);
             mbar_init(q_empty(s), 128 * Cfg::kConsumerWGs);
-            mbar_init(do_empty(s), Cfg::kConsumerWarps);
+            if (s < kD)
+                mbar_init(do_empty(s), Cfg::kConsumerWarps);
         }
         fence_barrier_init();
     }

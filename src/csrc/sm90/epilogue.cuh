@@ -16,11 +16,14 @@
 namespace flash::sm90 {
 
 // kTileRows: the CTA's rows in the staging buffer (each 64-column panel is kTileRows x 128
-// bytes, the layout of the CTA's TMA tiles); warpgroup wg owns rows 64 wg .. 64 wg + 63.
-template <class Cfg, int kTileRows = Cfg::kBr>
+// bytes, the layout of the CTA's TMA tiles); warpgroup wg owns rows 64 wg .. 64 wg + 63, every
+// column, or with kSplitCols rows 0 .. 63 and the columns 8 kNO wg .. (its kNO n8 tiles).
+template <class Cfg, int kTileRows = Cfg::kBr, bool kSplitCols = false>
 struct Epilogue {
     using Elem = typename Cfg::Elem;
     static constexpr int kNO = Cfg::kNTilesO;
+    static constexpr int kStorePanels = kSplitCols ? kNO / 8 : Cfg::kPanels;
+    static_assert(!kSplitCols || (kNO % 8 == 0 && kTileRows == 64), "whole panels of 64 rows");
 
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps
 
@@ -42,8 +45,11 @@ struct Epilogue {
         // l / 8, CTA row r below, tile t + l / 16. That tile's chunk (t % 8 + l / 16) ^ (r & 7)
         // is (t % 8) ^ (l / 16) ^ (l % 8): the 128-byte-aligned row address with the lane's
         // chunk, XORed with the compile-time (t % 8) * 16.
-        const int r = warp * 16 + 8 * ((lane / 8) % 2) + lane % 8;
-        const uint32_t row = smem_u32(buffer) + r * 128 + (((lane / 16) ^ (lane % 8)) * 16);
+        const int row_wg = kSplitCols ? 0 : wg;                 // the warpgroup's 64 rows
+        const int panel0 = kSplitCols ? wg * kStorePanels : 0;  // and its first panel
+        const int r = (kSplitCols ? warp % 4 : warp) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
+        const uint32_t row = smem_u32(buffer) + panel0 * kTileRows * 128 + r * 128 +
+                             (((lane / 16) ^ (lane % 8)) * 16);
 #pragma unroll
         for (int t = 0; t < kNO; t += 2) {
             const uint32_t frag[4] = {pack2<Elem>(acc[t][0], acc[t][1]),
@@ -56,9 +62,9 @@ struct Epilogue {
         named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
         if (threadIdx.x % 128 == 0) {
 #pragma unroll
-            for (int c = 0; c < Cfg::kPanels; ++c)
-                tma_store_4d(map, buffer + c * kTileRows * 128 + wg * 64 * 128, c * 64,
-                             row0 + wg * 64, head, batch);
+            for (int c = panel0; c < panel0 + kStorePanels; ++c)
+                tma_store_4d(map, buffer + c * kTileRows * 128 + row_wg * 64 * 128, c * 64,
+                             row0 + row_wg * 64, head, batch);
             tma_store_commit();
             if constexpr (!Cfg::kPersistent)
                 tma_store_wait_read();  // smem stays valid until the store has read it

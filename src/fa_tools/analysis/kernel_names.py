@@ -89,14 +89,17 @@ _MANGLED_SM90_BWD = re.compile(
 
 def _sm90_bwd_config_of(mangled: str) -> Sm90BwdConfig | None:
     """flash::sm90::bwd_sm90_kernel<flash::sm90::Sm90BwdConfig<Elem, D, softcap, B_r>> (B_c is
-    fixed by the family, not a template argument; B_r defaults to 64 in older builds' names)."""
+    fixed by d_head, not a template argument: Sm90BwdConfig.block_c_for; B_r defaults to 64
+    in older builds' names)."""
     m = _MANGLED_SM90_BWD.search(mangled)
     if m is None:
         return None
     flags = _flags(m, SM90_BWD_FLAGS)
     if flags is None:
         return None
-    return Sm90BwdConfig(_ELEM[m["elem"]], int(m["d"]), block_r=int(m["br"] or 64), **flags)
+    d = int(m["d"])
+    return Sm90BwdConfig(_ELEM[m["elem"]], d, block_c=Sm90BwdConfig.block_c_for(d),
+                         block_r=int(m["br"] or 64), **flags)
 
 
 _MANGLED_BWD_AUX = re.compile(

@@ -164,20 +164,21 @@ FWD_GATE_CASES = tuple([
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
 ])
 # The gate's backward cases: each kernel of the `default` backward set, dtype aside, on the
-# runner's sm_90 GPU (the Hopper family's d_head 64 and 128 and the sm80 family's d_head 64, 128
-# and 256, each with and without a softcap; the preprocess and both families' dQ conversions of
-# both dtypes run with them), and each feature of the backward's calls: causal, GQA (dK and dV
-# summed over the group), a sliding window, varlen, deterministic dQ, and a training step
-# (forward + autograd backward). On an sm_90 GPU the fixed-length cases at d_head 64 and 128
-# run the Hopper kernels (deterministic ones too) and varlen calls the sm80 family, so the
-# varlen cases keep its d_head 64 and 128 kernels under the gate there; on another GPU every
-# case runs the sm80 family. 16 heads, 16384 tokens (a varlen case 4 sequences of 1024-4096):
-# 3-9 ms a call on an H100 at the 150-300 TFLOP/s the first backward measured there. 6 of the
-# 12 cases have an SDPA FA2 peer (not the softcap and deterministic ones; a varlen case's runs
-# the padded batch): 18 timed contenders at about 5.3 s each (the forward's 31 in its 185 s A/A
-# run, less about 20 s of start-up), about 95 s per gate run (with four deterministic cases
-# where the varlen ones are, 15 contenders, about 80 s; estimated, to be measured). Since
-# 2026-11-27 a 13th case, deterministic with no mask (its own order), adds one contender.
+# runner's sm_90 GPU (both families' d_head 64, 128 and 256, each with and without a softcap;
+# the preprocess and both families' dQ conversions of both dtypes run with them), and each
+# feature of the backward's calls: causal, GQA (dK and dV summed over the group), a sliding
+# window, varlen, deterministic dQ, and a training step (forward + autograd backward). On an
+# sm_90 GPU the fixed-length cases run the Hopper kernels (deterministic ones too) and varlen
+# calls the sm80 family, so the varlen cases keep its kernels under the gate there; on another
+# GPU every case runs the sm80 family. 16 heads, 16384 tokens (a varlen case 4 sequences of
+# 1024-4096): 3-9 ms a call on an H100 at the 150-300 TFLOP/s the first backward measured
+# there. 6 of the 12 cases have an SDPA FA2 peer (not the softcap and deterministic ones; a
+# varlen case's runs the padded batch): 18 timed contenders at about 5.3 s each (the forward's
+# 31 in its 185 s A/A run, less about 20 s of start-up), about 95 s per gate run (with four
+# deterministic cases where the varlen ones are, 15 contenders, about 80 s; estimated, to be
+# measured). Since 2026-11-27 a 13th case, deterministic with no mask (its own order), adds
+# one contender, and two varlen cases at d_head 256 (the sm80 family's kernels, since the
+# Hopper family serves the fixed-length ones) add three more (one has an FA2 peer).
 # tests/test_gate_coverage.py checks the kernels against the backward's selection.
 BWD_GATE_CASES = tuple([
     # no softcap: d_head 128 causal (the LLM training mask), d_head 64 with GQA in fp16,
@@ -190,12 +191,15 @@ BWD_GATE_CASES = tuple([
     Case("bf16", 128, 4, 4096, softcap=30.0, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, kind="bwd"),
     Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, kind="bwd"),
-    # varlen (all K/V heads; the sm80 family on every GPU): its d_head 128 and 64 kernels with
-    # and without a softcap, whose fixed-length cases above run the Hopper kernels on sm_90
+    # varlen (all K/V heads; the sm80 family on every GPU): its d_head 128, 64 and 256 kernels
+    # with and without a softcap, whose fixed-length cases above run the Hopper kernels on
+    # sm_90
     Case("bf16", 128, 4, 4096, causal=True, varlen=True, kind="bwd"),
     Case("fp16", 64, 4, 4096, varlen=True, kind="bwd"),
     Case("bf16", 128, 4, 4096, softcap=30.0, varlen=True, kind="bwd"),
     Case("fp16", 64, 4, 4096, window=(1024, 0), softcap=50.0, varlen=True, kind="bwd"),
+    Case("bf16", 256, 2, 4096, varlen=True, kind="bwd"),
+    Case("bf16", 256, 2, 4096, causal=True, softcap=50.0, varlen=True, kind="bwd"),
     # deterministic dQ (a fixed order of the KV blocks' additions), causal d_head 128: the
     # Hopper kernel's order on sm_90, the sm80 family's elsewhere; and with no mask at d_head
     # 64, the rotated order of either family (bwd::rotated_dq_turn)
