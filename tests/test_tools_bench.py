@@ -49,8 +49,10 @@ def test_backward_rows_time_each_family_on_the_variant_a_call_runs():
         "bwd_bf16_d128_c128_r64_w8_fb", "bwd_sm90_bf16_d128_c128_r64_f"]
     assert bench.backward_kernels("default", "fp16", 40) == [
         "bwd_fp16_d64_c128_r128_w8_fb", "bwd_sm90_fp16_d64_c128_r128_f"]
-    assert bench.backward_kernels("default", "bf16", 192) == ["bwd_bf16_d256_c64_r64_w8_f"]
-    assert bench.backward_kernels("hopper", "bf16", 256) == []
+    assert bench.backward_kernels("default", "bf16", 192) == [
+        "bwd_bf16_d256_c64_r64_w8_f", "bwd_sm90_bf16_d256_c64_r64_f"]
+    assert bench.backward_kernels("hopper", "bf16", 256) == ["bwd_sm90_bf16_d256_c64_r64_f"]
+    assert bench.backward_kernels("hopper", "bf16", 264) == []
     assert bench.backward_kernels(None, "bf16", 128) == [""]
 
 

@@ -31,10 +31,11 @@ struct BackwardDqWriter {
     const int lane;
 
     __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
-        // Two loops, so that the default one carries no test of the order.
+        // Two loops, so that the default one carries no test of the order. kSplitD without the
+        // order: the consumers add dQ themselves (BackwardConsumer::hand_dq).
         if (prm.p.dq_semaphore != nullptr)
             loop<true>(w);
-        else
+        else if constexpr (!Cfg::kSplitD)
             loop<false>(w);
     }
 

@@ -317,7 +317,7 @@ struct BackwardConsumer {
 
     __device__ __forceinline__ void block(int t, int head, int i) {
         if constexpr (Cfg::kSplitD)
-            block_split_d(t, i);
+            block_split_d(t, head, i);
         else
             block_own_keys(t, i);
     }
@@ -410,7 +410,7 @@ struct BackwardConsumer {
     // block t - 1's barrier, which both passed only once done with block t - 2's GEMMs); then
     // dQ's two parts, dV and dK over this warpgroup's d_head columns, in that order, so that dQ
     // leaves for the writer while dV and dK run.
-    __device__ __forceinline__ void block_split_d(int t, int i) {
+    __device__ __forceinline__ void block_split_d(int t, int head, int i) {
         static_assert(Cfg::kDqParts == 2 && Cfg::kPBuffers == 2 && Cfg::kDsBuffers == 2,
                       "kSplitD: two dQ parts, two P^T and dS^T buffers");
         const int s = t % Cfg::kStages, sd = t % Cfg::kDoStages, buf = t % 2;
@@ -463,10 +463,10 @@ struct BackwardConsumer {
         wgmma_commit();
         wgmma_wait<3>();  // dQ part 0 is complete
         fence_regs(dQ[0]);
-        store_dq(dQ[0], 2 * t);
+        hand_dq(dQ[0], 2 * t, head, i, 0);
         wgmma_wait<2>();  // dQ part 1
         fence_regs(dQ[1]);
-        store_dq(dQ[1], 2 * t + 1);
+        hand_dq(dQ[1], 2 * t + 1, head, i, 1);
         wgmma_wait<1>();  // dV: dO is free
         fence_regs(dV);
         release(sm.do_empty(sd));
@@ -496,6 +496,40 @@ struct BackwardConsumer {
                 st_shared_f32x4(at + (m * kNQ + n) * 128 * 16, dQ[m][n]);
         fence_proxy_async_smem();  // the bulk reduction reads what these stores wrote
         named_arrive(kBwdDqFull + wg, kSync);
+    }
+
+    // kSplitD: dQ part h (this warpgroup's u-th) of block i of `head` to the fp32 accumulator.
+    // Without the deterministic order each thread adds its own (add_dq): through the writer,
+    // four parts a block made the warpgroups wait for its bulk reductions (at d_head 64 and 128
+    // the writer's are the faster: docs/results/2026-11-27-h200-hopper-backward-d256.md). With
+    // the order the writer warp adds the parts in turn (store_dq).
+    __device__ __forceinline__ void hand_dq(const float (&dQ)[kMQ][kNQ][4], int u, int head, int i,
+                                            int h) const {
+        if (prm.p.dq_semaphore != nullptr)
+            store_dq(dQ, u);
+        else
+            add_dq(dQ, head, i, h);
+    }
+
+    // dQ part h of block i of `head` added to the fp32 accumulator by this thread: 16-byte
+    // reductions (a warp's 512 contiguous bytes), in the layout the writer's bulk reductions
+    // give it (the part of warpgroup g at (g kDqParts + h) B_r 64 floats; n8 tile n of thread x
+    // at float4 n 128 + x).
+    __device__ __forceinline__ void add_dq(const float (&dQ)[kMQ][kNQ][4], int head, int i,
+                                           int h) const {
+        static_assert(Cfg::kSplitD && kMQ == 1, "kSplitD: one m64 tile, a part per warpgroup");
+        const BwdParams& p = prm.p;
+        float* at = p.dq_accum + w.padded_row(p, {head, i}) * Cfg::kDHead +
+                    (wg * Cfg::kDqParts + h) * Cfg::kBr * 64 + ((warp % 4) * 32 + lane) * 4;
+#pragma unroll
+        for (int n = 0; n < kNQ; ++n)
+            red_add_f32x4(at + n * 128 * 4, dQ[0][n]);
+    }
+
+    __device__ __forceinline__ static void red_add_f32x4(float* addr, const float (&v)[4]) {
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(v[0]),
+                     "f"(v[1]), "f"(v[2]), "f"(v[3])
+                     : "memory");
     }
 
     __device__ __forceinline__ static void st_shared_f32x4(uint32_t addr, const float (&v)[4]) {

@@ -107,14 +107,15 @@ def expected_mma_count(cfg) -> int:
     wgmma m64nNk16, d/16 for S and B_c/16 for O += P V, each at two sites (the peeled first S
     and the last P V outside the loop, both inside it), three with the tile hand-over (the next
     tile's first S and the last P V once more). sm90-bwd (the Hopper backward): per query block
-    each consumer warpgroup issues d/16 m64n64k16 for S^T = K Q^T and as many for dP^T = V dO^T,
-    B_r/16 m64n<d>k16 for dV += P^T dO and as many for dK += dS^T Q, and for dQ = dS K either
-    B_c/16 m64n<d/2>k16 (its half of the columns over all keys) or, where dQ is over its own
-    keys (Sm90BwdConfig.dq_own_keys), B_c/32 m64n<d>k16 for each m64 tile of its B_r rows; once
-    (the loop is neither peeled nor unrolled)."""
+    each consumer warpgroup issues d/16 m64nNk16 for S^T = K Q^T and as many for dP^T = V dO^T
+    (N = B_r, or B_r/2 at d_head 256, where the warpgroups split d_head), B_r/16 for dV += P^T
+    dO and as many for dK += dS^T Q, and for dQ = dS K either B_c/16 m64n64k16 per 64 of its
+    d/2 columns (its half of the columns over all keys) or, where dQ is over its own keys
+    (Sm90BwdConfig.dq_own_keys), B_c/32 m64n<d>k16 for each m64 tile of its B_r rows; once (the
+    loop is neither peeled nor unrolled)."""
     if cfg.family == "sm90-bwd":
         dq_steps = (cfg.block_c // 32 * (cfg.block_r // 64) if cfg.dq_own_keys
-                    else cfg.block_c // 16)
+                    else cfg.d_head // 128 * (cfg.block_c // 16))
         return 2 * (cfg.d_head // 16) + 2 * (cfg.block_r // 16) + dq_steps
     if cfg.family == "sm90":
         sites = 3 if getattr(cfg, "tile_overlap", False) else 2
