@@ -216,31 +216,37 @@ if step gate-aa; then
         echo exit \$?"
 fi
 # A planted backward slowdown: head = a copy of this built tree, rebuilt with a 400-cycle spin per
-# query block in the softcap kernels of one backward family; base = this tree. The plant is
+# query block (PLANT_CYCLES) in the softcap kernels of one backward family; base = this tree. The plant is
 # applied in the copy, so no planted source is ever committed; it anchors on a line of the
-# family's per-query-block code and refuses (exit 3) if that line moved.
+# family's per-query-block code (each occurrence: the Hopper family has one block loop per
+# tile shape) and refuses (exit 3) if that line moved.
 #   bwd-planted    the sm80 family (on sm_90: the varlen softcap cases and d_head 256)
 #   bwd90-planted  the Hopper family (on sm_90: the fixed-length softcap cases)
 bwd_plant() {  # bwd_plant STEP FILE ANCHOR
     local name=$1 file=$2 anchor=$3 copy=/tmp/fa-$1
     rm -rf "$copy" && cp -r . "$copy"
-    PLANT_FILE="$copy/$file" PLANT_ANCHOR="$anchor" PLANT_STEP="$name" python3 - <<'PY' || exit 3
+    PLANT_FILE="$copy/$file" PLANT_ANCHOR="$anchor" PLANT_STEP="$name" \
+        PLANT_CYCLES="${PLANT_CYCLES:-400}" python3 - <<'PY' || exit 3
 import os
 import pathlib
 p = pathlib.Path(os.environ["PLANT_FILE"])
 t = p.read_text()
-anchor = t.find(os.environ["PLANT_ANCHOR"])
-if anchor < 0:
-    raise SystemExit(f"{os.environ['PLANT_STEP']}: the anchor {os.environ['PLANT_ANCHOR']!r} is "
+key = os.environ["PLANT_ANCHOR"]
+anchors = [i for i in range(len(t)) if t.startswith(key, i)]  # every block loop that has it
+if not anchors:
+    raise SystemExit(f"{os.environ['PLANT_STEP']}: the anchor {key!r} is "
                      f"not in {p.name} any more; update the plant")
-line = t.rindex("\n", 0, anchor) + 1
-indent = t[line:anchor]
-spin = ("if constexpr (Cfg::kSoftcap) {  // planted: 400 cycles per query block\n"
+cycles = int(os.environ.get("PLANT_CYCLES", "400"))
+spin = (f"if constexpr (Cfg::kSoftcap) {{  // planted: {cycles} cycles per query block\n"
         "    const long long planted_t0 = clock64();\n"
-        "    while (clock64() - planted_t0 < 400) {\n"
+        f"    while (clock64() - planted_t0 < {cycles}) {{\n"
         "    }\n"
         "}\n")
-p.write_text(t[:line] + "".join(indent + s + "\n" for s in spin.splitlines()) + t[line:])
+for anchor in reversed(anchors):
+    line = t.rindex("\n", 0, anchor) + 1
+    indent = t[line:anchor]
+    t = t[:line] + "".join(indent + s + "\n" for s in spin.splitlines()) + t[line:]
+p.write_text(t)
 PY
     run "$name-build" bash -c "cd $copy && FLASH_ATTENTION_KERNELS='$KERNELS' \
         FLASH_ATTENTION_ARCHS='$ARCHS' MAX_JOBS='${MAX_JOBS:-16}' python3 setup.py -q \
@@ -270,8 +276,10 @@ if step bwd-planted; then
     bwd_plant bwd-planted src/csrc/sm80/backward_kernel.cuh "probabilities(i, stage(buf)"
 fi
 if step bwd90-planted; then
+    # (after dO has landed, before the dP^T GEMM: at d_head 256 a spin before the block's
+    # first wait was hidden, 0.99x)
     bwd_plant bwd90-planted src/csrc/sm90/backward_mainloop.cuh \
-        "mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed"
+        "wgmma_fence();  // (dP^T's registers were last written by the previous block)"
 fi
 # ncu_run NAME KERNEL_REGEX WHO [TARGET ARGS...]: Nsight Compute (full set, clocks untouched) of
 # the last of 4 launches of the matching kernel in studies/ncu_target.py WHO $shape ARGS, and
