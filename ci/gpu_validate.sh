@@ -218,8 +218,8 @@ fi
 # A planted backward slowdown: head = a copy of this built tree, rebuilt with a 400-cycle spin per
 # query block (PLANT_CYCLES) in the softcap kernels of one backward family; base = this tree. The plant is
 # applied in the copy, so no planted source is ever committed; it anchors on a line of the
-# family's per-query-block code (each occurrence: the Hopper family has one block loop per
-# tile shape) and refuses (exit 3) if that line moved.
+# family's per-query-block code (every occurrence of it) and refuses (exit 3) if that line
+# moved.
 #   bwd-planted    the sm80 family (on sm_90: the varlen softcap cases and d_head 256)
 #   bwd90-planted  the Hopper family (on sm_90: the fixed-length softcap cases)
 bwd_plant() {  # bwd_plant STEP FILE ANCHOR

@@ -24,7 +24,9 @@
 //   P^T, dS^T                            through shared memory (two buffers each), a barrier
 //                                        of both warpgroups per block
 //   dV[:, 128g ..] += P^T dO[:, 128g ..], dK likewise with dS^T and Q: A and B from shared memory
-//   dQ[:, 128g ..] = dS K[:, 128g ..]    in two parts of 64 columns, each handed to the writer
+//   dQ[:, 128g ..] = dS K[:, 128g ..]    in two parts of 64 columns, each added by the
+//                                        consumer threads (16-byte reductions), or with the
+//                                        deterministic order handed to the writer
 // dO has one stage (shared memory): the next block's dO loads while this block's dK and dQ run.
 #pragma once
 

@@ -1,7 +1,8 @@
 // FlashAttention backward on Hopper (the algorithm: backward_config.cuh): TMA copies into
 // 128-byte-swizzled shared memory completing on mbarriers, a producer warp streaming the query
 // blocks, two consumer warpgroups (setmaxnreg) computing the five GEMMs with wgmma, a writer
-// warp adding each block's dQ to the fp32 accumulator with bulk reduce-adds.
+// warp adding each block's dQ to the fp32 accumulator with bulk reduce-adds (at d_head 256
+// without the deterministic order the consumers add it themselves).
 //
 // This header is the kernel: it initialises the barriers and splits the CTA into its roles, from
 //   backward_config.cuh    the tile shapes and the shared-memory layout

@@ -322,6 +322,27 @@ struct BackwardConsumer {
             block_own_keys(t, i);
     }
 
+    // A block's S^T = K Q^T and dP^T = V dO^T issued (a commit group each), each once its
+    // operands have landed (Q stage s, dO stage sd); with kLoadCols LSE and D are loaded into
+    // lse and dd between the two.
+    template <bool kLoadCols>
+    __device__ __forceinline__ void issue_scores(float (&S)[kNS][4], float (&dP)[kNS][4], Cols& lse,
+                                                 Cols& dd, int s, uint32_t phase, int sd,
+                                                 uint32_t phase_d) const {
+        mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
+        wgmma_fence();
+        issue_kq(S, sm.k(), sm.q(s));
+        wgmma_commit();
+        if constexpr (kLoadCols) {
+            load_cols(lse, sm.lse(s));
+            load_cols(dd, sm.d(s));
+        }
+        mbar_wait(sm.do_full(sd), phase_d);  // dO has landed
+        wgmma_fence();  // (dP^T's registers were last written by the previous block)
+        issue_kq(dP, sm.v(), sm.dout(sd));
+        wgmma_commit();
+    }
+
     // d_head 64 and 128: this warpgroup's keys, every query column of the block.
     __device__ __forceinline__ void block_own_keys(int t, int i) {
         const int s = t % Cfg::kStages;
@@ -330,21 +351,10 @@ struct BackwardConsumer {
         float S[kNS][4], dP[kNS][4];
         uint32_t Pf[kStepsS][4], dSf[kStepsS][4];
 
-        mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
-        wgmma_fence();
-        issue_kq(S, sm.k(), sm.q(s));
-        wgmma_commit();
         // LSE and D at this thread's query columns, loaded while the GEMMs run (without
         // softcap, each just before its pass: registers are short at d_head 128).
         Cols lse, dd;
-        if constexpr (Cfg::kSoftcap) {
-            load_cols(lse, sm.lse(s));
-            load_cols(dd, sm.d(s));
-        }
-        mbar_wait(sm.do_full(s), phase);  // dO has landed
-        wgmma_fence();  // (dP^T's registers were last written by the previous block)
-        issue_kq(dP, sm.v(), sm.dout(s));
-        wgmma_commit();
+        issue_scores<Cfg::kSoftcap>(S, dP, lse, dd, s, phase, s, phase);
         if constexpr (Cfg::kSoftcap) {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
@@ -419,17 +429,8 @@ struct BackwardConsumer {
         float S[kNS][4], dP[kNS][4];
         uint32_t Pf[kStepsS][4], dSf[kStepsS][4];
 
-        mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
-        wgmma_fence();
-        issue_kq(S, sm.k(), sm.q(s));
-        wgmma_commit();
         Cols lse, dd;
-        load_cols(lse, sm.lse(s));
-        load_cols(dd, sm.d(s));
-        mbar_wait(sm.do_full(sd), phase_d);  // dO has landed
-        wgmma_fence();  // (dP^T's registers were last written by the previous block)
-        issue_kq(dP, sm.v(), sm.dout(sd));
-        wgmma_commit();
+        issue_scores<true>(S, dP, lse, dd, s, phase, sd, phase_d);
         if constexpr (Cfg::kSoftcap) {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
