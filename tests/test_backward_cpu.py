@@ -256,6 +256,16 @@ def test_codegen_of_a_hopper_config(tmp_path):
 # ---- the operator's fake, validation and tracing ----------------------------------------------
 
 
+def test_bwd_explain_is_registered_and_refuses_cpu_tensors(require_extension):
+    """flash_attention::bwd_explain (the backward's debug log: what a call runs, and why not the
+    Hopper kernel) is an operator of every build; it reads the GPU's properties, so CPU tensors
+    are refused with a ValueError, not a crash."""
+    t = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bwd_explain needs CUDA tensors"):
+        torch.ops.flash_attention.bwd_explain(t, t, t, t, False, False)
+
+
+
 @pytest.fixture
 def mode(require_extension):
     from flash_attention import backward

@@ -241,6 +241,44 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     assert _main_kernels(q, kx, vx, dout, out_x, lse_x, causal=True) == {"sm80"}
 
 
+def test_backward_debug_log_names_the_kernel_and_why(require_extension, caplog):
+    """At debug level an eager backward logs the kernel it runs (flash_attention::bwd_explain,
+    as the forward logs its choice), and the reason when the Hopper family cannot run the call:
+    on an sm_90 GPU with the Hopper backward built a fixed-length call names the Hopper kernel
+    and a varlen one the sm80 family's, because varlen batches run there."""
+    import logging
+
+    from flash_attention.backward import built
+    from flash_attention.config_bwd import select
+
+    hopper = select("bf16", 128, False, built(), hopper=True)
+    sm80 = select("bf16", 128, False, built())
+    on_sm90 = (torch.cuda.get_device_capability() == (9, 0) and hopper is not None
+               and hopper != sm80)
+    torch.manual_seed(1)
+    q, k, v = rand_inputs(1, 200, 200, 2, 2, 128, torch.bfloat16)
+
+    def logged(fn) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="flash_attention.backward"):
+            fn()
+            torch.cuda.synchronize()
+        (msg,) = [r.getMessage() for r in caplog.records if r.name == "flash_attention.backward"]
+        return msg
+
+    fixed = logged(lambda: run_backward(q, k, v, torch.randn_like(q)))
+    if on_sm90:
+        assert fixed.endswith(f": {hopper.short}"), fixed
+    else:
+        assert f"{sm80.short} (not the Hopper family: " in fixed, fixed
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (t[0].detach().requires_grad_() for t in (q, k, v))
+    varlen = logged(lambda: fa.attention_varlen(qv, kv, vv, cu, cu, 130, 130).sum().backward())
+    assert f"{sm80.short} (not the Hopper family: " in varlen, varlen
+    if on_sm90:
+        assert "varlen batches run on the sm80-family kernels" in varlen, varlen
+
+
 @pytest.mark.parametrize("d_head", [64, 128, 256])
 @pytest.mark.parametrize("shape, features", [
     ((3, 1000, 1111, 30, 30), {}),

@@ -10,11 +10,16 @@ takes the same arguments and runs the same forward, and its backward is determin
 (``deterministic=True`` of the public functions, fixed-length and varlen): the dQ
 contributions of the KV blocks are added in a fixed order, so gradients are bitwise identical
 run to run.
+
+At debug level (logger ``flash_attention.backward``) each eager backward logs the kernel it
+runs and, when it falls back to the sm80 family, why the Hopper kernel cannot run the call
+(``flash_attention::bwd_explain``; the forward logs its own choice the same way).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -22,6 +27,7 @@ from . import validation
 from .config_bwd import AnyBwdConfig, parse_config, select
 
 _REGISTERED = False
+log = logging.getLogger(__name__)
 
 
 def register() -> None:
@@ -110,6 +116,10 @@ def _attention_backward(ctx, dout, dlse):
             "backward; call it with return_lse=True (fa.attention does when an input requires "
             "grad)")
     softmax_scale, causal, window_left, window_right, softcap = ctx.features
+    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+        log.debug("attention backward %s %s: %s", q.dtype, tuple(q.shape),
+                  torch.ops.flash_attention.bwd_explain(dout, q, k, v, cu_seqlens_q is not None,
+                                                        softcap > 0))
     dq, dk, dv = torch.ops.flash_attention.bwd.default(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
         softmax_scale, causal, window_left, window_right, softcap, ctx.deterministic, "")

@@ -3,6 +3,8 @@
 //       max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap,
 //       deterministic, kernel) -> (dq, dk, dv)
 //   flash_attention::bwd_kernels() -> str     the backward kernels of this build, comma-separated
+//   flash_attention::bwd_explain(dout, q, k, v, varlen, softcap) -> str   what a call's backward
+//       runs, and why not the Hopper kernel (debug logging, as the forward's explain())
 // The fake implementation and the autograd formula of flash_attention::attention that calls it
 // are in flash_attention/backward.py. Every input is checked here before any launch, with the
 // forward's checks where they apply (binding/validation.h); what the kernels cannot address is
@@ -268,6 +270,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     return {dq, dk, dv};
 }
 
+// The kernel bwd_cuda runs for a call of these tensors (no kernel named), and why not the
+// Hopper one when it falls back to the sm80 family: the same lookups and TMA rule, from the
+// tensors' metadata and the GPU's properties alone (dK and dV are new contiguous tensors, which
+// TMA addresses whenever K and V are).
+std::string bwd_explain(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool varlen, bool softcap) {
+    FA_CHECK_VALUE(q.is_cuda(), "bwd_explain needs CUDA tensors, got ", q.device());
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    const int64_t D = q.size(-1);
+    const flash::BwdKernelEntry* sm80 = family_kernel(bf16, D, softcap, 80);
+    const flash::BwdKernelEntry* sm90 = family_kernel(bf16, D, softcap, 90);
+    const c10::MaybeOwned<at::Tensor> qa = addressable(q), ka = addressable(k), va = addressable(v),
+                                      da = addressable(dout);
+    const char* unfit = sm90 == nullptr ? "no Hopper kernel in this build"
+                                        : sm90_unfit(device_properties(q.device().index()), varlen,
+                                                     {&*qa, &*ka, &*va, &*da});
+    const flash::BwdKernelEntry* e = unfit == nullptr ? sm90 : sm80;
+    if (e == nullptr)
+        return message("no backward kernel in this build (not the Hopper family: ", unfit, ")");
+    return unfit == nullptr ? std::string(e->name)
+                            : message(e->name, " (not the Hopper family: ", unfit, ")");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
@@ -277,6 +302,9 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
         "bool deterministic, str kernel) -> (Tensor dq, Tensor dk, Tensor dv)");
     m.def("bwd_kernels() -> str", &bwd_kernels);
+    m.def(
+        "bwd_explain(Tensor dout, Tensor q, Tensor k, Tensor v, bool varlen, bool softcap) -> str",
+        &bwd_explain);
 }
 
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
