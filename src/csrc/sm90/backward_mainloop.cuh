@@ -419,7 +419,7 @@ struct BackwardConsumer {
     // both warpgroups meet in shared memory (buffer t % 2: a warpgroup writes block t's after
     // block t - 1's barrier, which both passed only once done with block t - 2's GEMMs); then
     // dQ's two parts, dV and dK over this warpgroup's d_head columns, in that order, so that dQ
-    // leaves for the writer while dV and dK run.
+    // leaves (hand_dq) while dV and dK run.
     __device__ __forceinline__ void block_split_d(int t, int head, int i) {
         static_assert(Cfg::kDqParts == 2 && Cfg::kPBuffers == 2 && Cfg::kDsBuffers == 2,
                       "kSplitD: two dQ parts, two P^T and dS^T buffers");
