@@ -62,7 +62,8 @@ struct Sm90BwdConfig {
     static constexpr bool kDqOwnKeys = kDHead == 64;
     static constexpr int kDqCols = kDqOwnKeys ? kDHead : kDHead / kConsumerWGs;  // per warpgroup
     static constexpr int kDqMTiles = kBr / 64;  // m64 tiles of a warpgroup's dQ (query rows)
-    // A warpgroup hands its dQ to the writer in parts of 64 columns (two at d_head 256).
+    // A warpgroup's dQ leaves in parts of 64 columns (two at d_head 256, where its threads add
+    // them, or with the deterministic order the writer does).
     static constexpr int kDqParts = kDqCols / 64;
     // dS^T buffers: with kDqOwnKeys a warpgroup's dQ GEMM reads only its own rows of dS^T, and
     // has completed in every warp of the warpgroup before that warpgroup stores the next
