@@ -114,11 +114,15 @@ def test_softcap(require_extension, d_head, causal, softcap):
     case(2, 200, 177, 4, 2, d_head, torch.bfloat16, causal=causal, softcap=softcap)
 
 
-def test_scale_and_layouts(require_extension):
-    case(2, 150, 150, 4, 4, 64, torch.float16, layout="bhsd", softmax_scale=0.3, causal=True)
+@pytest.mark.parametrize("d_head", [64, 256])
+def test_scale_and_layouts(require_extension, d_head):
+    """A transposed (batch, heads, seq, d) view and a packed qkv tensor; at d_head 256 on an
+    sm_90 GPU the split-d Hopper kernel reads them through its TMA maps in place."""
+    case(2, 150, 150, 4, 4, d_head, torch.float16, layout="bhsd", softmax_scale=0.3, causal=True)
     torch.manual_seed(5)
-    qkv = torch.randn(2, 190, 3, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dout = torch.randn(2, 190, 4, 64, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(2, 190, 3, 4, d_head, device="cuda", dtype=torch.bfloat16,
+                      requires_grad=True)
+    dout = torch.randn(2, 190, 4, d_head, device="cuda", dtype=torch.bfloat16)
     flash_attn_qkvpacked_func(qkv, causal=True).backward(dout)
     q, k, v = qkv.detach().unbind(2)
     check_grads(qkv.grad.unbind(2), q, k, v, dout, what="qkvpacked", causal=True)

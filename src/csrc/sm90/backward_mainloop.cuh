@@ -464,10 +464,10 @@ struct BackwardConsumer {
         wgmma_commit();
         wgmma_wait<3>();  // dQ part 0 is complete
         fence_regs(dQ[0]);
-        hand_dq(dQ[0], 2 * t, head, i, 0);
+        hand_dq(dQ[0], t, head, i, 0);
         wgmma_wait<2>();  // dQ part 1
         fence_regs(dQ[1]);
-        hand_dq(dQ[1], 2 * t + 1, head, i, 1);
+        hand_dq(dQ[1], t, head, i, 1);
         wgmma_wait<1>();  // dV: dO is free
         fence_regs(dV);
         release(sm.do_empty(sd));
@@ -499,15 +499,15 @@ struct BackwardConsumer {
         named_arrive(kBwdDqFull + wg, kSync);
     }
 
-    // kSplitD: dQ part h (this warpgroup's u-th) of block i of `head` to the fp32 accumulator.
+    // kSplitD: dQ part h of block i of `head` (the CTA's block t) to the fp32 accumulator.
     // Without the deterministic order each thread adds its own (add_dq): through the writer,
     // four parts a block made the warpgroups wait for its bulk reductions (at d_head 64 and 128
     // the writer's are the faster: docs/results/2026-11-27-h200-hopper-backward-d256.md). With
     // the order the writer warp adds the parts in turn (store_dq).
-    __device__ __forceinline__ void hand_dq(const float (&dQ)[kMQ][kNQ][4], int u, int head, int i,
+    __device__ __forceinline__ void hand_dq(const float (&dQ)[kMQ][kNQ][4], int t, int head, int i,
                                             int h) const {
         if (prm.p.dq_semaphore != nullptr)
-            store_dq(dQ, u);
+            store_dq(dQ, t * Cfg::kDqParts + h);
         else
             add_dq(dQ, head, i, h);
     }
