@@ -297,6 +297,20 @@ struct BackwardCta {
         zero(S);
         warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
                                 LoadB<Cfg, kNT>(st.q, c0, 0, lane));
+        // One branch per chunk: the unmasked pass is straight-line code, not interleaved with
+        // the masked one (which would put a jump over it in every n8 tile).
+        if (q_valid < 0)
+            store_p_ds<false>(S, dP, r0, q_row0, c0, q_valid, k_valid, sLse, sD);
+        else
+            store_p_ds<true>(S, dP, r0, q_row0, c0, q_valid, k_valid, sLse, sD);
+    }
+
+    // P^T and dS^T of a chunk's S^T and dP^T into smem; kMasked: zero P where the key is past
+    // the sequence, the query row past it, or the window hides the pair.
+    template <bool kMasked, int kMT, int kNT>
+    __device__ __forceinline__ void store_p_ds(float (&S)[kMT][kNT][4], float (&dP)[kMT][kNT][4],
+                                               int r0, int q_row0, int c0, int q_valid,
+                                               int k_valid, uint32_t sLse, uint32_t sD) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             // The two columns of this thread in the n8 tile: their LSE and D, read once for
@@ -318,7 +332,7 @@ struct BackwardCta {
                         dtanh = 1.f - s * s;
                     }
                     float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
-                    if (q_valid >= 0 && (key >= k_valid || col >= q_valid ||
+                    if (kMasked && (key >= k_valid || col >= q_valid ||
                                          !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
                         prob = 0.f;
                     pv[e] = prob;
