@@ -3,9 +3,10 @@ kernel of the backward (preprocess, main with and without the ordered dQ, conver
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kernel at d_head
 136-256 among them; varlen on the sm80 family there, and d_head 256 by name) on tails, masks, a
-window, a softcap, GQA and a padded d_head; a deterministic call with no mask in the Hopper
-family's rotated order; the last three calls have more CTAs than an H100 has SMs, some with no
-query block under the window.
+window, a softcap, GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and
+without a softcap; a deterministic call with no mask in the Hopper family's rotated order; the
+three calls with 17000-20000 keys have more CTAs than an H100 has SMs, some with no query block
+under the window.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
@@ -33,10 +34,18 @@ def main() -> None:
             (128, False, True, (512, 256), (2, 2), {}),
             (64, False, False, (128, 20000), (2, 2), {}),
             (128, False, True, (64, 17000), (2, 2), {"window_size": (64, 0)}),
-            (128, False, False, (100, 20000), (2, 2), {"softcap": 30.0})]:
-        q = torch.randn(1, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            (128, False, False, (100, 20000), (2, 2), {"softcap": 30.0}),
+            # fp16: each d_head's kernel with and without a softcap
+            (64, True, False, (200, 170), (2, 1), {"dtype": torch.float16}),
+            (64, False, False, (130, 130), (2, 2), {"dtype": torch.float16, "softcap": 20.0}),
+            (128, False, True, (150, 200), (2, 2), {"dtype": torch.float16}),
+            (128, True, False, (190, 190), (4, 2), {"dtype": torch.float16, "softcap": 20.0}),
+            (256, True, False, (100, 140), (2, 1), {"dtype": torch.float16}),
+            (224, False, False, (70, 130), (2, 2), {"dtype": torch.float16, "softcap": 20.0})]:
+        dtype = extra.pop("dtype", torch.bfloat16)
+        q = torch.randn(1, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(1, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(1, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
         fa.attention(q, k, v, causal=causal, deterministic=det, **extra).sum().backward()
         torch.cuda.synchronize()
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
