@@ -309,8 +309,8 @@ struct BackwardCta {
     // the sequence, the query row past it, or the window hides the pair.
     template <bool kMasked, int kMT, int kNT>
     __device__ __forceinline__ void store_p_ds(float (&S)[kMT][kNT][4], float (&dP)[kMT][kNT][4],
-                                               int r0, int q_row0, int c0, int q_valid,
-                                               int k_valid, uint32_t sLse, uint32_t sD) {
+                                               int r0, int q_row0, int c0, int q_valid, int k_valid,
+                                               uint32_t sLse, uint32_t sD) {
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             // The two columns of this thread in the n8 tile: their LSE and D, read once for
@@ -333,7 +333,7 @@ struct BackwardCta {
                     }
                     float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
                     if (kMasked && (key >= k_valid || col >= q_valid ||
-                                         !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
+                                    !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
                         prob = 0.f;
                     pv[e] = prob;
                     ds[e] = prob * (dP[mt][nt][e] - (e % 2 ? dd.y : dd.x)) * dtanh;
