@@ -3,8 +3,8 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile profile-bwd gate-aa bwd-planted bwd90-planted
-#        bwd-prog
+#        sanitize debug asv calibrate hang profile profile-bwd profile-bwd80 gate-aa bwd-planted
+#        bwd90-planted bwd-prog
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -34,6 +34,8 @@
 #             stall samples of ours, details of cuDNN's
 #   profile-bwd  the same for the backward's main kernel (the Hopper one) and cuDNN's, at
 #             PROFILE_SHAPE ("bf16 128 4 4096 16")
+#   profile-bwd80  the sm80 family's backward kernel by name (as on an sm_80 GPU or a varlen
+#             call) and SDPA FA2's, at PROFILE_SHAPE ("bf16 64 4 4096 16"), with both SASS pages
 #   workflow  the GPU job of .github/workflows/pr.yml as a runner runs it, in a clone of
 #             $BUNDLE (a git bundle of the repo, main = the PR's base): an unchanged head
 #   workflow-planted  the same for a head whose Hopper kernels mask every KV block
@@ -306,6 +308,24 @@ if step profile-bwd; then
     ncu_run bwd-ours 'bwd_sm90_kernel' ours --backward
     ncu_sass bwd-ours
     ncu_run bwd-cudnn 'bprop' cudnn --backward
+fi
+if step profile-bwd80; then
+    shape=${PROFILE_SHAPE:-bf16 64 4 4096 16}
+    read -r dt d _ <<<"$shape"
+    sm80=$(python3 -c "from flash_attention import ops
+from flash_attention.backward import built
+from flash_attention.config_bwd import select
+ops.require()
+c = select('$dt', $d, False, built())
+print(c.short if c else '')")
+    if [ -n "$sm80" ]; then
+        ncu_run bwd80-ours '^bwd_kernel|bwd::bwd_kernel' ours --backward --config "$sm80"
+        ncu_sass bwd80-ours
+        ncu_run bwd80-fa2 'flash_bwd_dq_dk_dv' fa2 --backward
+        ncu_sass bwd80-fa2
+    else
+        summary+=("profile-bwd80: no sm80 backward kernel built for $dt d_head $d")
+    fi
 fi
 workflow() (  # workflow NAME [planted]: the PR workflow's GPU job in a fresh clone, in one
     # workspace path as on a runner (so the object cache serves a later job as it would there)

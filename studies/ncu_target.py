@@ -3,7 +3,9 @@ call (or, with --backward, its backward) a few times on random inputs, so that n
 the last launch of the kernel it matches.
     python3 studies/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
         [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)
-        [--backward]                             (the backward of one forward, through autograd)"""
+        [--backward]                             (the backward of one forward, through autograd;
+                                                  with --config bwd_...: that backward kernel
+                                                  by name, on the forward's out and LSE)"""
 
 import argparse
 
@@ -11,6 +13,7 @@ import torch
 
 import flash_attention as fa
 from fa_tools.gpu.perfcases import contenders
+from flash_attention import ops
 
 ap = argparse.ArgumentParser()
 ap.add_argument("who", choices=("ours", "cudnn", "fa2"))
@@ -23,9 +26,22 @@ dtype, d, b, s, h = (args.shape[:5] + ["bf16", "128", "16", "4096", "16"][len(ar
 causal = len(args.shape) > 5 and args.shape[5] == "causal"
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-if args.backward:
-    if args.window or args.config:
-        ap.error("--backward takes the dispatched kernels only")
+if args.backward and args.config:
+    # A backward kernel by name (e.g. the sm80 family's on an sm_90 GPU, where dispatch picks
+    # the Hopper one), through the operator that autograd calls.
+    if args.who != "ours" or args.window or not args.config.startswith("bwd_"):
+        ap.error("--backward --config takes ours and a backward kernel's short name (bwd_...)")
+    ops.require()  # the extension loaded, its operators registered
+    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None, causal,
+                                                           -1, -1, 0.0, True, "")
+    dout = torch.randn_like(out)
+
+    def run():
+        torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0, 0,
+                                              None, causal, -1, -1, 0.0, False, args.config)
+elif args.backward:
+    if args.window:
+        ap.error("--backward takes no --window")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     if args.who == "ours":
