@@ -298,7 +298,8 @@ struct BackwardCta {
         warp_gemm<Elem, kSteps>(S, LoadA<Cfg, kMT>(sK, r0, 0, lane),
                                 LoadB<Cfg, kNT>(st.q, c0, 0, lane));
         // One branch per chunk: the unmasked pass is straight-line code, not interleaved with
-        // the masked one (which would put a jump over it in every n8 tile).
+        // the masked one (a test per element compiles into a jump over the masked code in every
+        // m16 x n8 tile).
         if (q_valid < 0)
             store_p_ds<false>(S, dP, r0, q_row0, c0, q_valid, k_valid, sLse, sD);
         else
