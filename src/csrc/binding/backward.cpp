@@ -68,6 +68,21 @@ const flash::BwdKernelEntry* family_kernel(bool bf16, int64_t d_head, bool softc
     return best;
 }
 
+// The choice of a call that names no kernel, given the two families' kernels for it and
+// sm90_unfit's verdict on its tensors: the Hopper kernel when it is built and fits, else the
+// sm80 family's (nullptr when the build has none); `why` says why not the Hopper kernel
+// (nullptr when it runs). bwd_cuda runs it, bwd_explain reports it.
+struct FamilyChoice {
+    const flash::BwdKernelEntry* kernel;
+    const char* why;
+};
+FamilyChoice choose_family(const flash::BwdKernelEntry* sm80, const flash::BwdKernelEntry* sm90,
+                           const char* unfit) {
+    if (sm90 == nullptr)
+        return {sm80, "no Hopper kernel in this build"};
+    return {unfit == nullptr ? sm90 : sm80, unfit};
+}
+
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
                 const char* like_name) {
     FA_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, " ",
@@ -187,13 +202,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     if (named != nullptr && named->arch == 90)
         FA_CHECK(unfit == nullptr, "backward kernel ", named->name,
                  " (sm_90a) cannot run this call: ", unfit);
-    if (named == nullptr && (sm90 == nullptr || unfit != nullptr))
-        FA_CHECK(sm80 != nullptr, "this build has no sm80-family backward kernel for ",
-                 bf16 ? "bf16" : "fp16", " with d_head=", D, softcap > 0 ? " with a softcap" : "",
-                 ", which this call needs (", sm90 != nullptr ? unfit : "no Hopper kernel",
-                 "); rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
-    const flash::BwdKernelEntry& e =
-        named != nullptr ? *named : (sm90 != nullptr && unfit == nullptr ? *sm90 : *sm80);
+    const FamilyChoice family = choose_family(sm80, sm90, unfit);
+    FA_CHECK(named != nullptr || family.kernel != nullptr,
+             "this build has no sm80-family backward kernel for ", bf16 ? "bf16" : "fp16",
+             " with d_head=", D, softcap > 0 ? " with a softcap" : "", ", which this call needs (",
+             family.why, "); rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+    const flash::BwdKernelEntry& e = named != nullptr ? *named : *family.kernel;
     FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);
@@ -271,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 }
 
 // The kernel bwd_cuda runs for a call of these tensors (no kernel named), and why not the
-// Hopper one when it falls back to the sm80 family: the same lookups and TMA rule, from the
+// Hopper one when it falls back to the sm80 family: bwd_cuda's choose_family, from the
 // tensors' metadata and the GPU's properties alone (dK and dV are new contiguous tensors, which
 // TMA addresses whenever K and V are).
 std::string bwd_explain(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
@@ -283,14 +297,15 @@ std::string bwd_explain(const at::Tensor& dout, const at::Tensor& q, const at::T
     const flash::BwdKernelEntry* sm90 = family_kernel(bf16, D, softcap, 90);
     const c10::MaybeOwned<at::Tensor> qa = addressable(q), ka = addressable(k), va = addressable(v),
                                       da = addressable(dout);
-    const char* unfit = sm90 == nullptr ? "no Hopper kernel in this build"
-                                        : sm90_unfit(device_properties(q.device().index()), varlen,
-                                                     {&*qa, &*ka, &*va, &*da});
-    const flash::BwdKernelEntry* e = unfit == nullptr ? sm90 : sm80;
-    if (e == nullptr)
-        return message("no backward kernel in this build (not the Hopper family: ", unfit, ")");
-    return unfit == nullptr ? std::string(e->name)
-                            : message(e->name, " (not the Hopper family: ", unfit, ")");
+    const FamilyChoice family = choose_family(
+        sm80, sm90,
+        sm90_unfit(device_properties(q.device().index()), varlen, {&*qa, &*ka, &*va, &*da}));
+    if (family.kernel == nullptr)
+        return message("no backward kernel in this build (not the Hopper family: ", family.why,
+                       ")");
+    return family.why == nullptr
+               ? std::string(family.kernel->name)
+               : message(family.kernel->name, " (not the Hopper family: ", family.why, ")");
 }
 
 }  // namespace
