@@ -2,9 +2,11 @@
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kernel at d_head
-136-256 among them; varlen on the sm80 family there, and d_head 256 by name) on tails, masks, a
+136-256 among them; varlen on the sm80 family there) on tails, masks, a
 window, a softcap, GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and
-without a softcap; a deterministic call with no mask in the Hopper family's rotated order; the
+without a softcap; a deterministic call with no mask in the Hopper family's rotated order; every
+sm80-family kernel of the build by name (on an sm_90 GPU the only way to reach its fixed-length
+form); the
 three calls with 17000-20000 keys have more CTAs than an H100 has SMs, some with no query block
 under the window.
 
@@ -55,21 +57,27 @@ def main() -> None:
     fa.attention_varlen(q, kv, kv, cu, cu, 130, 130, causal=True).sum().backward()
     torch.cuda.synchronize()
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
-    # The sm80 family's d_head 256 kernel by name (on an sm_90 GPU the split-d Hopper kernel
-    # takes the fixed-length calls).
+    # Every sm80-family kernel of the build by name (on an sm_90 GPU the Hopper family takes
+    # the fixed-length calls, so these run here only by name): tails, causal, its softcap, a
+    # d_head below the variant's, ordered dQ on every other one.
     from flash_attention.backward import built
-    from flash_attention.config_bwd import select
-    sm80 = select("bf16", 256, False, built())
-    if sm80 is not None:
-        q, k, v, dout = (torch.randn(1, 150, 2, 256, device="cuda", dtype=torch.bfloat16)
-                         for _ in range(4))
+    from flash_attention.config_bwd import BwdConfig
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for n, cfg in enumerate(c for c in built() if isinstance(c, BwdConfig)):
+        d = cfg.d_head - 8 if n % 3 == 1 else cfg.d_head
+        q, dout = (torch.randn(1, 150, 4, d, device="cuda", dtype=dtypes[cfg.dtype])
+                   for _ in range(2))
+        k, v = (torch.randn(1, 200, 2, d, device="cuda", dtype=dtypes[cfg.dtype])
+                for _ in range(2))
+        softcap, det = (20.0 if cfg.softcap else 0.0), n % 2 == 1
         out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
-                                                               True, -1, -1, 0.0, True, "")
+                                                               n % 2 == 0, -1, -1, softcap,
+                                                               True, "")
         grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None,
-                                                      0, 0, None, True, -1, -1, 0.0, True,
-                                                      sm80.short)
+                                                      0, 0, None, n % 2 == 0, -1, -1, softcap,
+                                                      det, cfg.short)
         torch.cuda.synchronize()
-        assert all(torch.isfinite(g).all() for g in grads)
+        assert all(torch.isfinite(g).all() for g in grads), cfg.short
     print("sanitize cases done")
 
 

@@ -138,8 +138,8 @@ class BwdConfig(ShortFormConfig):
         return WarpGrid(self.block_c, self.block_r, self.warps)
 
     @property
-    def phase2(self) -> WarpGrid:  # dK, dV: keys x d_head
-        return WarpGrid(self.block_c, self.d_head, self.warps)
+    def phase2(self) -> WarpGrid:  # dV or dK (a half of the warps each): keys x d_head
+        return WarpGrid(self.block_c, self.d_head, self.warps // 2)
 
     @property
     def phase3(self) -> WarpGrid:  # dQ: queries x d_head
@@ -159,7 +159,7 @@ class BwdConfig(ShortFormConfig):
         """n8 tiles of a phase-1 chunk (mirrors BwdConfig::kP1ChunkNT): the widest chunk (the
         whole warp tile where it fits) whose S^T and dP^T fit REG_BUDGET beside dK and dV, at
         least 2."""
-        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        resident = self.phase2.m_tiles * self.phase2.n_tiles * 4
         n_tiles = self.phase1.n_tiles
         while n_tiles > 2 and resident + 2 * self.phase1.m_tiles * n_tiles * 4 > REG_BUDGET:
             n_tiles //= 2
@@ -172,7 +172,7 @@ class BwdConfig(ShortFormConfig):
 
     @property
     def accum_regs(self) -> int:
-        resident = 2 * self.phase2.m_tiles * self.phase2.n_tiles * 4
+        resident = self.phase2.m_tiles * self.phase2.n_tiles * 4
         p1 = 2 * self.phase1.m_tiles * self.p1_chunk_n_tiles * 4
         p3 = self.phase3.m_tiles * self.p3_chunk_n_tiles * 4
         return resident + max(p1, p3)
@@ -183,7 +183,7 @@ class BwdConfig(ShortFormConfig):
                                   ("warps", self.warps, WARPS))
         if out:
             return out
-        for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dK, dV)", self.phase2),
+        for what, grid in (("phase 1 (S^T)", self.phase1), ("phase 2 (dV or dK)", self.phase2),
                            ("phase 3 (dQ)", self.phase3)):
             out += grid.problems(what)
         rows_per_pass = self.threads // (smem_d_head(self.d_head) // 8)

@@ -6,7 +6,8 @@
 // B_r rows that see them, for every query head of the KV head's group. Its warps tile three
 // products, each its own way (a grid of warp rows x warp columns):
 //   phase 1  S^T = K Q^T and dP^T = V dO^T     B_c x B_r, reduced over d_head
-//   phase 2  dV += P^T dO and dK += dS^T Q     B_c x d_head, reduced over B_r (dK, dV resident)
+//   phase 2  dV += P^T dO (warps of the first half), dK += dS^T Q (the second half)
+//                                               B_c x d_head, reduced over B_r (dK or dV resident)
 //   phase 3  dQ_i += dS K                      B_r x d_head, reduced over B_c (fp32 atomics)
 // P^T and dS^T pass from phase 1 to phases 2 and 3 through shared memory.
 #pragma once
@@ -79,9 +80,9 @@ struct BwdConfig {
     static constexpr int kChunksPerRow = kSmemDHead / kChunkElems;  // Q, dO, K, V smem rows
     static constexpr int kDataChunks = kDHead / kChunkElems;
 
-    using Phase1 = WarpGrid<kBc, kBr, kWarps>;     // S^T, dP^T: keys x queries
-    using Phase2 = WarpGrid<kBc, kDHead, kWarps>;  // dK, dV: keys x d
-    using Phase3 = WarpGrid<kBr, kDHead, kWarps>;  // dQ: queries x d
+    using Phase1 = WarpGrid<kBc, kBr, kWarps>;         // S^T, dP^T: keys x queries
+    using Phase2 = WarpGrid<kBc, kDHead, kWarps / 2>;  // dV or dK (a half of the warps each)
+    using Phase3 = WarpGrid<kBr, kDHead, kWarps>;      // dQ: queries x d
 
     // The B_c x B_r tiles of P^T and dS^T: rows of B_r elements, swizzled like the others.
     struct PTile {
@@ -98,10 +99,10 @@ struct BwdConfig {
     static constexpr int kStageBytes = 2 * kQTileBytes + 2 * kRowVecBytes;
     static constexpr int kSmemBytes = kQStages * kStageBytes + 2 * kKTileBytes + 2 * kPTileBytes;
 
-    // fp32 accumulator registers of one thread: dK and dV stay resident; phase 1 adds a chunk
+    // fp32 accumulator registers of one thread: its dK or dV stays resident; phase 1 adds a chunk
     // of S^T and dP^T (the softcap derivative is used where it is computed), phase 3 a chunk
     // of the dQ tile (when phase 1's are dead).
-    static constexpr int kResidentRegs = 2 * Phase2::kMT * Phase2::kNT * 4;
+    static constexpr int kResidentRegs = Phase2::kMT * Phase2::kNT * 4;
     static constexpr int kRegBudget = 200;
 
     // Phase 1 computes a warp's query columns in chunks of kP1ChunkNT n8 tiles: the widest

@@ -95,8 +95,9 @@ struct BackwardCta {
     const int batch, kv_head;
     const uint32_t sStage0, sK, sV, sP, sdS;
 
-    float dK[P2::kMT][P2::kNT][4];
-    float dV[P2::kMT][P2::kNT][4];
+    // dV (warps of the first half) or dK (the second half) of this warp's tile: each half of
+    // the warps computes one of the two phase-2 products over the whole B_c x d_head tile.
+    float dKV[P2::kMT][P2::kNT][4];
 
     __device__ __forceinline__ BackwardCta(const BwdParams& params, unsigned char* smem)
         : p(params),
@@ -143,8 +144,7 @@ struct BackwardCta {
     __device__ __forceinline__ void run() {
         if (k_row0 >= span().seqlen_k)
             return;  // past this sequence's keys (varlen: the grid covers the longest)
-        zero(dK);
-        zero(dV);
+        zero(dKV);
         const int k_last = (k_row0 + kBc < span().seqlen_k ? k_row0 + kBc : span().seqlen_k) - 1;
         int64_t q_lo, q_hi;
         win().rows(k_row0, k_last, span().seqlen_q, q_lo, q_hi);
@@ -265,7 +265,7 @@ struct BackwardCta {
 
     // Phase 1: P^T and dS^T of this (KV block, query block) into smem, as the input dtype. A
     // warp's query columns go in chunks of at most 32 (Cfg::kP1ChunkNT n8 tiles), so S^T and
-    // dP^T hold at most 32 registers next to the resident dK and dV.
+    // dP^T hold at most 32 registers next to the resident dK or dV.
     __device__ __forceinline__ void probabilities(int i, const Stage& st, uint32_t sLse,
                                                   uint32_t sD) {
         // Masking is uniform over the CTA: only pairs of blocks on the window's edges or the
@@ -355,14 +355,20 @@ struct BackwardCta {
         }
     }
 
-    // Phase 2: dV += P^T dO_i and dK += dS^T Q_i over the query block.
+    // The warps of the second half compute dK, those of the first dV; the place of a warp in
+    // its half's grid.
+    __device__ __forceinline__ bool owns_dk() const { return warp >= Cfg::kWarps / 2; }
+    __device__ __forceinline__ int half_warp() const { return warp % (Cfg::kWarps / 2); }
+
+    // Phase 2: dV += P^T dO_i (first half of the warps) or dK += dS^T Q_i (second half) over
+    // the query block: one product per warp, on a tile twice as large as with both per warp
+    // (fewer ldmatrix per MMA).
     __device__ __forceinline__ void accumulate_dk_dv(const Stage& st) {
         constexpr int kMT = P2::kMT, kNT = P2::kNT, kSteps = kBr / 16;
-        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
-        warp_gemm<Elem, kSteps>(dV, LoadA<PTile, kMT>(sP, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(st.dout, c0 / 8, lane));
-        warp_gemm<Elem, kSteps>(dK, LoadA<PTile, kMT>(sdS, r0, 0, lane),
-                                LoadBTrans<Cfg, kNT>(st.q, c0 / 8, lane));
+        const int r0 = P2::row0(half_warp()), c0 = P2::col0(half_warp());
+        const bool dk = owns_dk();
+        warp_gemm<Elem, kSteps>(dKV, LoadA<PTile, kMT>(dk ? sdS : sP, r0, 0, lane),
+                                LoadBTrans<Cfg, kNT>(dk ? st.q : st.dout, c0 / 8, lane));
     }
 
     // Phase 3: dQ_i += dS K, added to the fp32 accumulator (in a fixed order when
@@ -418,13 +424,15 @@ struct BackwardCta {
     // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
     // written.
     __device__ __forceinline__ void write_dk_dv() {
-        const int r0 = P2::row0(warp), c0 = P2::col0(warp);
+        const int r0 = P2::row0(half_warp()), c0 = P2::col0(half_warp());
         const int64_t k_row = int64_t(span().k_start) + k_row0;
-        Elem* dk = static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
-                   kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
-        Elem* dv = static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
-                   kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
-        const float scale = p.softmax_scale;
+        const bool dk = owns_dk();
+        Elem* out = dk ? static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
+                             kv_head * p.dk_head_stride + k_row * p.dk_row_stride
+                       : static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
+                             kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
+        const int64_t stride = dk ? p.dk_row_stride : p.dv_row_stride;
+        const float scale = dk ? p.softmax_scale : 1.f;
 #pragma unroll
         for (int mt = 0; mt < P2::kMT; ++mt)
 #pragma unroll
@@ -437,10 +445,8 @@ struct BackwardCta {
                     const int col = c0 + nt * 8 + 2 * (lane % 4);
                     if (col >= p.d_head)
                         continue;
-                    *reinterpret_cast<uint32_t*>(dk + row * p.dk_row_stride + col) =
-                        pack2<Elem>(dK[mt][nt][2 * h] * scale, dK[mt][nt][2 * h + 1] * scale);
-                    *reinterpret_cast<uint32_t*>(dv + row * p.dv_row_stride + col) =
-                        pack2<Elem>(dV[mt][nt][2 * h], dV[mt][nt][2 * h + 1]);
+                    *reinterpret_cast<uint32_t*>(out + row * stride + col) =
+                        pack2<Elem>(dKV[mt][nt][2 * h] * scale, dKV[mt][nt][2 * h + 1] * scale);
                 }
             }
     }
