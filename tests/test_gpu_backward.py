@@ -26,6 +26,7 @@ import torch
 
 import flash_attention as fa
 from flash_attention import ops
+from flash_attention.config_bwd import SM80_DEFAULT, BwdConfig
 from flash_attention.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -210,6 +211,44 @@ def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
         for a, b in zip(first, _bwd_op(q, k, v, dout, out, lse, sm80.short, deterministic=True)):
             assert torch.equal(a, b)
     check_grads(first, q, k, v, dout, what=f"sm80 rotated d_head {d_head}")
+
+
+# (seqlen_q, seqlen_k, heads, kv_heads, causal, window, deterministic, d_head below the variant)
+_SM80_NAMED_CASES = [(113, 203, 4, 2, True, (-1, -1), False, 0),
+                     (300, 113, 2, 1, False, (-1, -1), True, 24),
+                     (128, 217, 3, 3, False, (40, 7), False, 0),
+                     (1, 300, 2, 2, True, (-1, -1), True, 24)]
+
+
+@pytest.mark.parametrize("case", range(len(_SM80_NAMED_CASES)))
+@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT])
+def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
+    """Each sm80-family kernel of the default set named explicitly on fixed-length calls
+    (tails, GQA/MQA, causal, a window, deterministic, a zero-padded d_head, its softcap). On an
+    sm_90 GPU the Hopper family takes these calls, so a named call is the only way to them
+    there, and the kernel reduces dQ in the tile order (DqLayout::kWgmmaTiles) instead of rows."""
+    from flash_attention.backward import built
+
+    if kernel not in {c.short for c in built()}:
+        pytest.skip(f"{kernel} is not in this build (FLASH_ATTENTION_BWD_KERNELS=default)")
+    cfg = BwdConfig.parse(kernel)
+    sq, sk, h, hk, causal, window, det, below = _SM80_NAMED_CASES[case]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    softcap = 30.0 if cfg.softcap else 0.0
+    torch.manual_seed(case)
+    q, k, v = rand_inputs(2, sq, sk, h, hk, cfg.d_head - below, dtype)
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
+                                                           causal, *window, softcap, True, "")
+    grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0,
+                                                  0, None, causal, *window, softcap, det, kernel)
+    if det:
+        again = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None,
+                                                      0, 0, None, causal, *window, softcap, det,
+                                                      kernel)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    check_grads(grads, q, k, v, dout, what=f"{kernel} case {case}", causal=causal,
+                window_size=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("d_head", [64, 128, 256])

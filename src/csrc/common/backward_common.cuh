@@ -36,6 +36,21 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
+// p[0..3] += a, b, c, d (fp32 reductions, no result): one vector reduction on sm_90, four scalar
+// ones before. p is 16-byte aligned.
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c),
+                 "f"(d)
+                 : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+    atomicAdd(p + 2, c);
+    atomicAdd(p + 3, d);
+#endif
+}
+
 __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -225,48 +240,21 @@ static __global__ void __launch_bounds__(128)
 
 // ---- dQ conversion ----------------------------------------------------------------------------
 
-// dQ = scale * accumulator in the input dtype; one thread per 8 columns of a row.
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
-    const int chunks = p.d_head / 8;
-    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
-    const int64_t row = idx / chunks;
-    const int chunk = static_cast<int>(idx % chunks);
-    const int64_t head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.seqlen_q)
-        return;
-    const float* acc =
-        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad + chunk * 8;
-    const float4 a = *reinterpret_cast<const float4*>(acc);
-    const float4 b = *reinterpret_cast<const float4*>(acc + 4);
-    const float s = p.softmax_scale;
-    uint4 out;
-    out.x = pack2<Elem>(a.x * s, a.y * s);
-    out.y = pack2<Elem>(a.z * s, a.w * s);
-    out.z = pack2<Elem>(b.x * s, b.y * s);
-    out.w = pack2<Elem>(b.z * s, b.w * s);
-    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-               row * p.dq_row_stride + chunk * 8;
-    *reinterpret_cast<uint4*>(dq) = out;
-}
-
 // The order of the fp32 dQ accumulator: kRows, row by row (d_pad floats each); kWgmmaTiles, each
-// block of 64 rows in the order of a wgmma m64 accumulator (the Hopper kernel's bulk reductions):
-// n8 tile n (columns 8n .. 8n + 7), then thread x = 32 w + 4 r + c of the warpgroup, then its
-// four floats: rows 16 w + r and 16 w + r + 8, columns 8n + 2c and 8n + 2c + 1, as
-// (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
+// block of 64 rows in the order of a wgmma m64 accumulator (the Hopper kernel's bulk reductions,
+// and the sm80 family's 16-byte reductions where p.dq_tiles): n8 tile n (columns 8n .. 8n + 7),
+// then thread x = 32 w + 4 r + c of the warpgroup (or lane 4 r + c of the warp owning rows
+// 16 w ..), then its four floats: rows 16 w + r and 16 w + r + 8, columns 8n + 2c and 8n + 2c +
+// 1, as (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
 enum class DqLayout { kRows, kWgmmaTiles };
 
-// dQ = scale * accumulator (kWgmmaTiles order) in the input dtype. One thread per pair of rows
-// (16 w + r, + 8) and tile n: the four float4 of threads 32 w + 4 r .. + 3 of the tile, 64
-// contiguous bytes. Consecutive threads take consecutive tiles of the same rows, so that a
-// warp's stores are whole row segments.
+// The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
+// one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
+// 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
+// the same rows, so that a warp's stores are whole row segments.
 template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+__device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx) {
     const int tiles = p.d_pad / 8;
-    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
     const int n = static_cast<int>(idx % tiles);
     const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
     const int64_t block = idx / (32 * tiles);
@@ -293,11 +281,59 @@ static __global__ void __launch_bounds__(256)
             make_uint4(hi[0], hi[1], hi[2], hi[3]);
 }
 
+// Threads of a kWgmmaTiles conversion per (batch, head): a row pair and tile of each 64-row
+// block (seqlen_q_pad: whole blocks).
+inline int64_t tile_convert_threads(const BwdParams& p) {
+    return int64_t(p.seqlen_q_pad / 64) * 32 * (p.d_pad / 8);
+}
+
+// The sm80 family's conversion: dQ = scale * accumulator in the input dtype. kRows order: one
+// thread per 8 columns of a row; the kWgmmaTiles order where p.dq_tiles (its launcher's
+// choice), as bwd_convert_dq_tiles_kernel.
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
+    if (p.dq_tiles) {
+        convert_dq_tile_pair<Elem>(p, idx);
+        return;
+    }
+    const int chunks = p.d_head / 8;
+    const int64_t row = idx / chunks;
+    const int chunk = static_cast<int>(idx % chunks);
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q)
+        return;
+    const float* acc =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad + chunk * 8;
+    const float4 a = *reinterpret_cast<const float4*>(acc);
+    const float4 b = *reinterpret_cast<const float4*>(acc + 4);
+    const float s = p.softmax_scale;
+    uint4 out;
+    out.x = pack2<Elem>(a.x * s, a.y * s);
+    out.y = pack2<Elem>(a.z * s, a.w * s);
+    out.z = pack2<Elem>(b.x * s, b.y * s);
+    out.w = pack2<Elem>(b.z * s, b.w * s);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + chunk * 8;
+    *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// The Hopper family's conversion: dQ = scale * accumulator (kWgmmaTiles order) in the input
+// dtype.
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x);
+}
+
 // ---- the passes of a backward call -------------------------------------------------------------
 
 // The preprocess, the family's main kernel (`launch_main()`, a cudaError_t), then the dQ
-// conversion from the accumulator's kLayout, on one stream. The preprocess and the conversion
-// work per query row: a varlen batch is one sequence of total_q rows to them (kRows only).
+// conversion on one stream: kWgmmaTiles, the Hopper family's (bwd_convert_dq_tiles_kernel);
+// kRows, the sm80 family's (bwd_convert_dq_kernel: rows, or the tile order where p.dq_tiles).
+// The preprocess and the conversion work per query row: a varlen batch is one sequence of
+// total_q rows to them (rows only).
 template <typename Elem, DqLayout kLayout, class LaunchMain>
 cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
     BwdParams rows = p;
@@ -313,16 +349,14 @@ cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& 
         return err;
     if (cudaError_t err = launch_main(); err != cudaSuccess)
         return err;
-    if constexpr (kLayout == DqLayout::kWgmmaTiles) {
-        // One thread per row pair and tile of each 64-row block (seqlen_q_pad: whole blocks).
-        const int64_t threads = int64_t(rows.seqlen_q_pad / 64) * 32 * (p.d_pad / 8);
-        const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
+    const bool tiles = kLayout == DqLayout::kWgmmaTiles || p.dq_tiles;
+    const int64_t threads =
+        tiles ? tile_convert_threads(rows) : int64_t(rows.seqlen_q) * (p.d_head / 8);
+    const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
+    if constexpr (kLayout == DqLayout::kWgmmaTiles)
         return launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
-    } else {
-        const int64_t chunks = int64_t(rows.seqlen_q) * (p.d_head / 8);
-        const dim3 cvt_grid(static_cast<unsigned>((chunks + 255) / 256), rows.heads, rows.batch);
+    else
         return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
-    }
 }
 
 }  // namespace flash::bwd

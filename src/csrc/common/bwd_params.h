@@ -35,6 +35,11 @@ struct BwdParams {
     // per KV block, where its launcher chose it; 0 (the binding's value): the last KV block
     // first. The Hopper family keeps its own (Sm90BwdParams).
     int dq_rotation;
+    // The sm80 family's dQ accumulator order (bwd::DqLayout), chosen by its launcher and
+    // followed by its main kernel and conversion: 1 for kWgmmaTiles (fixed-length calls on
+    // sm_90 and later: one 16-byte reduction per m16 x n8 tile and thread, a warp's on 512
+    // contiguous bytes), 0 for kRows (the binding's value; varlen, sm_80-89).
+    int dq_tiles;
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;

@@ -410,6 +410,21 @@ struct BackwardCta {
         zero(dQ);
         warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
                                 LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+        if (p.dq_tiles) {
+            // bwd::DqLayout::kWgmmaTiles: in each block of 64 rows, n8 tile n at float 512 n,
+            // its m16 tile w (rows 16 w ..) at + 128 w, a thread's 4 floats at + 4 lane.
+            static_assert(64 % P3::kRowsPerWarp == 0 || P3::kRowsPerWarp % 64 == 0,
+                          "a warp's m16 tiles stay in one 64-row block or start one");
+            float* const at = acc + (r0 / 64) * 64 * Cfg::kDHead + (r0 % 64) / 16 * 128 +
+                              (c0 / 8) * 512 + 4 * lane;
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+                    red_add4(at + (mt / 4) * 64 * Cfg::kDHead + (mt % 4) * 128 + nt * 512,
+                             dQ[mt][nt][0], dQ[mt][nt][1], dQ[mt][nt][2], dQ[mt][nt][3]);
+            return;
+        }
         float* const at = acc + (r0 + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
