@@ -60,6 +60,18 @@ def test_short_forms_round_trip(cfg):
         assert cfg.accum_regs <= 200 and cfg.smem_bytes <= 163 * 1024
 
 
+def test_sm80_chunks_split_warp_tiles_into_whole_pairs():
+    """BwdConfig's static_asserts, as the twin computes the chunks: every sm80 config of every set
+    (the variants at d_head 160 and 192 among them, which did not compile before the phase-3
+    chunk became the widest whole divisor) splits phases 1 and 3 into whole pairs of n8 tiles."""
+    sm80 = [c for c in SETS["all"] if isinstance(c, BwdConfig)]
+    for cfg in sm80:
+        for grid, chunk in ((cfg.phase1, cfg.p1_chunk_n_tiles), (cfg.phase3, cfg.p3_chunk_n_tiles)):
+            assert chunk % 2 == 0 and grid.n_tiles % chunk == 0, cfg.short
+    chunks = {c.d_head: c.p3_chunk_n_tiles for c in sm80}
+    assert chunks == {32: 4, 64: 4, 96: 6, 128: 4, 160: 10, 192: 6, 256: 4}
+
+
 def test_sets_cover_both_dtypes_and_softcap():
     assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["default"]}) == 2 * 3 * 2
     assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["variants"]}) == 2 * 7 * 2

@@ -167,8 +167,11 @@ class BwdConfig(ShortFormConfig):
 
     @property
     def p3_chunk_n_tiles(self) -> int:
-        """n8 tiles of a phase-3 (dQ) chunk: at most 8 m16 x n8 tiles, at least 2."""
-        return min(self.phase3.n_tiles, max(8 // self.phase3.m_tiles, 2))
+        """n8 tiles of a phase-3 (dQ) chunk (mirrors BwdConfig::kP3ChunkNT): the widest even
+        divisor of the warp's n8 tiles with at most 12 m16 x n8 tiles, at least 2."""
+        fits = [n for n in range(2, self.phase3.n_tiles + 1, 2)
+                if self.phase3.n_tiles % n == 0 and self.phase3.m_tiles * n <= 12]
+        return max(fits, default=2)
 
     @property
     def accum_regs(self) -> int:
@@ -196,6 +199,11 @@ class BwdConfig(ShortFormConfig):
                        "covers")
         if out:
             return out
+        for what, grid, chunk in (("phase 1", self.phase1, self.p1_chunk_n_tiles),
+                                  ("phase 3", self.phase3, self.p3_chunk_n_tiles)):
+            if grid.n_tiles % chunk or chunk % 2:  # BwdConfig's static_asserts
+                out.append(f"{what} chunks of {chunk} n8 tiles do not split the warp's "
+                           f"{grid.n_tiles} into whole pairs")
         if self.accum_regs > REG_BUDGET:
             out.append(f"accumulators need {self.accum_regs} registers per thread, over the "
                        f"budget of {REG_BUDGET}: use more warps or a smaller tile")

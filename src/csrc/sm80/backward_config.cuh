@@ -118,10 +118,17 @@ struct BwdConfig {
     static_assert(Phase1::kNT % kP1ChunkNT == 0 && kP1ChunkNT % 2 == 0,
                   "phase 1 chunks must be whole pairs of n8 tiles");
 
-    // Phase 3 computes a warp's dQ columns in chunks of kP3ChunkNT n8 tiles: at most 8 m16 x
-    // n8 tiles (32 registers) at a time, at least a pair. (Each chunk reads dS again.)
-    static constexpr int kP3ChunkTiles = 8 / Phase3::kMT > 2 ? 8 / Phase3::kMT : 2;
-    static constexpr int kP3ChunkNT = Phase3::kNT < kP3ChunkTiles ? Phase3::kNT : kP3ChunkTiles;
+    // Phase 3 computes a warp's dQ columns in chunks of kP3ChunkNT n8 tiles: the widest pair
+    // count that divides the warp's columns with at most 12 m16 x n8 tiles (48 registers) at a
+    // time, at least a pair. (Each chunk reads dS again.) d_head 64-128 and 256: 4 n8 tiles.
+    static constexpr int p3_chunk_nt() {
+        int best = 2;
+        for (int nt = 2; nt <= Phase3::kNT; nt += 2)
+            if (Phase3::kNT % nt == 0 && Phase3::kMT * nt <= 12)
+                best = nt;
+        return best;
+    }
+    static constexpr int kP3ChunkNT = p3_chunk_nt();
     static_assert(Phase3::kNT % kP3ChunkNT == 0 && kP3ChunkNT % 2 == 0,
                   "phase 3 chunks must be whole pairs of n8 tiles");
 
