@@ -4,7 +4,7 @@
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-bwd profile-bwd80 gate-aa bwd-planted
-#        bwd90-planted bwd-prog
+#        bwd90-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
@@ -27,6 +27,8 @@
 #             spin 400 cycles per query block: the backward cases that run them (and those the
 #             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
 #   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
+#   bwd80-table  issue 28's table: the sm80 family's d_head 64/128 kernels by name against SDPA
+#             FA2 and cuDNN, bf16/fp16, seq 1024-16384, causal and not (about 3 minutes on an H200)
 #   bwd-prog  the backward's progression: one kernel per technique at d_head 64 and 128, bf16,
 #             16x1024, 16x4096, 4x16384, causal and not (fa-tools bench --pass bwd)
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
@@ -273,6 +275,20 @@ if step bwd-prog; then
                 --md "$LOG_DIR/bwd-prog-d$d${c:+-causal}.md"
         done
     done
+fi
+if step bwd80-table; then
+    # Issue 28's table: the sm80 family's d_head 64 and 128 kernels by name (as on an sm_80 GPU)
+    # against SDPA FA2 and cuDNN, bf16 and fp16, seq 1024-16384 (batch 16/16/16/8/4), causal
+    # and not (results/2026-11-27-h200-sm80-backward-dq-tiles.md has one).
+    variants=$(python3 -c "from flash_attention import ops
+from flash_attention.backward import built
+from flash_attention.config_bwd import BwdConfig
+ops.require()
+print(','.join(c.short for c in built() if isinstance(c, BwdConfig) and c.d_head in (64, 128)
+               and not c.softcap))")
+    run bwd80-table timeout 420 python3 studies/backward_bench.py --d 64,128 \
+        --seqs 1024,2048,4096,8192,16384 --dtypes bf16,fp16 --peers fa2,cudnn --no-train \
+        --no-det --variants "$variants"
 fi
 if step bwd-planted; then
     bwd_plant bwd-planted src/csrc/sm80/backward_kernel.cuh "probabilities(i, stage(buf)"

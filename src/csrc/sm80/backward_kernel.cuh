@@ -312,6 +312,25 @@ struct BackwardCta {
     __device__ __forceinline__ void store_p_ds(float (&S)[kMT][kNT][4], float (&dP)[kMT][kNT][4],
                                                int r0, int q_row0, int c0, int q_valid, int k_valid,
                                                uint32_t sLse, uint32_t sD) {
+        // kMasked: per key row of this thread, the query columns it keeps are a range, so each
+        // element takes two compares with an immediate (its k = nt * 8 + e) and a select.
+        // Column t + k (t: this thread's first) is visible from key `key` iff rel = B + key -
+        // (t + k), B = k_row0 - q_row0 - off, lies in [-left, right], the column is below
+        // q_valid and the key below k_valid. Bounds clamped to +-2^24, beyond any
+        // |key - column| in one block pair.
+        constexpr int kBig = 1 << 24;
+        const int t = c0 + 2 * (lane % 4);
+        int lo_base = -kBig, hi_base = kBig;  // of k, before adding the key
+        if constexpr (kMasked) {
+            const int64_t b = int64_t(k_row0) - q_row0 - win().off - t;
+            const auto clamp = [](int64_t v) {
+                return static_cast<int>(v < -kBig ? -kBig : (v > kBig ? kBig : v));
+            };
+            if (p.window_right >= 0)
+                lo_base = clamp(b - p.window_right);
+            if (p.window_left >= 0)
+                hi_base = clamp(b + p.window_left);
+        }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             // The two columns of this thread in the n8 tile: their LSE and D, read once for
@@ -322,10 +341,17 @@ struct BackwardCta {
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
                 float pv[4], ds[4];
+                int k_lo[2], k_hi[2];  // the visible k of this thread's two key rows
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int key = r0 + mt * 16 + lane / 4 + 8 * h;
+                    k_lo[h] = key + lo_base;
+                    const int hi =
+                        key + hi_base < q_valid - 1 - t ? key + hi_base : q_valid - 1 - t;
+                    k_hi[h] = key < k_valid ? hi : -1;
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = r0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                    const int col = col0 + e % 2;
                     float s = S[mt][nt][e];
                     float dtanh = 1.f;
                     if constexpr (Cfg::kSoftcap) {
@@ -333,9 +359,11 @@ struct BackwardCta {
                         dtanh = 1.f - s * s;
                     }
                     float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
-                    if (kMasked && (key >= k_valid || col >= q_valid ||
-                                    !win().sees(int64_t(q_row0) + col, int64_t(k_row0) + key)))
-                        prob = 0.f;
+                    if (kMasked) {
+                        const int k = nt * 8 + e % 2;
+                        if (k < k_lo[e / 2] || k > k_hi[e / 2])
+                            prob = 0.f;
+                    }
                     pv[e] = prob;
                     ds[e] = prob * (dP[mt][nt][e] - (e % 2 ? dd.y : dd.x)) * dtanh;
                 }
