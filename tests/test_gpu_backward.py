@@ -217,7 +217,8 @@ def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
 _SM80_NAMED_CASES = [(113, 203, 4, 2, True, (-1, -1), False, 0),
                      (300, 113, 2, 1, False, (-1, -1), True, 24),
                      (128, 217, 3, 3, False, (40, 7), False, 0),
-                     (1, 300, 2, 2, True, (-1, -1), True, 24)]
+                     (1, 300, 2, 2, True, (-1, -1), True, 24),
+                     (70, 17000, 2, 1, False, (64, 0), False, 0)]  # blocks far off the diagonal
 
 
 @pytest.mark.parametrize("case", range(len(_SM80_NAMED_CASES)))

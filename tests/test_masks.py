@@ -11,6 +11,7 @@ import torch
 
 from flash_attention.masks import (
     block_mask,
+    bwd_block_mask,
     canonical_window,
     dq_turn,
     kv_blocks,
@@ -146,6 +147,40 @@ def test_block_mask_is_the_element_rule():
         want[:, :ncols] = visible(sq, sk, left, right)[q_row0:q_row0 + rows,
                                                        kv_col0:kv_col0 + ncols]
         assert torch.equal(got, want), (sq, sk, left, right, q_row0, kv_col0)
+
+
+def test_bwd_block_mask_is_the_element_rule():
+    """The sm80 backward's masked pass (a range of query columns per key row, bases clamped to
+    +-2^24) equals the rule transposed, for blocks anywhere, past both tails, and with offsets
+    far beyond the clamp (seqlen_k - seqlen_q up to 2^26, windows near and far)."""
+    rng = random.Random(2)
+    for n in range(500):
+        far = n % 5 == 0
+        sq = rng.randint(1, 600)
+        sk = sq + rng.randint(1 << 25, 1 << 26) if far else rng.randint(1, 600)
+        left, right = rng.choice([-1, rng.randint(0, 700)]), rng.choice([-1, rng.randint(0, 700)])
+        block_c, block_r = rng.choice([64, 128]), rng.choice([64, 128])
+        if far and n % 10 == 0:  # a KV block anywhere: the bases far past the clamp
+            k_row0 = rng.randrange(0, sk, block_c)
+        elif far:  # a KV block near the diagonal of some row (or just before/after it)
+            k_row0 = min(max(0, sk - sq + rng.randrange(-300, sq + 300)), sk - 1)
+            k_row0 = k_row0 // block_c * block_c
+        else:
+            k_row0 = rng.randrange(0, sk, block_c) if sk > block_c else 0
+        q_row0 = rng.randrange(0, sq, block_r) if sq > block_r else 0
+        got = bwd_block_mask(k_row0, q_row0, block_c, block_r, sq, sk, left, right)
+        keys, cols = min(block_c, sk - k_row0), min(block_r, sq - q_row0)
+        want = torch.zeros(block_c, block_r, dtype=torch.bool)
+        i = torch.arange(q_row0, q_row0 + cols)[None, :]
+        j = torch.arange(k_row0, k_row0 + keys)[:, None]
+        rel = j - i - (sk - sq)
+        ok = torch.ones(keys, cols, dtype=torch.bool)
+        if left >= 0:
+            ok &= rel >= -left
+        if right >= 0:
+            ok &= rel <= right
+        want[:keys, :cols] = ok
+        assert torch.equal(got, want), (sq, sk, left, right, k_row0, q_row0)
 
 
 @pytest.mark.parametrize("sq,sk", [(5, 5), (3, 9), (9, 3), (64, 200)])

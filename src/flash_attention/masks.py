@@ -8,7 +8,8 @@ seqlen_q`` (the diagonal aligned bottom-right), each side unbounded when its win
 query block visits and which of them need masking; :func:`block_mask` mirrors
 ``flash::WindowMask``: the element mask of one such block, as a range of column - row. The block
 emulation uses both, and the tests check them against the element-wise rule, so the kernel's
-index arithmetic has a CPU-tested twin. The backward's twins: :func:`query_blocks` mirrors
+index arithmetic has a CPU-tested twin. The backward's twins: :func:`bwd_block_mask` the sm80
+family's masked pass (a range of query columns per key row), :func:`query_blocks` mirrors
 ``bwd::Window::rows`` as both backward families use it (the query blocks a KV block visits),
 :func:`dq_turn` the deterministic order's turn (``accumulate_dq`` in sm80/backward_kernel.cuh,
 ``BackwardTile::dq_turn`` in sm90/backward_tile.cuh).
@@ -109,6 +110,24 @@ def block_mask(q_row0: int, kv_col0: int, rows: int, cols: int, seqlen_q: int, s
     c = torch.arange(cols)[None, :]
     d = c - r
     return (c < seqlen_k - kv_col0) & (d >= lo) & (d <= hi)
+
+
+def bwd_block_mask(k_row0: int, q_row0: int, keys: int, cols: int, seqlen_q: int,
+                   seqlen_k: int, left: int, right: int) -> torch.Tensor:
+    """(keys, cols) bool: which elements of S^T's block at (k_row0, q_row0) the sm80 backward's
+    masked pass keeps, computed as it does (``store_p_ds<true>`` in sm80/backward_kernel.cuh):
+    per key row a range of query columns [key + lo_base, min(key + hi_base, q_valid - 1)], with
+    b = k_row0 - q_row0 - off and the bases b - right and b + left clamped to +-BIG, empty past
+    k_valid. (The kernel subtracts its thread's first column from both bounds; that shift
+    changes nothing here.)"""
+    b = k_row0 - q_row0 - (seqlen_k - seqlen_q)
+    lo_base = -BIG if right < 0 else max(-BIG, min(BIG, b - right))
+    hi_base = BIG if left < 0 else max(-BIG, min(BIG, b + left))
+    q_valid, k_valid = seqlen_q - q_row0, seqlen_k - k_row0
+    key = torch.arange(keys)[:, None]
+    col = torch.arange(cols)[None, :]
+    hi = torch.minimum(key + hi_base, torch.full_like(key, q_valid - 1))
+    return (key < k_valid) & (col >= key + lo_base) & (col <= hi)
 
 
 def query_blocks(k_row0: int, block_c: int, block_r: int, seqlen_q: int, seqlen_k: int,
