@@ -2,11 +2,10 @@
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
 GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
 conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kernel at d_head
-136-256 among them; varlen on the sm80 family there) on tails, masks, a
-window, a softcap, GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and
-without a softcap; a deterministic call with no mask in the Hopper family's rotated order; every
-sm80-family kernel of the build by name (on an sm_90 GPU the only way to reach its fixed-length
-form); the
+136-256 among them; varlen on the sm80 family there) on tails, masks, a window, a softcap,
+GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and without a softcap;
+a deterministic call with no mask in the Hopper family's rotated order; every sm80-family
+kernel of the build by name (on an sm_90 GPU the only way to reach its fixed-length form); the
 three calls with 17000-20000 keys have more CTAs than an H100 has SMs, some with no query block
 under the window.
 

@@ -173,9 +173,11 @@ def test_deterministic_is_bitwise_reproducible(require_extension, shape, d_head,
                 **features)
 
 
-def _bwd_op(q, k, v, dout, out, lse, kernel="", deterministic=False, causal=False):
+def _bwd_op(q, k, v, dout, out, lse, kernel="", deterministic=False, causal=False,
+            window=(-1, -1), softcap=0.0):
     return torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0, 0,
-                                                 None, causal, -1, -1, 0.0, deterministic, kernel)
+                                                 None, causal, *window, softcap, deterministic,
+                                                 kernel)
 
 
 def _main_kernels(*args, **kwargs) -> set[str]:
@@ -241,13 +243,10 @@ def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
     dout = torch.randn_like(q)
     out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
                                                            causal, *window, softcap, True, "")
-    grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0,
-                                                  0, None, causal, *window, softcap, det, kernel)
+    args = (q, k, v, dout, out, lse, kernel, det, causal, window, softcap)
+    grads = _bwd_op(*args)
     if det:
-        again = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None,
-                                                      0, 0, None, causal, *window, softcap, det,
-                                                      kernel)
-        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+        assert all(torch.equal(a, b) for a, b in zip(grads, _bwd_op(*args)))
     check_grads(grads, q, k, v, dout, what=f"{kernel} case {case}", causal=causal,
                 window_size=window, softcap=softcap)
 

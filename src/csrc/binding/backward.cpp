@@ -245,6 +245,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.lse_log2 = lse_log2.data_ptr<float>();
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_semaphore = deterministic ? semaphore.data_ptr<int>() : nullptr;
+    // The sm80 family's dQ order: tiles for fixed-length calls on sm_90 (16-byte reductions);
+    // rows for varlen calls (a sequence starts at any token, not on a 64-row block) and on
+    // sm_80-89 (no vector reductions there). The Hopper family's order is always tiles.
+    p.dq_tiles = !varlen && prop.major >= 9;
     const auto strides = [varlen](const at::Tensor& t, int64_t& b, int64_t& r, int64_t& h) {
         b = varlen ? 0 : t.stride(0);
         r = t.stride(varlen ? 0 : 1);

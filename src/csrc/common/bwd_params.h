@@ -35,7 +35,7 @@ struct BwdParams {
     // per KV block, where its launcher chose it; 0 (the binding's value): the last KV block
     // first. The Hopper family keeps its own (Sm90BwdParams).
     int dq_rotation;
-    // The sm80 family's dQ accumulator order (bwd::DqLayout), chosen by its launcher and
+    // The sm80 family's dQ accumulator order (bwd::DqLayout), chosen by the binding and
     // followed by its main kernel and conversion: 1 for kWgmmaTiles (fixed-length calls on
     // sm_90 and later: one 16-byte reduction per m16 x n8 tile and thread, a warp's on 512
     // contiguous bytes), 0 for kRows (the binding's value; varlen, sm_80-89).

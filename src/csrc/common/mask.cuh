@@ -58,6 +58,14 @@ __device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int seqlen
     return b;
 }
 
+// Bounds of a mask range inside one block pair, clamped to 32 bits: +-kMaskBig lies beyond any
+// |column - row| there, so the clamp keeps every answer (forward WindowMask, the sm80
+// backward's masked pass).
+constexpr int kMaskBig = 1 << 24;
+__host__ __device__ __forceinline__ int clamp_mask_bound(int64_t v) {
+    return static_cast<int>(v < -kMaskBig ? -kMaskBig : (v > kMaskBig ? kMaskBig : v));
+}
+
 // Per-thread view of the mask over one warp's MMA accumulator tiles: element e of tile (mt, nt)
 // sits at CTA row r = warp_row0 + mt*16 + lane/4 + 8*(e/2) and block column c = nt*8 +
 // 2*(lane%4) + e%2, so c - r is this thread's `diag` plus a compile-time offset. For that
@@ -66,7 +74,7 @@ __device__ __forceinline__ KvBlocks window_blocks(const FwdParams& p, int seqlen
 // this in Python, and the block emulation uses it.)
 template <class Cfg>
 struct WindowMask {
-    static constexpr int kBig = 1 << 24;  // beyond any |c - r| inside one block pair
+    static constexpr int kBig = kMaskBig;
 
     int col0;       // c of this thread's element (0, 0, 0, 0)
     int diag;       // c - r of that element
@@ -93,8 +101,8 @@ struct WindowMask {
         const int64_t base = int64_t(kv_col0) - diag0;
         const int64_t lo = p.window_left < 0 ? -kBig : -p.window_left - base;
         const int64_t hi = p.window_right < 0 ? kBig : p.window_right - base;
-        const int lo32 = static_cast<int>(lo < -kBig ? -kBig : (lo > kBig ? kBig : lo));
-        const int hi32 = static_cast<int>(hi < -kBig ? -kBig : (hi > kBig ? kBig : hi));
+        const int lo32 = clamp_mask_bound(lo);
+        const int hi32 = clamp_mask_bound(hi);
         const int k_tail = seqlen_k - kv_col0 - col0 - 1;  // the last k before seqlen_k
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)

@@ -21,6 +21,7 @@
 
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
+#include "../common/mask.cuh"
 #include "../common/numeric.cuh"
 #include "../common/varlen.cuh"
 #include "backward_config.cuh"
@@ -316,20 +317,15 @@ struct BackwardCta {
         // element takes two compares with an immediate (its k = nt * 8 + e) and a select.
         // Column t + k (t: this thread's first) is visible from key `key` iff rel = B + key -
         // (t + k), B = k_row0 - q_row0 - off, lies in [-left, right], the column is below
-        // q_valid and the key below k_valid. Bounds clamped to +-2^24, beyond any
-        // |key - column| in one block pair.
-        constexpr int kBig = 1 << 24;
+        // q_valid and the key below k_valid (bounds clamped: clamp_mask_bound).
         const int t = c0 + 2 * (lane % 4);
-        int lo_base = -kBig, hi_base = kBig;  // of k, before adding the key
+        int lo_base = -kMaskBig, hi_base = kMaskBig;  // of k, before adding the key
         if constexpr (kMasked) {
             const int64_t b = int64_t(k_row0) - q_row0 - win().off - t;
-            const auto clamp = [](int64_t v) {
-                return static_cast<int>(v < -kBig ? -kBig : (v > kBig ? kBig : v));
-            };
             if (p.window_right >= 0)
-                lo_base = clamp(b - p.window_right);
+                lo_base = clamp_mask_bound(b - p.window_right);
             if (p.window_left >= 0)
-                hi_base = clamp(b + p.window_left);
+                hi_base = clamp_mask_bound(b + p.window_left);
         }
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {

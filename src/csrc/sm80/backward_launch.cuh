@@ -26,16 +26,6 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                                            prm.dq_rotation);
         err != cudaSuccess)
         return err;
-    // Fixed-length calls on sm_90 reduce dQ in the tile order (BwdParams::dq_tiles); varlen
-    // calls keep rows (a sequence starts at any token, not on a 64-row block), and so does
-    // sm_80-89 (no vector reductions there: the tile order would take four scalar ones).
-    int device = 0, major = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-        return err;
-    if (cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        err != cudaSuccess)
-        return err;
-    prm.dq_tiles = p.cu_seqlens_q == nullptr && major >= 9;
     return bwd::launch_passes<Elem, bwd::DqLayout::kRows>(prm, stream, [&] {
         return launch_checked<&bwd::bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
                                                      prm);
