@@ -28,7 +28,8 @@
 #             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
 #   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
 #   bwd80-table  issue 28's table: the sm80 family's d_head 64/128 kernels by name against SDPA
-#             FA2 and cuDNN, bf16/fp16, seq 1024-16384, causal and not (about 3 minutes on an H200)
+#             FA2 and cuDNN, bf16/fp16, seq 1024-16384, causal and not, 2 rounds in rotated
+#             order (about 6 minutes on an H100)
 #   bwd-prog  the backward's progression: one kernel per technique at d_head 64 and 128, bf16,
 #             16x1024, 16x4096, 4x16384, causal and not (fa-tools bench --pass bwd)
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
@@ -279,16 +280,17 @@ fi
 if step bwd80-table; then
     # Issue 28's table: the sm80 family's d_head 64 and 128 kernels by name (as on an sm_80 GPU)
     # against SDPA FA2 and cuDNN, bf16 and fp16, seq 1024-16384 (batch 16/16/16/8/4), causal
-    # and not (results/2026-11-27-h200-sm80-backward-dq-tiles.md has one).
+    # and not, two rounds in rotated order (results/2026-11-27-h100-sm80-backward-table.md has
+    # one).
     variants=$(python3 -c "from flash_attention import ops
 from flash_attention.backward import built
 from flash_attention.config_bwd import BwdConfig
 ops.require()
 print(','.join(c.short for c in built() if isinstance(c, BwdConfig) and c.d_head in (64, 128)
                and not c.softcap))")
-    run bwd80-table timeout 420 python3 studies/backward_bench.py --d 64,128 \
+    run bwd80-table timeout 540 python3 studies/backward_bench.py --d 64,128 \
         --seqs 1024,2048,4096,8192,16384 --dtypes bf16,fp16 --peers fa2,cudnn --no-train \
-        --no-det --variants "$variants"
+        --no-det --rounds 2 --variants "$variants"
 fi
 if step bwd-planted; then
     bwd_plant bwd-planted src/csrc/sm80/backward_kernel.cuh "probabilities(i, stage(buf)"

@@ -4,12 +4,14 @@ adds named kernels of either family) against SDPA's FA2 and cuDNN backends (auto
 with the graph kept), 16 heads; the cost of deterministic=True; and forward + backward
 through autograd (time and peak memory against SDPA FA2 and cuDNN, bf16, at seq 2048 and
 4096). Each contender is timed at steady clocks (20 calls after about 300 ms of the same
-calls, as the gate times). TFLOP/s count the backward as 2.5x the forward's FLOPs (halved
-for causal).
+calls, as the gate times), with the SM clock it ran at and its SM cycles per call; --rounds N
+times each row N times with the contenders' order rotated per round. TFLOP/s count the
+backward as 2.5x the forward's FLOPs (halved for causal).
 Shapes default to the issue's grid: 16 heads, batch 16/16/16/16/8/4 for seq 512..16384.
 
     PYTHONPATH=src python3 studies/backward_bench.py [--d 64,128] [--seqs 1024,4096]
-        [--dtypes bf16,fp16] [--peers fa2,cudnn] [--no-train] [--no-det] [--variants K1,K2]
+        [--dtypes bf16,fp16] [--peers fa2,cudnn] [--rounds N] [--no-train] [--no-det]
+        [--variants K1,K2]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attention as fa
-from fa_tools.gpu.perfcases import time_sustained_ms
+from fa_tools.gpu.perfcases import time_sustained_cycles, time_sustained_ms
 from flash_attention import ops
 from flash_attention.config_bwd import parse_config
 
@@ -34,6 +36,14 @@ def time_ms(fn, reps: int = 20) -> float:
     return statistics.median(time_sustained_ms(fn, reps))
 
 
+def time_clocked(fn, reps: int = 20) -> tuple[float, float, float]:
+    """time_ms's timing with clock stamps around the timed calls: (median milliseconds, millions
+    of SM cycles per call, mean SM clock in MHz). Contenders timed one after the other can run
+    at different sustained clocks (the GPU's temperature and power history); the cycles do not
+    move with the clock."""
+    times, mcycles, mhz = time_sustained_cycles(fn, reps)
+    return statistics.median(times), mcycles, mhz
+
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -41,7 +51,8 @@ BATCH_OF_SEQ = {512: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 8, 16384: 4}
 
 
 def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = False,
-          kernel: str = "", dtype: str = "bf16", peers: tuple[str, ...] = ("fa2",)) -> dict:
+          kernel: str = "", dtype: str = "bf16", peers: tuple[str, ...] = ("fa2",),
+          rounds: int = 1) -> dict:
     heads = 16
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=DTYPES[dtype])
@@ -66,16 +77,34 @@ def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = Fals
 
     flops = 2.5 * 4 * batch * heads * seq * seq * d / (2 if causal else 1)
     r = {"batch": batch, "seq": seq, "d": d, "causal": causal, "det": deterministic,
-         "dtype": dtype, "kernel": kernel or "default", "ours_ms": time_ms(ours)}
-    r["ours_tflops"] = flops / r["ours_ms"] / 1e9
+         "dtype": dtype, "kernel": kernel or "default"}
+    fns = {"ours": ours}
     for peer in peers:
         try:
-            r[f"{peer}_ms"] = time_ms(sdpa(BACKENDS[peer]))
+            fn = sdpa(BACKENDS[peer])
+            fn()  # refusals come from the forward or the backward's first call
+            fns[peer] = fn
         except RuntimeError as e:  # the backend refuses the shape
             print(f"  ({peer} unavailable: {str(e).splitlines()[0][:80]})")
-            continue
-        r[f"{peer}_tflops"] = flops / r[f"{peer}_ms"] / 1e9
-        r[f"{peer}_ratio"] = r[f"{peer}_ms"] / r["ours_ms"]
+    # Each round times every contender once, the order rotated by one per round: a contender's
+    # sustained clock depends on what ran just before it (on an H100, ours timed right after
+    # cuDNN ran at 1580-1630 MHz where FA2 after it ran at 1800-1840), so no contender always
+    # follows the same one.
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
+    names = list(fns)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            runs[name].append(time_clocked(fns[name]))
+    for name, timings in runs.items():
+        ms, mcyc, mhz = (statistics.median(t[j] for t in timings) for j in range(3))
+        r[f"{name}_ms"], r[f"{name}_mcyc"], r[f"{name}_mhz"] = ms, mcyc, mhz
+        r[f"{name}_tflops"] = flops / ms / 1e9
+        if name != "ours":
+            r[f"{name}_ratio"] = ms / r["ours_ms"]
+            r[f"{name}_cyc_ratio"] = mcyc / r["ours_mcyc"]
+            # the spread of the ratio over rounds (each round's pair)
+            per_round = [p[0] / o[0] for p, o in zip(timings, runs["ours"])]
+            r[f"{name}_ratio_lo"], r[f"{name}_ratio_hi"] = min(per_round), max(per_round)
     return r
 
 
@@ -128,6 +157,9 @@ def main() -> None:
     ap.add_argument("--seqs", default="1024,4096")
     ap.add_argument("--dtypes", default="bf16")
     ap.add_argument("--peers", default="fa2", help="SDPA backends timed beside ours: fa2,cudnn")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each row this many times, the contenders' order rotated per "
+                         "round; medians printed, with the ratio's range over rounds")
     ap.add_argument("--no-train", action="store_true", help="skip forward + backward")
     ap.add_argument("--no-det", action="store_true", help="skip deterministic=True")
     ap.add_argument("--variants", default="",
@@ -136,11 +168,16 @@ def main() -> None:
     args = ap.parse_args()
     ops.require()
     peers = tuple(args.peers.split(",")) if args.peers else ()
+    rw = 22 if args.rounds > 1 else 10  # the ratio column's width (with its range)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, 16 heads; ratio = peer "
-          "ms / ours ms (> 1: ours faster)")
+          "ms / ours ms (> 1: ours faster); MHz: the mean SM clock over each contender's timed "
+          "calls; cyc: the ratio of SM cycles per call (the clock taken out)"
+          + (f"; medians of {args.rounds} rounds, the contenders' order rotated per round "
+             "(the ratio's range over rounds in brackets)" if args.rounds > 1 else ""))
     print(f"{'dtype':>5} {'batch':>5} {'seq':>5} {'d':>4} {'causal':>6} {'det':>5} "
-          f"{'ours ms':>8} {'ours TF':>8}" + "".join(f" {p + ' ms':>9} {p + ' TF':>8} "
-                                                     f"{p + '/ours':>10}" for p in peers))
+          f"{'ours ms':>8} {'ours TF':>8} {'MHz':>5}"
+          + "".join(f" {p + ' ms':>9} {p + ' TF':>8} {'MHz':>5} "
+                    f"{p + '/ours':>{rw}} {'cyc':>5}" for p in peers))
     cases = [(dt, BATCH_OF_SEQ.get(s, 16), s, d, c, False) for dt in args.dtypes.split(",")
              for d in map(int, args.d.split(",")) for s in map(int, args.seqs.split(","))
              for c in (False, True)]
@@ -157,15 +194,20 @@ def main() -> None:
         mine = [v for v in variants if (parse_config(v).dtype, parse_config(v).d_head)
                 == (dt, case[2])]  # either family (bwd_..., bwd_sm90_...)
         for kernel in ["", *mine]:
-            r = bench(*case, kernel=kernel, dtype=dt, peers=peers)
+            r = bench(*case, kernel=kernel, dtype=dt, peers=peers, rounds=args.rounds)
             line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
-                    f"{r['det']!s:>5} {r['ours_ms']:>8.2f} {r['ours_tflops']:>8.1f}")
+                    f"{r['det']!s:>5} {r['ours_ms']:>8.2f} {r['ours_tflops']:>8.1f} "
+                    f"{r['ours_mhz']:>5.0f}")
             for p in peers:
                 if f"{p}_ms" in r:
+                    ratio = f"{r[p + '_ratio']:.2f}"
+                    if args.rounds > 1:
+                        ratio += f" ({r[p + '_ratio_lo']:.2f}-{r[p + '_ratio_hi']:.2f})"
                     line += (f" {r[p + '_ms']:>9.2f} {r[p + '_tflops']:>8.1f} "
-                             f"{r[p + '_ratio']:>10.2f}")
+                             f"{r[p + '_mhz']:>5.0f} {ratio:>{rw}} "
+                             f"{r[p + '_cyc_ratio']:>5.2f}")
                 else:
-                    line += f" {'-':>9} {'-':>8} {'-':>10}"
+                    line += f" {'-':>9} {'-':>8} {'-':>5} {'-':>{rw}} {'-':>5}"
             print(line + f"  {r['kernel']}", flush=True)
     if args.no_train:
         return
