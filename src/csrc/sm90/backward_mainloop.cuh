@@ -19,6 +19,7 @@
 #include "../common/backward_common.cuh"
 #include "../common/bwd_params.h"
 #include "../common/ldmatrix.cuh"
+#include "../common/mask.cuh"
 #include "../common/numeric.cuh"
 #include "backward_config.cuh"
 #include "backward_tile.cuh"
@@ -198,7 +199,25 @@ struct BackwardConsumer {
                                                   const Cols& lse_cols, const Cols& dd_cols,
                                                   int i) const {
         const BwdParams& p = prm.p;
-        const int q_row0 = i * Cfg::kBr + q_col0();
+        // kMasked: per key row of this thread the query columns it keeps are a range, so an
+        // element takes two compares with an immediate (its k = t * 8 + e % 2) and a select.
+        // Column c0 + k (c0: this thread's first) is visible from key k_row0 + r iff rel = b +
+        // r - k, b = k_row0 - c0 - off, lies in [-left, right], and the key is below seqlen_k
+        // (rows past seqlen_q have an LSE of +inf); bounds clamped (clamp_mask_bound). The
+        // thread's second key row is its first + 8 (key_of): both share the bounds, compared
+        // with k - 8, and a predicate says where seqlen_k falls between them.
+        int k_lo = 0, k_hi = 0;
+        bool row8_dead = false;
+        if constexpr (kMasked) {
+            const int64_t b =
+                int64_t(w.k_row0) - (int64_t(i) * Cfg::kBr + q_col0() + 2 * (lane % 4)) - w.win.off;
+            const int r = key_of(0);
+            k_lo = r + (w.win.right < 0 ? -kMaskBig : clamp_mask_bound(b - w.win.right));
+            k_hi = w.k_row0 + r < p.seqlen_k
+                       ? r + (w.win.left < 0 ? kMaskBig : clamp_mask_bound(b + w.win.left))
+                       : -kMaskBig;
+            row8_dead = w.k_row0 + r + 8 >= p.seqlen_k;
+        }
 #pragma unroll
         for (int t = 0; t < kNS; ++t) {
             const float2 lse = lse_cols[t];
@@ -214,9 +233,8 @@ struct BackwardConsumer {
                 }
                 float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
                 if constexpr (kMasked) {
-                    const int key = w.k_row0 + key_of(e);
-                    const int row = q_row0 + t * 8 + 2 * (lane % 4) + e % 2;
-                    if (key >= p.seqlen_k || !w.win.sees(row, key))
+                    const int k = t * 8 + e % 2 - 8 * (e / 2);  // against key row key_of(0)
+                    if (k < k_lo || k > k_hi || (e / 2 == 1 && row8_dead))
                         prob = 0.f;
                 }
                 S[t][e] = prob;
