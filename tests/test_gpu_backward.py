@@ -251,6 +251,44 @@ def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
                 window_size=window, softcap=softcap)
 
 
+@pytest.mark.parametrize("order", ["lane", "rows"])
+@pytest.mark.parametrize("case", [0, 1, 2])
+@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT if c.d_head in (64, 128)])
+def test_sm80_family_dq_orders(require_extension, monkeypatch, kernel, case, order):
+    """The sm80 family's other dQ orders on fixed-length calls, forced on any GPU
+    (FLASH_ATTENTION_SM80_DQ_ORDER): "lane", the lane-major tile order sm_80-89 run
+    (DqLayout::kLaneTiles, four scalar reductions per tile and thread), and "rows", the order of
+    varlen calls. They must give the default order's gradients up to the order of the fp32
+    additions, and bitwise the same run to run when deterministic."""
+    from flash_attention.backward import built
+
+    if kernel not in {c.short for c in built()}:
+        pytest.skip(f"{kernel} is not in this build (FLASH_ATTENTION_BWD_KERNELS=default)")
+    cfg = BwdConfig.parse(kernel)
+    sq, sk, h, hk, causal, window, det, below = _SM80_NAMED_CASES[case]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    softcap = 30.0 if cfg.softcap else 0.0
+    torch.manual_seed(case)
+    q, k, v = rand_inputs(2, sq, sk, h, hk, cfg.d_head - below, dtype)
+    dout = torch.randn_like(q)
+    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
+                                                           causal, *window, softcap, True, "")
+    args = (q, k, v, dout, out, lse, kernel, det, causal, window, softcap)
+    monkeypatch.setenv("FLASH_ATTENTION_SM80_DQ_ORDER", order)
+    grads = _bwd_op(*args)
+    if det:
+        assert all(torch.equal(a, b) for a, b in zip(grads, _bwd_op(*args)))
+    check_grads(grads, q, k, v, dout, what=f"{kernel} case {case}, dQ order {order}",
+                causal=causal, window_size=window, softcap=softcap)
+    monkeypatch.setenv("FLASH_ATTENTION_SM80_DQ_ORDER", "tiles")
+    ref = _bwd_op(*args)
+    assert torch.equal(grads[1], ref[1]) and torch.equal(grads[2], ref[2])  # dK, dV: same code
+    torch.testing.assert_close(grads[0], ref[0], atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("FLASH_ATTENTION_SM80_DQ_ORDER", "diagonal")
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_SM80_DQ_ORDER must be rows, tiles"):
+        _bwd_op(*args)
+
+
 @pytest.mark.parametrize("d_head", [64, 128, 256])
 def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     """On an sm_90 GPU with the Hopper backward built, a fixed-length call runs the Hopper

@@ -16,10 +16,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../backward_registry.h"
@@ -81,6 +84,23 @@ FamilyChoice choose_family(const flash::BwdKernelEntry* sm80, const flash::BwdKe
     if (sm90 == nullptr)
         return {sm80, "no Hopper kernel in this build"};
     return {unfit == nullptr ? sm90 : sm80, unfit};
+}
+
+// The sm80 family's dQ order for a fixed-length call (BwdParams::dq_tiles): 1 (tiles, one 16-byte
+// reduction per tile and thread) on sm_90 and later, 2 (lane-major tiles, four scalar
+// reductions) on sm_80-89, which have no vector reductions. FLASH_ATTENTION_SM80_DQ_ORDER=rows,
+// tiles or lane overrides it, so that an sm_90 GPU can test sm_80-89's order (a diagnostic).
+int sm80_fixed_length_dq_order(int major) {
+    const char* env = std::getenv("FLASH_ATTENTION_SM80_DQ_ORDER");
+    if (env == nullptr || *env == '\0')
+        return major >= 9 ? 1 : 2;
+    static const std::pair<const char*, int> kOrders[] = {{"rows", 0}, {"tiles", 1}, {"lane", 2}};
+    for (const auto& [name, order] : kOrders)
+        if (std::strcmp(env, name) == 0)
+            return order;
+    FA_CHECK_VALUE(false, "FLASH_ATTENTION_SM80_DQ_ORDER must be rows, tiles or lane, got '", env,
+                   "'");
+    return 0;
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
@@ -245,10 +265,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     p.lse_log2 = lse_log2.data_ptr<float>();
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_semaphore = deterministic ? semaphore.data_ptr<int>() : nullptr;
-    // The sm80 family's dQ order: tiles for fixed-length calls on sm_90 (16-byte reductions);
-    // rows for varlen calls (a sequence starts at any token, not on a 64-row block) and on
-    // sm_80-89 (no vector reductions there). The Hopper family's order is always tiles.
-    p.dq_tiles = !varlen && prop.major >= 9;
+    // The sm80 family's dQ order: rows for varlen calls (a sequence starts at any token, not on
+    // a 64-row block), else sm80_fixed_length_dq_order's. The Hopper family's is always tiles.
+    p.dq_tiles = varlen ? 0 : sm80_fixed_length_dq_order(prop.major);
     const auto strides = [varlen](const at::Tensor& t, int64_t& b, int64_t& r, int64_t& h) {
         b = varlen ? 0 : t.stride(0);
         r = t.stride(varlen ? 0 : 1);

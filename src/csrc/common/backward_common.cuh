@@ -36,6 +36,11 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
+// p[0] += a (an fp32 reduction, no result: RED, where atomicAdd may give ATOM on sm_90).
+__device__ __forceinline__ void red_add1(float* p, float a) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+}
+
 // p[0..3] += a, b, c, d (fp32 reductions, no result): one vector reduction on sm_90, four scalar
 // ones before. p is 16-byte aligned.
 __device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
@@ -246,14 +251,18 @@ static __global__ void __launch_bounds__(128)
 // then thread x = 32 w + 4 r + c of the warpgroup (or lane 4 r + c of the warp owning rows
 // 16 w ..), then its four floats: rows 16 w + r and 16 w + r + 8, columns 8n + 2c and 8n + 2c +
 // 1, as (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
-enum class DqLayout { kRows, kWgmmaTiles };
+// kLaneTiles (the sm80 family's scalar reductions, sm_80-89): as kWgmmaTiles to the m16 tile,
+// then float j of every lane together: the thread's float j of tile (n, w) at 512 n + 128 w +
+// 32 j + lane, so that a warp's scalar reduction of float j covers 128 contiguous bytes.
+enum class DqLayout { kRows, kWgmmaTiles, kLaneTiles };
 
 // The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
 // one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
 // 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
 // the same rows, so that a warp's stores are whole row segments.
 template <typename Elem>
-__device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx) {
+__device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx,
+                                                     bool lane_major) {
     const int tiles = p.d_pad / 8;
     const int n = static_cast<int>(idx % tiles);
     const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
@@ -262,16 +271,31 @@ __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t
     const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
     if (row >= p.seqlen_q || n * 8 >= p.d_head)
         return;
-    const float4* acc = reinterpret_cast<const float4*>(
-        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad +
-        (n * 128 + (pair / 8) * 32 + (pair % 8) * 4) * 4);
+    const float* blk =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad;
     const float s = p.softmax_scale;
     uint32_t lo[4], hi[4];
+    if (lane_major) {  // float j of lanes 4 r .. + 3: 4 contiguous floats per j
+        const float4* acc =
+            reinterpret_cast<const float4*>(blk + n * 512 + (pair / 8) * 128 + (pair % 8) * 4);
+        const float4 a0 = acc[0], a1 = acc[8], a2 = acc[16], a3 = acc[24];  // j = 0 .. 3
+        lo[0] = pack2<Elem>(a0.x * s, a1.x * s);
+        lo[1] = pack2<Elem>(a0.y * s, a1.y * s);
+        lo[2] = pack2<Elem>(a0.z * s, a1.z * s);
+        lo[3] = pack2<Elem>(a0.w * s, a1.w * s);
+        hi[0] = pack2<Elem>(a2.x * s, a3.x * s);
+        hi[1] = pack2<Elem>(a2.y * s, a3.y * s);
+        hi[2] = pack2<Elem>(a2.z * s, a3.z * s);
+        hi[3] = pack2<Elem>(a2.w * s, a3.w * s);
+    } else {
+        const float4* acc =
+            reinterpret_cast<const float4*>(blk + (n * 128 + (pair / 8) * 32 + (pair % 8) * 4) * 4);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const float4 a = acc[c];
-        lo[c] = pack2<Elem>(a.x * s, a.y * s);
-        hi[c] = pack2<Elem>(a.z * s, a.w * s);
+        for (int c = 0; c < 4; ++c) {
+            const float4 a = acc[c];
+            lo[c] = pack2<Elem>(a.x * s, a.y * s);
+            hi[c] = pack2<Elem>(a.z * s, a.w * s);
+        }
     }
     Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
                row * p.dq_row_stride + n * 8;
@@ -295,7 +319,7 @@ static __global__ void __launch_bounds__(256)
     bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
     if (p.dq_tiles) {
-        convert_dq_tile_pair<Elem>(p, idx);
+        convert_dq_tile_pair<Elem>(p, idx, p.dq_tiles == 2);
         return;
     }
     const int chunks = p.d_head / 8;
@@ -324,7 +348,7 @@ static __global__ void __launch_bounds__(256)
 template <typename Elem>
 static __global__ void __launch_bounds__(256)
     bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x);
+    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
 }
 
 // ---- the passes of a backward call -------------------------------------------------------------

@@ -36,9 +36,10 @@ struct BwdParams {
     // first. The Hopper family keeps its own (Sm90BwdParams).
     int dq_rotation;
     // The sm80 family's dQ accumulator order (bwd::DqLayout), chosen by the binding and
-    // followed by its main kernel and conversion: 1 for kWgmmaTiles (fixed-length calls on
-    // sm_90 and later: one 16-byte reduction per m16 x n8 tile and thread, a warp's on 512
-    // contiguous bytes), 0 for kRows (the binding's value; varlen, sm_80-89).
+    // followed by its main kernel and conversion: 0 kRows (varlen), 1 kWgmmaTiles (fixed-length
+    // calls on sm_90 and later: one 16-byte reduction per m16 x n8 tile and thread, a warp's on
+    // 512 contiguous bytes), 2 kLaneTiles (fixed-length calls on sm_80-89: four scalar
+    // reductions per tile and thread, a warp's on 128 contiguous bytes).
     int dq_tiles;
 
     int64_t q_batch_stride, q_row_stride, q_head_stride;

@@ -434,6 +434,21 @@ struct BackwardCta {
         zero(dQ);
         warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
                                 LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
+        if (p.dq_tiles == 2) {
+            // bwd::DqLayout::kLaneTiles: as kWgmmaTiles, a thread's float j at + 32 j + lane.
+            float* const at =
+                acc + (r0 / 64) * 64 * Cfg::kDHead + (r0 % 64) / 16 * 128 + (c0 / 8) * 512 + lane;
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        red_add1(
+                            at + (mt / 4) * 64 * Cfg::kDHead + (mt % 4) * 128 + nt * 512 + 32 * j,
+                            dQ[mt][nt][j]);
+            return;
+        }
         if (p.dq_tiles) {
             // bwd::DqLayout::kWgmmaTiles: in each block of 64 rows, n8 tile n at float 512 n,
             // its m16 tile w (rows 16 w ..) at + 128 w, a thread's 4 floats at + 4 lane.
