@@ -223,13 +223,10 @@ _SM80_NAMED_CASES = [(113, 203, 4, 2, True, (-1, -1), False, 0),
                      (70, 17000, 2, 1, False, (64, 0), False, 0)]  # blocks far off the diagonal
 
 
-@pytest.mark.parametrize("case", range(len(_SM80_NAMED_CASES)))
-@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT])
-def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
-    """Each sm80-family kernel of the default set named explicitly on fixed-length calls
-    (tails, GQA/MQA, causal, a window, deterministic, a zero-padded d_head, its softcap). On an
-    sm_90 GPU the Hopper family takes these calls, so a named call is the only way to them
-    there, and the kernel reduces dQ in the tile order (DqLayout::kWgmmaTiles) instead of rows."""
+def _sm80_named_call(kernel: str, case: int):
+    """_SM80_NAMED_CASES[case] for the sm80-family kernel `kernel` (skipped where the build
+    lacks it): the _bwd_op arguments, and a check of a call's gradients (the fp32 reference's
+    rule; bitwise the same on a second call when deterministic)."""
     from flash_attention.backward import built
 
     if kernel not in {c.short for c in built()}:
@@ -244,11 +241,24 @@ def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
     out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
                                                            causal, *window, softcap, True, "")
     args = (q, k, v, dout, out, lse, kernel, det, causal, window, softcap)
-    grads = _bwd_op(*args)
-    if det:
-        assert all(torch.equal(a, b) for a, b in zip(grads, _bwd_op(*args)))
-    check_grads(grads, q, k, v, dout, what=f"{kernel} case {case}", causal=causal,
-                window_size=window, softcap=softcap)
+
+    def check(grads, what: str) -> None:
+        if det:
+            assert all(torch.equal(a, b) for a, b in zip(grads, _bwd_op(*args)))
+        check_grads(grads, q, k, v, dout, what=what, causal=causal, window_size=window,
+                    softcap=softcap)
+    return args, check
+
+
+@pytest.mark.parametrize("case", range(len(_SM80_NAMED_CASES)))
+@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT])
+def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
+    """Each sm80-family kernel of the default set named explicitly on fixed-length calls
+    (tails, GQA/MQA, causal, a window, deterministic, a zero-padded d_head, its softcap). On an
+    sm_90 GPU the Hopper family takes these calls, so a named call is the only way to them
+    there, and the kernel reduces dQ in the tile order (DqLayout::kWgmmaTiles) instead of rows."""
+    args, check = _sm80_named_call(kernel, case)
+    check(_bwd_op(*args), f"{kernel} case {case}")
 
 
 @pytest.mark.parametrize("order", ["lane", "rows"])
@@ -258,28 +268,13 @@ def test_sm80_family_dq_orders(require_extension, monkeypatch, kernel, case, ord
     """The sm80 family's other dQ orders on fixed-length calls, forced on any GPU
     (FLASH_ATTENTION_SM80_DQ_ORDER): "lane", the lane-major tile order sm_80-89 run
     (DqLayout::kLaneTiles, four scalar reductions per tile and thread), and "rows", the order of
-    varlen calls. They must give the default order's gradients up to the order of the fp32
-    additions, and bitwise the same run to run when deterministic."""
-    from flash_attention.backward import built
-
-    if kernel not in {c.short for c in built()}:
-        pytest.skip(f"{kernel} is not in this build (FLASH_ATTENTION_BWD_KERNELS=default)")
-    cfg = BwdConfig.parse(kernel)
-    sq, sk, h, hk, causal, window, det, below = _SM80_NAMED_CASES[case]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    softcap = 30.0 if cfg.softcap else 0.0
-    torch.manual_seed(case)
-    q, k, v = rand_inputs(2, sq, sk, h, hk, cfg.d_head - below, dtype)
-    dout = torch.randn_like(q)
-    out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
-                                                           causal, *window, softcap, True, "")
-    args = (q, k, v, dout, out, lse, kernel, det, causal, window, softcap)
+    varlen calls. They must pass the reference's rule, give the tile order's dK and dV bitwise
+    and its dQ up to the order of the fp32 additions, and be bitwise the same run to run when
+    deterministic; a value outside the three is refused."""
+    args, check = _sm80_named_call(kernel, case)
     monkeypatch.setenv("FLASH_ATTENTION_SM80_DQ_ORDER", order)
     grads = _bwd_op(*args)
-    if det:
-        assert all(torch.equal(a, b) for a, b in zip(grads, _bwd_op(*args)))
-    check_grads(grads, q, k, v, dout, what=f"{kernel} case {case}, dQ order {order}",
-                causal=causal, window_size=window, softcap=softcap)
+    check(grads, f"{kernel} case {case}, dQ order {order}")
     monkeypatch.setenv("FLASH_ATTENTION_SM80_DQ_ORDER", "tiles")
     ref = _bwd_op(*args)
     assert torch.equal(grads[1], ref[1]) and torch.equal(grads[2], ref[2])  # dK, dV: same code
