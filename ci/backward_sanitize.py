@@ -5,14 +5,17 @@ conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kerne
 136-256 among them; varlen on the sm80 family there) on tails, masks, a window, a softcap,
 GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and without a softcap;
 a deterministic call with no mask in the Hopper family's rotated order; every sm80-family
-kernel of the build by name (on an sm_90 GPU the only way to reach its fixed-length form); the
-three calls with 17000-20000 keys have more CTAs than an H100 has SMs, some with no query block
-under the window.
+kernel of the build by name (on an sm_90 GPU the only way to reach its fixed-length form), in
+each of its dQ orders (FLASH_ATTENTION_SM80_DQ_ORDER: the build's GPU's, sm_80-89's lane-major
+tiles, rows); the three calls with 17000-20000 keys have more CTAs than an H100 has SMs, some
+with no query block under the window.
 
     compute-sanitizer --tool racecheck python3 ci/backward_sanitize.py
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -72,11 +75,14 @@ def main() -> None:
         out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
                                                                n % 2 == 0, -1, -1, softcap,
                                                                True, "")
-        grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None,
-                                                      0, 0, None, n % 2 == 0, -1, -1, softcap,
-                                                      det, cfg.short)
-        torch.cuda.synchronize()
-        assert all(torch.isfinite(g).all() for g in grads), cfg.short
+        for order in ("", "lane", "rows"):  # "": the order the binding picks for this GPU
+            os.environ["FLASH_ATTENTION_SM80_DQ_ORDER"] = order
+            grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None,
+                                                          None, 0, 0, None, n % 2 == 0, -1, -1,
+                                                          softcap, det, cfg.short)
+            torch.cuda.synchronize()
+            assert all(torch.isfinite(g).all() for g in grads), (cfg.short, order)
+    os.environ.pop("FLASH_ATTENTION_SM80_DQ_ORDER")
     print("sanitize cases done")
 
 
