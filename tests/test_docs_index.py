@@ -1,8 +1,9 @@
 """The documentation stays in step with the files it describes: every file in docs/results/ has
 one row in the index of docs/results.md (date and GPU as its name says, a status that is
-"current" or points at a current file), every relative link in README.md and docs/results.md
-resolves, every figure of the README's results table has a GPU, a date and a results file, and
-the README still carries the commands CI runs. CPU only, standard library only."""
+"current" or points at a current file), every relative link in README.md, docs/ (results files
+included) and studies/README.md resolves, every figure of the README's results table has a GPU,
+a date and a results file, and the README still carries the commands CI runs. CPU only,
+standard library only."""
 
 from __future__ import annotations
 
@@ -87,7 +88,11 @@ def test_superseded_rows_point_at_current_files():
             )
 
 
-@pytest.mark.parametrize("doc", [README, RESULTS_MD], ids=lambda p: p.name)
+DOCS = [README, *sorted(ROOT.glob("docs/*.md")), *sorted(RESULTS_DIR.glob("*.md")),
+        ROOT / "studies" / "README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(doc):
     for target in LINK.findall(doc.read_text()):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
@@ -96,7 +101,7 @@ def test_relative_links_resolve(doc):
         rel = path.relative_to(ROOT).as_posix()
         if rel in PENDING and not path.exists():
             continue
-        assert path.exists(), f"{doc.name} links to {target}, which does not exist"
+        assert path.exists(), f"{doc.relative_to(ROOT)} links to {target}, which does not exist"
 
 
 def test_readme_results_table_names_gpu_date_and_file():
