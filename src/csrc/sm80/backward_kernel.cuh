@@ -434,34 +434,35 @@ struct BackwardCta {
         zero(dQ);
         warp_gemm<Elem, kSteps>(dQ, LoadATrans<PTile, kMT>(sdS, r0 / 8, lane),
                                 LoadBTrans<Cfg, kNT>(sK, c0 / 8, lane));
-        if (p.dq_tiles == 2) {
-            // bwd::DqLayout::kLaneTiles: as kWgmmaTiles, a thread's float j at + 32 j + lane.
-            float* const at =
-                acc + (r0 / 64) * 64 * Cfg::kDHead + (r0 % 64) / 16 * 128 + (c0 / 8) * 512 + lane;
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        red_add1(
-                            at + (mt / 4) * 64 * Cfg::kDHead + (mt % 4) * 128 + nt * 512 + 32 * j,
-                            dQ[mt][nt][j]);
-            return;
-        }
         if (p.dq_tiles) {
-            // bwd::DqLayout::kWgmmaTiles: in each block of 64 rows, n8 tile n at float 512 n,
-            // its m16 tile w (rows 16 w ..) at + 128 w, a thread's 4 floats at + 4 lane.
+            // bwd::DqLayout's tile orders: in each block of 64 rows, n8 tile n at float 512 n,
+            // its m16 tile w (rows 16 w ..) at + 128 w.
             static_assert(64 % P3::kRowsPerWarp == 0 || P3::kRowsPerWarp % 64 == 0,
                           "a warp's m16 tiles stay in one 64-row block or start one");
-            float* const at = acc + (r0 / 64) * 64 * Cfg::kDHead + (r0 % 64) / 16 * 128 +
-                              (c0 / 8) * 512 + 4 * lane;
+            float* const base =
+                acc + (r0 / 64) * 64 * Cfg::kDHead + (r0 % 64) / 16 * 128 + (c0 / 8) * 512;
+            const auto tile = [base](int mt, int nt) {
+                return base + (mt / 4) * 64 * Cfg::kDHead + (mt % 4) * 128 + nt * 512;
+            };
+            if (p.dq_tiles == 2) {
+                // kLaneTiles (sm_80-89, no vector reductions): a thread's float j at + 32 j +
+                // lane, so that a warp's scalar reduction covers 128 contiguous bytes.
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
+                for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-                    red_add4(at + (mt / 4) * 64 * Cfg::kDHead + (mt % 4) * 128 + nt * 512,
-                             dQ[mt][nt][0], dQ[mt][nt][1], dQ[mt][nt][2], dQ[mt][nt][3]);
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            red_add1(tile(mt, nt) + 32 * j + lane, dQ[mt][nt][j]);
+            } else {
+                // kWgmmaTiles: a thread's 4 floats at + 4 lane, one 16-byte reduction.
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+                        red_add4(tile(mt, nt) + 4 * lane, dQ[mt][nt][0], dQ[mt][nt][1],
+                                 dQ[mt][nt][2], dQ[mt][nt][3]);
+            }
             return;
         }
         float* const at = acc + (r0 + lane / 4) * Cfg::kDHead + c0 + 2 * (lane % 4);
