@@ -1,19 +1,19 @@
 """Build of the flash_attention CUDA extension.
 
-Selected kernel configs are generated as one .cu file each (flash_attention.codegen), compiled
-in parallel by torch's ninja build (MAX_JOBS jobs) with no torch headers in them, and linked with
-the single torch binding. nvcc and the host C++ compiler run through
-flash_attention/nvcc_wrapper.py, which keeps each object's ptxas resource lines (gathered into
-ptxas.log next to the extension and in build/ptxas.log, with build_info.json saying what was
-built) and looks every object up in a content-addressed cache first, so a translation unit
-that did not change is not compiled again, whichever checkout or commit builds it (asv builds
-every commit in a fresh checkout).
+Selected kernel configs (flash_attention.kernels) are generated as one .cu file each
+(flash_attention.codegen), compiled in parallel by torch's ninja build (MAX_JOBS jobs) with no
+torch headers in them, and linked with the two torch binding files. nvcc and the host C++
+compiler run through flash_attention/codegen/nvcc_wrapper.py, which keeps each object's ptxas
+resource lines (gathered into ptxas.log next to the extension and in build/ptxas.log, with
+build_info.json saying what was built) and looks every object up in a content-addressed cache
+first, so a translation unit that did not change is not compiled again, whichever checkout or
+commit builds it (asv builds every commit in a fresh checkout).
 
 Environment:
-  FLASH_ATTENTION_KERNELS  config sets and/or short forms, comma-separated (default: "default";
-                           sets: ci, default, tune, prog, all)
-  FLASH_ATTENTION_BWD_KERNELS  backward config sets and/or short forms (default: "ci" when
-                           FLASH_ATTENTION_KERNELS is "ci", else "default"; "none": no backward)
+  FLASH_ATTENTION_KERNELS  kernel sets and/or kernel names, comma-separated (default:
+                           "default"): a set of every kind that has it (ci, default, all), of one
+                           kind or direction (fwd_sm90:tune, bwd:default), or names
+                           (flash_attention.kernels says the scheme)
   FLASH_ATTENTION_ARCHS    SM architectures, comma-separated (default: "80,90"; "90a" allowed)
   MAX_JOBS                 parallel compile jobs
   FA_BUILD_CACHE           object cache directory (default ~/.cache/fa-build; "off" disables it)
@@ -44,10 +44,8 @@ CSRC = ROOT / "src" / "csrc"
 GENERATED = CSRC / "generated"
 
 sys.path.insert(0, str(ROOT / "src"))
-from flash_attention.codegen import generate  # noqa: E402
-from flash_attention.codegen_bwd import generate as generate_bwd  # noqa: E402
-from flash_attention.config_bwd import resolve as resolve_bwd  # noqa: E402
-from flash_attention.config_sets import resolve  # noqa: E402
+from flash_attention.codegen.generate import generate  # noqa: E402
+from flash_attention.kernels import resolve  # noqa: E402
 
 sys.path.pop(0)
 
@@ -81,17 +79,19 @@ def gencode_flags(archs: list[str]) -> list[str]:
 
 
 ARCHS = parse_archs(ARCHS_SPEC)
+if "FLASH_ATTENTION_BWD_KERNELS" in os.environ:
+    raise SystemExit("FLASH_ATTENTION_BWD_KERNELS is gone: FLASH_ATTENTION_KERNELS selects the "
+                     "kernels of every kind (e.g. ci, default, default,bwd_sm90:r64; fwd:default "
+                     "builds no backward kernel); docs/kernel-names.md")
 CONFIGS = resolve(KERNELS)
+FWD_CONFIGS = [c for c in CONFIGS if c.direction == "fwd"]
+BWD_CONFIGS = [c for c in CONFIGS if c.direction == "bwd"]
 SOURCES = [str(p.relative_to(ROOT)) for p in generate(CONFIGS, GENERATED)]
-BWD_KERNELS = os.environ.get("FLASH_ATTENTION_BWD_KERNELS",
-                             "ci" if KERNELS.strip() == "ci" else "default")
-BWD_CONFIGS = resolve_bwd(BWD_KERNELS)
-SOURCES += [str(p.relative_to(ROOT)) for p in generate_bwd(BWD_CONFIGS, GENERATED / "backward")]
 if CUDA_HOME:
     os.environ["CUDA_HOME"] = CUDA_HOME  # the nvcc wrapper runs the same toolkit as torch found
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[0]}.{a[1:]}" for a in ARCHS))
 # Route nvcc through the wrapper that keeps the ptxas report of every object and caches objects.
-WRAPPER = ROOT / "src" / "flash_attention" / "nvcc_wrapper.py"
+WRAPPER = ROOT / "src" / "flash_attention" / "codegen" / "nvcc_wrapper.py"
 os.environ["PYTORCH_NVCC"] = shlex.join([sys.executable, str(WRAPPER)])
 
 NVCC_FLAGS = [
@@ -107,8 +107,8 @@ class BuildWithReport(BuildExtension):
     """torch's BuildExtension, then the ptxas report and build info beside the extension."""
 
     def run(self) -> None:
-        print(f"flash_attention: building {len(CONFIGS)} kernels ({KERNELS}) and "
-              f"{len(BWD_CONFIGS)} backward kernels ({BWD_KERNELS}) for "
+        print(f"flash_attention: building {len(FWD_CONFIGS)} forward and {len(BWD_CONFIGS)} "
+              f"backward kernels ({KERNELS}) for "
               f"{', '.join('sm_' + a for a in ARCHS)}", flush=True)
         self._started = time.time()
         super().run()
@@ -166,13 +166,11 @@ class BuildWithReport(BuildExtension):
     def _write_report(self, ext_dir: Path) -> None:
         # One report of every kernel (forward, backward and their registries): the SASS tools
         # and the static ratchet name each by its config short form.
-        report = self._collect_logs([*(f"fwd_{c.short}" for c in CONFIGS), "registry",
-                                     *(c.short for c in BWD_CONFIGS), "bwd_registry"])
+        report = self._collect_logs([*(c.name for c in CONFIGS), "registry"])
         info = {
             "kernels": KERNELS,
-            "configs": [c.short for c in CONFIGS],
-            "bwd_kernels": BWD_KERNELS,
-            "bwd_configs": [c.short for c in BWD_CONFIGS],
+            "configs": [c.name for c in FWD_CONFIGS],
+            "bwd_configs": [c.name for c in BWD_CONFIGS],
             "archs": ARCHS,
             "nvcc": _nvcc_version(),
             "torch": _torch_version(),

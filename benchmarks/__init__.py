@@ -23,7 +23,8 @@ interpreter, so VIRTUALENV_SYSTEM_SITE_PACKAGES does not reach a torch installed
 Selection: FLASH_ATTENTION_KERNELS (default ``default``), FLASH_ATTENTION_ARCHS (default: the
 local GPU's arch from nvidia-smi, else ``80,90``), MAX_JOBS (default: all cores). Unchanged
 translation units come from the object cache of the compile wrapper (FA_BUILD_CACHE, see
-src/flash_attention/nvcc_wrapper.py), so a commit that changes Python only builds in seconds.
+src/flash_attention/codegen/nvcc_wrapper.py; src/flash_attention/nvcc_wrapper.py in commits from
+before flash_attention.codegen), so a commit that changes Python only builds in seconds.
 """
 
 from __future__ import annotations

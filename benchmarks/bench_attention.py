@@ -344,10 +344,16 @@ BWD_CASES = tuple(Case(dt, d, b, s, causal=mask == "causal") for dt in ("bf16", 
                   for d in (128, 64) for mask in MASKS for b, s in BWD_STANDARD)
 
 
+# A backward kernel that serves every call (varlen too, on any GPU) as its operator lists it:
+# bwd_sm80_<dtype>_d<d_head>_..._f<flags>, or bwd_<dtype>_d<d_head>_..._f<flags> in a build from
+# before the one name scheme (this module runs against older commits and reads their names).
+SM80_BWD_NAME = r"bwd_(?:sm80_)?(fp16|bf16)_d(\d+)_.*_f([a-z]*)"
+
+
 def backward_kernels() -> set[tuple[str, int]] | None:
-    """(dtype, d_head variant) of the installed build's backward kernels without a softcap, as
-    its operator lists them (short forms bwd_<dtype>_d<d_head>_..._f<flags>); None for a build
-    from before the backward."""
+    """(dtype, d_head variant) of the installed build's sm80-family backward kernels (those
+    that serve every call) without a softcap, as its operator lists them (SM80_BWD_NAME); None
+    for a build from before the backward."""
     import re
 
     import torch
@@ -359,7 +365,7 @@ def backward_kernels() -> set[tuple[str, int]] | None:
         names = torch.ops.flash_attention.bwd_kernels()
     except (AttributeError, RuntimeError):  # no such operator
         return None
-    found = (re.match(r"bwd_(fp16|bf16)_d(\d+)_.*_f([a-z]*)$", n) for n in names.split(","))
+    found = (re.fullmatch(SM80_BWD_NAME, n) for n in names.split(","))
     return {(m[1], int(m[2])) for m in found if m and "t" not in m[3]}
 
 
@@ -415,7 +421,7 @@ def measure_grads(cases, kind: str, reps: int = 20, warmup: int = 3) -> Measured
             continue
         if not any(dt == case.dtype and d >= case.d_head for dt, d in built):
             skipped[case.name] = (f"this build has no {case.dtype} backward kernel for d_head "
-                                  f"{case.d_head} (FLASH_ATTENTION_BWD_KERNELS)")
+                                  f"{case.d_head} (FLASH_ATTENTION_KERNELS)")
             continue
         shape = (case.batch, case.seqlen, case.heads, case.d_head)
         q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtypes[case.dtype])

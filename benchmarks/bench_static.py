@@ -7,39 +7,85 @@ also those of the interpreter running asv) or in the CUDA toolkit. No GPU needed
 architectures the build does not contain are skipped with the reason, and so is everything
 when fa_tools or the SASS tools are missing.
 
+Kernels are named as flash_attention.kernels names them now (fwd_sm80_..., fwd_sm90_...,
+bwd_sm80_..., bwd_sm90_..., the helpers bwd_sm80_preprocess_<dtype>, bwd_sm80_convert_dq_<dtype>
+and bwd_sm90_convert_dq_<dtype>), whatever commit is installed: asv runs this file of the
+working tree against older commits, whose package has the old configuration modules
+(config_sets, config_bwd) and whose fa_tools reports the old names; those are read as their
+current names (kernels/legacy.py, loaded from this tree by path when the installed package
+predates it), so a kernel's series goes on across the renaming.
+
 Architectures are named as fa_tools' ptxas report names them: "80" and "90" for the sm80
-family, "90a" for the Hopper family (the forward's sm90_* and the backward's bwd_sm90_* configs,
-and the Hopper backward's dQ conversion bwd_convert_dq_tiles_*, compile for sm_90a alone,
-whatever the build's architecture list; Hopper backward kernels are tracked once the default
-backward set holds them). On sm_90a, tensor_mma counts the wgmma (HGMMA);
-HopperSassInstructions adds the Hopper-only categories (TMA, mbarrier, the wgmma fences and
-waits, setmaxnreg) and HopperWgmma whether ptxas serialized the wgmma and how many MUFU.EX2 it
-placed under a running wgmma (both pinned by the static gate too). New parameter values and
-classes only: the series recorded for 80/90 keep their keys and benchmark versions."""
+family, "90a" for the Hopper family (the fwd_sm90 and bwd_sm90 kernels, and the Hopper
+backward's dQ conversion bwd_sm90_convert_dq_*, compile for sm_90a alone, whatever the build's
+architecture list; Hopper backward kernels are tracked once the default set holds them). On
+sm_90a, tensor_mma counts the wgmma (HGMMA); HopperSassInstructions adds the Hopper-only
+categories (TMA, mbarrier, the wgmma fences and waits, setmaxnreg) and HopperWgmma whether
+ptxas serialized the wgmma and how many MUFU.EX2 it placed under a running wgmma (both pinned
+by the static gate too). New parameter values and classes only: the series recorded for 80/90
+keep their keys and benchmark versions (the bodies of the classes below stay as they are)."""
 
-from flash_attention.config_sets import SETS
+import importlib.util
+import re
+from pathlib import Path
+
+# src/flash_attention/kernels/legacy.py of this tree (standard library only)
+LEGACY = Path(__file__).resolve().parents[1] / "src" / "flash_attention" / "kernels" / "legacy.py"
 
 
-def _backward_kernels() -> list[str]:
-    """The `default` backward set and its helpers, the preprocess and each family's dQ
-    conversion of its dtypes (what the static ratchet pins for the backward); none in a commit
-    from before the backward."""
+def _legacy():
+    """The kernels.legacy module: the installed package's, else this tree's file, loaded by
+    path (a commit from before the one name scheme has none)."""
     try:
-        from flash_attention.config_bwd import DEFAULT, aux_kernels
+        from flash_attention.kernels import legacy
     except ImportError:
-        return []
-    return [c.short for c in DEFAULT] + [a.short for a in aux_kernels(DEFAULT)]
+        spec = importlib.util.spec_from_file_location("fa_bench_kernel_names", LEGACY)
+        legacy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(legacy)
+    return legacy
 
 
-KERNELS = [c.short for c in SETS["default"]] + _backward_kernels()
+current_name = _legacy().current_name
+
+
+def _default_kernels() -> list[str]:
+    """The `default` set of every kind (forward, then backward) and the backward's helpers,
+    the preprocess and each kind's dQ conversion of its dtypes (what the static ratchet pins),
+    by their current names; a commit from before the backward has no backward ones."""
+    try:
+        from flash_attention.kernels import resolve
+        from flash_attention.kernels.bwd_helpers import helpers
+    except ImportError:  # a commit from before flash_attention.kernels
+        from flash_attention.config_sets import SETS
+
+        names = [c.short for c in SETS["default"]]
+        try:
+            from flash_attention.config_bwd import DEFAULT, aux_kernels
+        except ImportError:  # ... and from before the backward
+            DEFAULT, aux_kernels = (), lambda configs: ()
+        names += [c.short for c in DEFAULT] + [a.short for a in aux_kernels(DEFAULT)]
+        return [current_name(n) for n in names]
+    configs = resolve("default")
+    return [c.name for c in (*configs, *helpers(configs))]
+
+
+KERNELS = _default_kernels()
 ARCHS = ["80", "90", "90a"]  # append only: asv keys the recorded results by these values
 CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "shared_store",
               "local_memory", "mufu", "fp32", "conversion", "int_address", "move", "barrier",
               "branch"]
 # the Hopper forward's and backward's main kernels (their helpers, the sm_90a-only
-# bwd_convert_dq_tiles_* too, have none of the Hopper-only figures)
-HOPPER_PREFIXES = ("sm90_", "bwd_sm90_")
-HOPPER_KERNELS = [k for k in KERNELS if k.startswith(HOPPER_PREFIXES)]
+# bwd_sm90_convert_dq_* too, have none of the Hopper-only figures)
+HOPPER_PREFIXES = ("fwd_sm90_", "bwd_sm90_")
+_HELPER = re.compile(r"bwd_sm\d+_(preprocess|convert_dq)_(fp16|bf16)")
+
+
+def is_hopper_kernel(name: str) -> bool:
+    """A Hopper main kernel's (current) name: fwd_sm90_* or bwd_sm90_*, not a helper."""
+    return name.startswith(HOPPER_PREFIXES) and _HELPER.fullmatch(name) is None
+
+
+HOPPER_KERNELS = [k for k in KERNELS if is_hopper_kernel(k)]
 HOPPER_CATEGORIES = ["tma", "mbarrier", "wgmma_sync", "setmaxnreg"]  # fa_tools' opcodes names
 
 
@@ -54,6 +100,9 @@ def _analysis():
 
 
 def _collect():
+    """{(kernel, arch): figures} of the tracked kernels of the installed build, keyed by the
+    kernels' current names; the installed fa_tools is asked by the names it reports (an older
+    commit's: the old ones)."""
     try:
         binaries, opcodes, ptxas_report, sass = _analysis()
     except ImportError as exc:
@@ -63,26 +112,27 @@ def _collect():
         records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
         out = {}
         for (kernel, arch), rec in records.items():
-            if kernel not in KERNELS or arch not in ARCHS:
+            name = current_name(kernel)
+            if name not in KERNELS or arch not in ARCHS:
                 continue
             instrs = sass.instructions(binary, kernel, arch)
             hist = opcodes.histogram(kernel, arch, instrs)
-            out[(kernel, arch)] = {
+            out[(name, arch)] = {
                 "registers": rec.registers,
                 "spill_bytes": rec.spill_stores + rec.spill_loads,
                 "smem_bytes": rec.static_smem + rec.dynamic_smem,
                 "sass": {"total": hist.total, **hist.categories},
-                **_wgmma(opcodes, rec, instrs),
+                **_wgmma(opcodes, name, rec, instrs),
             }
         return out
     except binaries.ToolError as exc:
         return {"skip": str(exc)}  # asv passes no cache for None
 
 
-def _wgmma(opcodes, rec, instrs) -> dict:
-    """The wgmma schedule of a Hopper-family kernel, as far as this commit's fa_tools can tell
-    (a count it cannot make stays out)."""
-    if not rec.kernel.startswith(HOPPER_PREFIXES):
+def _wgmma(opcodes, name, rec, instrs) -> dict:
+    """The wgmma schedule of a Hopper main kernel (`name`: its current name), as far as this
+    commit's fa_tools can tell (a count it cannot make stays out)."""
+    if not is_hopper_kernel(name):
         return {}
     out = {}
     if hasattr(rec, "wgmma_serialized"):

@@ -1,7 +1,7 @@
 """A few small backward calls for compute-sanitizer (memcheck, racecheck, synccheck): every
 kernel of the backward (preprocess, main with and without the ordered dQ, conversion; on an sm_90
-GPU with the hopper set built, the Hopper kernels, with and without the ordered dQ, and their dQ
-conversion, convert_dq_tiles, for the fixed-length calls, the split-d_head kernel at d_head
+GPU with bwd_sm90:default built, the Hopper kernels, with and without the ordered dQ, and their dQ
+conversion, bwd_sm90_convert_dq, for the fixed-length calls, the split-d_head kernel at d_head
 136-256 among them; varlen on the sm80 family there) on tails, masks, a window, a softcap,
 GQA and a padded d_head, in bf16, then each d_head variant in fp16 with and without a softcap;
 a deterministic call with no mask in the Hopper family's rotated order; every sm80-family
@@ -63,9 +63,9 @@ def main() -> None:
     # the fixed-length calls, so these run here only by name): tails, causal, its softcap, a
     # d_head below the variant's, ordered dQ on every other one.
     from flash_attention.backward import built
-    from flash_attention.config_bwd import BwdConfig
+    from flash_attention.kernels.bwd_sm80 import Sm80BwdConfig
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    for n, cfg in enumerate(c for c in built() if isinstance(c, BwdConfig)):
+    for n, cfg in enumerate(c for c in built() if isinstance(c, Sm80BwdConfig)):
         d = cfg.d_head - 8 if n % 3 == 1 else cfg.d_head
         q, dout = (torch.randn(1, 150, 4, d, device="cuda", dtype=dtypes[cfg.dtype])
                    for _ in range(2))
@@ -79,9 +79,9 @@ def main() -> None:
             os.environ["FLASH_ATTENTION_SM80_DQ_ORDER"] = order
             grads = torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None,
                                                           None, 0, 0, None, n % 2 == 0, -1, -1,
-                                                          softcap, det, cfg.short)
+                                                          softcap, det, cfg.name)
             torch.cuda.synchronize()
-            assert all(torch.isfinite(g).all() for g in grads), (cfg.short, order)
+            assert all(torch.isfinite(g).all() for g in grads), (cfg.name, order)
     os.environ.pop("FLASH_ATTENTION_SM80_DQ_ORDER", None)
     print("sanitize cases done")
 

@@ -2,8 +2,9 @@
 # Build the backward kernels with the forward kernels its tests need, then run the backward GPU
 # tests (and, with BENCH=1, the backward timing against SDPA; with LLAMA=1, the Hugging Face
 # Llama training client against SDPA, which needs transformers: ci/llama_train_client.py).
-# Logs go to $OUT (or ./out).
-#   BWD=default FWD_D="32 64 96 128 160 192 224 256" ci/gpu_backward.sh [pytest args...]
+# Logs go to $OUT (or ./out). BWD is a selection of backward kernels as FLASH_ATTENTION_KERNELS
+# takes it (bwd:default, bwd_sm90:r64, kernel names, comma-separated).
+#   BWD=bwd:default FWD_D="32 64 96 128 160 192 224 256" ci/gpu_backward.sh [pytest args...]
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -11,17 +12,17 @@ fwd_d=${FWD_D:-32 64 96 128 160 192 224 256}
 fwd=$(python3 - "$fwd_d" <<'PY'
 import sys
 sys.path.insert(0, "src")
-from flash_attention.dispatch import SM80_ROWS
+from flash_attention.kernels import fwd_sm80
 # The sm80 family's long-sequence kernel of each d_head, masked and masked + softcap: every call
 # of the backward tests has a forward to run on.
-long = {d: row.kernel for row in SM80_ROWS if row.max_seq is None for d in row.d_heads}
-names = [f"{dt}_d{d}_{long[d]}{f}" for dt in ("fp16", "bf16") for d in map(int, sys.argv[1].split())
-         for f in ("m", "mt")]
+long = {d: row.kernel for row in fwd_sm80.ROWS if row.max_seq is None for d in row.d_heads}
+names = [f"{fwd_sm80.KIND}_{dt}_d{d}_{long[d]}{f}" for dt in ("fp16", "bf16")
+         for d in map(int, sys.argv[1].split()) for f in ("m", "mt")]
 print(",".join(names))
 PY
 )
 start=$(date +%s)
-FLASH_ATTENTION_KERNELS="$fwd" FLASH_ATTENTION_BWD_KERNELS="${BWD:-default}" \
+FLASH_ATTENTION_KERNELS="$fwd,${BWD:-bwd:default}" \
     FLASH_ATTENTION_ARCHS="${ARCHS:-90}" MAX_JOBS="${MAX_JOBS:-16}" \
     python3 setup.py build_ext --inplace >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"

@@ -96,11 +96,11 @@ for dtype in ("bf16", "fp16"):
         for s in seqs:
             ranked = time_configs(dtype, d, s, reps=10)
             b = max(1, 65536 // s)
-            res[f"{dtype}/d{d}/{s}"] = [(c.short, ms, attention_flops(b, 16, s, s, d) / ms / 1e9)
+            res[f"{dtype}/d{d}/{s}"] = [(c.name, ms, attention_flops(b, 16, s, s, d) / ms / 1e9)
                                         for c, ms in ranked]
             print(f"{dtype} d{d} seq {s}:")
             for c, ms, tf in res[f"{dtype}/d{d}/{s}"][:8]:
-                print(f"  {c:34s} {ms:8.3f} ms {tf:6.1f} TFLOP/s")
+                print(f"  {c:42s} {ms:8.3f} ms {tf:6.1f} TFLOP/s")
 json.dump(res, open(sys.argv[1], "w"), indent=1)
 ' "$LOG_DIR/sweep.json"
 fi
@@ -119,7 +119,7 @@ if step bench64; then
         --md "$LOG_DIR/bench64.md"
 fi
 if step prog; then
-    run prog python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 --configs prog \
+    run prog python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 --configs fwd_sm80:prog \
         --json "$LOG_DIR/prog.json" --md "$LOG_DIR/prog.md"
 fi
 if step hopper; then
@@ -130,7 +130,7 @@ if step hopper; then
     run hopper_tests timeout 300 python3 -m pytest -q -p no:cacheprovider -x \
         tests/test_gpu_kernels.py -k "sm90 or dispatched"
     run hopper_prog timeout 120 python3 -m fa_tools bench --dtypes bf16 --shapes 16x4096 \
-        --configs sm90prog --json "$LOG_DIR/hopper_prog.json" --md "$LOG_DIR/hopper_prog.md"
+        --configs fwd_sm90:prog --json "$LOG_DIR/hopper_prog.json" --md "$LOG_DIR/hopper_prog.md"
     run hopper_bench timeout 200 python3 -m fa_tools bench --gemm \
         --json "$LOG_DIR/hopper_bench.json" --md "$LOG_DIR/hopper_bench.md"
     run hopper_causal timeout 200 python3 -m fa_tools bench --causal \
@@ -161,23 +161,25 @@ if step window; then
             --rounds "${WINDOW_ROUNDS:-3}" dispatched "${cands[@]}"
     done
 fi
-if step hopper-tune; then  # needs the sm90tune set in the build
+if step hopper-tune; then  # needs fwd_sm90:tune in the build
     run hopper_tune timeout 400 python3 -m fa_tools bench --dtypes bf16 --d-heads 64,128,256 \
-        --shapes 16x4096 --configs sm90tune --json "$LOG_DIR/hopper_tune.json" \
+        --shapes 16x4096 --configs fwd_sm90:tune --json "$LOG_DIR/hopper_tune.json" \
         --md "$LOG_DIR/hopper_tune.md"
 fi
 if step sanitize; then
-    # SANITIZE: by default every kernel of the default set (all that dispatch runs, Hopper
-    # kernels and their sm80 fallbacks) and the ci set, four tools side by side; each config
-    # runs tail shapes, masks, a smaller d_head and (sm80) a varlen batch, in drawn layouts
+    # SANITIZE: by default every forward kernel of the default set (all that dispatch runs,
+    # Hopper kernels and their sm80 fallbacks) and the ci set, four tools side by side; each
+    # config runs tail shapes, masks, a smaller d_head and (sm80) a varlen batch, in drawn
+    # layouts (the backward's: ci/gpu_backward.sh SANITIZE=1)
     # shellcheck disable=SC2086
-    run sanitize python3 -m fa_tools sanitize ${SANITIZE:-ci default} \
+    run sanitize python3 -m fa_tools sanitize ${SANITIZE:-fwd:ci fwd:default} \
         --timeout "${SANITIZE_TIMEOUT_S:-420}"
 fi
 if step debug; then
     for k in $(python3 -c 'import flash_attention as fa
-from flash_attention.config_sets import SETS
-print(" ".join(c.short for c in fa.available_configs() if c in SETS["default"]))'); do
+from flash_attention.kernels import resolve
+default = set(resolve("fwd:default"))
+print(" ".join(c.name for c in fa.available_configs() if c in default))'); do
         run "debug-$k" python3 -m fa_tools debug "$k"
     done
 fi
@@ -261,10 +263,11 @@ PY
         echo exit \$?"
 }
 if step bwd-prog; then
-    # One row per technique (needs FLASH_ATTENTION_BWD_KERNELS=ci,default,hopper-r64 for the
-    # B_r 64 row at d_head 64): results/2026-11-27-h200-backward-progression.md.
-    prog_64=bwd_bf16_d64_c128_r128_w8_fb,bwd_sm90_bf16_d64_c128_r64_f,bwd_sm90_bf16_d64_c128_r128_f
-    prog_128=bwd_bf16_d128_c128_r64_w8_fb,bwd_sm90_bf16_d128_c128_r64_f
+    # One row per technique (needs KERNELS=ci,default,bwd_sm90:r64 for the B_r 64 row at
+    # d_head 64): results/2026-11-27-h200-backward-progression.md.
+    prog_64=bwd_sm80_bf16_d64_r128_c128_w8_fh,bwd_sm90_bf16_d64_r64_c128_f
+    prog_64=$prog_64,bwd_sm90_bf16_d64_r128_c128_f
+    prog_128=bwd_sm80_bf16_d128_r64_c128_w8_fh,bwd_sm90_bf16_d128_r64_c128_f
     for d in 64 128; do
         configs=$prog_64
         [ "$d" = 128 ] && configs=$prog_128
@@ -284,9 +287,9 @@ if step bwd80-table; then
     # one).
     variants=$(python3 -c "from flash_attention import ops
 from flash_attention.backward import built
-from flash_attention.config_bwd import BwdConfig
+from flash_attention.kernels.bwd_sm80 import Sm80BwdConfig
 ops.require()
-print(','.join(c.short for c in built() if isinstance(c, BwdConfig) and c.d_head in (64, 128)
+print(','.join(c.name for c in built() if isinstance(c, Sm80BwdConfig) and c.d_head in (64, 128)
                and not c.softcap))")
     run bwd80-table timeout 540 python3 studies/backward_bench.py --d 64,128 \
         --seqs 1024,2048,4096,8192,16384 --dtypes bf16,fp16 --peers fa2,cudnn --no-train \
@@ -332,10 +335,10 @@ if step profile-bwd80; then
     read -r dt d _ <<<"$shape"
     sm80=$(python3 -c "from flash_attention import ops
 from flash_attention.backward import built
-from flash_attention.config_bwd import select
+from flash_attention.kernels import Call, bwd_sm80
 ops.require()
-c = select('$dt', $d, False, built())
-print(c.short if c else '')")
+c = bwd_sm80.select(Call('$dt', $d), built())
+print(c.name if c else '')")
     if [ -n "$sm80" ]; then
         ncu_run bwd80-ours '^bwd_kernel|bwd::bwd_kernel' ours --backward --config "$sm80"
         ncu_sass bwd80-ours

@@ -29,8 +29,8 @@ WHEELHOUSE=${WHEELHOUSE:-${FA_WHEELHOUSE:-$REPO/wheelhouse}}
 BENCH=${BENCH:-bench_attention.Attention.track_ours_ms}
 N_COMMITS=${N_COMMITS:-9}
 PLANT_AT=${PLANT_AT:-6}
-ORIG=bf16_d128_r128_c64_w4_fseqkvbor  # what dispatch runs for bf16 d_head 128, seq > 64
-SLOW=bf16_d128_r128_c64_w4_feqkvbor   # the same tile without the smem swizzle ('s' flag)
+ORIG=fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor  # what dispatch runs for bf16 d_head 128, seq > 64
+SLOW=fwd_sm80_bf16_d128_r128_c64_w4_feqkvbor   # the same tile without the smem swizzle ('s' flag)
 export FA_BUILD_CACHE=${FA_BUILD_CACHE:-$HOME/.cache/fa-build}
 export FLASH_ATTENTION_KERNELS=$ORIG,$SLOW FLASH_ATTENTION_ARCHS=${ARCHS:-90}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
@@ -100,10 +100,11 @@ base=$(git rev-parse HEAD)
 say "history: $N_COMMITS commits, the slowdown planted in commit $PLANT_AT"
 for ((i = 1; i <= N_COMMITS; i++)); do
     if (( i == PLANT_AT )); then
-        cat >>src/flash_attention/dispatch.py <<EOF
+        cat >>src/flash_attention/kernels/fwd_sm80.py <<EOF
 
-# (asv find demo) bf16 d_head 128 runs the tile without the shared-memory swizzle
-DEFAULT_TABLE[("bf16", 128, False, False)][-1] = (None, "$SLOW")
+# (asv find demo) d_head 128 runs the tile without the shared-memory swizzle
+ROWS = tuple(Row(r.key, r.calls, r.d_heads, r.max_seq, "${SLOW#fwd_sm80_bf16_d128_}", r.why)
+             if r.key == "sm80 d128" else r for r in ROWS)
 EOF
         git commit -q -am "Dispatch: bf16 d_head 128 without the smem swizzle"
         planted=$(git rev-parse HEAD)
@@ -123,9 +124,9 @@ check_dispatch() {  # check_dispatch COMMIT EXPECTED
     local got
     git checkout -q "$1"
     got=$(PYTHONPATH=src "$PYTHON" -c 'import sys
-from flash_attention import KernelConfig, dispatch
-built = [KernelConfig.parse(s) for s in sys.argv[1:]]
-print(dispatch.select("bf16", 128, 4096, built).short)' "$ORIG" "$SLOW")
+from flash_attention import dispatch, parse
+built = [parse(s) for s in sys.argv[1:]]
+print(dispatch.select("bf16", 128, 4096, built).name)' "$ORIG" "$SLOW")
     git checkout -q "$last"
     echo "  at $(git rev-parse --short "$1"): dispatch(bf16, d_head 128, seq 4096) -> $got"
     [ "$got" = "$2" ]

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_attention as fa
 from fa_tools.gpu.perfcases import time_sustained_cycles, time_sustained_ms
 from flash_attention import ops
-from flash_attention.config_bwd import parse_config
+from flash_attention.kernels import parse
 
 
 def time_ms(fn, reps: int = 20) -> float:
@@ -164,7 +164,8 @@ def main() -> None:
     ap.add_argument("--no-det", action="store_true", help="skip deterministic=True")
     ap.add_argument("--variants", default="",
                     help="backward kernels timed beside the default one where their dtype and "
-                         "d_head match (built with FLASH_ATTENTION_BWD_KERNELS naming them)")
+                         "d_head match (built with FLASH_ATTENTION_KERNELS naming them, e.g. "
+                         "default,bwd_sm90:r64)")
     args = ap.parse_args()
     ops.require()
     peers = tuple(args.peers.split(",")) if args.peers else ()
@@ -191,8 +192,8 @@ def main() -> None:
     if missing:
         ap.error(f"variants not built: {', '.join(missing)}")
     for dt, *case in cases:
-        mine = [v for v in variants if (parse_config(v).dtype, parse_config(v).d_head)
-                == (dt, case[2])]  # either family (bwd_..., bwd_sm90_...)
+        mine = [v for v in variants if (parse(v).dtype, parse(v).d_head)
+                == (dt, case[2])]  # either kind (bwd_sm80_..., bwd_sm90_...)
         for kernel in ["", *mine]:
             r = bench(*case, kernel=kernel, dtype=dt, peers=peers, rounds=args.rounds)
             line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
@@ -214,7 +215,7 @@ def main() -> None:
     print("forward + backward (autograd), bf16, 16 heads, each --d at seq 2048 and 4096; peak "
           "memory above the inputs")
     if (torch.cuda.get_device_capability()[0] == 9
-            and not any(n.startswith("sm90_") for n in ops.BUILT_NAMES)):
+            and not any(n.startswith("fwd_sm90_") for n in ops.BUILT_NAMES)):
         print("NOTE: this build has no Hopper forward kernel, so the steps below run the sm80 "
               "family's forward, not the one users get (ci/gpu_backward.sh builds that subset; "
               "build the default set to time the step)")

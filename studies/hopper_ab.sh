@@ -5,16 +5,17 @@
 #   KERNELS=ci,default,$(studies/hopper_ab.sh --kernels) ... build, then studies/hopper_ab.sh LOG_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 3
-D128=sm90_bf16_d128_c128_g2_s2_fwes,sm90_bf16_d128_c128_g2_s2_fwoes,sm90_bf16_d128_c128_g2_s2_fwe
-D128+=,sm90_bf16_d128_c128_g2_s2_fwoe,sm90_bf16_d128_c128_g2_s2_fwpoe
-D128+=,sm90_bf16_d128_c176_g2_s2_fwoe,sm90_bf16_d128_c128_g2_s2_fwesxqr
-D128+=,sm90_bf16_d128_c128_g2_s2_fwoesxqr
-CAUSAL=sm90_bf16_d128_c128_g2_s2_fwesdm,sm90_bf16_d128_c128_g2_s2_fwem,sm90_bf16_d128_c128_g2_s2_fwoem
-CAUSAL+=,sm90_bf16_d128_c128_g2_s2_fwpoem,sm90_bf16_d128_c128_g2_s2_fwesdqrm
-CAUSAL+=,sm90_bf16_d128_c128_g2_s2_fwoesdqrm
-DHEADS=sm90_bf16_d64_c96_g3_s3_fwes,sm90_bf16_d64_c96_g3_s3_fwoes,sm90_bf16_d256_c64_g2_s2_fwe
-DHEADS+=,sm90_bf16_d256_c64_g2_s2_fwoe,sm90_bf16_d256_c64_g2_s2_fwpoe
-DHEADS+=,sm90_bf16_d64_c96_g3_s3_fwesnqr,sm90_bf16_d256_c64_g2_s2_fwpoer
+D128=fwd_sm90_bf16_d128_r128_c128_s2_fwal,fwd_sm90_bf16_d128_r128_c128_s2_fwial
+D128+=,fwd_sm90_bf16_d128_r128_c128_s2_fwa,fwd_sm90_bf16_d128_r128_c128_s2_fwia
+D128+=,fwd_sm90_bf16_d128_r128_c128_s2_fwpia,fwd_sm90_bf16_d128_r128_c176_s2_fwia
+D128+=,fwd_sm90_bf16_d128_r128_c128_s2_fwalxgz,fwd_sm90_bf16_d128_r128_c128_s2_fwialxgz
+CAUSAL=fwd_sm90_bf16_d128_r128_c128_s2_fwaldm,fwd_sm90_bf16_d128_r128_c128_s2_fwam
+CAUSAL+=,fwd_sm90_bf16_d128_r128_c128_s2_fwiam,fwd_sm90_bf16_d128_r128_c128_s2_fwpiam
+CAUSAL+=,fwd_sm90_bf16_d128_r128_c128_s2_fwaldgzm,fwd_sm90_bf16_d128_r128_c128_s2_fwialdgzm
+DHEADS=fwd_sm90_bf16_d64_r192_c96_s3_fwal,fwd_sm90_bf16_d64_r192_c96_s3_fwial
+DHEADS+=,fwd_sm90_bf16_d256_r128_c64_s2_fwa,fwd_sm90_bf16_d256_r128_c64_s2_fwia
+DHEADS+=,fwd_sm90_bf16_d256_r128_c64_s2_fwpia,fwd_sm90_bf16_d64_r192_c96_s3_fwalngz
+DHEADS+=,fwd_sm90_bf16_d256_r128_c64_s2_fwpiaz
 if [ "${1:-}" = --kernels ]; then
     echo "$D128,$CAUSAL,$DHEADS"
     exit 0

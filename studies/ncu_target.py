@@ -2,10 +2,11 @@
 call (or, with --backward, its backward) a few times on random inputs, so that ncu can profile
 the last launch of the kernel it matches.
     python3 studies/ncu_target.py ours|cudnn|fa2 [dtype d_head batch seqlen heads [causal]]
-        [--config SHORT] [--window LEFT,RIGHT]   (ours only: a built config, a sliding window)
+        [--config NAME] [--window LEFT,RIGHT]    (ours only: a built kernel, a sliding window)
         [--backward]                             (the backward of one forward, through autograd;
                                                   with --config bwd_...: that backward kernel
-                                                  by name, on the forward's out and LSE)"""
+                                                  (bwd_sm80_... or bwd_sm90_...) by name, on the
+                                                  forward's out and LSE)"""
 
 import argparse
 
@@ -30,7 +31,7 @@ if args.backward and args.config:
     # A backward kernel by name (e.g. the sm80 family's on an sm_90 GPU, where dispatch picks
     # the Hopper one), through the operator that autograd calls.
     if args.who != "ours" or args.window or not args.config.startswith("bwd_"):
-        ap.error("--backward --config takes ours and a backward kernel's short name (bwd_...)")
+        ap.error("--backward --config takes ours and a backward kernel's name (bwd_...)")
     ops.require()  # the extension loaded, its operators registered
     out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None, causal,
                                                            -1, -1, 0.0, True, "")

@@ -5,7 +5,7 @@ same calls (steady clocks; perfcases.window_vs_full). Prints each contender's ti
 and window / (visible fraction x full) per config, in time and in SM cycles: the median with
 the range of the rounds' values.
     python3 studies/window_ab.py [--dtype bf16|fp16] [--rounds 3] CONFIG [CONFIG ...]
-(CONFIG: a built sm90 config with masks, or `dispatched`)."""
+(CONFIG: a built fwd_sm90 kernel with masks, or `dispatched`)."""
 
 import argparse
 

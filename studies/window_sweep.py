@@ -15,7 +15,7 @@ import torch
 
 import flash_attention as fa
 from fa_tools.gpu.perfcases import time_sustained_cycles
-from flash_attention.config import parse_config
+from flash_attention.kernels import parse
 from flash_attention.masks import kv_blocks
 
 ap = argparse.ArgumentParser()
@@ -36,8 +36,8 @@ windows = [int(w) for w in args.windows.split(",")]
 
 def blocks_of(config: str, w: int) -> tuple[int, int]:
     """(tiles, KV blocks) of one call; w < 0: no window."""
-    cfg = parse_config(config if config.startswith("sm90_") else "sm90_bf16_d128_c128_g2_s2_f")
-    br, bc = 64 * cfg.consumer_wgs, cfg.block_c
+    cfg = parse(config if config.startswith("fwd_sm90_") else "fwd_sm90_bf16_d128_r128_c128_s2_f")
+    br, bc = cfg.block_r, cfg.block_c
     counts = [kv_blocks(r0, br, bc, S, S, w, w).count for r0 in range(0, S, br)]
     return len(counts) * B * H, sum(counts) * B * H
 

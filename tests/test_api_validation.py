@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attention as fa
 from flash_attention import validation
-from flash_attention.config import ConfigError
+from flash_attention.kernels import ConfigError
 
 
 def t(*shape, dtype=torch.bfloat16):
@@ -82,33 +82,41 @@ def test_scale_default():
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="cannot parse"):
-        fa.KernelConfig.parse("not-a-config")
+        fa.parse("not-a-config")
     with pytest.raises(TypeError, match="config must be"):
         fa.api._as_config(42)
+    # a name of the old scheme is refused with its name now
+    with pytest.raises(ConfigError, match="its name now is fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor"):
+        fa.api._as_config("bf16_d64_r64_c64_w4_fseqkvbor")
+    # attention() and forward() run forward kernels only
+    with pytest.raises(ConfigError, match="is a bwd_sm80 kernel"):
+        fa.api._as_config("bwd_sm80_bf16_d128_r64_c128_w8_fh")
+    cfg = fa.parse("fwd_sm90_bf16_d128_r128_c128_s2_fwpia")
+    assert fa.api._as_config(cfg) is cfg and fa.api._as_config(cfg.name) == cfg
 
 
 def test_config_not_built_or_mismatched(monkeypatch):
-    monkeypatch.setattr(fa.ops, "BUILT_NAMES", frozenset({"bf16_d64_r64_c64_w4_fseqkvbor",
-                                                          "bf16_d64_r64_c64_w4_fseqkvborm"}))
+    monkeypatch.setattr(fa.ops, "BUILT_NAMES", frozenset({"fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor",
+                                                          "fwd_sm80_bf16_d64_r64_c64_w4_fseqkvborm"}))
     prob = validation.Problem(1, 8, 8, 2, 2, 64, "bf16", torch.device("cpu"))
     kernel = fa.api._explicit_kernel
     with pytest.raises(ConfigError, match=r"not in this build.*FLASH_ATTENTION_KERNELS="):
-        kernel("bf16_d64_r128_c64_w4_fseqkvbor", prob, False, False)
+        kernel("fwd_sm80_bf16_d64_r128_c64_w4_fseqkvbor", prob, False, False)
     with pytest.raises(ConfigError, match="is for fp16 with d_head up to 64, but the inputs are "
                                           "bf16"):
-        kernel("fp16_d64_r64_c64_w4_fseqkvbor", prob, False, False)
+        kernel("fwd_sm80_fp16_d64_r64_c64_w4_fseqkvbor", prob, False, False)
     with pytest.raises(ConfigError, match="up to 32, but the inputs are bf16 with d_head=64"):
-        kernel("bf16_d32_r64_c64_w4_fseqkvbor", prob, False, False)
+        kernel("fwd_sm80_bf16_d32_r64_c64_w4_fseqkvbor", prob, False, False)
     with pytest.raises(ConfigError, match="has no masks"):
-        kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, True, False)
+        kernel("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor", prob, True, False)
     with pytest.raises(ConfigError, match="has no softcap"):
-        kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, False, True)
+        kernel("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor", prob, False, True)
     with pytest.raises(ConfigError, match="applies a softcap"):
-        kernel("bf16_d64_r64_c64_w4_fseqkvbort", prob, False, False)
-    assert kernel("bf16_d64_r64_c64_w4_fseqkvbor", prob, False, False) == \
-        "bf16_d64_r64_c64_w4_fseqkvbor"
+        kernel("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbort", prob, False, False)
+    assert kernel("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor", prob, False, False) == \
+        "fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbor"
     # A kernel with masks serves an unmasked call too.
-    assert kernel("bf16_d64_r64_c64_w4_fseqkvborm", prob, False, False).endswith("m")
+    assert kernel("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvborm", prob, False, False).endswith("m")
 
 
 def test_missing_extension_explains_how_to_build(monkeypatch):

@@ -27,33 +27,49 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attention as fa
-from flash_attention import codegen_bwd, ops
-from flash_attention.config import ConfigError
-from flash_attention.config_bwd import (
-    SETS,
-    SM80_DEFAULT,
-    BwdAuxKernel,
-    BwdConfig,
-    Sm90BwdConfig,
-    WarpGrid,
-    default_tile,
-    parse_config,
+from flash_attention import ops
+from flash_attention.codegen.generate import generate, kernel_source
+from flash_attention.codegen.nvcc_wrapper import ARCH_MARKER, arch_override
+from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
+from flash_attention.kernels import (
+    Call,
+    ConfigError,
+    HelperKernel,
+    bwd_sm80,
+    bwd_sm90,
+    fwd_sm80,
+    parse,
     parse_kernel,
     resolve,
-    select,
 )
-from flash_attention.config_common import SMEM_PER_BLOCK_OPTIN
-from flash_attention.interface import flash_attn_func, flash_attn_varlen_func
+from flash_attention.kernels.base import SMEM_PER_BLOCK_OPTIN
+from flash_attention.kernels.bwd_sm80 import Sm80BwdConfig, WarpGrid, default_tile
+from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
+
+ALL = resolve("bwd:all")
+HOPPER = bwd_sm90.SETS["default"]
+
+
+def select(dtype: str, d_head: int, softcap: bool, built, hopper: bool = False):
+    """The backward kernel the operator runs for a call (what it picks in C++): a Hopper one
+    where the call can run one (``hopper``: an sm_90 GPU, fixed length, TMA-addressable) and
+    one serves it, else an sm80-family one."""
+    call = Call(dtype, d_head, softcap=softcap)
+    return (bwd_sm90.select(call, built) if hopper else None) or bwd_sm80.select(call, built)
+
 
 # ---- configs ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", SETS["all"], ids=str)
-def test_short_forms_round_trip(cfg):
-    """Either family: the short form parses back to the config, by its own class and by the
-    functions that read both (parse_config, parse_kernel); each fits its GPU's shared memory."""
-    assert type(cfg).parse(cfg.short) == parse_config(cfg.short) == parse_kernel(cfg.short) == cfg
-    assert cfg.short.isidentifier()
+@pytest.mark.parametrize("cfg", ALL, ids=str)
+def test_names_round_trip(cfg):
+    """Either kind: the name parses back to the config, by its own class, its kind module and
+    the functions that read every kind (parse, parse_kernel); each fits its GPU's shared
+    memory."""
+    module = bwd_sm90 if isinstance(cfg, Sm90BwdConfig) else bwd_sm80
+    assert type(cfg).parse(cfg.name) == module.parse(cfg.name) == parse(cfg.name) == cfg
+    assert parse_kernel(cfg.name) == cfg and cfg.name.isidentifier()
+    assert cfg.direction == "bwd" and cfg.name.startswith(cfg.KIND + "_")
     if isinstance(cfg, Sm90BwdConfig):
         assert cfg.smem_bytes <= SMEM_PER_BLOCK_OPTIN[90]
     else:
@@ -64,104 +80,148 @@ def test_sm80_chunks_split_warp_tiles_into_whole_pairs():
     """BwdConfig's static_asserts, as the twin computes the chunks: every sm80 config of every set
     (the variants at d_head 160 and 192 among them, which did not compile before the phase-3
     chunk became the widest whole divisor) splits phases 1 and 3 into whole pairs of n8 tiles."""
-    sm80 = [c for c in SETS["all"] if isinstance(c, BwdConfig)]
+    sm80 = [c for c in ALL if isinstance(c, Sm80BwdConfig)]
     for cfg in sm80:
         for grid, chunk in ((cfg.phase1, cfg.p1_chunk_n_tiles), (cfg.phase3, cfg.p3_chunk_n_tiles)):
-            assert chunk % 2 == 0 and grid.n_tiles % chunk == 0, cfg.short
+            assert chunk % 2 == 0 and grid.n_tiles % chunk == 0, cfg.name
     chunks = {c.d_head: c.p3_chunk_n_tiles for c in sm80}
     assert chunks == {32: 4, 64: 4, 96: 6, 128: 4, 160: 10, 192: 6, 256: 4}
 
 
 def test_sets_cover_both_dtypes_and_softcap():
-    assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["default"]}) == 2 * 3 * 2
-    assert len({(c.dtype, c.d_head, c.softcap) for c in SETS["variants"]}) == 2 * 7 * 2
+    default = resolve("bwd:default")
+    assert len({(c.dtype, c.d_head, c.softcap) for c in default}) == 2 * 3 * 2
+    assert len({(c.dtype, c.d_head, c.softcap) for c in bwd_sm80.SETS["variants"]}) == 2 * 7 * 2
     # every d_head up to 256 has a default kernel (zero-padded up to its variant)
-    assert all(select(dt, d, sc, SETS["default"]) for dt in ("fp16", "bf16")
+    assert all(select(dt, d, sc, default) for dt in ("fp16", "bf16")
                for d in range(8, 257, 8) for sc in (False, True))
-    assert default_tile("bf16", 128).short == "bwd_bf16_d128_c128_r64_w8_fb"
-    assert default_tile("fp16", 256, softcap=True).short == "bwd_fp16_d256_c64_r64_w8_ft"
+    assert default_tile("bf16", 128).name == "bwd_sm80_bf16_d128_r64_c128_w8_fh"
+    assert default_tile("fp16", 256, softcap=True).name == "bwd_sm80_fp16_d256_r64_c64_w8_ft"
+    assert default_tile("bf16", 64).name == "bwd_sm80_bf16_d64_r128_c128_w8_fh"
+    # the default tiles are the rows of the default table, one per d_head variant
+    assert {default_tile(dt, d, sc) for dt in ("fp16", "bf16") for d in fwd_sm80.D_HEADS
+            for sc in (False, True)} == set(bwd_sm80.SETS["variants"]) | {
+        default_tile(dt, 224, sc) for dt in ("fp16", "bf16") for sc in (False, True)}
+    # ci: d_head 64 and 128 with the prefetch (bf16), fp16 d_head 256 with a softcap; all of
+    # them default tiles, so a subset of the default set
+    assert (default_tile("bf16", 64), default_tile("bf16", 128),
+                           default_tile("fp16", 256, True)) == bwd_sm80.CI
+    assert set(resolve("bwd:ci")) <= set(default)
 
 
 @pytest.mark.parametrize("text, message", [
-    ("bwd_bf16_d48_c128_r64_w8_f", "d_head must be one of"),
-    ("bwd_bf16_d128_c32_r64_w8_f", "B_c must be one of"),
-    ("bwd_bf16_d256_c64_r64_w4_f", "copies 4 smem rows per pass"),
-    ("bwd_bf16_d256_c64_r64_w8_fb", "over the sm_80 limit"),
-    ("bwd_bf16_d256_c128_r64_w8_f", "registers per thread"),
-    ("bwd_bf16_d128_c128_r64_w8_ftb", "cannot parse"),
-    ("bf16_d128_c128_r64_w8_f", "cannot parse backward config"),
+    ("bwd_sm80_bf16_d48_r64_c128_w8_f", "d_head must be one of"),
+    ("bwd_sm80_bf16_d128_r64_c32_w8_f", "B_c must be one of"),
+    ("bwd_sm80_bf16_d128_r32_c128_w8_f", "B_r must be one of"),
+    ("bwd_sm80_bf16_d256_r64_c64_w4_f", "copies 4 smem rows per pass"),
+    ("bwd_sm80_bf16_d256_r64_c64_w8_fh", "over the sm_80 limit"),
+    ("bwd_sm80_bf16_d256_r64_c128_w8_f", "registers per thread"),
+    ("bwd_sm80_bf16_d128_r64_c128_w8_fth", "in that order"),
+    ("bwd_sm80_bf16_d128_r64_c128_w8_fb", "must be a subset of 'ht'"),  # the old prefetch letter
+    ("bwd_sm80_bf16_d128_c128_r64_w8_fh", "cannot parse bwd_sm80 kernel name"),  # c before r
+    ("fwd_sm80_bf16_d128_r64_c128_w8_f", "cannot parse bwd_sm80 kernel name"),
 ])
 def test_invalid_configs_are_refused_with_the_reason(text, message):
     with pytest.raises(ConfigError, match=message):
-        BwdConfig.parse(text)
+        Sm80BwdConfig.parse(text)
 
 
 def test_hopper_set_and_configs():
-    """The `hopper` set: d_head 64 (B_r 128), 128 (B_r 64) and 256 (B_c 64, B_r 64: the
-    warpgroups split d_head), both dtypes, softcap off and on; all of it in `default` (beside
-    the sm80 family's tiles), its bf16 d_head 128 kernel in `ci`, none in `variants`;
-    `hopper-r64` the d_head 64 ones at B_r 64. The fields and the shared memory mirror
+    """The Hopper default set: d_head 64 (B_r 128), 128 (B_r 64) and 256 (B_c 64, B_r 64: the
+    warpgroups split d_head), both dtypes, softcap off and on; all of it in `bwd:default`
+    (after the sm80 kind's tiles), its bf16 d_head 128 kernel in `ci`, none in `variants`;
+    `r64` the d_head 64 ones at B_r 64. The fields and the shared memory mirror
     sm90/backward_config.cuh (kSmemBytes: K, V, two stages of Q, two of dO (one at d_head
     256), dS^T twice (once at d_head 64), P^T twice at d_head 256, a dQ part per warpgroup,
     LSE and D per stage, the barriers, 1024 bytes of alignment); B_r 128 only at d_head 64."""
-    hopper = SETS["hopper"]
+    hopper = HOPPER
     assert len(hopper) == 12 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
     assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
         (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128, 256) for sc in (False, True)}
     assert {(c.d_head, c.block_c, c.block_r) for c in hopper} == {
         (64, 128, 128), (128, 128, 64), (256, 64, 64)}
     assert [c.split_d for c in hopper].count(True) == 4
-    assert {(c.d_head, c.block_r) for c in SETS["hopper-r64"]} == {(64, 64)}
-    assert set(SETS["hopper-r64"]) <= set(SETS["all"]) and len(SETS["hopper-r64"]) == 4
-    assert set(hopper) <= set(SETS["all"])
-    assert SETS["default"][-12:] == hopper and not set(hopper) & set(SETS["variants"])
-    assert set(hopper) & set(SETS["ci"]) == {Sm90BwdConfig("bf16", 128)}
-    assert resolve("hopper,default") == hopper + SETS["default"][:-12]
-    cfg = parse_config("bwd_sm90_bf16_d128_c128_r64_ft")
-    assert cfg == Sm90BwdConfig("bf16", 128, softcap=True)
-    assert (cfg.family, cfg.arch, cfg.block_c, cfg.block_r, cfg.threads, cfg.warps) == (
-        "sm90-bwd", 90, 128, 64, 384, 12)
-    assert cfg.short == "bwd_sm90_bf16_d128_c128_r64_ft" and cfg.flags_on == "softcap"
-    assert Sm90BwdConfig("bf16", 128).smem_bytes == 198784  # with one block's fp32 dQ
+    r64 = bwd_sm90.SETS["r64"]
+    assert {(c.d_head, c.block_r) for c in r64} == {(64, 64)}
+    assert set(r64) <= set(ALL) and len(r64) == 4
+    assert set(hopper) <= set(ALL)
+    default = resolve("bwd:default")
+    assert default[-12:] == hopper and not set(hopper) & set(bwd_sm80.SETS["variants"])
+    assert default == bwd_sm80.DEFAULT + hopper
+    assert set(hopper) & set(resolve("bwd:ci")) == {Sm90BwdConfig("bf16", 128, 64, 128)}
+    assert resolve("bwd_sm90:default,bwd:default") == hopper + default[:-12]
+    cfg = parse("bwd_sm90_bf16_d128_r64_c128_ft")
+    assert cfg == Sm90BwdConfig("bf16", 128, 64, 128, softcap=True)
+    assert (cfg.family, cfg.KIND, cfg.ARCH, cfg.block_c, cfg.block_r, cfg.threads,
+            cfg.warps) == ("sm90", "bwd_sm90", 90, 128, 64, 384, 12)
+    assert cfg.name == "bwd_sm90_bf16_d128_r64_c128_ft" and cfg.flags_on == "softcap"
+    assert Sm90BwdConfig("bf16", 128, 64, 128).smem_bytes == 198784  # with one block's fp32 dQ
     # a dQ part per warpgroup, one dS^T buffer (kDqOwnKeys)
-    assert Sm90BwdConfig("fp16", 64).smem_bytes == 116864
-    assert Sm90BwdConfig("fp16", 64, block_r=128).smem_bytes == 199808
+    assert Sm90BwdConfig("fp16", 64, 64, 128).smem_bytes == 116864
+    assert Sm90BwdConfig("fp16", 64, 128, 128).smem_bytes == 199808
     # one dO stage, P^T and dS^T twice each: 896 bytes under the 227 KB limit
-    assert Sm90BwdConfig("bf16", 256, block_c=64).smem_bytes == 231552
+    assert Sm90BwdConfig("bf16", 256, 64, 64).smem_bytes == 231552
     assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
-    assert isinstance(parse_kernel("bwd_preprocess_bf16"), BwdAuxKernel)
-    # resolve names the sets when a short form of either family does not parse
-    with pytest.raises(ConfigError, match="backward set: ci, default, variants, hopper"):
-        resolve("bwd_sm90_bf16_d96_c128_r64_f")
+    assert bwd_sm90.default_tile("bf16", 128) == Sm90BwdConfig("bf16", 128, 64, 128)
+    assert bwd_sm90.default_tile("fp16", 64, True) == Sm90BwdConfig("fp16", 64, 128, 128, True)
+    assert isinstance(parse_kernel("bwd_sm80_preprocess_bf16"), HelperKernel)
+    # resolve names the sets when a name of either kind does not parse
+    with pytest.raises(ConfigError, match="or name a set: ci, default"):
+        resolve("bwd_sm90_bf16_d96_r64_c128_f")
 
 
 @pytest.mark.parametrize("text, message", [
-    ("bwd_sm90_bf16_d96_c128_r64_f", r"d_head must be one of \(64, 128, 256\), got 96"),
-    ("bwd_sm90_fp16_d256_c128_r64_ft", "B_c=128 does not go with d_head=256"),
-    ("bwd_sm90_bf16_d128_c64_r64_f", "B_c=64 does not go with d_head=128"),
-    ("bwd_sm90_bf16_d128_c256_r64_f", r"B_c must be one of \(64, 128\), got 256"),
-    ("bwd_sm90_bf16_d128_c128_r128_f", "B_r=128 needs d_head=64"),
-    ("bwd_sm90_bf16_d64_c128_r256_f", r"B_r must be one of \(64, 128\), got 256"),
-    ("bwd_sm90_bf16_d128_c128_r64_fb", "flags 'b' must be a subset of 't'"),
-    ("bwd_sm90_bf16_d128_c128_r64_ftt", "must be a subset"),
-    ("bwd_sm90_bf16_d128_c128_f", "cannot parse Hopper backward config"),
-    ("bwd_sm90_bf16_d128_c128_r64_w8_f", "cannot parse Hopper backward config"),
-    ("bwd_sm90_fp32_d128_c128_r64_f", "cannot parse Hopper backward config"),
+    ("bwd_sm90_bf16_d96_r64_c128_f", r"d_head must be one of \(64, 128, 256\), got 96"),
+    ("bwd_sm90_fp16_d256_r64_c128_ft", "B_c=128 does not go with d_head=256"),
+    ("bwd_sm90_bf16_d128_r64_c64_f", "B_c=64 does not go with d_head=128"),
+    ("bwd_sm90_bf16_d128_r64_c256_f", r"B_c must be one of \(64, 128\), got 256"),
+    ("bwd_sm90_bf16_d128_r128_c128_f", "B_r=128 needs d_head=64"),
+    ("bwd_sm90_bf16_d64_r256_c128_f", r"B_r must be one of \(64, 128\), got 256"),
+    ("bwd_sm90_bf16_d128_r64_c128_fb", "flags 'b' must be a subset of 't'"),
+    ("bwd_sm90_bf16_d128_r64_c128_ftt", "must be a subset"),
+    ("bwd_sm90_bf16_d128_c128_f", "cannot parse bwd_sm90 kernel name"),
+    ("bwd_sm90_bf16_d128_r64_c128_w8_f", "cannot parse bwd_sm90 kernel name"),
+    ("bwd_sm90_fp32_d128_r64_c128_f", "cannot parse bwd_sm90 kernel name"),
 ])
 def test_invalid_hopper_configs_are_refused_with_the_reason(text, message):
     with pytest.raises(ConfigError, match=message):
-        parse_config(text)
+        parse(text)
 
 
 def test_invalid_hopper_config_fields_are_refused():
     with pytest.raises(ConfigError, match="dtype must be one of"):
-        Sm90BwdConfig("fp32", 64)
+        Sm90BwdConfig("fp32", 64, 64, 128)
     with pytest.raises(ConfigError, match="softcap must be a bool"):
-        Sm90BwdConfig("bf16", 64, softcap=1)
+        Sm90BwdConfig("bf16", 64, 64, 128, softcap=1)
     with pytest.raises(ConfigError, match="B_c=64 does not go with d_head=64"):
-        Sm90BwdConfig("bf16", 64, block_c=64)
+        Sm90BwdConfig("bf16", 64, 64, 64)
     with pytest.raises(ConfigError, match="B_c=128 does not go with d_head=256"):
-        Sm90BwdConfig("bf16", 256)
+        Sm90BwdConfig("bf16", 256, 64, 128)
+    with pytest.raises(TypeError):  # B_r and B_c have no defaults
+        Sm90BwdConfig("bf16", 128)  # type: ignore[call-arg]
+
+
+def test_helpers_of_each_kind():
+    """Every backward unit holds the preprocess and its kind's dQ conversion, of its dtype; a
+    build holds each helper once."""
+    sm80, sm90 = default_tile("fp16", 128), Sm90BwdConfig("bf16", 128, 64, 128)
+    from flash_attention.kernels.bwd_helpers import helpers, helpers_of
+
+    assert [h.name for h in helpers_of(sm80)] == ["bwd_sm80_preprocess_fp16",
+                                                  "bwd_sm80_convert_dq_fp16"]
+    assert [h.name for h in helpers_of(sm90)] == ["bwd_sm80_preprocess_bf16",
+                                                  "bwd_sm90_convert_dq_bf16"]
+    assert [h.name for h in helpers([sm90, sm80, sm80, *fwd_sm80.CI])] == [
+        "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16", "bwd_sm80_preprocess_bf16",
+        "bwd_sm90_convert_dq_bf16"]
+    h = HelperKernel.parse("bwd_sm90_convert_dq_fp16")
+    assert (h.family, h.job, h.dtype, h.threads, h.warps, h.direction) == (
+        "sm90", "convert_dq", "fp16", 256, 8, "bwd")
+    assert h.template == "bwd_convert_dq_tiles_kernel" and str(h) == h.name
+    with pytest.raises(ConfigError, match="cannot parse backward helper kernel"):
+        HelperKernel.parse("bwd_sm90_preprocess_fp16")  # the preprocess is the sm80 kind's
+    with pytest.raises(ConfigError, match="invalid backward helper kernel"):
+        HelperKernel("sm90", "preprocess", "bf16")
 
 
 def test_warp_grids_take_the_squarest_tile():
@@ -175,94 +235,106 @@ def test_warp_grids_take_the_squarest_tile():
 
 
 def test_resolve_and_select():
-    assert resolve("none") == ()
-    assert resolve("ci,ci") == SETS["ci"]
-    with pytest.raises(ConfigError, match="backward set"):
-        resolve("ci,nonsense")
-    built = SETS["variants"]
+    assert resolve("bwd:none") == () == resolve("none")
+    assert resolve("bwd:ci,bwd:ci") == resolve("bwd:ci")
+    with pytest.raises(ConfigError, match="or name a set"):
+        resolve("bwd:ci,nonsense")
+    built = bwd_sm80.SETS["variants"]
     assert select("bf16", 40, False, built).d_head == 64
     assert select("bf16", 200, False, built).d_head == 256
     assert select("fp16", 256, True, built).softcap
-    assert select("bf16", 72, False, SETS["ci"]).d_head == 128
-    assert select("fp16", 64, False, SETS["ci"]) is None
+    ci = resolve("bwd:ci")
+    assert select("bf16", 72, False, ci).d_head == 128
+    assert select("fp16", 64, False, ci) is None
 
 
 def test_select_prefers_a_hopper_kernel_only_when_the_call_can_run_one():
     """hopper=True (an sm_90 GPU, fixed length, TMA-addressable): the Hopper kernel of the
-    smallest d_head variant not below the call's, else the sm80 family's; hopper=False: the
-    sm80 family's alone (what the operator does in C++)."""
-    built = SETS["default"] + SETS["hopper"]
+    smallest d_head variant not below the call's, else the sm80 kind's; hopper=False: the
+    sm80 kind's alone (what the operator does in C++)."""
+    built = resolve("bwd:default")
     h = select("bf16", 128, False, built, hopper=True)
-    assert h == Sm90BwdConfig("bf16", 128)
+    assert h == Sm90BwdConfig("bf16", 128, 64, 128)
     assert select("bf16", 128, False, built) == default_tile("bf16", 128)
     assert select("bf16", 128, False, built, hopper=False) == default_tile("bf16", 128)
     assert select("fp16", 40, True, built, hopper=True) == Sm90BwdConfig(
-        "fp16", 64, block_r=128, softcap=True)
-    assert select("fp16", 96, False, built, hopper=True).short == "bwd_sm90_fp16_d128_c128_r64_f"
-    # above 128: the Hopper family's d_head 256 kernel (split d_head), or off Hopper the sm80
-    # family's
-    assert select("bf16", 192, False, built, hopper=True) == Sm90BwdConfig("bf16", 256, 64)
+        "fp16", 64, 128, 128, softcap=True)
+    assert select("fp16", 96, False, built, hopper=True).name == "bwd_sm90_fp16_d128_r64_c128_f"
+    # above 128: the Hopper kind's d_head 256 kernel (split d_head), or off Hopper the sm80
+    # kind's
+    assert select("bf16", 192, False, built, hopper=True) == Sm90BwdConfig("bf16", 256, 64, 64)
     assert select("bf16", 192, False, built) == default_tile("bf16", 256)
-    # no Hopper kernel built: the sm80 family; only Hopper kernels: none off Hopper
-    assert select("bf16", 64, True, SM80_DEFAULT, hopper=True) == default_tile("bf16", 64, True)
-    assert select("bf16", 64, False, SETS["hopper"], hopper=False) is None
-    assert select("bf16", 64, False, SETS["hopper"], hopper=True) == Sm90BwdConfig(
-        "bf16", 64, block_r=128)
-    assert select("bf16", 264, False, SETS["hopper"], hopper=True) is None
+    # no Hopper kernel built: the sm80 kind; only Hopper kernels: none off Hopper
+    assert select("bf16", 64, True, bwd_sm80.DEFAULT, hopper=True) == default_tile("bf16", 64,
+                                                                                   True)
+    assert select("bf16", 64, False, HOPPER, hopper=False) is None
+    assert select("bf16", 64, False, HOPPER, hopper=True) == Sm90BwdConfig("bf16", 64, 128, 128)
+    assert select("bf16", 264, False, HOPPER, hopper=True) is None
+    # each kind's select reads its own kernels alone
+    assert bwd_sm90.select(Call("bf16", 128), bwd_sm80.DEFAULT) is None
+    assert bwd_sm80.select(Call("bf16", 128), HOPPER) is None
 
 
 # ---- code generation --------------------------------------------------------------------------
 
 
 def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
-    configs = SETS["ci"]
-    paths = codegen_bwd.generate(configs, tmp_path)
-    assert [p.name for p in paths] == [f"{c.short}.cu" for c in configs] + ["bwd_registry.cu"]
-    text = (tmp_path / "bwd_bf16_d128_c128_r64_w8_fb.cu").read_text()
+    """Backward units go beside the forward ones (one directory, one registry.cu listing both
+    registries); a smaller selection removes the stale files; a build without backward kernels
+    keeps a valid (empty) backward registry."""
+    forward = fwd_sm80.CI[:1]
+    configs = resolve("bwd:ci")
+    paths = generate((*forward, *configs), tmp_path)
+    assert [p.name for p in paths] == [f"{c.name}.cu" for c in (*forward, *configs)] + [
+        "registry.cu"]
+    text = (tmp_path / "bwd_sm80_bf16_d128_r64_c128_w8_fh.cu").read_text()
     assert ("BwdConfig<__nv_bfloat16, 128, 128, 64, 8, /*prefetch=*/true, /*softcap=*/false>"
             in text)
-    registry = (tmp_path / "bwd_registry.cu").read_text()
-    assert all(f"&entry_{c.short}" in registry for c in configs)
+    registry = (tmp_path / "registry.cu").read_text()
+    assert all(f"&entry_{c.name}" in registry for c in configs)
     assert f"*count = {len(configs)};" in registry
-    # a smaller selection removes the stale files; an empty one keeps a valid registry
-    codegen_bwd.generate(configs[:1], tmp_path)
-    assert not (tmp_path / f"{configs[1].short}.cu").exists()
-    codegen_bwd.generate((), tmp_path)
-    assert "*count = 0;" in (tmp_path / "bwd_registry.cu").read_text()
+    generate((*forward, *configs[:1]), tmp_path)
+    assert not (tmp_path / f"{configs[1].name}.cu").exists()
+    generate(forward, tmp_path)
+    registry = (tmp_path / "registry.cu").read_text()
+    assert "*count = 0;" in registry and "BwdKernelEntry" in registry
+    assert not list(tmp_path.glob("bwd_*.cu"))
 
 
 def test_codegen_of_a_hopper_config(tmp_path):
     """A Hopper backward unit: the sm_90a marker in its head (the nvcc wrapper then compiles it
     for sm_90a alone), the Hopper launcher's header, flash::sm90::Sm90BwdConfig<Elem, d_head,
-    softcap, B_r> and its registry entry; listed in the registry beside the sm80 family's, which
+    softcap, B_r> and its registry entry; listed in the registry beside the sm80 kind's, which
     keeps its own template and no marker. Every flag changes the instantiation."""
-    from flash_attention.nvcc_wrapper import ARCH_MARKER, arch_override
-
-    hopper, sm80 = Sm90BwdConfig("bf16", 128), default_tile("bf16", 128)
-    paths = codegen_bwd.generate((hopper, sm80), tmp_path)
-    assert [p.name for p in paths] == [f"{hopper.short}.cu", f"{sm80.short}.cu",
-                                       "bwd_registry.cu"]
-    text = paths[0].read_text()
+    hopper, sm80 = Sm90BwdConfig("bf16", 128, 64, 128), default_tile("bf16", 128)
+    forward = fwd_sm80.CI[0]
+    paths = generate((forward, hopper, sm80), tmp_path)
+    assert [p.name for p in paths] == [f"{forward.name}.cu", f"{hopper.name}.cu",
+                                       f"{sm80.name}.cu", "registry.cu"]
+    text = paths[1].read_text()
     assert ARCH_MARKER in text[:4096] and "torch" not in text
     assert '#include "sm90/backward_launch.cuh"' in text
-    assert (f"using Cfg_{hopper.short} = "
-            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false, /*B_r=*/64>;") in text
-    assert f'sm90::make_bwd_entry<Cfg_{hopper.short}>("{hopper.short}")' in text
-    assert f"extern const BwdKernelEntry entry_{hopper.short} =" in text
-    other = paths[1].read_text()
+    assert (f"using Cfg_{hopper.name} = "
+            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false, 64>;") in text
+    assert f'sm90::make_bwd_entry<Cfg_{hopper.name}>("{hopper.name}")' in text
+    assert f"extern const BwdKernelEntry entry_{hopper.name} =" in text
+    other = paths[2].read_text()
     assert ARCH_MARKER not in other and '#include "sm80/backward_launch.cuh"' in other
     assert "Sm90BwdConfig" not in other
-    registry = paths[2].read_text()
-    assert f"&entry_{hopper.short}," in registry and f"&entry_{sm80.short}," in registry
+    registry = paths[3].read_text()
+    assert f"&entry_{hopper.name}," in registry and f"&entry_{sm80.name}," in registry
     assert "*count = 2;" in registry
     args = ["-O3", "-gencode=arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90"]
-    assert arch_override(args, str(paths[0])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
-    assert arch_override(args, str(paths[1])) == args
-    fp16 = codegen_bwd.kernel_source(Sm90BwdConfig("fp16", 64, block_r=128, softcap=True))
-    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true, /*B_r=*/128>;" in fp16
+    assert arch_override(args, str(paths[1])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert arch_override(args, str(paths[2])) == args
+    fp16 = kernel_source(Sm90BwdConfig("fp16", 64, 128, 128, softcap=True))
+    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true, 128>;" in fp16
     for name in Sm90BwdConfig.FLAGS:
         flipped = hopper.replace(**{name: not getattr(hopper, name)})
-        assert codegen_bwd.kernel_source(flipped) != codegen_bwd.kernel_source(hopper)
+        assert kernel_source(flipped) != kernel_source(hopper)
+    for name in Sm80BwdConfig.FLAGS:
+        flipped = sm80.replace(**{name: not getattr(sm80, name)})
+        assert kernel_source(flipped) != kernel_source(sm80)
 
 
 # ---- the operator's fake, validation and tracing ----------------------------------------------
@@ -416,7 +488,7 @@ def test_bwd_fake_checks_its_arguments(mode):
                          20, 30, None, causal, -1, -1, softcap, False, "")
         assert dq.shape == packed_q.shape and dk.shape == dv.shape == packed_k.shape
         with pytest.raises(RuntimeError, match="not in this build"):
-            bwd(*[*args[:-1], "bwd_bf16_d32_c64_r64_w8_f"])
+            bwd(*[*args[:-1], "bwd_sm80_bf16_d32_r64_c64_w8_f"])
 
 
 def test_calls_without_a_backward_are_refused(mode):

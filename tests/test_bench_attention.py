@@ -71,3 +71,23 @@ def test_grad_contenders_give_the_gradients_of_one_problem(require_extension):
                 g = g.transpose(1, 2) if name != "ours" else g
                 err = ((g.float() - r.float()).norm() / r.float().norm()).item()
                 assert err < 2e-2, (kind, name)
+
+
+def test_backward_kernel_names_of_this_and_older_commits():
+    """The benchmark reads the backward kernels an installed build lists, of this tree (one
+    name scheme) or an older commit (asv measures those with this file): the sm80 kind's (every
+    call runs on one), by dtype and d_head variant, softcap flag apart."""
+    import re
+
+    from flash_attention.kernels import bwd_sm80, resolve
+    from flash_attention.kernels.legacy import old_name
+
+    def read(name):
+        m = re.fullmatch(ba.SM80_BWD_NAME, name)
+        return m and (m[1], int(m[2]), "t" in m[3])
+
+    for cfg in resolve("bwd:all"):
+        want = (cfg.dtype, cfg.d_head, cfg.softcap) if cfg.KIND == "bwd_sm80" else None
+        assert read(cfg.name) == want == read(old_name(cfg.name)), cfg.name
+    assert read(bwd_sm80.default_tile("bf16", 128).name) == ("bf16", 128, False)
+    assert read("bwd_sm80_preprocess_bf16") is None and read("bwd_preprocess_bf16") is None

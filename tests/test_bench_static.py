@@ -1,6 +1,7 @@
 """benchmarks/bench_static.py (asv's register/SMEM/SASS tracks) against a build of two real
 kernels, one per family: an sm80 one for sm_80 and a Hopper one for sm_90a, compiled here with
-nvcc into a shared library named as the build names its objects (CPU)."""
+nvcc into a shared library named as the build names its objects (CPU); and its kernel names,
+the current ones whether the installed package is this tree's or an older commit's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _smallest(family: str) -> str:
     from fa_tools.analysis.kernel_names import parse_kernel
 
     cfgs = [parse_kernel(k) for k in bs.KERNELS]
-    return min((c for c in cfgs if c.family == family), key=lambda c: (c.d_head, c.short)).short
+    forward = [c for c in cfgs if getattr(c, "KIND", None) == f"fwd_{family}"]
+    return min(forward, key=lambda c: (c.d_head, c.name)).name
 
 
 SM80, SM90 = _smallest("sm80"), _smallest("sm90")
@@ -52,16 +54,16 @@ def _nvcc_or_skip() -> str:
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
     """(binary, ptxas log) of SM80 for sm_80 and SM90 for sm_90a. -lineinfo, as in the build:
-    cuobjdump then names each cubin after its source (fwd_<kernel>.sm_<arch>.cubin)."""
-    from flash_attention.codegen import kernel_source
-    from flash_attention.config import parse_config
+    cuobjdump then names each cubin after its source (<kernel>.sm_<arch>.cubin)."""
+    from flash_attention.codegen.generate import kernel_filename, kernel_source
+    from flash_attention.kernels import parse
 
     nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("bench_static")
     objects, log = [], []
-    for short, arch in ((SM80, "80"), (SM90, "90a")):
-        src = out / f"fwd_{short}.cu"
-        src.write_text(kernel_source(parse_config(short)))
+    for name, arch in ((SM80, "80"), (SM90, "90a")):
+        src = out / kernel_filename(parse(name))
+        src.write_text(kernel_source(parse(name)))
         obj = src.with_suffix(".o")
         proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
                                f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v",
@@ -164,24 +166,25 @@ def test_recorded_parameter_values_are_kept():
 
 
 def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
-    """Every backward kernel the static ratchet pins (the policy's bwd_kernels with the
-    preprocess and each family's dQ conversion of each dtype) is a kernel value of the static
-    tracks, and a backward record of the build's report is collected like a forward one (the
-    analysis functions faked here; test_hopper_kernel_is_collected_under_90a runs them for
-    real)."""
+    """Every backward kernel the static ratchet pins (the backward kernels of the policy's
+    selection with the preprocess and each kind's dQ conversion of each dtype) is a kernel
+    value of the static tracks, and a backward record of the build's report is collected like a
+    forward one (the analysis functions faked here; test_hopper_kernel_is_collected_under_90a
+    runs them for real)."""
     from types import SimpleNamespace
 
     from fa_tools.gate import ratchet
+    from flash_attention.kernels import HelperKernel
 
     policy = ratchet.load_yaml(str(ROOT / "ci" / "gate_policy.yaml"))
     pinned = [k for k in ratchet.scope_kernels(policy) if k.startswith("bwd_")]
     assert pinned and set(pinned) <= set(bs.KERNELS)
-    # the Hopper backward kernels among them (none while the policy pins `default` alone) get
-    # the Hopper tracks too
-    assert set(pinned) & set(bs.HOPPER_KERNELS) == {k for k in pinned
-                                                    if k.startswith("bwd_sm90_")}
+    # the Hopper backward kernels among them get the Hopper tracks too; their helpers do not
+    assert set(pinned) & set(bs.HOPPER_KERNELS) == {
+        k for k in pinned if k.startswith("bwd_sm90_") and not HelperKernel.matches(k)}
+    assert {k for k in pinned if k.startswith("bwd_sm90_") and HelperKernel.matches(k)}
 
-    bwd = "bwd_bf16_d128_c128_r64_w8_fb"
+    bwd = "bwd_sm80_bf16_d128_r64_c128_w8_fh"
     rec = SimpleNamespace(kernel=bwd, arch="90", registers=244, spill_stores=0, spill_loads=0,
                           static_smem=128, dynamic_smem=81920)
     other = SimpleNamespace(**{**vars(rec), "kernel": "not_a_tracked_kernel"})
@@ -200,21 +203,106 @@ def test_backward_kernels_have_tracks_as_the_ratchet_pins_them(monkeypatch):
     assert resources[(bwd, "90")]["track_spill_bytes"] == 0
 
 
-HOPPER_BWD = "bwd_sm90_bf16_d64_c128_r64_f"
+# An older commit's build, as its fa_tools reports it (names of the old scheme), and the names
+# the tracks keep (the current ones)
+OLD_NAMES = {"bwd_bf16_d128_c128_r64_w8_fb": "bwd_sm80_bf16_d128_r64_c128_w8_fh",
+             "sm90_bf16_d128_c128_g2_s2_fwoesqr": "fwd_sm90_bf16_d128_r128_c128_s2_fwialgz",
+             "bwd_convert_dq_tiles_bf16": "bwd_sm90_convert_dq_bf16",
+             "bf16_d128_r128_c64_w4_fseqkvbor": "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"}
+
+
+def test_an_older_commits_build_is_collected_under_the_current_names(monkeypatch):
+    """asv runs this tree's bench_static.py against older commits: their fa_tools names the
+    kernels the old way. The records are kept under the current names (the series of a kernel
+    go on), the old fa_tools is asked by its own names, and only a Hopper main kernel gets the
+    wgmma figures (not the Hopper dQ conversion, whose new name starts with bwd_sm90_)."""
+    from types import SimpleNamespace
+
+    assert set(OLD_NAMES.values()) <= set(bs.KERNELS)
+    records = [SimpleNamespace(kernel=old, arch="90a" if "sm90" in new else "90", registers=99,
+                               spill_stores=0, spill_loads=0, static_smem=0, dynamic_smem=64,
+                               wgmma_serialized="")
+               for old, new in OLD_NAMES.items()]
+    asked = []
+
+    def instructions(binary, kernel, arch):
+        asked.append(kernel)
+        return [SimpleNamespace(base="HGMMA", opcode="HGMMA", predicate="")]
+
+    fake = SimpleNamespace(
+        extension_path=lambda: "x.so", ptxas_log_path=lambda: "ptxas.log", ToolError=OSError)
+    analysis = (fake, opcodes, SimpleNamespace(load=lambda log: records),
+                SimpleNamespace(instructions=instructions))
+    monkeypatch.setattr(bs, "_analysis", lambda: analysis)
+    cache = bs._collect()
+    assert set(cache) == {(new, r.arch) for r, new in zip(records, OLD_NAMES.values())}
+    assert asked == list(OLD_NAMES)
+    with_wgmma = {k for (k, _), v in cache.items() if "wgmma_serialized" in v}
+    assert with_wgmma == {"fwd_sm90_bf16_d128_r128_c128_s2_fwialgz"}
+    assert bs.is_hopper_kernel("bwd_sm90_bf16_d128_r64_c128_f")
+    assert not bs.is_hopper_kernel("bwd_sm90_convert_dq_bf16")
+
+
+def test_kernel_names_are_the_current_ones_for_an_older_package(tmp_path):
+    """Loaded where flash_attention is an older commit's (config_sets and config_bwd, no
+    flash_attention.kernels), the module takes the default sets from those and names them as
+    now, with kernels/legacy.py of this tree loaded by path: the same parameter values as with
+    this tree's package."""
+    import sys
+    import textwrap
+
+    old = tmp_path / "flash_attention"
+    old.mkdir()
+    (old / "__init__.py").write_text("")
+    shorts = {new: old_name for old_name, new in OLD_NAMES.items()}
+    fwd = [shorts["fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"],
+           shorts["fwd_sm90_bf16_d128_r128_c128_s2_fwialgz"]]
+    (old / "config_sets.py").write_text(textwrap.dedent(f"""
+        from types import SimpleNamespace
+        SETS = {{"default": [SimpleNamespace(short=s) for s in {fwd!r}]}}
+        """))
+    (old / "config_bwd.py").write_text(textwrap.dedent(f"""
+        from types import SimpleNamespace
+        DEFAULT = [SimpleNamespace(short={shorts["bwd_sm80_bf16_d128_r64_c128_w8_fh"]!r})]
+        def aux_kernels(configs):
+            return [SimpleNamespace(short=s) for s in ("bwd_preprocess_bf16",
+                                                       "bwd_convert_dq_bf16")]
+        """))
+    code = textwrap.dedent(f"""
+        import importlib.util, json
+        path = {str(ROOT / "benchmarks" / "bench_static.py")!r}
+        spec = importlib.util.spec_from_file_location("bs", path)
+        bs = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bs)
+        print(json.dumps([bs.KERNELS, bs.HOPPER_KERNELS, bs.current_name.__module__]))
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True)
+    kernels, hopper, module = json.loads(proc.stdout)
+    assert kernels == ["fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor",
+                       "fwd_sm90_bf16_d128_r128_c128_s2_fwialgz",
+                       "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16",
+                       "bwd_sm80_convert_dq_bf16"]
+    assert hopper == ["fwd_sm90_bf16_d128_r128_c128_s2_fwialgz"]
+    assert module != "flash_attention.kernels.legacy"  # this tree's file, loaded by path
+    assert bs.LEGACY.is_file()
+
+
+HOPPER_BWD = "bwd_sm90_bf16_d64_r64_c128_f"
 
 
 @pytest.fixture(scope="module")
 def bwd_build(tmp_path_factory):
-    """(binary, ptxas log) of one Hopper backward unit (HOPPER_BWD and its family's bf16
+    """(binary, ptxas log) of one Hopper backward unit (HOPPER_BWD and its kind's bf16
     helpers, the preprocess and the tile-order dQ conversion) for sm_90a, built as `build`
     builds its kernels; cuobjdump names its cubin bwd_sm90_....sm_90a.cubin."""
-    from flash_attention.codegen_bwd import kernel_source
-    from flash_attention.config_bwd import parse_config
+    from flash_attention.codegen.generate import kernel_source
+    from flash_attention.kernels import parse
 
     nvcc = _nvcc_or_skip()
     out = tmp_path_factory.mktemp("bench_static_bwd")
     src = out / f"{HOPPER_BWD}.cu"
-    src.write_text(kernel_source(parse_config(HOPPER_BWD)))
+    src.write_text(kernel_source(parse(HOPPER_BWD)))
     proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
                            "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
                            "-Xptxas=-v", f"-I{ROOT / 'src/csrc'}", str(src), "-o",
@@ -233,11 +321,11 @@ def test_hopper_backward_kernel_gets_the_hopper_tracks(bwd_build, monkeypatch):
     from fa_tools.analysis.kernel_names import parse_kernel
 
     binary, log = bwd_build
-    helpers = ["bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+    helpers = ["bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
     monkeypatch.setattr(binaries, "extension_path", lambda: binary)
     monkeypatch.setattr(binaries, "ptxas_log_path", lambda: log)
     monkeypatch.setattr(bs, "KERNELS", [HOPPER_BWD, *helpers])
-    hopper = [k for k in bs.KERNELS if k.startswith(bs.HOPPER_PREFIXES)]
+    hopper = [k for k in bs.KERNELS if bs.is_hopper_kernel(k)]
     assert hopper == [HOPPER_BWD]
     monkeypatch.setattr(bs.HopperSassInstructions, "params",
                         (hopper, ["90a"], bs.HOPPER_CATEGORIES))
@@ -246,8 +334,8 @@ def test_hopper_backward_kernel_gets_the_hopper_tracks(bwd_build, monkeypatch):
     assert set(cache) == {(k, "90a") for k in bs.KERNELS}
     got = cache[(HOPPER_BWD, "90a")]
     instrs = sass.instructions(binary, HOPPER_BWD, "90a")
-    assert got["sass"]["tensor_mma"] == opcodes.expected_mma_count(parse_kernel(HOPPER_BWD)) \
-        == sum(i.base == "HGMMA" for i in instrs) == 20  # d_head 64: dQ over its own keys
+    assert got["sass"]["tensor_mma"] == sum(i.base == "HGMMA" for i in instrs) == 20
+    assert got["sass"]["tensor_mma"] == opcodes.expected_mma_count(parse_kernel(HOPPER_BWD))
     assert got["spill_bytes"] == 0 and got["registers"] > 0
     hopper_counts = {k: v["track_count"] for k, v in run_asv_class(bs.HopperSassInstructions,
                                                            cache).items()}

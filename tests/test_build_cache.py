@@ -1,4 +1,4 @@
-"""The object cache of the compile wrapper (src/flash_attention/nvcc_wrapper.py): a second
+"""The object cache of the compile wrapper (src/flash_attention/codegen/nvcc_wrapper.py): a second
 compile of the same translation unit is a hit with the same object, depfile and ptxas report;
 any change of the source, of a header it includes or can include, of a header outside the
 project that it read, or of the command line is a miss. CPU only; nvcc cases need nvcc."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attention import nvcc_wrapper as w
+from flash_attention.codegen import nvcc_wrapper as w
 
 WRAPPER = Path(w.__file__)
 NVCC = Path(w._real_nvcc())

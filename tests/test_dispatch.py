@@ -7,8 +7,11 @@ import json
 import pytest
 
 from flash_attention import dispatch
-from flash_attention.config import ConfigError, KernelConfig
-from flash_attention.config_sets import DEFAULT, TUNE
+from flash_attention.kernels import ConfigError, fwd_sm80, parse, resolve
+from flash_attention.kernels.legacy import current_name
+
+DEFAULT = resolve("fwd:default")  # the default set of both forward kinds
+TUNE = fwd_sm80.SETS["tune"]
 
 
 @pytest.fixture(autouse=True)
@@ -38,29 +41,32 @@ def test_default_table(no_tuning):
     built = list(DEFAULT)
     short = dispatch.select("bf16", 128, 32, built)
     long = dispatch.select("bf16", 128, 4096, built)
-    assert short.short == "bf16_d128_r64_c64_w4_fseqkvbor"
-    assert long.short == "bf16_d128_r128_c64_w4_fseqkvbor"
-    assert dispatch.select("fp16", 64, 4096, built).short == "fp16_d64_r128_c64_w4_fsekvbor"
+    assert short.name == "fwd_sm80_bf16_d128_r64_c64_w4_fseqkvbor"
+    assert long.name == "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"
+    assert dispatch.select("fp16", 64, 4096, built).name == (
+        "fwd_sm80_fp16_d64_r128_c64_w4_fsekvbor")
 
 
 def test_fallback_to_any_built(no_tuning):
-    only = [KernelConfig.parse("fp16_d64_r64_c32_w4_fqkv")]
+    only = [parse("fwd_sm80_fp16_d64_r64_c32_w4_fqkv")]
     assert dispatch.select("fp16", 64, 4096, only) == only[0]
 
 
 def test_tuning_file_wins_when_built(tmp_path, monkeypatch):
     path = tmp_path / "tuning.json"
-    tuned = KernelConfig.parse("bf16_d128_r64_c128_w4_fseqkvbor")
+    tuned = parse("fwd_sm80_bf16_d128_r64_c128_w4_fseqkvbor")
     assert tuned in TUNE and tuned not in DEFAULT
+    unbuilt = "fwd_sm80_bf16_d128_r64_c32_w4_fseqkvbor"
     path.write_text(json.dumps({"version": 1, "device": "x",
-                                "entries": {"bf16/d128/q4096": tuned.short,
-                                            "bf16/d128/q2048": "bf16_d128_r64_c32_w4_fseqkvbor"}}))
+                                "entries": {"bf16/d128/q4096": tuned.name,
+                                            "bf16/d128/q2048": unbuilt}}))
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
     dispatch.reload_tuning()
     built = [*DEFAULT, tuned]
     assert dispatch.select("bf16", 128, 4000, built) == tuned
     # A tuned config that is not built falls back to the table.
-    assert dispatch.select("bf16", 128, 2048, built).short == "bf16_d128_r128_c64_w4_fseqkvbor"
+    assert dispatch.select("bf16", 128, 2048, built).name == (
+        "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor")
 
 
 def test_broken_tuning_file_is_ignored(tmp_path, monkeypatch):
@@ -73,20 +79,20 @@ def test_broken_tuning_file_is_ignored(tmp_path, monkeypatch):
 
 def test_features_pick_kernels_that_can_serve_them(no_tuning):
     built = list(DEFAULT)
-    assert dispatch.select("bf16", 128, 4096, built, mask=True).short == \
-        "bf16_d128_r128_c64_w4_fseqkvborm"
-    assert dispatch.select("bf16", 128, 32, built, mask=True).short == \
-        "bf16_d128_r64_c64_w4_fseqkvborm"
-    assert dispatch.select("fp16", 64, 32, built, softcap=True).short == \
-        "fp16_d64_r128_c64_w4_fsekvbort"
-    assert dispatch.select("fp16", 64, 4096, built, True, True).short == \
-        "fp16_d64_r128_c64_w4_fsekvbormt"
+    assert dispatch.select("bf16", 128, 4096, built, mask=True).name == \
+        "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvborm"
+    assert dispatch.select("bf16", 128, 32, built, mask=True).name == \
+        "fwd_sm80_bf16_d128_r64_c64_w4_fseqkvborm"
+    assert dispatch.select("fp16", 64, 32, built, softcap=True).name == \
+        "fwd_sm80_fp16_d64_r128_c64_w4_fsekvbort"
+    assert dispatch.select("fp16", 64, 4096, built, True, True).name == \
+        "fwd_sm80_fp16_d64_r128_c64_w4_fsekvbormt"
     assert dispatch.tuning_key("bf16", 128, 3000, True, True) == "bf16/d128/q4096/mt"
 
 
 def test_fallback_respects_features(no_tuning):
-    masked = KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvborm")
-    capped = KernelConfig.parse("bf16_d64_r64_c64_w4_fseqkvbort")
+    masked = parse("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvborm")
+    capped = parse("fwd_sm80_bf16_d64_r64_c64_w4_fseqkvbort")
     # A kernel with masks serves an unmasked call; a softcap kernel serves softcap calls only.
     assert dispatch.select("bf16", 64, 100, [capped, masked]) == masked
     assert dispatch.select("bf16", 64, 100, [capped, masked], softcap=True) == capped
@@ -103,16 +109,17 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     built = list(DEFAULT)
     pick = lambda d, mask, local=False, b=built: dispatch.select_sm90(  # noqa: E731
         "bf16", d, 4096, b, mask, False, local)
-    assert pick(128, False).short == "sm90_bf16_d128_c128_g2_s2_fwoesqr"
-    assert pick(128, True).short == "sm90_bf16_d128_c128_g2_s2_fwesdqrm"
-    assert pick(128, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqrm"
-    assert pick(128, False, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqr"  # no mask
-    assert pick(96, True, local=True).short == "sm90_bf16_d128_c128_g2_s2_fwoesqrm"
-    assert pick(64, True, local=True).short == "sm90_bf16_d64_c96_g3_s3_fwesm"
-    assert pick(256, True, local=True).short == "sm90_bf16_d256_c64_g2_s2_fwpoem"
+    assert pick(128, False).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwialgz"
+    assert pick(128, True).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwaldgzm"
+    assert pick(128, True, local=True).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwialgzm"
+    assert pick(128, False, local=True).name == (  # no mask
+        "fwd_sm90_bf16_d128_r128_c128_s2_fwialgz")
+    assert pick(96, True, local=True).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwialgzm"
+    assert pick(64, True, local=True).name == "fwd_sm90_bf16_d64_r192_c96_s3_fwalm"
+    assert pick(256, True, local=True).name == "fwd_sm90_bf16_d256_r128_c64_s2_fwpiam"
     assert pick(32, True, local=True) is None
-    no_local = [c for c in built if c.short != "sm90_bf16_d64_c96_g3_s3_fwesm"]
-    assert pick(64, True, True, no_local).short == "sm90_bf16_d64_c96_g3_s3_fwesdm"
+    no_local = [c for c in built if c.name != "fwd_sm90_bf16_d64_r192_c96_s3_fwalm"]
+    assert pick(64, True, True, no_local).name == "fwd_sm90_bf16_d64_r192_c96_s3_fwaldm"
     assert all(dispatch.select_sm90("bf16", 128, 4096, built, True, True, local) is None
                for local in (False, True))  # softcap: sm80 only
 
@@ -125,12 +132,62 @@ def test_hopper_rows_by_length(no_tuning):
     build, another of its kind runs."""
     built = list(DEFAULT)
     pick = lambda seq, mask, b=built: dispatch.select_sm90(  # noqa: E731
-        "fp16", 128, seq, b, mask, False).short.split("_")[-1]
+        "fp16", 128, seq, b, mask, False).name.split("_")[-1]
     assert [pick(seq, False) for seq in (64, 512, 1024, 2048, 4096, 8192)] == [
-        "fwes", "fwes", "fwesxqr", "fwesxqr", "fwoesqr", "fwoesqr"]
+        "fwal", "fwal", "fwalxgz", "fwalxgz", "fwialgz", "fwialgz"]
     assert [pick(seq, True) for seq in (512, 2048, 4096, 8192, 16384)] == [
-        "fwesdm", "fwesdm", "fwesdqrm", "fwoesdqrm", "fwoesdqrm"]
+        "fwaldm", "fwaldm", "fwaldgzm", "fwialdgzm", "fwialdgzm"]
     no_pairs = [c for c in built if not (c.family == "sm90" and c.cluster)]
-    assert pick(2048, False, no_pairs) == "fwoesqr"
-    no_short = [c for c in built if c.short != "sm90_fp16_d128_c128_g2_s2_fwes"]
-    assert pick(512, False, no_short) == "fwesxqr"
+    assert pick(2048, False, no_pairs) == "fwialgz"
+    no_short = [c for c in built if c.name != "fwd_sm90_fp16_d128_r128_c128_s2_fwal"]
+    assert pick(512, False, no_short) == "fwalxgz"
+
+
+def test_tuning_file_of_old_names_reads_current_names(tmp_path, monkeypatch):
+    """A tuning file written before the one name scheme names its kernels the old way; dispatch
+    reads them as their current names (kernels.legacy.current_name), of either forward kind."""
+    old_sm80, old_sm90 = "bf16_d128_r64_c128_w4_fseqkvbor", "sm90_bf16_d128_c128_g2_s2_fwpoe"
+    tuned, tuned_sm90 = parse(current_name(old_sm80)), parse(current_name(old_sm90))
+    assert tuned.name == "fwd_sm80_bf16_d128_r64_c128_w4_fseqkvbor"
+    assert tuned_sm90.name == "fwd_sm90_bf16_d128_r128_c128_s2_fwpia"
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"version": 1, "device": "x",
+                                "entries": {"bf16/d128/q4096": old_sm80,
+                                            "bf16/d128/q8192": old_sm90}}))
+    monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(path))
+    assert dispatch.reload_tuning() == {"bf16/d128/q4096": tuned.name,
+                                        "bf16/d128/q8192": tuned_sm90.name}
+    built = [*DEFAULT, tuned, tuned_sm90]
+    assert dispatch.select("bf16", 128, 4000, built) == tuned
+    assert dispatch.select_sm90("bf16", 128, 8000, built) == tuned_sm90
+    # an sm80 kernel tuned for the row: no Hopper kernel runs it
+    assert dispatch.select_sm90("bf16", 128, 4000, built) is None
+
+
+def test_rows_name_kernels_without_the_features(no_tuning):
+    """A row's kernel is the name past <kind>_<dtype>_d<variant>_ without the feature letters
+    (m, t): the table appends the call's. sm80 rows serve windows bounded on the left
+    ("local") too; table_rows and select of each kind agree with dispatch."""
+    from flash_attention.kernels import Call, fwd_sm90
+
+    for module in (fwd_sm80, fwd_sm90):
+        for row in module.ROWS:
+            flags = row.kernel.rsplit("_f", 1)[1]
+            assert not set(flags) & {"m", "t"}, row.key
+            assert row.kernel.startswith("r"), row.key
+    assert all("local" in row.calls for row in fwd_sm80.ROWS)
+    call = Call("bf16", 104, 4096, mask=True, local=True)
+    assert fwd_sm80.table_rows(call) == [(64, "fwd_sm80_bf16_d128_r64_c64_w4_fseqkvborm"),
+                                         (None, "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvborm")]
+    assert fwd_sm90.table_rows(call) == [(None, "fwd_sm90_bf16_d128_r128_c128_s2_fwialgzm")]
+    assert fwd_sm80.table_rows(Call("bf16", 40, softcap=True, mask=True)) == [
+        (None, "fwd_sm80_bf16_d64_r128_c64_w4_fsekvbormt")]
+    assert fwd_sm80.table_rows(Call("bf16", 12)) == fwd_sm90.table_rows(Call("bf16", 12)) == []
+    for dtype, d, seq, mask, local, softcap in [("bf16", 128, 4096, True, True, False),
+                                                 ("fp16", 64, 32, False, False, True),
+                                                 ("bf16", 200, 100, True, False, False)]:
+        call = Call(dtype, d, seq, mask, local, softcap)
+        assert fwd_sm90.select(call, DEFAULT) == dispatch.select_sm90(dtype, d, seq, DEFAULT,
+                                                                      mask, softcap, local)
+        assert fwd_sm80.select(call, DEFAULT) == dispatch.select(dtype, d, seq, DEFAULT, mask,
+                                                                 softcap)

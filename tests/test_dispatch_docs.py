@@ -1,26 +1,28 @@
-"""docs/dispatch.md in step with the default tables (flash_attention.dispatch SM80_ROWS and
-SM90_ROWS): one docs row per code row, by key and back; the docs row's first five columns are
+"""docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80
+and fwd_sm90): one docs row per code row, by key and back; the docs row's first five columns are
 the code row's (calls, d_head, seqlen_q, kernel), so a changed decision fails here until its
 measurements are written down; every results file a row names exists. And the rows themselves:
 one open-ended row per (calls, d_head), every kernel a valid config that serves its calls."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
 import pytest
 
-from flash_attention import dispatch
-from flash_attention.config import parse_config
+from flash_attention.kernels import Call, fwd_sm80, fwd_sm90, parse
+from flash_attention.kernels.base import Row, rows_for
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADER = "| Row | Calls | d_head | seqlen_q | Kernel | Measurements | Results |"
-ROWS = {"sm80": dispatch.SM80_ROWS, "sm90": dispatch.SM90_ROWS}
+ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS}
+MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90}
 CODE_ROWS = [row for rows in ROWS.values() for row in rows]
 
 
-def code_cells(row: dispatch.Row) -> list[str]:
+def code_cells(row: Row) -> list[str]:
     """The columns of a docs row that the code decides."""
     return [row.key, ", ".join(row.calls), ", ".join(map(str, row.d_heads)),
             f"<= {row.max_seq}" if row.max_seq else "the rest", f"`{row.kernel}`"]
@@ -75,7 +77,7 @@ def test_docs_rows_name_results_files_that_exist():
 def test_each_calls_and_d_head_has_rows_by_length_ending_open(family):
     for calls in {c for row in ROWS[family] for c in row.calls}:
         for d_head in {d for row in ROWS[family] for d in row.d_heads}:
-            rows = dispatch._rows_for(ROWS[family], calls, d_head)
+            rows = rows_for(ROWS[family], calls, d_head)
             if not rows:
                 continue
             bounds = [row.max_seq for row in rows]
@@ -83,10 +85,19 @@ def test_each_calls_and_d_head_has_rows_by_length_ending_open(family):
             assert bounds[:-1] == sorted(set(bounds[:-1])), (family, calls, d_head)
 
 
-def test_every_table_kernel_serves_its_key():
-    for (dtype, d_head, mask, softcap), rows in dispatch.DEFAULT_TABLE.items():
-        for _, short in rows:
-            assert dispatch.serves(parse_config(short), dtype, d_head, mask, softcap), short
-    for (dtype, d_head, mask, _local, softcap), rows in dispatch.SM90_TABLE.items():
-        for _, short in rows:
-            assert dispatch.serves(parse_config(short), dtype, d_head, mask, softcap), short
+@pytest.mark.parametrize("family", ROWS)
+def test_every_table_kernel_serves_its_key(family):
+    """Every kernel of a table (each dtype, d_head 8 ... 256, mask, window bounded on the left,
+    softcap) is a valid config of its kind that serves the calls of its row."""
+    module = MODULES[family]
+    named = 0
+    for dtype, d_head in itertools.product(("fp16", "bf16"), range(8, 257, 8)):
+        for mask, local, softcap in itertools.product((False, True), repeat=3):
+            if local and not mask:
+                continue
+            call = Call(dtype, d_head, 1, mask, local, softcap)
+            for _, name in module.table_rows(call):
+                cfg = parse(name)
+                assert isinstance(cfg, module.Config) and cfg.serves(call), (name, call)
+                named += 1
+    assert named

@@ -15,15 +15,23 @@ def ext(require_extension):
 
 
 def test_registry_matches_build_info(ext):
+    """The forward registry lists build_info's "configs", the backward one its "bwd_configs",
+    each the selection's kernels of that direction in selection order."""
+    from flash_attention import backward
+
     info = fa.build_info()
     assert info is not None, "build_info.json missing beside the extension"
-    assert [c.short for c in fa.available_configs()] == info["configs"]
-    assert fa.available_configs() == list(fa.resolve(info["kernels"]))
+    assert "bwd_kernels" not in info  # one selection (FLASH_ATTENTION_KERNELS) for every kind
+    selected = fa.resolve(info["kernels"])
+    assert [c.name for c in fa.available_configs()] == info["configs"]
+    assert fa.available_configs() == [c for c in selected if c.direction == "fwd"]
+    assert [c.name for c in backward.built()] == info["bwd_configs"]
+    assert list(backward.built()) == [c for c in selected if c.direction == "bwd"]
 
 
 def test_registry_facts_match_python_configs(ext):
     for entry in ext.kernels():
-        cfg = fa.parse_config(entry["name"])
+        cfg = fa.parse(entry["name"])
         assert entry["dtype"] == cfg.dtype
         assert entry["d_head"] == cfg.d_head
         assert entry["block_r"] == cfg.block_r and entry["block_c"] == cfg.block_c
@@ -35,17 +43,18 @@ def test_registry_facts_match_python_configs(ext):
 def test_ptxas_report_kept(ext):
     text = ptxas_log_path().read_text()
     info = fa.build_info()
-    for short in info["configs"]:
-        assert f"### fwd_{short}.cu" in text
-    for short in info.get("bwd_configs", []):  # the backward's in the same report
-        assert f"### {short}.cu" in text
-    sm80 = [c for c in info["configs"] if not c.startswith("sm90_")]
+    for name in info["configs"]:
+        assert f"### {name}.cu" in text
+    for name in info["bwd_configs"]:  # the backward's in the same report
+        assert f"### {name}.cu" in text
+    assert "### registry.cu" in text
+    sm80 = [c for c in info["configs"] if c.startswith("fwd_sm80_")]
     for arch in info["archs"]:
         assert text.count(f"for 'sm_{arch}'") >= len(sm80)
     # Hopper kernels compile for sm_90a alone, whatever the build's list: a forward unit one
-    # kernel, a Hopper backward unit three (its main kernel and its family's two helpers of its
+    # kernel, a Hopper backward unit three (its main kernel and its kind's two helpers of its
     # dtype: the preprocess and the tile-order dQ conversion).
-    hopper_bwd = [c for c in info.get("bwd_configs", []) if c.startswith("bwd_sm90_")]
+    hopper_bwd = [c for c in info["bwd_configs"] if c.startswith("bwd_sm90_")]
     assert text.count("for 'sm_90a'") == len(info["configs"]) - len(sm80) + 3 * len(hopper_bwd)
 
 
@@ -60,5 +69,5 @@ def test_operator_call_rejects_bad_input(ext):
     with FakeTensorMode():
         q = torch.empty(1, 4, 1, 64, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(RuntimeError, match="not in this build"):
-            torch.ops.flash_attention.fwd(q, q, q, q, None, "bf16_d64_r64_c64_w4_f", 0.1, -1, -1,
-                                          0.0)
+            torch.ops.flash_attention.fwd(q, q, q, q, None, "fwd_sm80_bf16_d64_r64_c64_w4_f", 0.1,
+                                          -1, -1, 0.0)

@@ -216,13 +216,13 @@ def test_hung_worker_is_killed_within_its_limit(tmp_path):
 
 # ---- static ratchet ----------------------------------------------------------------------------
 
-POLICY = {"static": {"kernels": "ci", "archs": ["90"], "zero_spills_for": "default",
+POLICY = {"static": {"kernels": "fwd:ci", "archs": ["90"], "zero_spills_for": "fwd:default",
                      "fail_on_unpinned_improvement": True,
                      "metrics": {"registers": {"max_increase": 0},
                                  "spill_bytes": {"max_increase": 0},
                                  "sass_total": {"max_increase_pct": 2.0},
                                  "sass_ex2_overlapped": {"max_decrease": 0}}}}
-K = "bf16_d128_r128_c64_w4_fseqkvbor"  # a default-set kernel
+K = "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"  # a default-set kernel
 
 
 def _metrics(**kw):
@@ -275,39 +275,48 @@ def test_ratchet_fails_serialized_wgmma_whatever_the_pin():
 
 
 def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
-    """The policy's bwd_kernels set is pinned with the helpers of its dtypes (the preprocess,
-    and the dQ conversion of each family: rows for the sm80 one, tiles for the Hopper one), and
-    bwd_zero_spills_for makes any spill of those kernels fail whatever the pin."""
-    policy = {"static": {**POLICY["static"], "bwd_kernels": "default",
-                         "bwd_zero_spills_for": "default"}}
+    """The backward kernels of the policy's selection are pinned with the helpers of their
+    dtypes (the preprocess, and the dQ conversion of each kind: rows for the sm80 one, tiles for
+    the Hopper one), and zero_spills_for makes any spill of the kernels of its selection (and
+    their helpers) fail whatever the pin."""
+    from flash_attention.kernels import resolve
+
+    policy = {"static": {**POLICY["static"], "kernels": "fwd:ci,bwd:default",
+                         "zero_spills_for": "default"}}
     scope = ratchet.scope_kernels(policy)
-    assert "bwd_bf16_d128_c128_r64_w8_fbt" in scope and K in scope
-    assert {f"bwd_{kind}_{dtype}" for kind in ("preprocess", "convert_dq", "convert_dq_tiles")
+    assert "bwd_sm80_bf16_d128_r64_c128_w8_fht" in scope and K in scope
+    assert {f"bwd_{kind}_{dtype}" for kind in ("sm80_preprocess", "sm80_convert_dq",
+                                               "sm90_convert_dq")
             for dtype in ("fp16", "bf16")} <= set(scope)
     assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 12 + 6  # sm80, Hopper, helpers
-    bwd = "bwd_fp16_d256_c64_r64_w8_ft"
+    bwd = "bwd_sm80_fp16_d256_r64_c64_w8_ft"
     pinned = {"kernels": {bwd: _metrics(spill_bytes=8)[K]}}
     (f,) = [f for f in ratchet.compare(pinned, {bwd: _metrics(spill_bytes=8)[K]}, policy)
             if f.failed]
     assert f.kernel == bwd and f.metric == "spill_bytes" and "must stay 0" in f.rule
-    from flash_attention.config_sets import resolve
-
-    assert ratchet.scope_kernels(POLICY) == [c.short for c in resolve("ci")]
+    assert ratchet.zero_spill_kernels(policy) >= {bwd, "bwd_sm90_convert_dq_bf16", K}
+    assert ratchet.scope_kernels(POLICY) == [c.name for c in resolve("fwd:ci")]
+    # a selection of every kind: its kernels in kind order, then the backward ones' helpers
+    every = ratchet.scope_kernels({"static": {**POLICY["static"], "kernels": "ci"}})
+    assert every[:len(resolve("ci"))] == [c.name for c in resolve("ci")]
+    assert every[len(resolve("ci")):] == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
+                                          "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16",
+                                          "bwd_sm90_convert_dq_bf16"]
 
 
 def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
     """A Hopper backward kernel is measured under 90a alone, with the Hopper figures (TMA,
     setmaxnreg, EX2 under a running wgmma, wgmma serialization); a helper under 90a too only
-    when a Hopper backward kernel of its dtype is pinned (a build holding the `hopper` set
-    beside a policy that pins `default` alone measures what it measured before); the Hopper
+    when a Hopper backward kernel of its dtype is pinned (a build holding `bwd_sm90:default`
+    beside a policy that pins `bwd_sm80:default` alone measures what it measured before); the Hopper
     dQ conversion under 90a alone, where a Hopper backward kernel of its dtype is pinned."""
     from types import SimpleNamespace
 
     from fa_tools.analysis import cubins, ptxas_report, sass
-    from flash_attention.config_bwd import SETS
+    from flash_attention.kernels import HelperKernel, bwd_sm90
 
-    hopper, sm80 = "bwd_sm90_bf16_d128_c128_r64_f", "bwd_bf16_d128_c128_r64_w8_fb"
-    pre, tiles = "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"
+    hopper, sm80 = "bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm80_bf16_d128_r64_c128_w8_fh"
+    pre, tiles = "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"
 
     def rec(kernel, arch, serialized=""):
         return SimpleNamespace(kernel=kernel, arch=arch, registers=168, spill_stores=0,
@@ -333,14 +342,16 @@ def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
     assert "sass_tma" not in got[sm80]["90"]
     got = ratchet.current_metrics([sm80, pre, tiles], ["80", "90"], "x", "log")
     assert sorted(got[pre]) == ["80", "90"] and tiles not in got
-    scope = ratchet.scope_kernels({"static": {**POLICY["static"], "bwd_kernels": "hopper"}})
-    assert [k for k in scope if k.startswith("bwd_sm90_")] == [c.short for c in SETS["hopper"]]
-    assert {"bwd_preprocess_fp16", "bwd_convert_dq_tiles_bf16"} <= set(scope)
-    assert not {"bwd_convert_dq_fp16", "bwd_convert_dq_bf16"} & set(scope)  # the sm80 family's
+    scope = ratchet.scope_kernels({"static": {**POLICY["static"],
+                                              "kernels": "fwd:ci,bwd_sm90:default"}})
+    assert [k for k in scope if k.startswith("bwd_sm90_") and not HelperKernel.matches(k)] == [
+        c.name for c in bwd_sm90.DEFAULT]
+    assert {"bwd_sm80_preprocess_fp16", "bwd_sm90_convert_dq_bf16"} <= set(scope)
+    assert not {"bwd_sm80_convert_dq_fp16", "bwd_sm80_convert_dq_bf16"} & set(scope)  # sm80's
 
 
 def test_ratchet_new_and_missing_kernels():
-    other = "fp16_d64_r64_c32_w4_fqkv"
+    other = "fwd_sm80_fp16_d64_r64_c32_w4_fqkv"
     findings = ratchet.compare({"kernels": _metrics()}, {other: _metrics()[K]}, POLICY)
     assert {(f.kernel, f.status) for f in findings if f.failed} == {(K, "missing"),
                                                                    (other, "unpinned")}
@@ -975,13 +986,14 @@ def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkey
     """Two builds whose SASS differs in one kernel no gate case runs: the gate measures a case
     for it (counted in the alpha split), and says which and why."""
     from fa_tools.gate import sassdiff
-    from flash_attention.config_sets import resolve
+    from flash_attention.kernels import resolve
 
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
     monkeypatch.setattr("flash_attention.dispatch._tuning", None)
-    default = [c.short for c in resolve("default")]
+    default = [c.name for c in resolve("fwd:default")]
     code = {k: [b"\0" * 16] * 10 for k in default}
-    changed = dict(code, **{"sm90_fp16_d64_c96_g3_s3_fwesn": [b"\1" * 16] * 3 + [b"\0" * 16] * 7})
+    changed = dict(code, **{"fwd_sm90_fp16_d64_r192_c96_s3_fwaln": [b"\1" * 16] * 3
+                            + [b"\0" * 16] * 7})
     base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
     base.src_dir, head.src_dir = "base", "head"
     base.configs = head.configs = default
@@ -995,11 +1007,12 @@ def test_gate_run_adds_and_reports_the_cases_of_changed_kernels(tmp_path, monkey
     assert verdict == gate.PASS
     (extra,) = [r for r in doc["results"] if r["why"]]
     assert extra["case"] == "fp16_d64_b16_s4096"
-    assert extra["kernel"] == "sm90_fp16_d64_c96_g3_s3_fwesn", "the kernel dispatch runs for it"
+    assert extra["kernel"] == "fwd_sm90_fp16_d64_r192_c96_s3_fwaln", (
+        "the kernel dispatch runs for it")
     assert "SASS differs (3 instructions changed: +3 -3 of 10)" in extra["why"]
     assert doc["meta"]["cases"] == len(CASES[:2]) + 1
     assert doc["meta"]["alpha_per_look"] == pytest.approx(0.01 / (3 * 4))
-    assert "Added case fp16_d64_b16_s4096: kernel sm90_fp16_d64_c96_g3_s3_fwesn: SASS" in md
+    assert "Added case fp16_d64_b16_s4096: kernel fwd_sm90_fp16_d64_r192_c96_s3_fwaln: SASS" in md
 
 
 BWD = Case("bf16", 128, 4, 4096, causal=True, kind="bwd")
@@ -1008,14 +1021,13 @@ STEP = Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd")
 
 def _default_build(tmp_path, monkeypatch, *workers):
     """Workers of a `default` build (forward and backward), dispatch without a tuning file."""
-    from flash_attention.config_bwd import resolve as resolve_bwd
-    from flash_attention.config_sets import resolve
+    from flash_attention.kernels import resolve
 
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
     monkeypatch.setattr("flash_attention.dispatch._tuning", None)
     for w in workers:
-        w.configs = [c.short for c in resolve("default")]
-        w.bwd_configs = [c.short for c in resolve_bwd("default")]
+        w.configs = [c.name for c in resolve("fwd:default")]
+        w.bwd_configs = [c.name for c in resolve("bwd:default")]
 
 
 def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch):
@@ -1032,10 +1044,10 @@ def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch)
     assert f"| {BWD.name} | 14 |" in md and "**slower**" in md
     kernels = {r["case"]: r["kernel"] for r in doc["results"]}
     # on sm_90 the default build's Hopper backward runs the fixed-length cases
-    assert kernels[BWD.name] == ("bwd_sm90_bf16_d128_c128_r64_f + bwd_preprocess_bf16 + "
-                                 "bwd_convert_dq_tiles_bf16")
-    assert kernels[STEP.name].startswith("sm90_bf16_d128_") and kernels[STEP.name].endswith(
-        " + bwd_sm90_bf16_d128_c128_r64_f + bwd_preprocess_bf16 + bwd_convert_dq_tiles_bf16")
+    assert kernels[BWD.name] == ("bwd_sm90_bf16_d128_r64_c128_f + bwd_sm80_preprocess_bf16 + "
+                                 "bwd_sm90_convert_dq_bf16")
+    assert kernels[STEP.name].startswith("fwd_sm90_bf16_d128_") and kernels[STEP.name].endswith(
+        " + bwd_sm90_bf16_d128_r64_c128_f + bwd_sm80_preprocess_bf16 + bwd_sm90_convert_dq_bf16")
     by_case = {r["case"]: r for r in doc["results"]}
     assert by_case[BWD.name]["head_tflops"] == pytest.approx(
         BWD.flops() / by_case[BWD.name]["head_ms"] / 1e9)
@@ -1050,16 +1062,16 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
     operator picks for it); a changed helper a gate case runs is reported as measured; an
     accept entry may name a case made for any backward kernel."""
     from fa_tools.gate import sassdiff
-    from flash_attention.config_bwd import aux_kernels
-    from flash_attention.config_bwd import resolve as resolve_bwd
+    from flash_attention.kernels import resolve
+    from flash_attention.kernels.bwd_helpers import helpers as helpers_of_build
 
     base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
     _default_build(tmp_path, monkeypatch, base, head)
     base.src_dir, head.src_dir = "base", "head"
-    helpers = [a.short for a in aux_kernels(resolve_bwd("default"))]  # both families
+    helpers = [h.name for h in helpers_of_build(resolve("bwd:default"))]  # both kinds
     code = {k: [b"\0" * 16] * 10 for k in head.configs + head.bwd_configs + helpers}
-    changed = dict(code, bwd_fp16_d256_c64_r64_w8_ft=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
-                   bwd_preprocess_bf16=[b"\1" * 16] * 10)
+    changed = dict(code, bwd_sm80_fp16_d256_r64_c64_w8_ft=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
+                   bwd_sm80_preprocess_bf16=[b"\1" * 16] * 10)
     monkeypatch.setattr(perf, "_binary", lambda src: src)
     monkeypatch.setattr(sassdiff, "kernel_code",
                         lambda binary, arch: code if binary == "base" else changed)
@@ -1071,10 +1083,10 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
     (extra,) = [r for r in doc["results"] if r["why"]]
     # (the sm80 family's d_head 256 kernel: on sm_90 the Hopper one takes the fixed-length calls)
     assert extra["case"] == "fp16_d256_b4_s4096_cap30_causal_varlen_bwd"
-    assert extra["kernel"].startswith("bwd_fp16_d256_c64_r64_w8_ft + ")
-    assert "kernel bwd_fp16_d256_c64_r64_w8_ft: SASS differs (4 instructions changed" in md
-    assert (f"kernel bwd_preprocess_bf16: SASS differs (10 instructions changed: +10 -10 of 10)"
-            f"; measured by {BWD.name}") in md
+    assert extra["kernel"].startswith("bwd_sm80_fp16_d256_r64_c64_w8_ft + ")
+    assert "kernel bwd_sm80_fp16_d256_r64_c64_w8_ft: SASS differs (4 instructions changed" in md
+    assert ("kernel bwd_sm80_preprocess_bf16: SASS differs (10 instructions changed: +10 -10 "
+            f"of 10); measured by {BWD.name}") in md
     assert doc["meta"]["accept_unused"] == [{"case": "fp16_d64_b4_s4096_cap30_causal_bwd",
                                              "verdict": "not measured"}]
 

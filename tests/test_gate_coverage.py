@@ -1,8 +1,8 @@
 """The perf gate's case list against the dispatch tables (CPU): every kind of kernel the tables
 run on the gate's GPU (sm_90) has a gate case that dispatch routes to it, computed with
 dispatch's own functions on the `default` kernel set, and each call feature has a case; the
-same for the backward kernels the operator picks (config_bwd.select) and the backward's
-features."""
+same for the backward kernels the operator picks (the select of kernels.bwd_sm80 and
+bwd_sm90) and the backward's features."""
 
 from __future__ import annotations
 
@@ -12,25 +12,32 @@ import pytest
 
 from fa_tools.gate import coverage
 from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, Case
-from flash_attention import config_bwd, dispatch
-from flash_attention.config_sets import resolve
+from flash_attention import dispatch
+from flash_attention.kernels import Call, bwd_sm80, fwd_sm90, parse, resolve
+from flash_attention.kernels.bwd_helpers import helpers
+from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
+from flash_attention.kernels.legacy import current_name
 
-# the sm80 family's default tiles alone (a build without the Hopper backward), and their
+# the sm80 kind's default tiles alone (a build without the Hopper backward), and their
 # helpers: the preprocess and the row-order dQ conversion of each dtype
-BWD_DEFAULT = [c.short for c in config_bwd.SM80_DEFAULT]
-BWD_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.SM80_DEFAULT)]
-# what the gate's build holds: the `default` set, the Hopper backward beside the sm80 family
-# (which serves the rest), and both families' helpers (the Hopper one's dQ conversion too)
-BWD_HOPPER = [c.short for c in config_bwd.resolve("default")]
-BWD_HOPPER_HELPERS = [a.short for a in config_bwd.aux_kernels(config_bwd.resolve("default"))]
+BWD_DEFAULT = [c.name for c in bwd_sm80.DEFAULT]
+BWD_HELPERS = [h.name for h in helpers(bwd_sm80.DEFAULT)]
+# what the gate's build holds: the `default` set, the Hopper backward beside the sm80 kind
+# (which serves the rest), and both kinds' helpers (the Hopper one's dQ conversion too)
+BWD_HOPPER = [c.name for c in resolve("bwd:default")]
+BWD_HOPPER_HELPERS = [h.name for h in helpers(resolve("bwd:default"))]
+# the default set behind a d_head 64 kernel of another tile (B_r 64, the old ci set's) that
+# comes first: the operator picks it, and the default's d_head 64 kernel is shadowed
+SHADOWED = [c.name for c in resolve(current_name("bwd_bf16_d64_c128_r64_w8_fb")
+                                    + ",bwd:default")]
 
 
 def test_the_helpers_of_each_build():
-    assert BWD_HELPERS == ["bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_preprocess_bf16",
-                           "bwd_convert_dq_bf16"]
+    assert BWD_HELPERS == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
+                           "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16"]
     assert BWD_HOPPER_HELPERS == [
-        "bwd_preprocess_fp16", "bwd_convert_dq_fp16", "bwd_convert_dq_tiles_fp16",
-        "bwd_preprocess_bf16", "bwd_convert_dq_bf16", "bwd_convert_dq_tiles_bf16"]
+        "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16", "bwd_sm90_convert_dq_fp16",
+        "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16", "bwd_sm90_convert_dq_bf16"]
 
 
 @pytest.fixture
@@ -38,7 +45,7 @@ def rows(monkeypatch, tmp_path):
     """The dispatch rows of a `default` build, with no tuning file (the tables alone)."""
     monkeypatch.setenv("FLASH_ATTENTION_TUNING_FILE", str(tmp_path / "none.json"))
     monkeypatch.setattr(dispatch, "_tuning", None)
-    return coverage.dispatch_rows(c.short for c in resolve("default"))
+    return coverage.dispatch_rows(c.name for c in resolve("fwd:default"))
 
 
 def _routes(rows, sm90=True) -> dict[str, str]:
@@ -53,11 +60,14 @@ def test_every_gate_case_has_a_kernel_on_either_gpu(rows):
 
 
 def test_every_hopper_tile_of_the_table_is_run_by_a_gate_case(rows):
-    """Each kernel of SM90_TABLE (d_head 64, 128, 256; no mask, masks, windows), dtype aside."""
+    """Each kernel of the Hopper table (d_head 64, 128, 256; no mask, masks, windows), dtype
+    aside."""
     run = {coverage.kind(k) for k in _routes(rows).values()}
     wanted = {coverage.kind(kernel)
-              for (dtype, d, _mask, _local, _softcap), table in dispatch.SM90_TABLE.items()
-              if dtype == "bf16" and d in (64, 128, 256) for _, kernel in table}
+              for d in (64, 128, 256) for mask, local in ((False, False), (True, False),
+                                                          (True, True))
+              for _, kernel in fwd_sm90.table_rows(Call("bf16", d, mask=mask, local=local))}
+    assert len(wanted) > 10
     assert wanted - run == set()
 
 
@@ -65,11 +75,11 @@ def test_softcap_and_varlen_kernels_are_run(rows):
     """Softcap rows have no Hopper kernel: their sm80-family kernels, with and without masks;
     a varlen batch runs the sm80-family fallback of its row."""
     routes = _routes(rows)
-    flags = {k.rsplit("_f", 1)[1] for k in routes.values() if not k.startswith("sm90_")}
+    flags = {k.rsplit("_f", 1)[1] for k in routes.values() if not k.startswith("fwd_sm90_")}
     assert any(f.endswith("t") and "m" not in f for f in flags), "softcap, no mask"
     assert any(f.endswith("mt") for f in flags), "softcap with masks"
     varlen = [c for c in GATE_CASES if c.varlen and c.times_forward]
-    assert varlen and all(not routes[c.name].startswith("sm90_") for c in varlen)
+    assert varlen and all(not routes[c.name].startswith("fwd_sm90_") for c in varlen)
 
 
 def test_each_call_feature_has_a_case():
@@ -107,11 +117,12 @@ def test_a_case_made_for_a_kernel_routes_back_to_it(rows):
 
 
 def test_case_for_kernel_prefers_the_kernels_own_variant_and_skips_the_undispatched(rows):
-    case = coverage.case_for_kernel("sm90_bf16_d256_c64_g2_s2_fwpoem", rows, sm90=True)
+    case = coverage.case_for_kernel("fwd_sm90_bf16_d256_r128_c64_s2_fwpiam", rows, sm90=True)
     assert case == Case("bf16", 256, 16, 4096, causal=True), "d 256 (not 160), causal first"
-    local = coverage.case_for_kernel("sm90_bf16_d128_c128_g2_s2_fwoesqrm", rows, sm90=True)
+    local = coverage.case_for_kernel("fwd_sm90_bf16_d128_r128_c128_s2_fwialgzm", rows, sm90=True)
     assert local.window == (1024, 0) and not local.causal
-    assert coverage.case_for_kernel("bf16_d64_r128_c64_w8_fseqbrmt", rows, sm90=True) is None
+    assert coverage.case_for_kernel("fwd_sm80_bf16_d64_r128_c64_w8_fseqbrmt", rows,
+                                    sm90=True) is None
 
 
 # ---- cases chosen by the SASS diff (synthetic code, no build) ---------------------------------
@@ -139,25 +150,25 @@ def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
     def change(kernel, n):
         return sassdiff.KernelChange(kernel, n, n, 1000)
 
-    changes = [change("fp16_d160_r128_c64_w8_fseqkvbor", 90),  # sm80 fallback: a varlen case
-               change("sm90_bf16_d128_c128_g2_s2_fwoesqr", 50),  # run by bf16_d128_b16_s4096
-               change("bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
-               change("sm90_fp16_d64_c96_g3_s3_fwesn", 30),  # fp16 d 64: no gate case
-               change("sm90_fp16_d256_c64_g2_s2_fwpoer", 20)]  # over the cap
+    changes = [change("fwd_sm80_fp16_d160_r128_c64_w8_fseqkvbor", 90),  # sm80 fallback: varlen
+               change("fwd_sm90_bf16_d128_r128_c128_s2_fwialgz", 50),  # run by bf16_d128_b16_s4096
+               change("fwd_sm80_bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
+               change("fwd_sm90_fp16_d64_r192_c96_s3_fwaln", 30),  # fp16 d 64: no gate case
+               change("fwd_sm90_fp16_d256_r128_c64_s2_fwpiaz", 20)]  # over the cap
     sel = sassdiff.select(changes, rows, BWD_DEFAULT, True, GATE_CASES, cap=2)
     assert [a["case"] for a in sel.added] == ["fp16_d160_b16_s4096_varlen",
                                               "fp16_d64_b16_s4096"]
-    assert sel.added[0]["why"] == ("kernel fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
+    assert sel.added[0]["why"] == ("kernel fwd_sm80_fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
                                    "(90 instructions changed: +90 -90 of 1000)")
     for added in sel.cases:
         assert coverage.route(added, rows, True) in {c.kernel for c in changes}
     assert sel.covered[0]["case"] == "bf16_d128_b16_s4096"
     skipped = {s["kernel"]: s["why"] for s in sel.skipped}
-    assert "no dispatch row runs it" in skipped["bf16_d64_r128_c64_w8_fseqbrmt"]
-    assert "over the policy's cap of 2" in skipped["sm90_fp16_d256_c64_g2_s2_fwpoer"]
+    assert "no dispatch row runs it" in skipped["fwd_sm80_bf16_d64_r128_c64_w8_fseqbrmt"]
+    assert "over the policy's cap of 2" in skipped["fwd_sm90_fp16_d256_r128_c64_s2_fwpiaz"]
     # on an sm_80 GPU the Hopper kernels run nothing: fp16 d 64 runs its sm80 kernel instead
     sel = sassdiff.select(changes, rows, BWD_DEFAULT, False, GATE_CASES, cap=6)
-    assert "sm90_fp16_d64_c96_g3_s3_fwesn" in {s["kernel"] for s in sel.skipped}
+    assert "fwd_sm90_fp16_d64_r192_c96_s3_fwaln" in {s["kernel"] for s in sel.skipped}
 
 
 # ---- the backward: the kernels the operator picks, cases for changed ones ----------------------
@@ -188,17 +199,18 @@ def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90()
     assert set(BWD_HOPPER_HELPERS) <= ran
     for kernels in run.values():
         main, *helpers = [k for k in kernels if k.startswith("bwd_")]
-        dtype = main.split("_")[2] if main.startswith("bwd_sm90_") else main.split("_")[1]
-        conversion = "convert_dq_tiles" if main.startswith("bwd_sm90_") else "convert_dq"
-        assert helpers == [f"bwd_preprocess_{dtype}", f"bwd_{conversion}_{dtype}"], kernels
+        kind, dtype = main[:8], main.split("_")[2]
+        conversion = f"{parse(main).family}_convert_dq"
+        assert kind in ("bwd_sm80", "bwd_sm90"), kernels
+        assert helpers == [f"bwd_sm80_preprocess_{dtype}", f"bwd_{conversion}_{dtype}"], kernels
 
 
 def test_a_training_step_runs_the_forward_and_the_backward(rows):
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     forward, *backward = coverage.kernels_run(step, rows, BWD_DEFAULT, sm90=True)
-    assert forward == coverage.route(step, rows, True) and forward.startswith("sm90_")
-    assert backward == ["bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16",
-                        "bwd_convert_dq_bf16"]
+    assert forward == coverage.route(step, rows, True) and forward.startswith("fwd_sm90_")
+    assert backward == ["bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16",
+                        "bwd_sm80_convert_dq_bf16"]
     assert coverage.kernels_run(step, rows, [], sm90=True) == [forward], "a build without"
 
 
@@ -217,7 +229,7 @@ def test_each_backward_feature_has_a_case():
     assert has(lambda c: c.varlen and c.softcap > 0), "varlen with a softcap"
     assert has(lambda c: c.softcap > 0) and has(lambda c: c.kind == "fwdbwd"), "training step"
     assert {c.dtype for c in BWD_GATE_CASES} == {"bf16", "fp16"}
-    assert {c.d_head for c in BWD_GATE_CASES} == set(config_bwd.DEFAULT_D_HEADS)
+    assert {c.d_head for c in BWD_GATE_CASES} == set(bwd_sm80.DEFAULT_D_HEADS)
 
 
 def test_a_backward_case_made_for_a_kernel_runs_it():
@@ -229,14 +241,16 @@ def test_a_backward_case_made_for_a_kernel_runs_it():
         assert case is not None and case.kind == "bwd", kernel
         assert kernel in coverage.kernels_run(case, [], BWD_DEFAULT, sm90=True), kernel
         assert case.batch * case.seqlen == coverage.BWD_CASE_TOKENS
-    assert coverage.case_for_bwd_kernel("bwd_fp16_d256_c64_r64_w8_ft", BWD_DEFAULT,
+    assert coverage.case_for_bwd_kernel("bwd_sm80_fp16_d256_r64_c64_w8_ft", BWD_DEFAULT,
                                         sm90=True) == Case(
         "fp16", 256, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP, kind="bwd")
-    helper = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_DEFAULT, sm90=True)
-    assert coverage.bwd_kernel(helper, BWD_DEFAULT, sm90=True) == "bwd_fp16_d128_c128_r64_w8_fb"
-    both = [c.short for c in config_bwd.resolve("ci,default")]
-    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r128_w8_fb", both, sm90=True) is None
-    assert coverage.case_for_bwd_kernel("bwd_bf16_d64_c128_r64_w8_fb", both, sm90=True) is not None
+    helper = coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_DEFAULT, sm90=True)
+    assert coverage.bwd_kernel(helper, BWD_DEFAULT, sm90=True) == (
+        "bwd_sm80_fp16_d128_r64_c128_w8_fh")
+    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d64_r128_c128_w8_fh", SHADOWED,
+                                        sm90=True) is None
+    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d64_r64_c128_w8_fh", SHADOWED,
+                                        sm90=True) is not None
 
 
 def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
@@ -245,24 +259,23 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
     def change(kernel, n):
         return sassdiff.KernelChange(kernel, n, n, 2000)
 
-    changes = [change("bwd_fp16_d128_c128_r64_w8_fbt", 70),  # no gate case: a case is made
-               change("bwd_bf16_d128_c128_r64_w8_fbt", 60),  # run by the softcap gate case
-               change("bwd_preprocess_fp16", 50),  # run by every fp16 backward case
-               change("bwd_bf16_d64_c128_r128_w8_fbt", 40),  # no gate case: a case is made
-               change("bwd_fp16_d256_c64_r64_w8_ft", 30)]  # over the cap
+    changes = [change("bwd_sm80_fp16_d128_r64_c128_w8_fht", 70),  # no gate case: a case is made
+               change("bwd_sm80_bf16_d128_r64_c128_w8_fht", 60),  # run by the softcap gate case
+               change("bwd_sm80_preprocess_fp16", 50),  # run by every fp16 backward case
+               change("bwd_sm80_bf16_d64_r128_c128_w8_fht", 40),  # no gate case: a case is made
+               change("bwd_sm80_fp16_d256_r64_c64_w8_ft", 30)]  # over the cap
     sel = sassdiff.select(changes, rows, BWD_DEFAULT, True, GATE_CASES, cap=2)
     assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_cap30_causal_bwd",
                                               "bf16_d64_b4_s4096_cap30_causal_bwd"]
     for added, kernel in zip(sel.cases, [c.kernel for c in changes[::3]]):
         assert coverage.bwd_kernel(added, BWD_DEFAULT, sm90=True) == kernel
     covered = {c["kernel"]: c["case"] for c in sel.covered}
-    assert covered == {"bwd_bf16_d128_c128_r64_w8_fbt": "bf16_d128_b4_s4096_cap30_bwd",
-                       "bwd_preprocess_fp16": "fp16_d64_b4_s4096_kv4_bwd"}
+    assert covered == {"bwd_sm80_bf16_d128_r64_c128_w8_fht": "bf16_d128_b4_s4096_cap30_bwd",
+                       "bwd_sm80_preprocess_fp16": "fp16_d64_b4_s4096_kv4_bwd"}
     (skipped,) = sel.skipped
-    assert skipped["kernel"] == "bwd_fp16_d256_c64_r64_w8_ft" and "cap of 2" in skipped["why"]
-    shadowed = [c.short for c in config_bwd.resolve("ci,default")]
-    sel = sassdiff.select([change("bwd_bf16_d64_c128_r128_w8_fb", 10)], rows, shadowed, True,
-                          GATE_CASES, cap=6)
+    assert skipped["kernel"] == "bwd_sm80_fp16_d256_r64_c64_w8_ft" and "cap of 2" in skipped["why"]
+    sel = sassdiff.select([change("bwd_sm80_bf16_d64_r128_c128_w8_fh", 10)], rows, SHADOWED,
+                          True, GATE_CASES, cap=6)
     assert "the backward operator picks another kernel" in sel.skipped[0]["why"]
 
 
@@ -279,27 +292,27 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
         if case.varlen:
             assert on_hopper == before, case.name
         else:
-            cfg = config_bwd.parse_config(on_hopper)
-            assert isinstance(cfg, config_bwd.Sm90BwdConfig), case.name
+            cfg = parse(on_hopper)
+            assert isinstance(cfg, Sm90BwdConfig), case.name
             assert (cfg.dtype, cfg.softcap, cfg.d_head) == (case.dtype, case.softcap > 0,
                                                              case.d_head)
     varlen = [c for c in BWD_GATE_CASES if c.varlen]
     assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in varlen] == [
-        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_fp16_d64_c128_r128_w8_fb",
-        "bwd_bf16_d128_c128_r64_w8_fbt", "bwd_fp16_d64_c128_r128_w8_fbt",
-        "bwd_bf16_d256_c64_r64_w8_f", "bwd_bf16_d256_c64_r64_w8_ft"]
+        "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_fp16_d64_r128_c128_w8_fh",
+        "bwd_sm80_bf16_d128_r64_c128_w8_fht", "bwd_sm80_fp16_d64_r128_c128_w8_fht",
+        "bwd_sm80_bf16_d256_r64_c64_w8_f", "bwd_sm80_bf16_d256_r64_c64_w8_ft"]
     det, rotated = [c for c in BWD_GATE_CASES if c.deterministic]
     assert coverage.kernels_run(rotated, [], BWD_HOPPER, sm90=True)[0] == (
-        "bwd_sm90_bf16_d64_c128_r128_f")
+        "bwd_sm90_bf16_d64_r128_c128_f")
     assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=True) == [
-        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+        "bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
     assert coverage.kernels_run(det, [], BWD_HOPPER, sm90=False) == [
-        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16"]
     (step,) = [c for c in BWD_GATE_CASES if c.kind == "fwdbwd"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=True) == [
-        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+        "bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=False) == [
-        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16"]
+        "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16"]
     # the rule of coverage.bwd_hopper, which the operator applies in C++: varlen calls never
     # run the Hopper backward, deterministic fixed-length ones do, and nothing does off sm_90
     assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True, kind="bwd"), True)
@@ -313,7 +326,7 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     (what still runs it there); off sm_90 a Hopper kernel gets none and an sm80 one the plain
     case; a helper gets a case either way but the Hopper dQ conversion, which runs on sm_90
     alone (after a Hopper kernel)."""
-    hopper, sm80 = "bwd_sm90_fp16_d128_c128_r64_ft", "bwd_fp16_d128_c128_r64_w8_fbt"
+    hopper, sm80 = "bwd_sm90_fp16_d128_r64_c128_ft", "bwd_sm80_fp16_d128_r64_c128_w8_fht"
     case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=True)
     assert case == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
                         kind="bwd")
@@ -326,28 +339,28 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     # deterministic dQ no longer reaches the sm80 family on sm_90: it runs the Hopper kernel
     assert coverage.bwd_kernel(replace(case, deterministic=True), BWD_HOPPER, True) == hopper
     # d_head 256: shadowed by the Hopper family's split-d kernel on sm_90, a varlen case
-    assert coverage.case_for_bwd_kernel("bwd_bf16_d256_c64_r64_w8_f", BWD_HOPPER,
+    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d256_r64_c64_w8_f", BWD_HOPPER,
                                         sm90=True) == Case("bf16", 256, 4, 4096, causal=True,
                                                            kind="bwd", varlen=True)
     for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
         for sm90 in (True, False):
             made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)
             if made is None:
-                assert kernel.startswith(("bwd_sm90_", "bwd_convert_dq_tiles_")) and not sm90, \
-                    kernel
+                assert kernel.startswith("bwd_sm90_") and not sm90, kernel
                 continue
             assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, sm90), (kernel, sm90)
             assert not made.deterministic, kernel
-    tiles = coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_HOPPER, sm90=True)
-    assert coverage.bwd_kernel(tiles, BWD_HOPPER, sm90=True) == "bwd_sm90_fp16_d128_c128_r64_f"
+    tiles = coverage.case_for_bwd_kernel("bwd_sm90_convert_dq_fp16", BWD_HOPPER, sm90=True)
+    assert coverage.bwd_kernel(tiles, BWD_HOPPER, sm90=True) == "bwd_sm90_fp16_d128_r64_c128_f"
     assert not tiles.varlen
     # the sm80 family's row-order dQ conversion: after its d_head 128 kernel, varlen on sm_90
-    rows = coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_HOPPER, sm90=True)
-    assert coverage.bwd_kernel(rows, BWD_HOPPER, sm90=True) == "bwd_fp16_d128_c128_r64_w8_fb"
+    rows = coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER, sm90=True)
+    assert coverage.bwd_kernel(rows, BWD_HOPPER, sm90=True) == "bwd_sm80_fp16_d128_r64_c128_w8_fh"
     assert rows == Case("fp16", 128, 4, 4096, causal=True, varlen=True, kind="bwd")
-    assert not coverage.case_for_bwd_kernel("bwd_convert_dq_fp16", BWD_HOPPER, sm90=False).varlen
+    assert not coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER,
+                                            sm90=False).varlen
     # a build without the Hopper backward has no case for its dQ conversion
-    assert coverage.case_for_bwd_kernel("bwd_convert_dq_tiles_fp16", BWD_DEFAULT,
+    assert coverage.case_for_bwd_kernel("bwd_sm90_convert_dq_fp16", BWD_DEFAULT,
                                         sm90=True) is None
 
 
@@ -360,29 +373,29 @@ def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
     from fa_tools.gate import sassdiff
 
     changes = [sassdiff.KernelChange(k, n, n, 2000) for k, n in [
-        ("bwd_sm90_fp16_d128_c128_r64_f", 70),  # no gate case: a case is made
-        ("bwd_sm90_bf16_d128_c128_r64_f", 60),  # the causal d_head 128 gate case runs it
-        ("bwd_fp16_d64_c128_r128_w8_fb", 50),  # shadowed on sm_90: a varlen gate case
-        ("bwd_fp16_d128_c128_r64_w8_fb", 45),  # shadowed, no gate case: a varlen case is made
-        ("bwd_convert_dq_tiles_bf16", 40),  # run after every bf16 Hopper kernel
-        ("bwd_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (varlen)
+        ("bwd_sm90_fp16_d128_r64_c128_f", 70),  # no gate case: a case is made
+        ("bwd_sm90_bf16_d128_r64_c128_f", 60),  # the causal d_head 128 gate case runs it
+        ("bwd_sm80_fp16_d64_r128_c128_w8_fh", 50),  # shadowed on sm_90: a varlen gate case
+        ("bwd_sm80_fp16_d128_r64_c128_w8_fh", 45),  # shadowed, no gate case: a varlen case is made
+        ("bwd_sm90_convert_dq_bf16", 40),  # run after every bf16 Hopper kernel
+        ("bwd_sm80_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (varlen)
     sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
     assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd",
                                               "fp16_d128_b4_s4096_causal_varlen_bwd"]
     for added, change in zip(sel.cases, (changes[0], changes[3])):
         assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == change.kernel
     assert {c["kernel"]: c["case"] for c in sel.covered} == {
-        "bwd_fp16_d64_c128_r128_w8_fb": "fp16_d64_b4_s4096_varlen_bwd",
-        "bwd_sm90_bf16_d128_c128_r64_f": "bf16_d128_b4_s4096_causal_bwd",
-        "bwd_convert_dq_tiles_bf16": "bf16_d128_b4_s4096_causal_bwd",
-        "bwd_convert_dq_fp16": "fp16_d64_b4_s4096_varlen_bwd"}
-    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "90") == "90a"
-    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_c128_r64_f", "80") is None
-    assert sassdiff.arch_of_kernel("bwd_preprocess_fp16", "90") == "90"
-    assert sassdiff.arch_of_kernel("bwd_convert_dq_fp16", "90") == "90"
-    assert sassdiff.arch_of_kernel("bwd_convert_dq_tiles_fp16", "90") == "90a"
-    assert sassdiff.arch_of_kernel("bwd_convert_dq_tiles_fp16", "80") is None
-    assert sassdiff.arch_of_kernel("bwd_fp16_d64_c128_r128_w8_fb", "80") == "80"
+        "bwd_sm80_fp16_d64_r128_c128_w8_fh": "fp16_d64_b4_s4096_varlen_bwd",
+        "bwd_sm90_bf16_d128_r64_c128_f": "bf16_d128_b4_s4096_causal_bwd",
+        "bwd_sm90_convert_dq_bf16": "bf16_d128_b4_s4096_causal_bwd",
+        "bwd_sm80_convert_dq_fp16": "fp16_d64_b4_s4096_varlen_bwd"}
+    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_r64_c128_f", "90") == "90a"
+    assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_r64_c128_f", "80") is None
+    assert sassdiff.arch_of_kernel("bwd_sm80_preprocess_fp16", "90") == "90"
+    assert sassdiff.arch_of_kernel("bwd_sm80_convert_dq_fp16", "90") == "90"
+    assert sassdiff.arch_of_kernel("bwd_sm90_convert_dq_fp16", "90") == "90a"
+    assert sassdiff.arch_of_kernel("bwd_sm90_convert_dq_fp16", "80") is None
+    assert sassdiff.arch_of_kernel("bwd_sm80_fp16_d64_r128_c128_w8_fh", "80") == "80"
 
 
 def _elf(sections: dict[str, bytes]) -> bytes:
@@ -420,12 +433,13 @@ def test_kernel_code_reads_the_text_sections_of_each_cubin(tmp_path, monkeypatch
              "fwd_sm90_k2.sm_90a.cubin": {".text._Z2k2": words[4]}}
     for name, sections in files.items():
         (tmp_path / name).write_bytes(_elf(sections))
-    members = [cubins.Member(n.split(".")[0][4:], n.split(".sm_")[1][:-6], n) for n in files]
+    members = [cubins.Member(n.split(".")[0], n.split(".sm_")[1][:-6], n) for n in files]
     monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
     monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path)
     assert cubins.elf_section(tmp_path / "fwd_k1.sm_80.cubin", ".text._Z2k1") == words[0]
-    assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"k1": words, "sm90_k2": [words[4]]}
-    assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"k1": [words[0]]}
+    assert sassdiff.kernel_code(tmp_path / "x.so", "90") == {"fwd_k1": words,
+                                                             "fwd_sm90_k2": [words[4]]}
+    assert sassdiff.kernel_code(tmp_path / "x.so", "80") == {"fwd_k1": [words[0]]}
 
 
 def test_kernel_code_leaves_out_a_helper_the_unit_does_not_hold(tmp_path, monkeypatch):
@@ -442,18 +456,18 @@ def test_kernel_code_leaves_out_a_helper_the_unit_does_not_hold(tmp_path, monkey
     rows = "_ZN5flash3bwd21bwd_convert_dq_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
     tiles = "_ZN5flash3bwd27bwd_convert_dq_tiles_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
     words = [bytes([i]) * 16 for i in range(4)]
-    unit = "bwd_sm90_bf16_d128_c128_r64_f"
+    unit = "bwd_sm90_bf16_d128_r64_c128_f"
     for build, conversion in (("base", rows), ("head", tiles)):
         (tmp_path / build).mkdir()
         (tmp_path / build / f"{unit}.sm_90a.cubin").write_bytes(_elf({
             f".text.{main}": words[0], f".text.{pre}": words[1], f".text.{conversion}":
             words[2] if build == "base" else words[3], ".text.$__internal_0": words[2]}))
     members = [cubins.Member(k, "90a", f"{unit}.sm_90a.cubin") for k in (
-        unit, "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16")]
+        unit, "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16")]
     monkeypatch.setattr(cubins, "list_cubins", lambda binary: members)
     monkeypatch.setattr(cubins, "extracted_dir", lambda binary: tmp_path / binary)
     base, head = sassdiff.kernel_code("base", "90"), sassdiff.kernel_code("head", "90")
     assert list(base) == [unit]  # (the preprocess is compared as its sm_90 code)
-    assert head["bwd_convert_dq_tiles_bf16"] == [words[3], words[2]]  # with the subroutine
+    assert head["bwd_sm90_convert_dq_bf16"] == [words[3], words[2]]  # with the subroutine
     (change,) = sassdiff.changed_kernels(base, head)
-    assert change.kernel == "bwd_convert_dq_tiles_bf16" and change.new
+    assert change.kernel == "bwd_sm90_convert_dq_bf16" and change.new

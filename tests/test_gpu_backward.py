@@ -26,16 +26,24 @@ import torch
 
 import flash_attention as fa
 from flash_attention import ops
-from flash_attention.config_bwd import SM80_DEFAULT, BwdConfig
 from flash_attention.interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
 )
+from flash_attention.kernels import Call, bwd_sm80, bwd_sm90
+from flash_attention.kernels.bwd_sm80 import Sm80BwdConfig
 from flash_attention.reference import attention_reference
 
 from .gpu_support import rand_inputs
+
+
+def select(dtype: str, d_head: int, softcap: bool, built, hopper: bool = False):
+    """The backward kernel the operator picks (in C++) for a fixed-length call: the Hopper
+    kind's where it can run one (``hopper``) and one is built, else the sm80 kind's."""
+    call = Call(dtype, d_head, softcap=softcap)
+    return (bwd_sm90.select(call, built) if hopper else None) or bwd_sm80.select(call, built)
 
 pytestmark = pytest.mark.gpu
 
@@ -200,7 +208,6 @@ def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
     everything), deterministic with no mask, in the rotated order (r = 1 at d_head 64 and 256, 2
     at 128, GQA): bitwise over repeats and within the rule."""
     from flash_attention.backward import built
-    from flash_attention.config_bwd import select
 
     sm80 = select("bf16", d_head, False, built())
     torch.manual_seed(9)
@@ -208,9 +215,9 @@ def test_sm80_family_rotated_deterministic_order(require_extension, d_head):
     dout = torch.randn_like(q)
     out, lse = torch.ops.flash_attention.attention.default(q, k, v, None, None, 0, 0, None,
                                                            False, -1, -1, 0.0, True, "")
-    first = _bwd_op(q, k, v, dout, out, lse, sm80.short, deterministic=True)
+    first = _bwd_op(q, k, v, dout, out, lse, sm80.name, deterministic=True)
     for _ in range(2):
-        for a, b in zip(first, _bwd_op(q, k, v, dout, out, lse, sm80.short, deterministic=True)):
+        for a, b in zip(first, _bwd_op(q, k, v, dout, out, lse, sm80.name, deterministic=True)):
             assert torch.equal(a, b)
     check_grads(first, q, k, v, dout, what=f"sm80 rotated d_head {d_head}")
 
@@ -229,9 +236,9 @@ def _sm80_named_call(kernel: str, case: int):
     rule; bitwise the same on a second call when deterministic)."""
     from flash_attention.backward import built
 
-    if kernel not in {c.short for c in built()}:
-        pytest.skip(f"{kernel} is not in this build (FLASH_ATTENTION_BWD_KERNELS=default)")
-    cfg = BwdConfig.parse(kernel)
+    if kernel not in {c.name for c in built()}:
+        pytest.skip(f"{kernel} is not in this build (FLASH_ATTENTION_KERNELS=default)")
+    cfg = Sm80BwdConfig.parse(kernel)
     sq, sk, h, hk, causal, window, det, below = _SM80_NAMED_CASES[case]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     softcap = 30.0 if cfg.softcap else 0.0
@@ -251,7 +258,7 @@ def _sm80_named_call(kernel: str, case: int):
 
 
 @pytest.mark.parametrize("case", range(len(_SM80_NAMED_CASES)))
-@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT])
+@pytest.mark.parametrize("kernel", [c.name for c in bwd_sm80.DEFAULT])
 def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
     """Each sm80-family kernel of the default set named explicitly on fixed-length calls
     (tails, GQA/MQA, causal, a window, deterministic, a zero-padded d_head, its softcap). On an
@@ -263,7 +270,7 @@ def test_sm80_family_fixed_length_by_name(require_extension, kernel, case):
 
 @pytest.mark.parametrize("order", ["lane", "rows"])
 @pytest.mark.parametrize("case", [0, 1, 2])
-@pytest.mark.parametrize("kernel", [c.short for c in SM80_DEFAULT if c.d_head in (64, 128)])
+@pytest.mark.parametrize("kernel", [c.name for c in bwd_sm80.DEFAULT if c.d_head in (64, 128)])
 def test_sm80_family_dq_orders(require_extension, monkeypatch, kernel, case, order):
     """The sm80 family's other dQ orders on fixed-length calls, forced on any GPU
     (FLASH_ATTENTION_SM80_DQ_ORDER): "lane", the lane-major tile order sm_80-89 run
@@ -291,7 +298,6 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     dK and dV always, dQ too when deterministic); K and V expanded over their heads (stride 0,
     not TMA-addressable) run on the sm80 family. The kernels run are read from the profiler."""
     from flash_attention.backward import built
-    from flash_attention.config_bwd import select
 
     configs = built()
     hopper = select("bf16", d_head, False, configs, hopper=True)
@@ -306,9 +312,9 @@ def test_the_operator_routes_the_backward_by_family(require_extension, d_head):
     args = (q, k, v, dout, out, lse)
     for det in (False, True):
         assert _main_kernels(*args, deterministic=det, causal=True) == {"sm90"}
-        assert _main_kernels(*args, sm80.short, deterministic=det, causal=True) == {"sm80"}
+        assert _main_kernels(*args, sm80.name, deterministic=det, causal=True) == {"sm80"}
         picked = _bwd_op(*args, deterministic=det, causal=True)
-        named = _bwd_op(*args, hopper.short, deterministic=det, causal=True)
+        named = _bwd_op(*args, hopper.name, deterministic=det, causal=True)
         for a, b in zip(picked[0 if det else 1:], named[0 if det else 1:]):
             assert torch.equal(a, b)
     kx, vx = (t[:, :, :1].expand(-1, -1, 2, -1) for t in (k, v))
@@ -325,7 +331,6 @@ def test_backward_debug_log_names_the_kernel_and_why(require_extension, caplog):
     import logging
 
     from flash_attention.backward import built
-    from flash_attention.config_bwd import select
 
     hopper = select("bf16", 128, False, built(), hopper=True)
     sm80 = select("bf16", 128, False, built())
@@ -344,13 +349,13 @@ def test_backward_debug_log_names_the_kernel_and_why(require_extension, caplog):
 
     fixed = logged(lambda: run_backward(q, k, v, torch.randn_like(q)))
     if on_sm90:
-        assert fixed.endswith(f": {hopper.short}"), fixed
+        assert fixed.endswith(f": {hopper.name}"), fixed
     else:
-        assert f"{sm80.short} (not the Hopper family: " in fixed, fixed
+        assert f"{sm80.name} (not the Hopper family: " in fixed, fixed
     cu = torch.tensor([0, 70, 200], dtype=torch.int32, device="cuda")
     qv, kv, vv = (t[0].detach().requires_grad_() for t in (q, k, v))
     varlen = logged(lambda: fa.attention_varlen(qv, kv, vv, cu, cu, 130, 130).sum().backward())
-    assert f"{sm80.short} (not the Hopper family: " in varlen, varlen
+    assert f"{sm80.name} (not the Hopper family: " in varlen, varlen
     if on_sm90:
         assert "varlen batches run on the sm80-family kernels" in varlen, varlen
 
@@ -370,7 +375,6 @@ def test_hopper_backward_many_tiles(require_extension, d_head, shape, features):
     the rule; the Hopper kernel must be the one that ran. (The shapes once tested a persistent
     grid's tile walk: docs/results/2026-11-27-h200-hopper-backward-persistent-grid.md.)"""
     from flash_attention.backward import built
-    from flash_attention.config_bwd import select
 
     if (torch.cuda.get_device_capability() != (9, 0)
             or select("bf16", d_head, False, built(), hopper=True) is None):

@@ -32,7 +32,7 @@ def _needs_backward_kernel(case: Case) -> None:
     sm90 = torch.cuda.get_device_capability() == (9, 0)  # the Hopper backward's GPU
     if bwd_kernel(case, backward_configs(), sm90) is None:
         pytest.skip(f"this build has no backward kernel for {case.name} "
-                    "(FLASH_ATTENTION_BWD_KERNELS=default has them all)")
+                    "(FLASH_ATTENTION_KERNELS=default has them all)")
 
 
 def _relative_error(got, ref) -> float:

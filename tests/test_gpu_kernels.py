@@ -1,4 +1,4 @@
-"""Every built kernel of the ci and default sets against the fp32 reference (GPU)."""
+"""Every built forward kernel of the ci and default sets against the fp32 reference (GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flash_attention as fa
-from flash_attention.config_sets import SETS
+from flash_attention.kernels import resolve
 
 from .gpu_support import check_against_reference, poisoned_like, rand_inputs
 
@@ -32,17 +32,18 @@ SHAPES = [
 
 
 def configs_under_test():
-    """The built configs of the ci and default sets (all built ones with
-    FLASH_ATTENTION_TEST_CONFIGS=built)."""
+    """The built forward configs of the ci and default sets of both forward kinds (all built
+    ones with FLASH_ATTENTION_TEST_CONFIGS=built)."""
     if not fa.is_built():
         return []
     built = fa.available_configs()
     if os.environ.get("FLASH_ATTENTION_TEST_CONFIGS") == "built":
         return built
-    wanted = set(SETS["ci"]) | set(SETS["default"])
+    wanted = set(TESTED)
     return [c for c in built if c in wanted]
 
 
+TESTED = resolve("fwd:ci,fwd:default")
 CONFIGS = configs_under_test()
 
 # FA_TEST_GRID=gate (the pull-request gate, noxfile): every kernel still runs, each on a rotating
@@ -69,7 +70,7 @@ def param_id(value):
 
 def test_extension_is_built_with_the_tested_sets(require_extension):
     built = set(fa.available_configs())
-    missing = [c.short for c in SETS["ci"] + SETS["default"] if c not in built]
+    missing = [c.name for c in TESTED if c not in built]
     if missing and os.environ.get("FLASH_ATTENTION_REQUIRE_EXT") == "1":
         pytest.fail(f"configs of the ci/default sets not built: {missing}")
 
@@ -82,7 +83,7 @@ def softcap_of(cfg):
 @pytest.mark.parametrize("cfg, shape", sample(CONFIGS, [(s,) for s in SHAPES], 2), ids=param_id)
 def test_kernel_matches_reference(cfg, shape):
     """Every kernel without a mask, and every kernel with one serving an unmasked call."""
-    torch.manual_seed(hash((cfg.short, shape)) % 2**31)
+    torch.manual_seed(hash((cfg.name, shape)) % 2**31)
     batch, sq, sk, heads, kv_heads = shape
     q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
     out = poisoned_like(q)
@@ -110,7 +111,7 @@ MASK_SHAPES = [SHAPES[i] for i in (1, 2, 3, 4, 5, 6, 7)]
     ids=param_id)
 def test_masked_kernel_matches_reference(cfg, shape, causal, window):
     """Causal (bottom-right when Sq != Sk, rows without keys when Sq > Sk) and windows."""
-    torch.manual_seed(hash((cfg.short, shape, window)) % 2**31)
+    torch.manual_seed(hash((cfg.name, shape, window)) % 2**31)
     batch, sq, sk, heads, kv_heads = shape
     q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
     opts = {"causal": causal, "window_size": window, **softcap_of(cfg)}
@@ -136,7 +137,7 @@ MANY_TILE_MASKS = [(True, (-1, -1)), (False, (200, 300)), (False, (1, 700)), (Fa
                                                    else [(False, (-1, -1))])],
     ids=param_id)
 def test_persistent_kernel_over_many_tiles(cfg, causal, window):
-    torch.manual_seed(hash((cfg.short, causal, window)) % 2**31)
+    torch.manual_seed(hash((cfg.name, causal, window)) % 2**31)
     batch, sq, sk, heads, kv_heads = 3, 1000, 1111, 30, 6  # 720 tiles of 128 query rows
     q, k, v = rand_inputs(batch, sq, sk, heads, kv_heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
     opts = {"causal": causal, "window_size": window, **softcap_of(cfg)}
@@ -152,7 +153,7 @@ def test_kernel_row_max_grows_across_blocks(cfg):
     block first) by far more than 8 in exp2 units (a factor 2^8): every rescale path runs,
     including the lazy rescale's moves (flag r) between blocks that keep the old max (softcap
     kernels bound the scores, so there only the plain path runs)."""
-    torch.manual_seed(hash(cfg.short) % 2**31 + 1)
+    torch.manual_seed(hash(cfg.name) % 2**31 + 1)
     batch, sq, sk, heads = 2, 300, 1100, 4
     q, k, v = rand_inputs(batch, sq, sk, heads, heads, cfg.d_head, TORCH_DTYPE[cfg.dtype])
     growth = torch.linspace(6.0, 1.0, sk, device="cuda", dtype=torch.float32)  # key 0 largest

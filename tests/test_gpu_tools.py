@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import flash_attention as fa
-from flash_attention.config_sets import SETS
+from flash_attention.kernels import resolve
 
 pytestmark = pytest.mark.gpu
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 def _built_defaults():
     if not fa.is_built():
         return []
-    return [c.short for c in fa.available_configs() if c in SETS["default"]]
+    default = set(resolve("fwd:default"))  # the forward default set of both forward kinds
+    return [c.name for c in fa.available_configs() if c in default]
 
 
 @pytest.mark.parametrize("kernel", _built_defaults())
@@ -36,8 +37,8 @@ def test_debug_reports_a_planted_mismatch(require_extension, monkeypatch):
         return out, lse
 
     monkeypatch.setattr(fa, "attention", wrong)
-    kernel = fa.available_configs()[0].short
-    cfg = fa.parse_config(kernel)
+    kernel = fa.available_configs()[0].name
+    cfg = fa.parse(kernel)
     _, m = debug.run(kernel, batch=1, seqlen_q=100, seqlen_k=150, heads=2)
     assert m is not None and (m.batch, m.head) == (0, 1)
     assert m.q_block * cfg.block_r + m.row == 70
@@ -90,8 +91,8 @@ def test_bench_times_the_backward_of_each_named_kernel(require_extension):
     from fa_tools.gpu import bench
     from flash_attention.backward import built
 
-    names = {c.short for c in built()}
-    wanted = [k for k in bench.backward_kernels("default", "bf16", 64) if k in names]
+    names = {c.name for c in built()}
+    wanted = [k for k in bench.backward_kernels("bwd:default", "bf16", 64) if k in names]
     if not wanted:
         pytest.skip("no bf16 d_head 64 backward kernel of the default set built")
     rows = bench.run(["bf16"], [64], [(1, 512)], heads=4, configs=",".join(wanted), reps=2,

@@ -75,7 +75,7 @@ def test_fake_implementation_refuses_what_the_build_cannot_run(mode):
     q = fake(mode, 1, 8, 2, 64)
     with mode, pytest.raises(RuntimeError, match="not in this build"):
         torch.ops.flash_attention.fwd(q, q, q, torch.empty_like(q), None,
-                                      "bf16_d64_r64_c64_w4_fsqkv", 0.1, -1, -1, 0.0)
+                                      "fwd_sm80_bf16_d64_r64_c64_w4_fsqkv", 0.1, -1, -1, 0.0)
     odd = fake(mode, 1, 8, 2, 64, dtype=torch.float16)
     if not ops.extension().choice("fp16", 64, 8, True, True):
         with mode, pytest.raises(RuntimeError, match="no kernel for fp16 with d_head=64 with "
@@ -92,7 +92,7 @@ def test_extension_dispatch_table_is_pythons_choice(require_extension):
                     fallback = dispatch.select(dtype, d, seqlen, ops.BUILT, mask, softcap)
                     fast = dispatch.select_sm90(dtype, d, seqlen, ops.BUILT, mask, softcap,
                                                 local)
-                    want = (fast or fallback).short
+                    want = (fast or fallback).name
                 except fa.ConfigError:
                     want = ""
                 assert ext.choice(dtype, d, seqlen, mask, softcap, local) == want, (

@@ -16,6 +16,8 @@ from fa_tools.analysis import binaries, cubins, diff, opcodes, ptx2sass, ptxas_r
 from fa_tools.analysis.kernel_names import archs_of, parse_kernel
 from fa_tools.cli import main as cli
 from fa_tools.gate import ratchet
+from flash_attention.kernels import HelperKernel, bwd_sm90, resolve
+from flash_attention.kernels.bwd_helpers import helpers, helpers_of
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,19 +44,17 @@ def built():
 
 
 def _bwd_mains(info: dict) -> list:
-    """The backward main kernels of the build (either family)."""
-    from flash_attention.config_bwd import parse_config
-
-    return [parse_config(k) for k in info.get("bwd_configs", [])]
+    """The backward main kernels of the build (either kind)."""
+    return [fa.parse(k) for k in info["bwd_configs"]]
 
 
 def _built_kernels(info: dict) -> list[str]:
-    """Short forms of every kernel the build holds: forward, backward (either family) and the
-    backward's helpers (the preprocess and each built family's dQ conversion) of its dtypes."""
-    from flash_attention.config_bwd import aux_kernels
+    """Names of every kernel the build holds: forward, backward (either kind) and the
+    backward's helpers (the preprocess and each built kind's dQ conversion) of its dtypes."""
+    from flash_attention.kernels.bwd_helpers import helpers
 
     bwd = _bwd_mains(info)
-    return [*info["configs"], *(c.short for c in (*bwd, *aux_kernels(bwd)))]
+    return [*info["configs"], *(c.name for c in (*bwd, *helpers(bwd)))]
 
 
 def test_resource_report_covers_every_built_kernel_and_arch(built):
@@ -70,22 +70,22 @@ def test_resource_report_covers_every_built_kernel_and_arch(built):
     for r in records:
         cfg = parse_kernel(r.kernel)
         assert 0 < r.registers <= 255
-        assert r.barriers >= 1 or r.kernel.startswith(("bwd_preprocess_", "bwd_convert_dq_"))
+        assert r.barriers >= 1 or HelperKernel.matches(r.kernel)
         assert r.dynamic_smem == cfg.smem_bytes
         assert r.ctas_per_sm >= 1 and r.warps_per_sm == r.ctas_per_sm * cfg.warps
 
 
 def test_backward_kernels_in_the_sass_tools(built, capsys):
-    """An sm80-family backward cubin holds the main kernel and its family's two helpers of its
-    dtype (the preprocess, the row-order dQ conversion): each is listed, counted and dumped
-    alone, by short form."""
+    """A bwd_sm80 cubin holds the main kernel and its kind's two helpers of its dtype (the
+    preprocess, the row-order dQ conversion): each is listed, counted and dumped alone, by
+    name."""
     binary, info = built
-    sm80 = [k for k in info.get("bwd_configs", []) if not k.startswith("bwd_sm90_")]
+    sm80 = [k for k in info["bwd_configs"] if k.startswith("bwd_sm80_")]
     if not sm80:
-        pytest.skip("no sm80-family backward kernels built")
+        pytest.skip("no bwd_sm80 kernels built")
     main = sm80[0]
-    dtype = main.split("_")[1]
-    helpers = [f"bwd_preprocess_{dtype}", f"bwd_convert_dq_{dtype}"]
+    dtype = main.split("_")[2]
+    helpers = [f"bwd_sm80_preprocess_{dtype}", f"bwd_sm80_convert_dq_{dtype}"]
     listed = {m.kernel for m in cubins.list_cubins(binary) if m.arch == "90"}
     assert {main, *helpers} <= listed
     mmas = {k: opcodes.histogram(k, "90", sass.instructions(binary, k, "90"))
@@ -98,22 +98,22 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
     # The set count over an arch the build has (a GPU runner's build may hold sm_90 only).
     arches = {m.arch for m in cubins.list_cubins(binary)}
     arch = "80" if "80" in arches else "90"
-    assert cli(["count", "bwd:default", "--arch", arch, "--format", "csv"]) == 0
+    assert cli(["count", "bwd:default", "--arch", arch, "--format", "csv"]) == 0  # a selection
     rows = capsys.readouterr().out.splitlines()[1:]
     assert {r.split(",")[0] for r in rows} >= {main, *helpers} & {
         m.kernel for m in cubins.list_cubins(binary) if m.arch == arch}
 
 
 def test_hopper_backward_kernels_in_the_sass_tools(built):
-    """A Hopper backward unit (sm_90a alone) holds its main kernel and its family's two helpers
-    of its dtype, the preprocess and the tile-order dQ conversion (not the sm80 family's): the
+    """A Hopper backward unit (sm_90a alone) holds its main kernel and its kind's two helpers
+    of its dtype, the preprocess and the tile-order dQ conversion (not the sm80 kind's): the
     main kernel found under --arch 90 as under 90a, with the wgmma count of its tile
     (opcodes.expected_mma_count), TMA loads and stores, mbarriers, setmaxnreg and no mma.sync;
     its helpers there without matrix instructions, the dQ conversion under 90a alone."""
     binary, info = built
-    hopper = [k for k in info.get("bwd_configs", []) if k.startswith("bwd_sm90_")]
+    hopper = [k for k in info["bwd_configs"] if k.startswith("bwd_sm90_")]
     if not hopper:
-        pytest.skip("no Hopper backward kernels built (FLASH_ATTENTION_BWD_KERNELS=hopper)")
+        pytest.skip("no Hopper backward kernels built (FLASH_ATTENTION_KERNELS=default)")
     listed = {(m.kernel, m.arch) for m in cubins.list_cubins(binary)}
     for short in hopper:
         cfg = parse_kernel(short)
@@ -124,22 +124,21 @@ def test_hopper_backward_kernels_in_the_sass_tools(built):
         assert set(hist.base) >= {"HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "WARPGROUP",
                                   "USETMAXREG", "MUFU"}, short
         assert "HMMA" not in hist.base and "LDGSTS" not in hist.base, short
-        for helper in (f"bwd_preprocess_{cfg.dtype}", f"bwd_convert_dq_tiles_{cfg.dtype}"):
+        for helper in (f"bwd_sm80_preprocess_{cfg.dtype}", f"bwd_sm90_convert_dq_{cfg.dtype}"):
             assert (helper, "90a") in listed
             assert opcodes.histogram(helper, "90a", sass.instructions(binary, helper, "90a")
                                      ).categories["tensor_mma"] == 0
-        tiles = f"bwd_convert_dq_tiles_{cfg.dtype}"
+        tiles = f"bwd_sm90_convert_dq_{cfg.dtype}"
         assert {a for k, a in listed if k == tiles} == {"90a"}
         assert cubins.cubin(binary, tiles, "90") == cubins.cubin(binary, tiles, "90a")
-        assert (f"bwd_convert_dq_{cfg.dtype}", "90a") not in listed
+        assert (f"bwd_sm80_convert_dq_{cfg.dtype}", "90a") not in listed
 
 
 def test_default_backward_kernels_do_not_spill(built):
-    """The backward kernels users run (the `default` backward set and its helpers), as built
-    (the build compiles them for both architectures; ptxas's word): no spill, no stack."""
-    from flash_attention.config_bwd import DEFAULT, aux_kernels
-
-    wanted = {c.short for c in (*DEFAULT, *aux_kernels(DEFAULT))}
+    """The backward kernels users run (`bwd:default` and its helpers), as built (the build
+    compiles them for both architectures; ptxas's word): no spill, no stack."""
+    default = resolve("bwd:default")
+    wanted = {c.name for c in (*default, *helpers(default))}
     records = [r for r in ptxas_report.load(binaries.ptxas_log_path()) if r.kernel in wanted]
     if not records:
         pytest.skip("the default backward set is not built")
@@ -151,12 +150,12 @@ def test_default_backward_kernels_do_not_spill(built):
 def test_recorded_log_edge_cases():
     records = ptxas_report.load(DATA / "ptxas_sample.log")
     by = {(r.kernel, r.arch): r for r in records}
-    spill = by[("bf16_d64_r128_c128_w4_fsekvbor", "90")]
+    spill = by[("fwd_sm80_bf16_d64_r128_c128_w4_fsekvbor", "90")]
     assert (spill.registers, spill.spill_stores, spill.spill_loads) == (255, 124, 116)
     assert spill.stack_frame == 104 and spill.cumulative_stack == 104
-    plain80 = by[("fp16_d64_r64_c32_w4_fqkv", "80")]
+    plain80 = by[("fwd_sm80_fp16_d64_r64_c32_w4_fqkv", "80")]
     assert plain80.cmem0 == 512 and plain80.compile_ms == pytest.approx(57.277)
-    assert by[("fp16_d64_r64_c32_w4_fqkv", "90")].cmem0 == 0
+    assert by[("fwd_sm80_fp16_d64_r64_c32_w4_fqkv", "90")].cmem0 == 0
     assert [r.kernel for r in records] == sorted(r.kernel for r in records)
 
 
@@ -185,7 +184,7 @@ def test_serialized_wgmma_note_is_attributed_to_its_kernel():
             "ptxas info    : 0 bytes gmem\n" + entry.format(SM90_MANGLED) +
             entry.format("_Z6helperPf"))
     by = {r.kernel: r for r in ptxas_report.parse(text)}
-    assert by["sm90_bf16_d128_c128_g2_s2_fwoesnqrm"].wgmma_serialized == "C7512"
+    assert by["fwd_sm90_bf16_d128_r128_c128_s2_fwialngzm"].wgmma_serialized == "C7512"
     assert by["_Z6helperPf"].wgmma_serialized == ""
     # the same note for a function of another compile does not stick to the next entry
     other = text.replace(SM90_MANGLED + "'\n", "_Z5otherv'\n", 1)
@@ -218,7 +217,7 @@ def test_mma_count_matches_tile_shapes(built):
     (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further."""
     binary, info = built
     for short in info["configs"]:
-        cfg = fa.parse_config(short)
+        cfg = fa.parse(short)
         for arch in archs_of(cfg, info["archs"]):
             instrs = sass.instructions(binary, short, arch)
             hist = opcodes.histogram(short, arch, instrs)
@@ -248,9 +247,9 @@ def test_no_local_memory_when_spill_free(built):
 
 def test_spilling_kernel_shows_local_memory(tmp_path):
     """Consistency the other way round: a config ptxas spills has LDL/STL in its SASS."""
-    from flash_attention.codegen import kernel_source
+    from flash_attention.codegen.generate import kernel_source
 
-    cfg = fa.KernelConfig.parse("bf16_d64_r128_c128_w4_fsekvbor")
+    cfg = fa.parse("fwd_sm80_bf16_d64_r128_c128_w4_fsekvbor")
     src = tmp_path / "k.cu"
     src.write_text(kernel_source(cfg))
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
@@ -355,38 +354,37 @@ BWD_TILES = "_ZN5flash3bwd27bwd_convert_dq_tiles_kernelI13__nv_bfloat16EEvNS_9Bw
 
 
 def test_backward_kernel_names():
-    assert parse_kernel("bwd_bf16_d128_c128_r64_w8_fb").block_r == 64
-    assert parse_kernel("bwd_convert_dq_fp16").threads == 256
+    assert parse_kernel("bwd_sm80_bf16_d128_r64_c128_w8_fh").block_r == 64
+    assert parse_kernel("bwd_sm80_convert_dq_fp16").threads == 256
     from fa_tools.analysis.kernel_names import short_of
 
-    assert short_of(BWD_MAIN) == "bwd_bf16_d128_c128_r64_w8_fb"
-    assert short_of(BWD_PRE) == "bwd_preprocess_bf16"
+    assert short_of(BWD_MAIN) == "bwd_sm80_bf16_d128_r64_c128_w8_fh"
+    assert short_of(BWD_PRE) == "bwd_sm80_preprocess_bf16"
     assert short_of(BWD_PRE.replace("preprocess", "convert_dq").replace("13__nv_bfloat16",
                                                                         "6__half")) \
-        == "bwd_convert_dq_fp16"
+        == "bwd_sm80_convert_dq_fp16"
 
 
 def test_hopper_backward_dq_conversion_names():
-    """The Hopper family's dQ conversion (bwd_convert_dq_tiles_kernel) parses to its short form
-    for either dtype, a helper of 256 threads without dynamic shared memory, sm_90a code alone
-    (a Hopper-family kernel by config and by name), held by the Hopper units alone."""
+    """The Hopper kind's dQ conversion (bwd_convert_dq_tiles_kernel) parses to its name for
+    either dtype, a helper of 256 threads without dynamic shared memory, sm_90a code alone (a
+    Hopper kernel by config and by name), held by the Hopper units alone."""
     from fa_tools.analysis.kernel_names import config_of, is_hopper, is_hopper_name, short_of
-    from flash_attention.config_bwd import BwdAuxKernel, aux_kernels_of
 
-    assert short_of(BWD_TILES) == "bwd_convert_dq_tiles_bf16"
-    assert config_of(BWD_TILES) == BwdAuxKernel("convert_dq_tiles", "bf16")
+    assert short_of(BWD_TILES) == "bwd_sm90_convert_dq_bf16"
+    assert config_of(BWD_TILES) == HelperKernel("sm90", "convert_dq", "bf16")
     assert short_of(BWD_TILES.replace("13__nv_bfloat16", "6__half")) \
-        == "bwd_convert_dq_tiles_fp16"
+        == "bwd_sm90_convert_dq_fp16"
     assert short_of(BWD_TILES.replace("27bwd_convert_dq_tiles", "26bwd_convert_dq_tile")) is None
-    tiles = parse_kernel("bwd_convert_dq_tiles_bf16")
-    assert (tiles.kind, tiles.dtype, tiles.threads, tiles.smem_bytes) == (
-        "convert_dq_tiles", "bf16", 256, 0)
-    assert tiles.family == "sm90-bwd" and is_hopper(tiles) and is_hopper_name(tiles.short)
+    tiles = parse_kernel("bwd_sm90_convert_dq_bf16")
+    assert (tiles.job, tiles.dtype, tiles.threads, tiles.smem_bytes) == (
+        "convert_dq", "bf16", 256, 0)
+    assert tiles.family == "sm90" and is_hopper(tiles) and is_hopper_name(tiles.name)
     assert archs_of(tiles, ["80", "90"]) == ["90a"]
-    assert [a.short for a in aux_kernels_of(parse_kernel("bwd_sm90_bf16_d128_c128_r64_f"))] == [
-        "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
-    assert [a.short for a in aux_kernels_of(parse_kernel("bwd_fp16_d64_c128_r128_w8_fb"))] == [
-        "bwd_preprocess_fp16", "bwd_convert_dq_fp16"]
+    assert [h.name for h in helpers_of(parse_kernel("bwd_sm90_bf16_d128_r64_c128_f"))] == [
+        "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
+    assert [h.name for h in helpers_of(parse_kernel("bwd_sm80_fp16_d64_r128_c128_w8_fh"))] == [
+        "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16"]
 
 
 # The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c is
@@ -398,45 +396,45 @@ BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16
 
 def test_hopper_backward_kernel_names():
     from fa_tools.analysis.kernel_names import config_of, is_hopper, short_of
-    from flash_attention.config_bwd import SETS, Sm90BwdConfig
+    from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
 
-    assert short_of(BWD_SM90) == "bwd_sm90_bf16_d128_c128_r64_f"
-    assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128)
+    assert short_of(BWD_SM90) == "bwd_sm90_bf16_d128_r64_c128_f"
+    assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128, 64, 128)
     fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELb0ELi64E", "6__halfLi64ELb1ELi128E")
-    assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_c128_r128_ft"
-    assert short_of(BWD_SM90.replace("Li64E", "")) == "bwd_sm90_bf16_d128_c128_r64_f"  # older
+    assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_r128_c128_ft"
+    assert short_of(BWD_SM90.replace("Li64E", "")) == "bwd_sm90_bf16_d128_r64_c128_f"  # older
     assert short_of(BWD_SM90.replace("Lb0E", "Lb0ELb1E")) is None  # a flag more: not ours
     assert short_of(BWD_SM90.replace("bwd_sm90_kernel", "bwd_sm91_kernel")) is None
-    for cfg in SETS["hopper"]:
-        assert parse_kernel(cfg.short) == cfg and is_hopper(cfg)
+    for cfg in bwd_sm90.DEFAULT:
+        assert parse_kernel(cfg.name) == cfg and is_hopper(cfg)
         assert archs_of(cfg, ["80", "90"]) == ["90a"]
-    assert not is_hopper(parse_kernel("bwd_bf16_d128_c128_r64_w8_fb"))
-    assert not is_hopper(parse_kernel("bwd_preprocess_bf16"))
-    assert not is_hopper(parse_kernel("bwd_convert_dq_bf16"))
+    assert not is_hopper(parse_kernel("bwd_sm80_bf16_d128_r64_c128_w8_fh"))
+    assert not is_hopper(parse_kernel("bwd_sm80_preprocess_bf16"))
+    assert not is_hopper(parse_kernel("bwd_sm80_convert_dq_bf16"))
 
 
 def test_hopper_names_and_families_agree():
-    """The short-form prefix the SASS tools go by names the same kernels as the family."""
+    """The name prefix the SASS tools go by names the same kernels as the family."""
     from fa_tools.analysis.kernel_names import is_hopper, is_hopper_name
-    from flash_attention import config_bwd, config_sets
 
-    kernels = [*config_sets.SETS["all"], *config_bwd.SETS["all"],
-               *config_bwd.aux_kernels(config_bwd.SETS["all"])]
-    assert {c.family for c in kernels} == {"sm80", "sm90", "sm80-bwd", "sm90-bwd"}
+    kernels = [*resolve("all"), *helpers(resolve("all"))]
+    assert {c.family for c in kernels} == {"sm80", "sm90"}
+    assert {c.KIND for c in kernels if not isinstance(c, HelperKernel)} == {
+        "fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90"}
     for cfg in kernels:
-        assert is_hopper_name(cfg.short) == is_hopper(cfg), cfg.short
+        assert is_hopper_name(cfg.name) == is_hopper(cfg), cfg.name
 
 
 def test_backward_helpers_have_the_archs_of_their_units():
     """A helper is compiled in every backward unit of its dtype that holds it (the preprocess
-    in both families', a dQ conversion in its own family's): under the build's archs for an
+    in both kinds', a dQ conversion in its own kind's): under the build's archs for an
     sm80-family unit, under 90a for a Hopper one; without the build's backward kernels, its
     family's (the build's archs, 90a alone for the Hopper dQ conversion)."""
-    pre = parse_kernel("bwd_preprocess_bf16")
-    rows, tiles = parse_kernel("bwd_convert_dq_bf16"), parse_kernel("bwd_convert_dq_tiles_bf16")
-    sm80 = parse_kernel("bwd_bf16_d128_c128_r64_w8_fb")
-    hopper = parse_kernel("bwd_sm90_bf16_d128_c128_r64_f")
-    fp16_hopper = parse_kernel("bwd_sm90_fp16_d64_c128_r64_ft")
+    pre = parse_kernel("bwd_sm80_preprocess_bf16")
+    rows, tiles = parse_kernel("bwd_sm80_convert_dq_bf16"), parse_kernel("bwd_sm90_convert_dq_bf16")
+    sm80 = parse_kernel("bwd_sm80_bf16_d128_r64_c128_w8_fh")
+    hopper = parse_kernel("bwd_sm90_bf16_d128_r64_c128_f")
+    fp16_hopper = parse_kernel("bwd_sm90_fp16_d64_r64_c128_ft")
     assert archs_of(pre, ["80", "90"]) == ["80", "90"]
     assert archs_of(pre, ["80", "90"], [sm80]) == ["80", "90"]
     assert archs_of(pre, ["80", "90"], [hopper, sm80]) == ["80", "90", "90a"]
@@ -453,8 +451,8 @@ def test_backward_helpers_have_the_archs_of_their_units():
 
 
 def test_hopper_backward_ptxas_records():
-    """ptxas's report of a Hopper backward unit (its main kernel and its family's helpers of
-    its dtype, all sm_90a): named by short form, with the config's shared memory and
+    """ptxas's report of a Hopper backward unit (its main kernel and its kind's helpers of
+    its dtype, all sm_90a): named by kernel name, with the config's shared memory and
     occupancy."""
     def entry(name: str, regs: int, barriers: int) -> str:
         return (f"ptxas info    : Compiling entry function '{name}' for 'sm_90a'\n"
@@ -464,84 +462,106 @@ def test_hopper_backward_ptxas_records():
 
     text = entry(BWD_SM90, 168, 16) + entry(BWD_PRE, 28, 0) + entry(BWD_TILES, 20, 0)
     by = {r.kernel: r for r in ptxas_report.parse(text)}
-    main = by["bwd_sm90_bf16_d128_c128_r64_f"]
+    main = by["bwd_sm90_bf16_d128_r64_c128_f"]
     assert (main.arch, main.registers, main.barriers, main.dynamic_smem) == ("90a", 168, 16,
                                                                              198784)
     assert (main.ctas_per_sm, main.warps_per_sm) == (1, 12)
-    assert by["bwd_preprocess_bf16"].arch == "90a"
-    tiles = by["bwd_convert_dq_tiles_bf16"]
+    assert by["bwd_sm80_preprocess_bf16"].arch == "90a"
+    tiles = by["bwd_sm90_convert_dq_bf16"]
     assert (tiles.arch, tiles.dynamic_smem) == ("90a", 0)
     assert tiles.warps_per_sm == tiles.ctas_per_sm * 8  # 256 threads a CTA
 
 
-def test_hopper_backward_cubin_members(monkeypatch):
-    """cuobjdump's listing of a build with both backward families: a Hopper unit adds its main
-    kernel and its family's helpers (the preprocess, the tile-order dQ conversion) under 90a;
-    --arch 90 finds a Hopper kernel's sm_90a code, the Hopper dQ conversion's too."""
-    listing = "".join(f"ELF file {i}: {name}.cubin\n" for i, name in enumerate([
-        "bwd_bf16_d128_c128_r64_w8_fb.sm_90", "bwd_registry.sm_90",
-        "bwd_sm90_bf16_d128_c128_r64_f.sm_90a", "fwd_sm90_bf16_d128_c128_g2_s2_fwes.sm_90a"]))
+# cuobjdump's names of a build's units: this scheme's (a unit named after its kernel, one
+# registry) and the old one's (fwd_<old name>, <old backward name>, bwd_registry), which the
+# tools read under the current names (a gate base from before the one name scheme)
+UNITS = {"new": ["bwd_sm80_bf16_d128_r64_c128_w8_fh.sm_90", "registry.sm_90",
+                 "bwd_sm90_bf16_d128_r64_c128_f.sm_90a",
+                 "fwd_sm90_bf16_d128_r128_c128_s2_fwal.sm_90a",
+                 "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor.sm_90"],
+         "old": ["bwd_bf16_d128_c128_r64_w8_fb.sm_90", "bwd_registry.sm_90",
+                 "bwd_sm90_bf16_d128_c128_r64_f.sm_90a",
+                 "fwd_sm90_bf16_d128_c128_g2_s2_fwes.sm_90a",
+                 "fwd_bf16_d128_r128_c64_w4_fseqkvbor.sm_90", "registry.sm_90"]}
+
+
+@pytest.mark.parametrize("scheme", UNITS)
+def test_hopper_backward_cubin_members(monkeypatch, scheme):
+    """cuobjdump's listing of a build with both backward kinds: a Hopper unit adds its main
+    kernel and its kind's helpers (the preprocess, the tile-order dQ conversion) under 90a;
+    --arch 90 finds a Hopper kernel's sm_90a code, the Hopper dQ conversion's too. A build from
+    before the one name scheme lists the same kernels under their current names."""
+    units = UNITS[scheme]
+    listing = "".join(f"ELF file {i}: {name}.cubin\n" for i, name in enumerate(units))
     monkeypatch.setattr(cubins, "run_tool", lambda *args, **kw: listing)
     members = cubins.list_cubins(Path("x.so"))
     got = {(m.kernel, m.arch): m.file for m in members}
-    hopper = "bwd_sm90_bf16_d128_c128_r64_f"
-    assert set(got) == {("bwd_bf16_d128_c128_r64_w8_fb", "90"), ("bwd_preprocess_bf16", "90"),
-                        ("bwd_convert_dq_bf16", "90"), (hopper, "90a"),
-                        ("bwd_preprocess_bf16", "90a"), ("bwd_convert_dq_tiles_bf16", "90a"),
-                        ("sm90_bf16_d128_c128_g2_s2_fwes", "90a")}
-    assert got[("bwd_preprocess_bf16", "90a")] == f"{hopper}.sm_90a.cubin"
+    hopper = "bwd_sm90_bf16_d128_r64_c128_f"
+    assert set(got) == {("bwd_sm80_bf16_d128_r64_c128_w8_fh", "90"),
+                        ("bwd_sm80_preprocess_bf16", "90"), ("bwd_sm80_convert_dq_bf16", "90"),
+                        (hopper, "90a"), ("bwd_sm80_preprocess_bf16", "90a"),
+                        ("bwd_sm90_convert_dq_bf16", "90a"),
+                        ("fwd_sm90_bf16_d128_r128_c128_s2_fwal", "90a"),
+                        ("fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", "90")}
+    hopper_file, sm80_file = f"{units[2]}.cubin", f"{units[0]}.cubin"
+    assert got[("bwd_sm80_preprocess_bf16", "90a")] == hopper_file
+    assert got[("fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", "90")] == f"{units[4]}.cubin"
     monkeypatch.setattr(cubins, "_extracted", lambda binary, stamp: Path("/x"))
     monkeypatch.setattr(cubins, "_stamp", lambda binary: "s")
-    assert cubins.cubin(Path("x.so"), hopper, "90") == Path(f"/x/{hopper}.sm_90a.cubin")
-    assert cubins.cubin(Path("x.so"), "bwd_preprocess_bf16", "90") == Path(
-        "/x/bwd_bf16_d128_c128_r64_w8_fb.sm_90.cubin")
-    assert cubins.cubin(Path("x.so"), "bwd_convert_dq_tiles_bf16", "90") == Path(
-        f"/x/{hopper}.sm_90a.cubin")
+    assert cubins.cubin(Path("x.so"), hopper, "90") == Path(f"/x/{hopper_file}")
+    assert cubins.cubin(Path("x.so"), "bwd_sm80_preprocess_bf16", "90") == Path(
+        f"/x/{sm80_file}")
+    assert cubins.cubin(Path("x.so"), "bwd_sm90_convert_dq_bf16", "90") == Path(
+        f"/x/{hopper_file}")
     with pytest.raises(binaries.ToolError, match="no sm_80 code for " + hopper):
         cubins.cubin(Path("x.so"), hopper, "80")
 
 
 def test_cli_names_the_hopper_backward_set(monkeypatch):
-    """bwd:hopper names the built Hopper backward kernels and their helpers (the preprocess and
-    the tile-order dQ conversion); bwd:default both families' (the Hopper set is part of it);
-    with an arch, a set keeps the kernels that have code for it (the Hopper ones under 90, none
-    of them under 80)."""
+    """bwd_sm90:default names the built Hopper backward kernels and their helpers (the
+    preprocess and the tile-order dQ conversion); bwd:default both kinds' (the Hopper set is
+    part of it); with an arch, a selection keeps the kernels that have code for it (the Hopper
+    ones under 90, none of them under 80); a selection of every kind (default) the forward
+    kernels too; a helper's name is kept as it is."""
     from fa_tools import cli as cli_module
 
-    built = ["bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
-             "bwd_bf16_d128_c128_r64_w8_fb", "bwd_preprocess_bf16", "bwd_convert_dq_bf16",
-             "bwd_convert_dq_tiles_bf16"]
+    built = ["bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm90_bf16_d128_r64_c128_ft",
+             "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16",
+             "bwd_sm80_convert_dq_bf16", "bwd_sm90_convert_dq_bf16",
+             "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", "fwd_sm90_bf16_d128_r128_c128_s2_fwal"]
     monkeypatch.setattr(cubins, "list_cubins", lambda binary: [
-        cubins.Member(k, "90a" if k.startswith(("bwd_sm90_", "bwd_convert_dq_tiles_")) else "90",
-                      "f") for k in built])
-    assert cli_module._kernels(Path("x.so"), ["bwd:hopper"]) == [
-        "bwd_sm90_bf16_d128_c128_r64_f", "bwd_sm90_bf16_d128_c128_r64_ft",
-        "bwd_preprocess_bf16", "bwd_convert_dq_tiles_bf16"]
+        cubins.Member(k, "90a" if "_sm90_" in k else "90", "f") for k in built])
+    assert cli_module._kernels(Path("x.so"), ["bwd_sm90:default"]) == [
+        "bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm90_bf16_d128_r64_c128_ft",
+        "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
     assert cli_module._kernels(Path("x.so"), ["bwd:default"]) == [
-        "bwd_bf16_d128_c128_r64_w8_fb", "bwd_sm90_bf16_d128_c128_r64_f",
-        "bwd_sm90_bf16_d128_c128_r64_ft", "bwd_preprocess_bf16", "bwd_convert_dq_bf16",
-        "bwd_convert_dq_tiles_bf16"]
+        "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm90_bf16_d128_r64_c128_f",
+        "bwd_sm90_bf16_d128_r64_c128_ft", "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16",
+        "bwd_sm90_convert_dq_bf16"]
     assert cli_module._kernels(Path("x.so"), ["bwd:default"], "90") == cli_module._kernels(
         Path("x.so"), ["bwd:default"])
     assert cli_module._kernels(Path("x.so"), ["bwd:default"], "80") == []
+    assert cli_module._kernels(Path("x.so"), ["default"])[:2] == [
+        "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", "fwd_sm90_bf16_d128_r128_c128_s2_fwal"]
+    assert cli_module._kernels(Path("x.so"), ["bwd_sm90_convert_dq_bf16", "fwd_sm90:prog"]) == [
+        "bwd_sm90_convert_dq_bf16"]
 
 
 def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
-    """The `hopper` backward set compiled here for sm_90a (its one target), named from ptxas's
-    own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note); each unit
-    holds its main kernel and its family's two helpers of its dtype (the preprocess, the
-    tile-order dQ conversion)."""
+    """The Hopper backward's default set compiled here for sm_90a (its one target), named from
+    ptxas's own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note);
+    each unit holds its main kernel and its kind's two helpers of its dtype (the preprocess,
+    the tile-order dQ conversion)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flash_attention.codegen_bwd import kernel_source
-    from flash_attention.config_bwd import SETS
+    from flash_attention.codegen.generate import kernel_source
 
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if not os.path.exists(nvcc):
         pytest.skip("nvcc not found")
 
     def compile_one(cfg):
-        src = tmp_path / f"{cfg.short}.cu"
+        src = tmp_path / f"{cfg.name}.cu"
         src.write_text(kernel_source(cfg))
         proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
                                "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v",
@@ -551,31 +571,31 @@ def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
         return cfg, ptxas_report.parse(proc.stderr)
 
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        done = list(pool.map(compile_one, SETS["hopper"]))
+        done = list(pool.map(compile_one, bwd_sm90.DEFAULT))
     for cfg, records in done:
         assert {(r.kernel, r.arch) for r in records} == {
-            (cfg.short, "90a"), (f"bwd_preprocess_{cfg.dtype}", "90a"),
-            (f"bwd_convert_dq_tiles_{cfg.dtype}", "90a")}
+            (cfg.name, "90a"), (f"bwd_sm80_preprocess_{cfg.dtype}", "90a"),
+            (f"bwd_sm90_convert_dq_{cfg.dtype}", "90a")}
         bad = [(r.kernel, r.spill_stores, r.stack_frame, r.wgmma_serialized) for r in records
                if r.spill_stores or r.spill_loads or r.stack_frame or r.wgmma_serialized]
-        assert not bad, f"{cfg.short}: {bad}"
+        assert not bad, f"{cfg.name}: {bad}"
 
 
 def test_kernel_code_picks_one_kernel_of_a_backward_cubin():
     main = {"function-name": BWD_MAIN, "start": 0, "sass-instructions": [{"opcode": "HMMA"}]}
     pre = {"function-name": BWD_PRE, "start": 16, "sass-instructions": [{"opcode": "FMUL"}]}
-    assert sass.kernel_code([pre, main], "b.cubin", "bwd_preprocess_bf16") == [
+    assert sass.kernel_code([pre, main], "b.cubin", "bwd_sm80_preprocess_bf16") == [
         {"opcode": "FMUL"}]
-    assert sass.kernel_code([pre, main], "b.cubin", "bwd_bf16_d128_c128_r64_w8_fb") == [
+    assert sass.kernel_code([pre, main], "b.cubin", "bwd_sm80_bf16_d128_r64_c128_w8_fh") == [
         {"opcode": "HMMA"}]
     text = (f"\t.headerflags x\n//----- .text.{BWD_PRE} -----\n"
             f"\t.section\t.text.{BWD_PRE},\"ax\",@progbits\n  FMUL\n"
             f"//----- .text.{BWD_MAIN} -----\n"
             f"\t.section\t.text.{BWD_MAIN},\"ax\",@progbits\n  HMMA\n")
-    assert "HMMA" not in sass.function_text(text, "bwd_preprocess_bf16")
-    assert BWD_MAIN not in sass.function_text(text, "bwd_preprocess_bf16")
-    assert "FMUL" not in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
-    assert ".headerflags" in sass.function_text(text, "bwd_bf16_d128_c128_r64_w8_fb")
+    assert "HMMA" not in sass.function_text(text, "bwd_sm80_preprocess_bf16")
+    assert BWD_MAIN not in sass.function_text(text, "bwd_sm80_preprocess_bf16")
+    assert "FMUL" not in sass.function_text(text, "bwd_sm80_bf16_d128_r64_c128_w8_fh")
+    assert ".headerflags" in sass.function_text(text, "bwd_sm80_bf16_d128_r64_c128_w8_fh")
 
 
 def _other_sass_tools() -> Path | None:
@@ -619,7 +639,7 @@ def test_missing_arch_and_kernel(built):
     with pytest.raises(binaries.ToolError, match="has no sm_86 code"):
         cubins.cubin(binary, info["configs"][0], "86")
     with pytest.raises(binaries.ToolError, match="is not in"):
-        cubins.cubin(binary, "bf16_d64_r64_c64_w4_f", "90")
+        cubins.cubin(binary, "fwd_sm80_bf16_d64_r64_c64_w4_f", "90")
 
 
 def test_cli_module_entry_point(built):
@@ -635,16 +655,16 @@ def test_default_configs_do_not_spill_or_serialize(tmp_path):
     Hopper kernel may have its wgmma serialized by ptxas (a C75xx note)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flash_attention.codegen import kernel_source
-    from flash_attention.config_sets import SETS
+    from flash_attention.codegen.generate import kernel_source
 
+    default = resolve("fwd:default")
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if not os.path.exists(nvcc):
         pytest.skip("nvcc not found")
 
     def compile_one(job):
         cfg, arch = job
-        src = tmp_path / f"{cfg.short}_{arch}.cu"
+        src = tmp_path / f"{cfg.name}_{arch}.cu"
         src.write_text(kernel_source(cfg))
         target = f"-gencode=arch=compute_{arch},code=sm_{arch}"  # 90a: the Hopper family
         proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", target,
@@ -653,7 +673,7 @@ def test_default_configs_do_not_spill_or_serialize(tmp_path):
                               capture_output=True, text=True, check=True)
         return ptxas_report.parse(proc.stderr)[0]
 
-    jobs = [(cfg, arch) for cfg in SETS["default"] for arch in archs_of(cfg, ["80", "90"])]
+    jobs = [(cfg, arch) for cfg in default for arch in archs_of(cfg, ["80", "90"])]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         records = list(pool.map(compile_one, jobs))
     allowed = {k: v["bytes"] for k, v in
@@ -664,14 +684,15 @@ def test_default_configs_do_not_spill_or_serialize(tmp_path):
     assert not spilling, f"default kernels spill (beyond the policy's exceptions): {spilling}"
     serialized = [(r.kernel, r.wgmma_serialized) for r in records if r.wgmma_serialized]
     assert not serialized, f"ptxas serialized the wgmma of default kernels: {serialized}"
-    assert all(k in {c.short for c in SETS["default"]} for k in allowed), \
+    assert all(k in {c.name for c in default} for k in allowed), \
         "a spill exception names a kernel that is not a default kernel"
 
 
 def test_diff_of_names_that_are_not_files_says_so(tmp_path):
     """Two config names given as files: a clear error pointing at --configs, not a traceback."""
     with pytest.raises(SystemExit, match=r"is not a file.*--configs A B"):
-        cli(["diff", "sm90_bf16_d128_c128_g2_s2_fwes", "sm90_bf16_d128_c128_g2_s2_fwesx"])
+        cli(["diff", "fwd_sm90_bf16_d128_r128_c128_s2_fwal",
+             "fwd_sm90_bf16_d128_r128_c128_s2_fwalx"])
     bad = tmp_path / "report.json"
     bad.write_text("not json")
     with pytest.raises(SystemExit, match="is not a JSON report"):

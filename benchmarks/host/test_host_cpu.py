@@ -9,11 +9,17 @@ storage), which pass validation exactly as real CUDA tensors do:
 - validation.check_inputs(q, k, v) (the tensor checks of every call);
 - every Python check of a call: check_inputs, check_scale, check_window, check_softcap,
   check_no_grad and the canonical window: attention()'s host path up to the operator;
-- dispatch.select(dtype, d_head, seqlen_q, built) over the configs a gate build contains (run
-  once per process per (dtype, d_head, bucket, features) to fill the extension's table);
-- KernelConfig.parse(short), config_sets.resolve(spec), codegen.kernel_source(cfg).
+- dispatch.select(dtype, d_head, seqlen_q, built) over the forward configs a gate build
+  contains (run once per process per (dtype, d_head, bucket, features) to fill the extension's
+  table);
+- parsing a kernel name, resolving a selection of forward sets, a kernel's generated source.
 
 The problem is the GPU benchmark's tiny one: (batch, seq, heads, d_head) = (1, 128, 8, 64), bf16.
+
+This file runs against the head's src and a base commit's (hostbench.py --base), which may
+predate flash_attention.kernels (the one name scheme): there the same work goes through the old
+modules (KernelConfig.parse of the old name, config_sets.resolve of the forward sets,
+codegen.kernel_source), so that both sides time the same job and keep the same node ids.
 """
 
 from __future__ import annotations
@@ -22,11 +28,37 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flash_attention import KernelConfig, codegen, config_sets, dispatch, validation
+from flash_attention import dispatch, validation
 
 SHAPE = (1, 128, 8, 64)
-DEFAULT_SHORT = "bf16_d128_r128_c64_w4_fseqkvbor"  # the default long-sequence bf16 kernel
-BUILT = list(config_sets.resolve("ci,default"))  # what the gate builds
+# the default long-sequence bf16 kernel, by its name now and in the old scheme
+DEFAULT_NAME = "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"
+DEFAULT_OLD_NAME = "bf16_d128_r128_c64_w4_fseqkvbor"
+
+try:  # this tree's package: one name scheme, selections of every kind
+    from flash_attention.codegen.generate import kernel_source
+    from flash_attention.kernels import parse, resolve
+
+    KERNEL = DEFAULT_NAME
+    # the forward sets (what config_sets held): the id of each selection timed, and the spec
+    SPECS = {"ci,default": "fwd:ci,fwd:default", "all": "fwd:all"}
+
+    def name_of(cfg) -> str:
+        return cfg.name
+except ImportError:  # a base commit from before it (config, config_sets, the codegen module)
+    from flash_attention.config_sets import resolve
+
+    from flash_attention import KernelConfig
+    from flash_attention.codegen import kernel_source
+
+    parse = KernelConfig.parse
+    KERNEL = DEFAULT_OLD_NAME
+    SPECS = {"ci,default": "ci,default", "all": "all"}
+
+    def name_of(cfg) -> str:
+        return cfg.short
+
+BUILT = list(resolve(SPECS["ci,default"]))  # the forward kernels the gate builds
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +118,19 @@ def test_api_checks(benchmark, fake_qkv):
 
 @pytest.mark.benchmark(group="config")
 def test_config_parse(benchmark):
-    cfg = benchmark(KernelConfig.parse, DEFAULT_SHORT)
-    assert cfg.short == DEFAULT_SHORT
+    cfg = benchmark(parse, KERNEL)
+    assert name_of(cfg) == KERNEL and cfg.dtype == "bf16" and cfg.d_head == 128
 
 
 @pytest.mark.benchmark(group="config")
 @pytest.mark.parametrize("spec", ["ci,default", "all"])
 def test_config_set_resolve(benchmark, spec):
-    assert benchmark(config_sets.resolve, spec)
+    configs = benchmark(resolve, SPECS[spec])
+    assert configs and all(not name_of(c).startswith("bwd_") for c in configs)
 
 
 @pytest.mark.benchmark(group="codegen")
 def test_codegen_kernel_source(benchmark):
-    cfg = KernelConfig.parse(DEFAULT_SHORT)
-    text = benchmark(codegen.kernel_source, cfg)
-    assert f"entry_{DEFAULT_SHORT}" in text
+    cfg = parse(KERNEL)
+    text = benchmark(kernel_source, cfg)
+    assert f"entry_{KERNEL}" in text

@@ -12,13 +12,14 @@
   gate        static ratchet, sequential A/B perf gate and its power study (GPU), rebaseline,
               combined report
 
-Kernels are named by config short form (e.g. bf16_d128_r128_c64_w4_fseqkvbor; backward:
-bwd_bf16_d128_c128_r64_w8_fb, the Hopper backward's bwd_sm90_bf16_d128_c128_r64_f, and their
-helpers: bwd_preprocess_bf16 of both, the dQ conversion bwd_convert_dq_bf16 of the sm80 family
-and bwd_convert_dq_tiles_bf16 of the Hopper one); a kernel argument may also be a set name (ci,
-default, ...; bwd:default, bwd:hopper, ... for the backward's) or 'all' (everything built).
-Hopper-family kernels (sm90_*, bwd_sm90_*, bwd_convert_dq_tiles_*) exist as sm_90a code alone:
---arch 90 finds them.
+Kernels are named as flash_attention.kernels names them (fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor,
+fwd_sm90_bf16_d128_r128_c128_s2_fwpia, bwd_sm80_bf16_d128_r64_c128_w8_fh,
+bwd_sm90_bf16_d128_r64_c128_f, and the backward's helpers: bwd_sm80_preprocess_bf16 of both
+kinds, the dQ conversions bwd_sm80_convert_dq_bf16 and bwd_sm90_convert_dq_bf16); a kernel
+argument may also be a selection as FLASH_ATTENTION_KERNELS takes it (ci, default,
+fwd_sm90:prog, bwd:default, ...: with the helpers of its backward kernels) or 'all' (everything
+built). Hopper kernels (fwd_sm90_*, bwd_sm90_*) exist as sm_90a code alone: --arch 90 finds
+them.
 `resources` reads the one ptxas report of forward and backward.
 Exit status: 0 ok, 1 errors found (sanitize, debug), 2 bad usage, 3 missing tool, binary or GPU.
 """
@@ -29,6 +30,7 @@ import argparse
 import fnmatch
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -48,12 +50,13 @@ def _binary(args: argparse.Namespace) -> Path:
 
 
 def _kernels(binary: Path, names: list[str], arch: str | None = None) -> list[str]:
-    """Config short forms of the given names / set names / 'all', as built in binary (a set or
-    'all' keeps the kernels with code for `arch` where one is named: an sm_90a-only Hopper kernel
-    under 90 or 90a, never under 80). A backward set is named bwd:<set> (bwd:default: its
-    kernels and their helpers, config_bwd.aux_kernels)."""
-    from flash_attention import config_bwd
-    from flash_attention.config_sets import SETS
+    """Kernel names of the given names / selections / 'all', as built in binary (a selection
+    or 'all', everything built, keeps the kernels with code for `arch` where one is named: an
+    sm_90a-only Hopper kernel under 90 or 90a, never under 80). A selection is what
+    FLASH_ATTENTION_KERNELS takes (default, fwd_sm90:tune, bwd:default, ...): its kernels and
+    the helpers of its backward ones (bwd_helpers.helpers)."""
+    from flash_attention.kernels import ConfigError, resolve
+    from flash_attention.kernels.bwd_helpers import helpers
 
     built = sorted({m.kernel for m in cubins.list_cubins(binary)
                     if arch is None or m.arch == arch or (arch == "90" and m.arch == "90a")})
@@ -61,14 +64,13 @@ def _kernels(binary: Path, names: list[str], arch: str | None = None) -> list[st
     for name in names:
         if name == "all":
             out += built
-        elif name in SETS:
-            out += [c.short for c in SETS[name] if c.short in built]
-        elif name.startswith("bwd:") and name[4:] in config_bwd.SETS:
-            configs = config_bwd.SETS[name[4:]]
-            out += [c.short for c in (*configs, *config_bwd.aux_kernels(configs))
-                    if c.short in built]
-        else:
-            out.append(name)
+            continue
+        try:
+            configs = resolve(name)
+        except ConfigError:
+            out.append(name)  # a helper's name, or one the tools report as unknown
+            continue
+        out += [c.name for c in (*configs, *helpers(configs)) if c.name in built]
     return list(dict.fromkeys(out))
 
 
@@ -231,6 +233,52 @@ def cmd_debug(args: argparse.Namespace) -> int:
     return 1
 
 
+_PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+
+
+def _sass_but_params(binary: Path, kernel: str, arch: str) -> list[tuple[str, str, str]]:
+    """The kernel's SASS with every operand in the parameter bank (c[0x0][offset]) as one."""
+    return [(i.predicate, i.opcode, _PARAM.sub("c[0x0][param]", i.operands))
+            for i in sass.instructions(binary, kernel, arch)]
+
+
+def cmd_same_code(args: argparse.Namespace) -> int:
+    """Whether two builds hold the same machine code, kernel for kernel under this tree's names
+    (a build from before the one name scheme is named by its kernels' current names): the raw
+    .text words of each kernel's cubin per GPU architecture (sm_90 runs the Hopper kernels'
+    sm_90a code). With --but-params, a kernel whose words differ is compared again as SASS
+    with its parameter-bank operands (c[0x0][offset]) taken as one: the same code reading its
+    parameters at other offsets. Exit 0 when every kernel of both is the same (byte-identical,
+    or but for its parameter offsets with --but-params), 1 otherwise."""
+    from .gate.sassdiff import arch_of_kernel, changed_kernels, kernel_code
+
+    base_bin, head_bin = Path(args.base).resolve(), Path(args.head).resolve()
+    differ = 0
+    for arch in args.archs.split(","):
+        base = kernel_code(base_bin, arch)
+        head = kernel_code(head_bin, arch)
+        changes = changed_kernels(base, head)
+        gone = sorted(set(base) - set(head))
+        offsets = []
+        if args.but_params:
+            for c in changes:
+                cubin_arch = arch_of_kernel(c.kernel, arch)
+                if not c.new and (_sass_but_params(base_bin, c.kernel, cubin_arch)
+                                  == _sass_but_params(head_bin, c.kernel, cubin_arch)):
+                    offsets.append(c)
+        same = len(head) - len(changes)
+        print(f"sm_{arch}: {same} of {len(head)} kernels byte-identical"
+              + (f", {len(offsets)} the same but for their parameter offsets" if offsets else "")
+              + (f", {len(gone)} only in the base" if gone else ""))
+        for c in changes:
+            print(f"  {c.describe()}" + (": the same but for parameter offsets"
+                                         if c in offsets else ""))
+        for k in gone:
+            print(f"  kernel {k}: only in the base")
+        differ += len(changes) - len(offsets) + len(gone)
+    return 1 if differ else 0
+
+
 def cmd_tools(args: argparse.Namespace) -> int:
     """Which cuobjdump and nvdisasm the analyses use: path, version, origin."""
     used = tools_in_use()
@@ -251,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("resources", help="ptxas resource report per kernel and arch")
     p.add_argument("--log", help="ptxas log (default: the one the build kept)")
-    p.add_argument("--kernel", default="*", help="glob over config short forms")
+    p.add_argument("--kernel", default="*", help="glob over kernel names")
     p.add_argument("--arch", help="only this arch, e.g. 90")
     p.add_argument("--format", choices=formats.FORMATS, default="table")
     p.set_defaults(func=cmd_resources)
@@ -269,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sass)
 
     p = sub.add_parser("count", help="opcode histograms per kernel")
-    p.add_argument("kernels", nargs="+", help="short forms, set names (bwd:<set> for the "
-                   "backward's) or 'all'")
+    p.add_argument("kernels", nargs="+", help="kernel names, selections (default, "
+                   "fwd_sm90:prog, bwd:default, ...) or 'all'")
     p.add_argument("--arch", default="90")
     p.add_argument("--opcodes", choices=("none", "base", "full"), default="none")
     p.add_argument("--format", choices=formats.FORMATS, default="table")
@@ -286,6 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", help="ptxas log for --kind resources")
     binary_arg(p)
     p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("same-code", help="are two builds' kernels byte-identical (by name)")
+    p.add_argument("base", help="extension .so of the first build")
+    p.add_argument("head", help="extension .so of the second build")
+    p.add_argument("--archs", default="80,90", help="GPU architectures to compare")
+    p.add_argument("--but-params", action="store_true",
+                   help="kernels whose code differs only in parameter-bank offsets count as "
+                        "the same")
+    p.set_defaults(func=cmd_same_code)
 
     p = sub.add_parser("ptx2sass", help="SASS of a PTX line and its register slice")
     p.add_argument("kernel")

@@ -5,20 +5,19 @@
     out = fa.attention(q, k, v, causal=True)         # or window_size=(left, right), softcap=c
     out, lse = fa.attention(q, k, v, return_lse=True)
     from flash_attention.interface import flash_attn_func   # flash_attn's API
-    fa.forward("bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)   # a named kernel (sm80 family)
-    fa.forward("sm90_bf16_d128_c128_g2_s2_fwpoe", q, k, v)    # a Hopper one (sm_90a)
+    fa.forward("fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)  # a named kernel
+    fa.forward("fwd_sm90_bf16_d128_r128_c128_s2_fwpia", q, k, v)     # a Hopper one (sm_90a)
     fa.available_configs()
 
 Importing works without the compiled extension (a call then says how to build it) and without
-importing torch: the config modules (config, config_sets, dispatch, codegen) are plain Python,
-and the torch-facing names below load on first use.
+importing torch: the kernel configs (flash_attention.kernels), dispatch and the build's code
+generation (flash_attention.codegen) are plain Python, and the torch-facing names below load on
+first use.
 """
 
 from importlib import import_module
 
-from .config import ConfigError, KernelConfig, parse_config
-from .config_sets import SETS, resolve
-from .config_sm90 import Sm90Config
+from .kernels import ConfigError, KernelConfig, parse, resolve
 
 _LAZY = {
     "attention": "api",
@@ -35,10 +34,11 @@ _LAZY = {
     "build_info": "_extension",
     "is_built": "_extension",
     "dispatch": None,
+    "kernels": None,
     "api": None,
 }
 
-__all__ = ["SETS", "ConfigError", "KernelConfig", "Sm90Config", "parse_config", "resolve", *_LAZY]
+__all__ = ["ConfigError", "KernelConfig", "kernels", "parse", "resolve", *_LAZY]
 
 
 def __getattr__(name: str):

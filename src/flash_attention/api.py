@@ -16,8 +16,7 @@ import torch
 
 from . import ops
 from ._extension import BUILD_HINT
-from .config import ConfigError, KernelConfig, parse_config
-from .config_sm90 import Sm90Config
+from .kernels import ConfigError, KernelConfig, parse
 from .masks import canonical_window
 from .validation import (
     Problem,
@@ -41,37 +40,41 @@ def available_configs() -> list[KernelConfig]:
     return list(ops.BUILT)
 
 
-def _as_config(config: KernelConfig | Sm90Config | str) -> KernelConfig | Sm90Config:
-    if isinstance(config, (KernelConfig, Sm90Config)):
-        return config
+def _as_config(config: KernelConfig | str) -> KernelConfig:
+    """A forward kernel's config, from a config or its name."""
     if isinstance(config, str):
-        return parse_config(config)
-    raise TypeError(f"config must be a KernelConfig, an Sm90Config or a short form string, got "
-                    f"{type(config).__name__}")
+        config = parse(config)
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a kernel config or a kernel name, got "
+                        f"{type(config).__name__}")
+    if config.direction != "fwd":
+        raise ConfigError(f"{config.name} is a {config.KIND} kernel; attention() and forward() "
+                          "run forward kernels (fwd_sm80_..., fwd_sm90_...)")
+    return config
 
 
 def _explicit_kernel(config: KernelConfig | str, prob: Problem, mask: bool,
                      softcap: bool) -> str:
-    """The short form of a config the caller named, after checking it can serve the call."""
+    """The name of a kernel the caller named, after checking it can serve the call."""
     cfg = _as_config(config)
     if cfg.dtype != prob.dtype or cfg.d_head < prob.d_head:
         raise ConfigError(
-            f"config {cfg.short} is for {cfg.dtype} with d_head up to {cfg.d_head}, but the "
+            f"config {cfg.name} is for {cfg.dtype} with d_head up to {cfg.d_head}, but the "
             f"inputs are {prob.dtype} with d_head={prob.d_head}"
         )
     if mask and not cfg.mask:
-        raise ConfigError(f"config {cfg.short} has no masks (flag m): it cannot run causal or "
+        raise ConfigError(f"config {cfg.name} has no masks (flag m): it cannot run causal or "
                           "windowed attention")
     if cfg.softcap != softcap:
-        raise ConfigError(f"config {cfg.short} " + ("applies a softcap (flag t): call it with "
+        raise ConfigError(f"config {cfg.name} " + ("applies a softcap (flag t): call it with "
                           "softcap > 0" if cfg.softcap else "has no softcap (flag t)"))
-    if cfg.short not in ops.BUILT_NAMES:
+    if cfg.name not in ops.BUILT_NAMES:
         raise ConfigError(
-            f"config {cfg.short} is not in this build (it has {len(ops.BUILT_NAMES)} kernels); "
-            f"rebuild with FLASH_ATTENTION_KERNELS={cfg.short} (comma-separate to add more): "
+            f"config {cfg.name} is not in this build (it has {len(ops.BUILT_NAMES)} kernels); "
+            f"rebuild with FLASH_ATTENTION_KERNELS={cfg.name} (comma-separate to add more): "
             f"{BUILD_HINT}"
         )
-    return cfg.short
+    return cfg.name
 
 
 def _check_call(q: object, k: object, v: object, causal: object, window_size: object,
@@ -116,7 +119,7 @@ def attention(
     A query row that sees no key gives out 0 and lse -inf.
     softmax_scale defaults to 1/sqrt(d_head). With return_lse, also returns the fp32
     log-sum-exp of the scores, shape (batch, heads, seqlen_q). out, if given, receives the
-    result. config picks a kernel (KernelConfig or short form); by default dispatch chooses.
+    result. config picks a forward kernel (a config or its name); by default dispatch chooses.
     Inputs that require grad (with grad mode on) get gradients through autograd (the
     FlashAttention-2 backward; the forward keeps out and the LSE, nothing of size seqlen^2);
     deterministic=True makes that backward bitwise reproducible. A call with out= has no
@@ -256,6 +259,6 @@ def forward(
     out: torch.Tensor | None = None,
     **options: object,
 ) -> torch.Tensor:
-    """Run one named kernel config (KernelConfig or short form); options are attention()'s
+    """Run one named forward kernel (a config or its name); options are attention()'s
     (causal, window_size, softcap, softmax_scale)."""
     return attention(q, k, v, out=out, config=_as_config(config), **options)  # type: ignore

@@ -16,7 +16,7 @@ import torch
 
 from . import dispatch
 from .api import attention, available_configs
-from .config import KernelConfig
+from .kernels import KernelConfig
 from .timing import attention_flops, median_ms
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def tune(dtypes: list[str], d_heads: list[int], seqlens: list[int], path: Path) 
             for seqlen in seqlens:
                 ranked = time_configs(dtype, d_head, seqlen)
                 if ranked:
-                    entries[dispatch.tuning_key(dtype, d_head, seqlen)] = ranked[0][0].short
+                    entries[dispatch.tuning_key(dtype, d_head, seqlen)] = ranked[0][0].name
     data = {"version": 1, "device": torch.cuda.get_device_name(), "entries": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")

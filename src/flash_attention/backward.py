@@ -24,7 +24,7 @@ import logging
 import torch
 
 from . import validation
-from .config_bwd import AnyBwdConfig, parse_config, select
+from .kernels import Call, KernelConfig, bwd_sm80, bwd_sm90, parse
 
 _REGISTERED = False
 log = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ def _bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 @functools.cache
-def built() -> tuple[AnyBwdConfig, ...]:
+def built() -> tuple[KernelConfig, ...]:
     """The backward kernels of this build (from the extension's backward registry)."""
     names = torch.ops.flash_attention.bwd_kernels()
-    return tuple(parse_config(n) for n in names.split(",") if n)
+    return tuple(parse(n) for n in names.split(",") if n)
 
 
 def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
@@ -84,15 +84,15 @@ def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:
     picks it)."""
     configs = built()
     if kernel:
-        if kernel not in {c.short for c in configs}:
+        if kernel not in {c.name for c in configs}:
             raise RuntimeError(f"backward kernel {kernel} is not in this build; rebuild with "
-                               f"FLASH_ATTENTION_BWD_KERNELS={kernel}")
+                               f"FLASH_ATTENTION_KERNELS=default,{kernel}")
         return
-    if (select(dtype, d_head, softcap, configs) is None
-            and select(dtype, d_head, softcap, configs, hopper=True) is None):
+    call = Call(dtype, d_head, softcap=softcap)
+    if bwd_sm80.select(call, configs) is None and bwd_sm90.select(call, configs) is None:
         raise RuntimeError(f"this build has no backward kernel for {dtype} with d_head={d_head}"
                            + (" with a softcap" if softcap else "")
-                           + "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default")
+                           + "; rebuild with FLASH_ATTENTION_KERNELS=default")
 
 
 # ---- autograd of flash_attention::attention ---------------------------------------------------

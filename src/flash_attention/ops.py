@@ -27,12 +27,11 @@ import torch
 
 from . import dispatch
 from ._extension import ExtensionNotBuilt, extension
-from .config import ConfigError, KernelConfig, parse_config
-from .config_sm90 import Sm90Config
+from .kernels import ConfigError, KernelConfig, parse
 
 log = logging.getLogger(__name__)
 
-BUILT: tuple[KernelConfig | Sm90Config, ...] = ()  # the kernels of this build, in build order
+BUILT: tuple[KernelConfig, ...] = ()  # the kernels of this build, in build order
 BUILT_NAMES: frozenset[str] = frozenset()
 LOADED = False  # the extension is loaded and the operator registered
 LOAD_ERROR: str | None = None
@@ -49,8 +48,8 @@ def load() -> bool:
     except ExtensionNotBuilt as exc:
         LOAD_ERROR = str(exc)
         return False
-    BUILT = tuple(parse_config(entry["name"]) for entry in ext.kernels())
-    BUILT_NAMES = frozenset(c.short for c in BUILT)
+    BUILT = tuple(parse(entry["name"]) for entry in ext.kernels())
+    BUILT_NAMES = frozenset(c.name for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention::attention")(_attention_fake)
     from . import backward  # the backward operator's fake and attention's autograd
@@ -74,7 +73,7 @@ def refresh_dispatch() -> None:
 
 
 def dispatch_rows(
-        built: tuple[KernelConfig | Sm90Config, ...]
+        built: tuple[KernelConfig, ...]
 ) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
     """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback): the
     fallback (an sm80-family kernel) runs where the kernel (a Hopper one) cannot; else both
@@ -91,8 +90,8 @@ def dispatch_rows(
                 for local in (False, True) if mask else (False,):
                     fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap,
                                                 local) or cfg
-                    rows.append((dtype, d_head, bucket, mask, local, softcap, fast.short,
-                                 cfg.short))
+                    rows.append((dtype, d_head, bucket, mask, local, softcap, fast.name,
+                                 cfg.name))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

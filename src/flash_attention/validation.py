@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import D_HEADS, MAX_D_HEAD, variant_for
+from .kernels.base import D_HEADS, MAX_D_HEAD, variant_for
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 MAX_GRID_YZ = 65535  # batch and heads map to grid dimensions z and y

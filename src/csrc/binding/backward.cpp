@@ -55,7 +55,7 @@ const flash::BwdKernelEntry* named_kernel(c10::string_view name) {
         if (name == e->name)
             return e;
     FA_CHECK(false, "backward kernel ", name,
-             " is not in this build; rebuild with FLASH_ATTENTION_BWD_KERNELS=", name);
+             " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=default,", name);
     return nullptr;
 }
 
@@ -177,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     FA_CHECK(named != nullptr || sm80 != nullptr || sm90 != nullptr,
              "this build has no backward kernel for ", bf16 ? "bf16" : "fp16", " with d_head=", D,
              softcap > 0 ? " with a softcap" : "",
-             "; rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+             "; rebuild with FLASH_ATTENTION_KERNELS=default");
     if (named != nullptr)
         FA_CHECK_VALUE((named->dtype == flash::DType::kBf16) == bf16 && named->d_head >= D &&
                            named->softcap == (softcap > 0),
@@ -226,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     FA_CHECK(named != nullptr || family.kernel != nullptr,
              "this build has no sm80-family backward kernel for ", bf16 ? "bf16" : "fp16",
              " with d_head=", D, softcap > 0 ? " with a softcap" : "", ", which this call needs (",
-             family.why, "); rebuild with FLASH_ATTENTION_BWD_KERNELS=default");
+             family.why, "); rebuild with FLASH_ATTENTION_KERNELS=default");
     const flash::BwdKernelEntry& e = named != nullptr ? *named : *family.kernel;
     FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",

@@ -1,13 +1,14 @@
 """The device code inside the built extension: which kernels it holds per architecture, their
 cubins and PTX, extracted with cuobjdump into a directory kept for the session.
 
-A forward translation unit (fwd_<short>.cu) holds one kernel. A backward one (<bwd short>.cu,
-either family) holds three: the main kernel and the two helpers of its family and dtype
-(config_bwd.aux_kernels_of): an sm80-family unit bwd_preprocess_<dtype> and
-bwd_convert_dq_<dtype>, a Hopper one (bwd_sm90_*) bwd_preprocess_<dtype> and
-bwd_convert_dq_tiles_<dtype>; a helper is the same code in every unit of that dtype and arch
+A translation unit is named after its kernel (<name>.cu). A forward one holds one kernel; a
+backward one three: the main kernel and the two helpers of its kind and dtype
+(bwd_helpers.helpers_of): a bwd_sm80 unit bwd_sm80_preprocess_<dtype> and
+bwd_sm80_convert_dq_<dtype>, a bwd_sm90 one bwd_sm80_preprocess_<dtype> and
+bwd_sm90_convert_dq_<dtype>; a helper is the same code in every unit of that dtype and arch
 holding it, listed once per arch, from the first such unit in name order. A Hopper backward unit
-compiles for sm_90a alone, so it adds its helpers under 90a."""
+compiles for sm_90a alone, so it adds its helpers under 90a. Units of a build from before the
+one name scheme (fwd_<old name>.cu, <old bwd name>.cu) are listed by their current names."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .binaries import ToolError, run_tool
-from .kernel_names import is_hopper_name
+from .kernel_names import is_hopper_name, parse_kernel
 
 _UNIT = r"(?P<unit>(?:fwd|bwd)_\w+?)\.sm_(?P<arch>\w+)"
 _ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>" + _UNIT + r"\.cubin)")
@@ -30,27 +31,29 @@ _PTX_NAME = re.compile(r"PTX file\s+\d+:\s+(?P<file>" + _UNIT + r"\.ptx)")
 
 @dataclass(frozen=True)
 class Member:
-    kernel: str  # config short form
+    kernel: str  # kernel name
     arch: str
     file: str  # name cuobjdump gives it
 
 
 def _members(listing: str, pattern: re.Pattern) -> list[Member]:
     """The kernels of every forward and backward unit in cuobjdump's listing."""
-    from flash_attention.config_bwd import ConfigError, aux_kernels_of, parse_config
+    from flash_attention.kernels import ConfigError
+    from flash_attention.kernels.bwd_helpers import helpers_of
+    from flash_attention.kernels.legacy import current_name, old_form
 
     members: list[Member] = []
     for m in pattern.finditer(listing):
         unit = m["unit"]
-        if unit.startswith("fwd_"):
-            members.append(Member(unit[4:], m["arch"], m["file"]))
-            continue
+        if unit.startswith("fwd_") and old_form(unit[4:]):  # an old build's forward unit
+            unit = unit[4:]
         try:
-            cfg = parse_config(unit)
-        except ConfigError:  # bwd_registry: no kernels
+            cfg = parse_kernel(current_name(unit))
+        except ConfigError:  # a registry: no kernels
             continue
-        members.append(Member(unit, m["arch"], m["file"]))
-        members += [Member(aux.short, m["arch"], m["file"]) for aux in aux_kernels_of(cfg)]
+        members.append(Member(cfg.name, m["arch"], m["file"]))
+        if cfg.direction == "bwd":
+            members += [Member(h.name, m["arch"], m["file"]) for h in helpers_of(cfg)]
     seen: dict[tuple[str, str], Member] = {}
     for member in sorted(members, key=lambda m: m.file):
         seen.setdefault((member.kernel, member.arch), member)

@@ -113,11 +113,11 @@ def expected_mma_count(cfg) -> int:
     d/2 columns (its half of the columns over all keys) or, where dQ is over its own keys
     (Sm90BwdConfig.dq_own_keys), B_c/32 m64n<d>k16 for each m64 tile of its B_r rows; once (the
     loop is neither peeled nor unrolled)."""
-    if cfg.family == "sm90-bwd":
+    if getattr(cfg, "KIND", None) == "bwd_sm90":
         dq_steps = (cfg.block_c // 32 * (cfg.block_r // 64) if cfg.dq_own_keys
                     else cfg.d_head // 128 * (cfg.block_c // 16))
         return 2 * (cfg.d_head // 16) + 2 * (cfg.block_r // 16) + dq_steps
-    if cfg.family == "sm90":
+    if getattr(cfg, "KIND", None) == "fwd_sm90":
         sites = 3 if getattr(cfg, "tile_overlap", False) else 2
         return sites * (cfg.d_head // 16 + cfg.block_c // 16)
     per_block = cfg.m_tiles * ((cfg.block_c // 8) * (cfg.d_head // 16)

@@ -32,7 +32,7 @@ _PERF_LOSS = re.compile(r"\((?P<code>C\d{4})\) Potential Performance Loss: (?P<w
 
 @dataclass(frozen=True)
 class KernelResources:
-    kernel: str  # config short form (the mangled name if not a known kernel)
+    kernel: str  # kernel name (the mangled name if not a known kernel)
     arch: str  # "80", "90", "90a"
     registers: int
     spill_stores: int  # bytes
@@ -109,7 +109,7 @@ def parse(text: str) -> list[KernelResources]:
             limits = {k: v for k, v in occ.items() if k.startswith("by_")}
             limited = min(limits, key=lambda k: limits[k])[3:]
         records.append(KernelResources(
-            kernel=cfg.short if cfg else name,
+            kernel=cfg.name if cfg else name,
             arch=arch,
             registers=regs,
             spill_stores=int(props["st"]) if props else 0,

@@ -109,7 +109,7 @@ def kernel_code(functions: list[dict], cubin_name: str, kernel: str | None = Non
     slow path of an IEEE reciprocal: `$__internal_N_$__cuda_sm20_...`) are part of its code.
     nvdisasm 13.5 lists them inside the kernel's function, 13.0 and 13.1 as functions of their
     own; concatenating by address gives the same instructions either way. A backward cubin
-    holds three kernels: `kernel` (a short form) picks its function alone (the backward
+    holds three kernels: `kernel` (a name) picks its function alone (the backward
     kernels call no subroutine)."""
     kernels = [f for f in functions if not f["function-name"].startswith("$__internal")]
     if len(kernels) > 1 and kernel is not None:

@@ -60,6 +60,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flash_attention.kernels.legacy import current_name
+
 from ..gpu.perfcases import Case
 from .stats import cv, hodges_lehmann, log_ratios, signed_rank_greater
 
@@ -165,8 +167,10 @@ class Worker:
         if self.src_dir not in module.parents:
             raise WorkerError(f"{label} worker imported {module}, not the build in {self.src_dir}",
                               "infra")
-        self.configs = hello["configs"]
-        self.bwd_configs = hello["bwd_configs"]
+        # kernel names as this tree calls them (a base from before the one name scheme reports
+        # the old ones)
+        self.configs = [current_name(n) for n in hello["configs"]]
+        self.bwd_configs = [current_name(n) for n in hello["bwd_configs"]]
         self.gpu = hello["gpu"]
         self.energy = hello.get("energy") or {"supported": False, "reason": "not reported"}
         log.info("%s: %s (%d kernels) on %s", label, module.parent, len(self.configs), self.gpu)

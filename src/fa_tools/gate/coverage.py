@@ -8,14 +8,14 @@ one), a varlen call the fallback (an sm80-family one); on any other GPU every ca
 fallback. The extension also falls back for tensors TMA cannot address; the gate's inputs are
 contiguous, so that never applies to them.
 
-The backward has no table: the operator runs the built kernel of the call's dtype and softcap
-with the smallest d_head variant not below the call's (flash_attention.config_bwd.select mirrors
-it), with the preprocess and the dQ conversion of its family and dtype around it
-(config_bwd.aux_kernels_of: bwd_convert_dq_<dtype> after an sm80-family kernel,
-bwd_convert_dq_tiles_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length call
-(deterministic or not) takes it among the Hopper backward kernels (sm90-bwd) where one is built,
-else among the sm80 family; a varlen call, and every call on another GPU, runs the sm80 family.
-(Here too the gate's contiguous inputs always suit TMA.)
+The backward: the operator runs the built kernel of the call's dtype and softcap with the
+smallest d_head variant not below the call's (the select of flash_attention.kernels.bwd_sm80 and
+bwd_sm90 mirrors it), with the preprocess and the dQ conversion of its kind and dtype around it
+(bwd_helpers.helpers_of: bwd_sm80_convert_dq_<dtype> after a bwd_sm80 kernel,
+bwd_sm90_convert_dq_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length call
+(deterministic or not) takes it among the Hopper backward kernels (bwd_sm90) where one is built,
+else among bwd_sm80; a varlen call, and every call on another GPU, runs bwd_sm80. (Here too the
+gate's contiguous inputs always suit TMA.)
 """
 
 from __future__ import annotations
@@ -54,19 +54,19 @@ class Row:
 
 
 def dispatch_rows(configs: Iterable[str]) -> list[Row]:
-    """The dispatch rows of a build holding these kernels (short forms), as the extension gets
-    them from flash_attention.ops.dispatch_rows (the tuning file included)."""
-    from flash_attention.config import parse_config
+    """The dispatch rows of a build holding these kernels (names), as the extension gets them
+    from flash_attention.ops.dispatch_rows (the tuning file included)."""
+    from flash_attention.kernels import parse
     from flash_attention.ops import dispatch_rows as rows_of
 
-    return [Row(*r) for r in rows_of(tuple(parse_config(c) for c in configs))]
+    return [Row(*r) for r in rows_of(tuple(parse(c) for c in configs))]
 
 
 def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:
     """The row key of a case's call, as the extension computes it (d_head variant, bucket of
     seqlen_q, the canonical window's mask and left bound, softcap)."""
-    from flash_attention.config import variant_for
     from flash_attention.dispatch import seq_bucket
+    from flash_attention.kernels.fwd_sm80 import variant_for
     from flash_attention.masks import canonical_window
 
     left, right = canonical_window(case.causal, case.window or (-1, -1), case.seqlen,
@@ -139,14 +139,15 @@ def bwd_hopper(case: Case, sm90: bool) -> bool:
 
 def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None:
     """The backward main kernel the flash_attention::bwd operator runs for the case's calls on
-    an sm_90 GPU (sm90=True) or another one, of a build holding these backward kernels (short
-    forms, either family); None when it has none for them."""
-    from flash_attention.config_bwd import parse_config, select
+    an sm_90 GPU (sm90=True) or another one, of a build holding these backward kernels (names,
+    either kind); None when it has none for them."""
+    from flash_attention.kernels import Call, bwd_sm80, bwd_sm90, parse
 
-    built = tuple(parse_config(c) for c in bwd_configs)
-    cfg = select(case.dtype, case.d_head, case.softcap > 0, built,
-                 hopper=bwd_hopper(case, sm90))
-    return None if cfg is None else cfg.short
+    built = tuple(parse(c) for c in bwd_configs)
+    call = Call(case.dtype, case.d_head, softcap=case.softcap > 0)
+    cfg = ((bwd_sm90.select(call, built) if bwd_hopper(case, sm90) else None)
+           or bwd_sm80.select(call, built))
+    return None if cfg is None else cfg.name
 
 
 def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
@@ -155,14 +156,15 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
     times the forward, the backward's main kernel with its helpers (the preprocess and the dQ
     conversion of its family and dtype) when it times the backward; a kernel the build has no
     row or config for is not listed."""
-    from flash_attention.config_bwd import aux_kernels_of, parse_config
+    from flash_attention.kernels import parse
+    from flash_attention.kernels.bwd_helpers import helpers_of
 
     run = []
     if case.times_forward:
         run.append(route(case, rows, sm90))
     if case.times_backward:
         main = bwd_kernel(case, bwd_configs, sm90)
-        run += [main] + ([a.short for a in aux_kernels_of(parse_config(main))] if main else [])
+        run += [main] + ([h.name for h in helpers_of(parse(main))] if main else [])
     return [k for k in run if k is not None]
 
 
@@ -172,18 +174,19 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
     tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
     blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
     a Hopper one shadows, the same as a varlen batch (what still runs it there); for a
-    helper, the case of a main kernel it runs with (config_bwd.aux_kernels_of: of its dtype,
-    and of its family for a dQ conversion) without a softcap and with the d_head nearest 128.
+    helper, the case of a main kernel it runs with (bwd_helpers.helpers_of: of its dtype,
+    and of its kind for a dQ conversion) without a softcap and with the d_head nearest 128.
     None when the operator runs another kernel for every call the kernel could serve (a kernel
     of a test set beside the default one, a Hopper kernel or the Hopper dQ conversion off
     sm_90)."""
-    from flash_attention.config_bwd import BwdAuxKernel, aux_kernels_of, parse_config, parse_kernel
+    from flash_attention.kernels import HelperKernel, parse, parse_kernel
+    from flash_attention.kernels.bwd_helpers import helpers_of
 
     cfg = parse_kernel(kernel)
-    if isinstance(cfg, BwdAuxKernel):
-        mains = sorted((c for c in map(parse_config, bwd_configs) if cfg in aux_kernels_of(c)),
+    if isinstance(cfg, HelperKernel):
+        mains = sorted((c for c in map(parse, bwd_configs) if cfg in helpers_of(c)),
                        key=lambda c: (c.softcap, abs(c.d_head - 128), c.d_head))
-        made = (case_for_bwd_kernel(c.short, bwd_configs, sm90) for c in mains)
+        made = (case_for_bwd_kernel(c.name, bwd_configs, sm90) for c in mains)
         return next((c for c in made if c is not None), None)
     case = Case(cfg.dtype, cfg.d_head, BWD_CASE_TOKENS // BWD_CASE_SEQLEN, BWD_CASE_SEQLEN,
                 causal=True, softcap=CASE_SOFTCAP if cfg.softcap else 0.0, kind="bwd")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from flash_attention.config_bwd import AnyBwdConfig
+from flash_attention.kernels import KernelConfig
 
 from ..analysis import cubins, opcodes, ptxas_report, sass
 from ..analysis.binaries import tool_version, tools_in_use
@@ -40,32 +40,26 @@ class Finding:
         return asdict(self)
 
 
-def _bwd_set(spec: str | None) -> list[str]:
-    """Short forms of a backward set: its main kernels, then their helpers (the preprocess and
-    each family's dQ conversion of their dtypes, config_bwd.aux_kernels)."""
-    from flash_attention.config_bwd import aux_kernels, resolve
+def _selection(spec: str | None) -> list[str]:
+    """The names of a kernel selection (flash_attention.kernels.resolve): its kernels, then the
+    helpers of its backward ones (the preprocess and each kind's dQ conversion of their dtypes,
+    bwd_helpers.helpers)."""
+    from flash_attention.kernels import resolve
+    from flash_attention.kernels.bwd_helpers import helpers
 
     configs = resolve(spec) if spec else ()
-    return [c.short for c in (*configs, *aux_kernels(configs))]
+    return [c.name for c in (*configs, *helpers(configs))]
 
 
 def scope_kernels(policy: dict) -> list[str]:
-    """The kernels pinned: the forward sets of `kernels`, the backward sets of `bwd_kernels`
-    (with their helper kernels)."""
-    from flash_attention.config_sets import resolve
-
-    static = policy["static"]
-    return [*(c.short for c in resolve(static["kernels"])), *_bwd_set(static.get("bwd_kernels"))]
+    """The kernels pinned: the selection `kernels` with the helpers of its backward kernels."""
+    return _selection(policy["static"]["kernels"])
 
 
 def zero_spill_kernels(policy: dict) -> set[str]:
-    """The kernels that must not spill (bar the policy's exceptions): the forward sets of
-    `zero_spills_for`, the backward sets of `bwd_zero_spills_for` (with their helpers)."""
-    from flash_attention.config_sets import resolve
-
-    static = policy["static"]
-    forward = resolve(static["zero_spills_for"]) if static.get("zero_spills_for") else ()
-    return {c.short for c in forward} | set(_bwd_set(static.get("bwd_zero_spills_for")))
+    """The kernels that must not spill (bar the policy's exceptions): the selection
+    `zero_spills_for` with its helpers."""
+    return set(_selection(policy["static"].get("zero_spills_for")))
 
 
 def toolchain(build_info: dict | None) -> dict[str, str]:
@@ -90,7 +84,7 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
     there are CPUs): 195 entries took 2-3 min one after another on a 2-core machine."""
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
     cfgs = {kernel: parse_kernel(kernel) for kernel in kernels}
-    mains = [c for c in cfgs.values() if isinstance(c, AnyBwdConfig)]
+    mains = [c for c in cfgs.values() if isinstance(c, KernelConfig) and c.direction == "bwd"]
     todo = [(kernel, arch) for kernel, cfg in cfgs.items()
             for arch in archs_of(cfg, archs, mains) if (kernel, arch) in records]
     if todo:

@@ -27,8 +27,8 @@ INSTRUCTION_BYTES = 16  # sm_70 and later
 
 def arch_of_kernel(kernel: str, gpu_arch: str) -> str | None:
     """The cubin architecture whose code runs the kernel on a GPU of gpu_arch ("90", "80",
-    ...): Hopper-family kernels (the forward's sm90_*, the backward's bwd_sm90_* and their dQ
-    conversion bwd_convert_dq_tiles_*) exist as sm_90a only and run on sm_90 alone. The
+    ...): Hopper kernels (fwd_sm90_*, bwd_sm90_*, the Hopper backward's dQ conversion
+    bwd_sm90_convert_dq_*) exist as sm_90a only and run on sm_90 alone. The
     preprocess is compared as the code of the GPU's arch (its sm_90a copy in a Hopper backward
     unit is left out)."""
     if is_hopper_name(kernel):
@@ -45,11 +45,11 @@ def _code_of(section: str, kernel: str) -> bool:
 
 
 def kernel_code(binary: Path, gpu_arch: str) -> dict[str, list[bytes]]:
-    """{kernel short form: its SASS instruction words} for every kernel of the binary with code
+    """{kernel name: its SASS instruction words} for every kernel of the binary with code
     for this GPU (the concatenated .text sections of its cubin). A kernel the listing gives a
     unit whose cubin names other kernels but not it is left out: the listing names a backward
     unit's helpers by this commit's configs, and a base build from before a helper changed
-    (a Hopper unit holding bwd_convert_dq_<dtype> instead of bwd_convert_dq_tiles_<dtype>) does
+    (a Hopper unit holding the sm80 dQ conversion instead of bwd_sm90_convert_dq_<dtype>) does
     not hold the helper, which is then new in the head."""
     from ..analysis import cubins
 

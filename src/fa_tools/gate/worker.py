@@ -4,8 +4,8 @@ reply per line on stdout, so the A/B gate pays the torch import once per side an
 rounds between two live workers. Each request gets new inputs at a new place in device memory
 (see fresh_inputs).
 
-    hello:    {"ok": true, "module": ..., "configs": [short forms],
-               "bwd_configs": [backward short forms; none in a build from before them],
+    hello:    {"ok": true, "module": ..., "configs": [forward kernel names],
+               "bwd_configs": [backward kernel names; none in a build from before them],
                "gpu": ..., "energy": gpu.energy.Granularity as a dict (the counter polled for
                200 ms)}
     request:  {"case": Case dict, "reps": 10, "slowdown": 0.0, "warm_ms": 100.0}
@@ -47,7 +47,9 @@ def main() -> int:
 
         counter, why = energy.open_counter()  # None (with why) where NVML cannot be read
         hello = {"ok": True, "module": fa.__file__,
-                 "configs": [c.short for c in fa.available_configs()],
+                 # .short: a build from before the one name scheme
+                 "configs": [getattr(c, "name", None) or c.short
+                             for c in fa.available_configs()],
                  "bwd_configs": backward_configs(),  # the extension is loaded by now
                  "gpu": torch.cuda.get_device_name(),
                  "energy": energy.granularity(counter, why).as_dict()}
@@ -82,7 +84,7 @@ def main() -> int:
 
 
 def backward_configs() -> list[str]:
-    """The backward kernels of the imported build (short forms), as its operator lists them;
+    """The backward kernels of the imported build (names), as its operator lists them;
     none for a build from before the backward."""
     import torch
 

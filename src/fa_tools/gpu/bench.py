@@ -60,7 +60,7 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
         pass_: str = "fwd") -> list[dict]:
     """One row per (dtype, d_head, shape, config): our median time and TFLOP/s beside SDPA's
     FA2 and cuDNN backends timed in the same interleaved rounds (all causal with `causal`,
-    FLOPs halved). `configs` names configs or sets (comma-separated); configs of another
+    FLOPs halved). `configs` names kernels or selections (comma-separated); kernels of another
     dtype/d_head, or without masks when causal, are left out. None: dispatch. `sustained`:
     each contender's calls timed after 300 ms of the same calls (steady clocks under the power
     limit, perfcases.time_sustained_ms); else 10-call bursts after an idle gap. `gemm`: the
@@ -79,8 +79,8 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
     rows = []
     for dtype in dtypes:
         for d_head in d_heads:
-            chosen = ([c for c in wanted if c.dtype == dtype and c.d_head == d_head
-                       and (c.mask or not causal) and not c.softcap]
+            chosen = ([c for c in wanted if c.direction == "fwd" and c.dtype == dtype
+                       and c.d_head == d_head and (c.mask or not causal) and not c.softcap]
                       if wanted else [None])
             for (batch, seqlen), config in itertools.product(shapes, chosen):
                 rows.append(_measure_row(dtype, d_head, batch, seqlen, heads, config, reps,
@@ -89,18 +89,18 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
 
 
 def backward_kernels(configs: str | None, dtype: str, d_head: int) -> list[str]:
-    """The backward kernels a --pass bwd row times for (dtype, d_head): of `configs` (backward
-    short forms and set names, flash_attention.config_bwd.resolve), those of the dtype whose
+    """The backward kernels a --pass bwd row times for (dtype, d_head): of `configs` (a kernel
+    selection, flash_attention.kernels.resolve: its backward kernels), those of the dtype whose
     d_head variant is the one a call of d_head runs on, without a softcap, in order; "" (the
     operator's choice) when configs is None."""
-    from flash_attention.config_bwd import resolve
+    from flash_attention.kernels import resolve
 
     if not configs:
         return [""]
-    wanted = [c for c in resolve(configs) if c.dtype == dtype and not c.softcap
-              and c.d_head >= d_head]
-    variant = {type(c): min(x.d_head for x in wanted if type(x) is type(c)) for c in wanted}
-    return [c.short for c in wanted if c.d_head == variant[type(c)]]
+    wanted = [c for c in resolve(configs) if c.direction == "bwd" and c.dtype == dtype
+              and not c.softcap and c.d_head >= d_head]
+    variant = {c.KIND: min(x.d_head for x in wanted if x.KIND == c.KIND) for c in wanted}
+    return [c.name for c in wanted if c.d_head == variant[c.KIND]]
 
 
 def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, config,
@@ -121,7 +121,7 @@ def _measure_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: int, c
     flops = attention_flops(batch, heads, seqlen, seqlen, d_head, causal)
     # What ran: the named config, or dispatch's choice after its run-time fallback.
     right = 0 if causal else -1
-    chosen = config.short if config else fa.ops.extension().explain(q, k, v, -1, right, False)
+    chosen = config.name if config else fa.ops.extension().explain(q, k, v, -1, right, False)
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
            "causal": causal, "config": chosen, "pass": "fwd"}
     return _time_row(row, fns, flops, reps, rounds, sustained, gemm)
@@ -136,16 +136,18 @@ def _measure_bwd_row(dtype: str, d_head: int, batch: int, seqlen: int, heads: in
     import torch
 
     from flash_attention import backward
-    from flash_attention.config_bwd import select
+    from flash_attention.kernels import Call, bwd_sm80, bwd_sm90
 
     from .perfcases import Case, Inputs, training_contenders
 
     case = Case(dtype, d_head, batch, seqlen, heads=heads, causal=causal, kind="bwd")
     fns = training_contenders(case, Inputs.make(case), kernel=kernel)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    if not kernel:  # what the operator picks for this fixed-length call (config_bwd.select)
-        picked = select(dtype, d_head, False, backward.built(), hopper=hopper)
-        kernel = picked.short if picked else "?"
+    if not kernel:  # what the operator picks for this fixed-length call
+        call = Call(dtype, d_head)
+        picked = ((bwd_sm90.select(call, backward.built()) if hopper else None)
+                  or bwd_sm80.select(call, backward.built()))
+        kernel = picked.name if picked else "?"
     row = {"dtype": dtype, "d_head": d_head, "batch": batch, "seqlen": seqlen, "heads": heads,
            "causal": causal, "config": kernel, "pass": "bwd"}
     return _time_row(row, fns, case.flops(), reps, rounds, sustained, gemm)
@@ -287,15 +289,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd",
                    help="bwd: the backward alone (the operator on the forward's out and LSE "
                    "against SDPA's backward through autograd.grad; FLOPs 2.5x the forward's), "
-                   "--configs then naming backward kernels or sets (bwd_*, default, hopper)")
+                   "--configs then naming backward kernels or selections (bwd_*, bwd:default, "
+                   "bwd_sm90:r64)")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--d-heads", default="128")
     p.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in STANDARD_SHAPES),
                    help="batch x seqlen list, e.g. 16x4096,8x8192")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--configs", default=None,
-                   help="config short forms and/or set names, comma-separated (default: "
-                        "the config dispatch picks)")
+                   help="kernel names and/or selections (default, fwd_sm90:prog, ...), "
+                        "comma-separated (default: the kernel dispatch picks)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--burst", action="store_true",

@@ -31,7 +31,7 @@ def run(config: str, batch: int = 1, seqlen_q: int = 200, seqlen_k: int = 300, h
 
     import flash_attention as fa
 
-    cfg = fa.parse_config(config)
+    cfg = fa.parse(config)
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(batch, s, heads, cfg.d_head, device="cuda", dtype=dt, generator=gen)

@@ -455,7 +455,7 @@ def training_contenders(case: Case, inputs: Inputs, names=CONTENDERS, kernel: st
     (B, H, S, D) views of the same tensors (a varlen case: of the same tokens padded to the
     longest sequence, with dout padded alike); a backend that cannot run the case is left out,
     and so is SDPA for a case it has no counterpart of (Case.peer_note). `kernel`: the backward
-    kernel ours runs in a bwd case (a built short form; "" the operator's choice)."""
+    kernel ours runs in a bwd case (a built kernel name; "" the operator's choice)."""
     import torch
 
     import flash_attention as fa

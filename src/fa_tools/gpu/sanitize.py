@@ -33,7 +33,7 @@ def laid_out(shape, dt, rng):
     return torch.randn(b, s, h, d, device="cuda", dtype=dt)
 
 for name in sys.argv[1:]:
-    cfg = fa.parse_config(name)
+    cfg = fa.parse(name)
     rng = random.Random(name)
     dt = {{"fp16": torch.float16, "bf16": torch.bfloat16}}[cfg.dtype]
     # kernels with masks: causal (rows without keys when sq > sk) and a two-sided window

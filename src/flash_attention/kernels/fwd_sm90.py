@@ -1,0 +1,319 @@
+"""The Hopper forward (``fwd_sm90``): wgmma, TMA, mbarriers, setmaxnreg; sm_90a code alone, for
+fixed-length calls whose tensors TMA can address (the rest run on ``fwd_sm80``). A
+:class:`Sm90FwdConfig` names one instantiation of ``flash::sm90::FwdConfig``
+(src/csrc/sm90/forward_config.cuh), whose static_asserts the rules here mirror. One flag per
+technique, so each step of the Hopper progression is a config. Name:
+``fwd_sm90_bf16_d128_r128_c128_s2_fwpia`` (B_r = 64 per consumer warpgroup, B_c, K/V stages).
+
+Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from . import base
+from .base import (
+    DTYPES,
+    SMEM_PER_BLOCK_OPTIN,
+    Call,
+    ConfigError,
+    KernelConfig,
+    ProgStep,
+    Row,
+)
+
+KIND = "fwd_sm90"
+D_HEADS = (64, 128, 256)
+BLOCK_R = (64, 128, 192)  # 1 to 3 consumer warpgroups of 64 query rows
+BLOCK_C = (64, 96, 128, 176, 192)
+STAGES = (1, 2, 3, 4)
+
+FLAGS: dict[str, str] = {
+    "warp_spec": "a producer warpgroup issues the TMA copies; setmaxnreg gives the consumers its "
+                 "registers",
+    "pingpong": "the two consumer warpgroups take turns on the tensor cores (named barriers): "
+                "one's softmax runs under the other's GEMMs",
+    "overlap": "softmax of block j under P V_{j-1} inside a warpgroup",
+    "tma_store": "epilogue through shared memory and a TMA store",
+    "persistent": "persistent grid (a CTA per SM looping over tiles): the next tile's loads run "
+                  "under the current one's tail; O gets its own buffer",
+    "dynamic": "the persistent grid draws tiles from a global counter, heaviest query blocks "
+               "first within groups of heads whose K/V fit in L2 (even SM loads under causal "
+               "masks)",
+    "cluster": "CTA pairs (clusters of two) on neighbouring query blocks: each loads half of "
+               "every K/V block and multicasts it to both (half the L2 reads)",
+    "tile_overlap": "the next tile's S_0 GEMM and softmax run under the current tile's last "
+                    "P V, before its epilogue (two Q buffers)",
+    "q_regs": "Q in registers for the tile (ldmatrix once): S = Q K^T takes A from registers, so "
+              "the S GEMMs read only K from shared memory",
+    "lazy_rescale": "a row's running max moves only when it grows by more than 8 (log2 units, P "
+                    "stays <= 256), and a warp rescales O only when one of its rows moved",
+    "mask": "causal / sliding-window masks (as fwd_sm80's)",
+    "softcap": "score soft-capping (as fwd_sm80's)",
+}
+
+# Registers per consumer thread after setmaxnreg (or the launch cap without a producer), by
+# consumer warpgroups, and what the kernel needs besides accumulators (addresses, softmax
+# state, loop state).
+CONSUMER_REGS = {1: 240, 2: 240, 3: 160}
+OVERHEAD_REGS = 40
+
+
+def variant_for(d_head: int) -> int | None:
+    """The Hopper d_head variant that serves d_head (64, 128 or 256), or None."""
+    return base.variant_for(d_head, D_HEADS)
+
+
+@dataclass(frozen=True, order=True)
+class Sm90FwdConfig(KernelConfig):
+    """One Hopper forward kernel: B_r = 64 x consumer warpgroups query rows per CTA, B_c key
+    rows per stage."""
+
+    dtype: str
+    d_head: int
+    block_r: int
+    block_c: int
+    stages: int
+    warp_spec: bool = True
+    pingpong: bool = True
+    overlap: bool = True
+    tma_store: bool = True
+    persistent: bool = False
+    dynamic: bool = False
+    cluster: bool = False
+    tile_overlap: bool = False
+    q_regs: bool = False
+    lazy_rescale: bool = False
+    mask: bool = False
+    softcap: bool = False
+
+    KIND = KIND
+    SEGMENTS = (("d", "d_head"), ("r", "block_r"), ("c", "block_c"), ("s", "stages"))
+    FLAGS = FLAGS
+    EXAMPLE = "fwd_sm90_bf16_d128_r128_c128_s2_fwpia"
+    ARCH = 90
+
+    # ---- derived shapes (mirror FwdConfig in sm90/forward_config.cuh) --------------------------
+
+    @property
+    def consumer_wgs(self) -> int:
+        return self.block_r // 64
+
+    @property
+    def warps(self) -> int:
+        return 4 * (self.consumer_wgs + (1 if self.warp_spec else 0))
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def elem_bytes(self) -> int:
+        return 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q (two buffers with tile_overlap), K and V stages, O (persistent), the mbarriers
+        (1 KB) and 1 KB to align the base to 1024."""
+        q_and_o = 1 + int(self.tile_overlap) + int(self.persistent)
+        rows = self.block_r * q_and_o + 2 * self.stages * self.block_c
+        return rows * self.d_head * 2 + 2048
+
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
+        consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40."""
+        busy_producer = self.dynamic or self.cluster
+        return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs == 2
+                                                   else 0)
+
+    @property
+    def accum_regs(self) -> int:
+        """fp32 accumulators of O and S plus the 16-bit P fragments (and Q's with q_regs), per
+        consumer thread."""
+        q = self.d_head // 4 if self.q_regs else 0
+        return self.d_head // 2 + self.block_c // 2 + self.block_c // 4 + q
+
+    def problems(self) -> list[str]:
+        out = self.field_problems(
+            ("dtype", self.dtype, DTYPES), ("d_head", self.d_head, D_HEADS, " on sm90"),
+            ("B_r", self.block_r, BLOCK_R, " (64 per consumer warpgroup)"),
+            ("B_c", self.block_c, BLOCK_C, " (a wgmma N)"),
+            ("stages", self.stages, STAGES))
+        if out:
+            return out
+        if self.pingpong and not (self.consumer_wgs == 2 and self.warp_spec):
+            out.append("pingpong needs two consumer warpgroups (B_r=128) and warp_spec")
+        if self.persistent and not (self.warp_spec and self.tma_store and not self.pingpong):
+            out.append("persistent needs warp_spec and tma_store, without pingpong")
+        if self.dynamic and not self.persistent:
+            out.append("dynamic tile scheduling needs the persistent grid")
+        if self.cluster and not (self.warp_spec and not self.dynamic and not self.mask):
+            out.append("cluster needs warp_spec, without dynamic or mask")
+        if self.tile_overlap and not self.persistent:
+            out.append("tile_overlap needs the persistent grid")
+        regs = self.accum_regs + OVERHEAD_REGS
+        if regs > self.consumer_regs:
+            q = " and Q" if self.q_regs else ""
+            out.append(f"O, S, P{q} need {self.accum_regs} registers per thread plus about "
+                       f"{OVERHEAD_REGS}: over the {self.consumer_regs} a consumer has; use a "
+                       "smaller B_c")
+        if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[90]:
+            out.append(f"needs {self.smem_bytes} bytes of shared memory, over the sm_90 limit")
+        return out
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        """One CTA per SM by design (launch bounds and setmaxnreg assume it)."""
+        return {"by_regs": 1, "by_smem": 1, "by_threads": 1, "by_cap": 1, "ctas": 1,
+                "warps": self.warps}
+
+    def ctas_per_sm(self, arch: int = 90, regs_per_thread: int | None = None) -> int:
+        return 1
+
+    def serves(self, call: Call) -> bool:
+        """As Sm80FwdConfig.serves, with the Hopper d_head variant."""
+        return (self.dtype == call.dtype and self.d_head == variant_for(call.d_head)
+                and self.softcap == call.softcap and (self.mask or not call.mask))
+
+    def describe(self) -> str:
+        return (f"{self.name}: sm90a, {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
+                f"B_c={self.block_c}, {self.consumer_wgs} consumer warpgroups, "
+                f"{self.stages} stages, smem={self.smem_bytes} B, flags={self.flags_on}")
+
+
+Config = Sm90FwdConfig
+parse = Sm90FwdConfig.parse
+
+# ---- the default table -------------------------------------------------------------------------
+# The binding runs these on sm_90 GPUs for fixed-length calls whose tensors TMA can address
+# (16-byte aligned, strides multiples of 8 elements), else the fwd_sm80 row of the call. Rows are
+# keyed by the call's fwd_sm80 d_head variant; the kernel is the next Hopper variant's (columns
+# past the call's d_head zero-filled by TMA, never stored). d_head 32 and softcap calls have no
+# row. Calls: "plain"; "masked" (causal or a window open on the left); "local" (a window bounded
+# on the left, which runs the masked row's kernel when its own is not built).
+ROWS: tuple[Row, ...] = (
+    Row("sm90 plain d64 q<=4096", ("plain",), (64,), 4096, "r192_c96_s3_fwaln",
+        "3 consumer warpgroups, persistent; the tile hand-over (n) saves cycles in every row"),
+    Row("sm90 plain d64 q>4096", ("plain",), (64,), None, "r192_c96_s3_fwalngz",
+        "Q in registers and the lazy rescale gain 3-4% from 8192, lose at 1024-2048"),
+    Row("sm90 plain d128 q<=512", ("plain",), (96, 128), 512, "r128_c128_s2_fwal",
+        "CTA pairs, and Q in registers with the lazy rescale, lose at 512"),
+    Row("sm90 plain d128 q<=2048", ("plain",), (96, 128), 2048, "r128_c128_s2_fwalxgz",
+        "CTA pairs multicasting K/V buy clock at 1024-2048; g and z cut cycles"),
+    Row("sm90 plain d128 q>2048", ("plain",), (96, 128), None, "r128_c128_s2_fwialgz",
+        "from 4096 one CTA per tile with overlap, g and z needs 5-6% fewer cycles than pairs"),
+    Row("sm90 plain d256", ("plain",), (160, 192, 224, 256), None, "r128_c64_s2_fwpiaz",
+        "ping-pong, overlap and the lazy rescale; no room for the persistent grid's O buffer"),
+    Row("sm90 masked d64", ("masked",), (64,), None, "r192_c96_s3_fwald",
+        "the dynamic tile schedule evens out the uneven causal tiles over the SMs"),
+    Row("sm90 masked d128 q<=2048", ("masked",), (96, 128), 2048, "r128_c128_s2_fwald",
+        "dynamic schedule; g and z save cycles but cost time at 1024-2048"),
+    Row("sm90 masked d128 q<=4096", ("masked",), (96, 128), 4096, "r128_c128_s2_fwaldgz",
+        "g and z: fewer cycles, and the time follows at 4096"),
+    Row("sm90 masked d128 q>4096", ("masked",), (96, 128), None, "r128_c128_s2_fwialdgz",
+        "intra-warpgroup overlap on top leads by 3-5% from 8192"),
+    Row("sm90 masked d256", ("masked",), (160, 192, 224, 256), None, "r128_c64_s2_fwpia",
+        "ping-pong and overlap beat the plain masked tile; no room for the O buffer"),
+    Row("sm90 local d64", ("local",), (64,), None, "r192_c96_s3_fwal",
+        "persistent grid: a window's query blocks cost about the same (as at d_head 128)"),
+    Row("sm90 local d128", ("local",), (96, 128), None, "r128_c128_s2_fwialgz",
+        "static persistent schedule with overlap, g and z: fewest cycles per window tile"),
+    Row("sm90 local d256", ("local",), (160, 192, 224, 256), None, "r128_c64_s2_fwpia",
+        "the masked row's kernel: no room for the persistent grid's O buffer"),
+)
+
+
+def table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(largest seqlen_q it serves or None, kernel name) of the rows for the call's kind and
+    d_head, shortest first."""
+    return base.table_rows(KIND, ROWS, call, D_HEADS)
+
+
+def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+           ) -> Sm90FwdConfig | None:
+    """The Hopper kernel for a call among the built ones: the row of the call's length, else
+    another built row of its kind (a window bounded on the left: then the masked rows), else
+    None (the fwd_sm80 choice runs)."""
+    by_name = {c.name: c for c in built if isinstance(c, Sm90FwdConfig)}
+    if not by_name:
+        return None
+    calls = (call, dataclasses.replace(call, local=False)) if call.kind == "local" else (call,)
+    for of_kind in calls:
+        rows = sorted(table_rows(of_kind),
+                      key=lambda row: row[0] is not None and call.seqlen_q > row[0])
+        for _, name in rows:
+            cfg = by_name.get(name)
+            if cfg is not None and cfg.serves(call):
+                return cfg
+    return None
+
+
+# ---- sets --------------------------------------------------------------------------------------
+
+P = Sm90FwdConfig.parse
+
+# What CI builds: 4 kernels that together switch on every Hopper flag but softcap.
+CI: tuple[Sm90FwdConfig, ...] = (
+    P("fwd_sm90_bf16_d128_r128_c128_s2_fwpiam"),  # every technique, masks
+    P("fwd_sm90_bf16_d128_r128_c128_s2_fwaldgzm"),  # persistent, dynamic schedule, q_regs, lazy
+    P("fwd_sm90_bf16_d128_r128_c128_s2_fwalxgz"),  # persistent, CTA pairs multicasting K/V
+    P("fwd_sm90_bf16_d64_r192_c96_s3_fwaln"),  # 3 consumer warpgroups, tile hand-over
+)
+
+# Every kernel of the default table, in table order (dtype, d_head, call kind, rows).
+DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(
+    P(name)
+    for dtype, d, (mask, local) in itertools.product(
+        DTYPES, base.D_HEADS, ((False, False), (True, False), (True, True)))
+    for _, name in table_rows(Call(dtype, d, mask=mask, local=local))))
+
+# The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
+# B_c 128: each step adds one technique flag.
+PROG_STEPS: tuple[ProgStep, ...] = (
+    ProgStep(1, "wgmma + TMA, one K/V stage, no warp roles",
+                      P("fwd_sm90_bf16_d128_r128_c128_s1_f")),
+    ProgStep(2, "+ 2-stage K/V pipeline", P("fwd_sm90_bf16_d128_r128_c128_s2_f")),
+    ProgStep(3, "+ producer warpgroup, setmaxnreg",
+                      P("fwd_sm90_bf16_d128_r128_c128_s2_fw")),
+    ProgStep(4, "+ ping-pong between consumer warpgroups",
+                      P("fwd_sm90_bf16_d128_r128_c128_s2_fwp")),
+    ProgStep(5, "+ softmax overlapped with P V in a warpgroup",
+                      P("fwd_sm90_bf16_d128_r128_c128_s2_fwpi")),
+    ProgStep(6, "+ epilogue through smem and a TMA store",
+                      P("fwd_sm90_bf16_d128_r128_c128_s2_fwpia")),
+)
+
+
+def _tune_space() -> tuple[Sm90FwdConfig, ...]:
+    """Hopper tiles per dtype and d_head: every valid (B_c, consumer warpgroups, stages) with
+    warp specialisation and the epilogue; each plain, with ping-pong and overlap, with overlap
+    alone, and on a persistent grid with and without overlap; each of those as it is and with Q
+    in registers and the lazy rescale (the lazy rescale alone where Q does not fit)."""
+    combos = ((False, False, False), (True, True, False), (False, True, False),
+              (False, False, True), (False, True, True))
+    out: list[Sm90FwdConfig] = []
+    for dtype, d, bc, wgs, stages in itertools.product(DTYPES, D_HEADS, BLOCK_C, (2, 3), (2, 3)):
+        for pingpong, overlap, persistent in combos:
+            try:
+                base = Sm90FwdConfig(dtype, d, 64 * wgs, bc, stages, pingpong=pingpong,
+                                     overlap=overlap, persistent=persistent)
+            except ConfigError:
+                continue
+            out.append(base)
+            try:
+                out.append(base.replace(q_regs=True, lazy_rescale=True))
+            except ConfigError:
+                out.append(base.replace(lazy_rescale=True))
+    return tuple(out)
+
+
+SETS: dict[str, tuple[KernelConfig, ...]] = {
+    "ci": CI,
+    "default": DEFAULT,
+    "tune": _tune_space(),
+    "prog": tuple(dict.fromkeys(s.config for s in PROG_STEPS)),
+}
