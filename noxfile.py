@@ -344,7 +344,8 @@ def wheelhouse(session: nox.Session) -> None:
         pyver = session.posargs[session.posargs.index("--python-version") + 1]
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                  "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
-    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), *TEST_DEPS.values(), "pyyaml"]
+    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), *TEST_DEPS.values(),
+             *FA_TOOLS_DEPS.values()]
     args = [PY, "-m", "pip", "download", "--only-binary=:all:", "--python-version", pyver,
             "--implementation", "cp", "-d", str(target)]
     for plat in platforms:
