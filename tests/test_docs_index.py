@@ -1,9 +1,9 @@
 """The documentation stays in step with the files it describes: every file in docs/results/ has
 one row in the index of docs/results.md (date and GPU as its name says, a status that is
 "current" or points at a current file), every relative link in README.md, docs/ (results files
-included) and studies/README.md resolves, every figure of the README's results table has a GPU,
-a date and a results file, and the README still carries the commands CI runs. CPU only,
-standard library only."""
+included) and studies/README.md resolves, every figure of the README's headline table and of
+docs/results.md's table of the latest figures has a GPU, a date and a results file, and the
+README still carries the commands CI runs. CPU only, standard library only."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ README = ROOT / "README.md"
 RESULTS_MD = ROOT / "docs" / "results.md"
 RESULTS_DIR = ROOT / "docs" / "results"
 
-# Written on other branches of issue 27 (docs/dispatch.md with the dispatch tables as data,
-# studies/README.md with the one-off scripts moved out of ci/): a link to them may be dangling
-# until those branches merge, after which this exemption no longer matters.
-PENDING = {"docs/dispatch.md", "studies/README.md"}
+# Files written on another branch that a doc may link to before it merges (such a link dangles
+# until then), as "docs/dispatch.md" and "studies/README.md" were in issue 27. An entry whose
+# file exists fails test_pending_exemptions_name_no_existing_file: the exemption has outlived
+# its reason, and would hide the file's later loss.
+PENDING: set[str] = set()
 
 GPU_OF_NAME = {"h100": "H100", "h200": "H200", "cpu": "CPU"}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -92,6 +93,11 @@ DOCS = [README, *sorted(ROOT.glob("docs/*.md")), *sorted(RESULTS_DIR.glob("*.md"
         ROOT / "studies" / "README.md"]
 
 
+def test_pending_exemptions_name_no_existing_file():
+    existing = sorted(rel for rel in PENDING if (ROOT / rel).exists())
+    assert existing == [], "these exist now: remove them from PENDING"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(doc):
     for target in LINK.findall(doc.read_text()):
@@ -104,19 +110,38 @@ def test_relative_links_resolve(doc):
         assert path.exists(), f"{doc.relative_to(ROOT)} links to {target}, which does not exist"
 
 
-def test_readme_results_table_names_gpu_date_and_file():
-    rows = _table(README.read_text(), "## Results")
-    assert rows, "the README has no results table"
+# (doc, heading of its figures table): the README's headline rows, results.md's full table
+FIGURE_TABLES = [(README, "## Results"), (RESULTS_MD, "## Latest figure of each kind")]
+
+
+@pytest.mark.parametrize("doc, heading", FIGURE_TABLES,
+                         ids=lambda x: x.relative_to(ROOT).as_posix() if isinstance(x, Path) else x)
+def test_figure_tables_name_gpu_date_and_file(doc, heading):
+    rows = _table(doc.read_text(), heading)
+    assert rows, f"{doc.name} has no table under {heading!r}"
     for cells in rows:
         what, figure, gpu, date, source = cells
         assert figure, f"{what}: no figure"
         assert re.search(r"H100|H200|CPU|A100", gpu), f"{what}: GPU {gpu!r}"
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), f"{what}: date {date!r}"
-        files = re.findall(r"\]\(docs/results/([^)]+)\)", source)
-        assert files, f"{what}: no link to a results file"
+        links = re.findall(r"\]\(([^)#]+)\)", source)
+        files = [(doc.parent / link).resolve() for link in links]
+        assert files and all(f.parent == RESULTS_DIR.resolve() for f in files), (
+            f"{what}: source {source!r} is not links to results files")
         for f in files:
-            assert (RESULTS_DIR / f).is_file(), f"{what}: {f} does not exist"
-            assert f.startswith(date), f"{what}: dated {date} but its file is {f}"
+            assert f.is_file(), f"{what}: {f.name} does not exist"
+            assert f.name.startswith(date), f"{what}: dated {date} but its file is {f.name}"
+
+
+def test_readme_headline_rows_are_rows_of_the_full_table():
+    """A headline the README gives is the same row (figure, GPU, date, file) as in results.md,
+    so that the two cannot drift apart."""
+    full = {cells[0]: cells for cells in _table(RESULTS_MD.read_text(), FIGURE_TABLES[1][1])}
+    for cells in _table(README.read_text(), "## Results"):
+        row = full.get(cells[0])
+        assert row, f"README row {cells[0]!r} is not in docs/results.md's table"
+        as_in_readme = [*row[:4], row[4].replace("](results/", "](docs/results/")]
+        assert cells == as_in_readme, f"README row {cells[0]!r} differs from docs/results.md's"
 
 
 def test_readme_keeps_the_commands_ci_runs():

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from fa_tools import gate
+from fa_tools import gate, paths
 from fa_tools.gate import abtest, perf, ratchet, report
 from fa_tools.gate.stats import hodges_lehmann, signed_rank_greater
 from fa_tools.gpu.perfcases import Case
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_FILE = ROOT / "ci" / "gate_policy.yaml"
 
 # ---- statistics (reference values from scipy.stats.wilcoxon, alternative="greater": exact up
 # to 50 pairs, normal approximation with continuity correction above and with ties) ----------
@@ -435,9 +443,52 @@ def test_perf_without_gpu_is_infra(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = argparse.Namespace(rounds=None, max_rounds=None, aa=True, base=None, base_dir=None,
                               rebuild=False, kernels="ci", archs=None)
-    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    policy = ratchet.load_yaml(POLICY_FILE)
     assert perf.run(args, policy, tmp_path) == gate.INFRA
     assert "no CUDA GPU" in (tmp_path / "perf.md").read_text()
+
+
+def test_gate_command_from_another_directory_reads_the_repositorys_policy(tmp_path):
+    """`fa-tools gate perf` run from outside the checkout (with no GPU visible) reads
+    ci/gate_policy.yaml and ci/perf_accept.yaml of the repository the tools belong to, and
+    gets as far as the GPU check: exit 3 for no GPU, not a crash for a policy not found."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "fa_tools", "gate", "perf", "--aa", "--out",
+                           str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          check=False, timeout=300)
+    assert proc.returncode == gate.INFRA, proc.stderr
+    assert "no CUDA GPU" in (out / "perf.md").read_text()
+
+
+def test_repo_files_resolve_from_the_tools_checkout_else_the_git_one(tmp_path, monkeypatch):
+    """Policy files come from the checkout holding fa_tools whatever the current directory; a
+    copy of the tools outside any checkout (site-packages) uses the git checkout of the current
+    directory; with neither, the error names the file and where it looked."""
+    monkeypatch.chdir(tmp_path)
+    assert paths.repo_file("ci/gate_policy.yaml") == POLICY_FILE
+    assert paths.repo_file("ci/none.yaml", must_exist=False) == ROOT / "ci" / "none.yaml"
+    with pytest.raises(paths.RepoFileError, match=r"ci/none\.yaml not found: no /"):
+        paths.repo_file("ci/none.yaml")
+
+    monkeypatch.setattr(paths, "CHECKOUT", tmp_path / "site-packages")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # git looks no higher
+    with pytest.raises(paths.RepoFileError) as info:
+        paths.repo_file("ci/gate_policy.yaml")
+    assert all(part in str(info.value) for part in
+               ("ci/gate_policy.yaml", str(tmp_path / "site-packages"), str(tmp_path)))
+
+    if shutil.which("git") is None:
+        pytest.skip("no git: the fallback to the git checkout is not tested")
+    repo = tmp_path / "repo"
+    (repo / "ci").mkdir(parents=True)
+    (repo / "ci" / "gate_policy.yaml").write_text("tests: {}\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.chdir(repo / "ci")
+    assert paths.repo_file("ci/gate_policy.yaml").resolve() == (
+        repo / "ci" / "gate_policy.yaml").resolve()
 
 
 def test_broken_head_worker_is_exit_2(tmp_path):
@@ -466,7 +517,7 @@ def test_power_study_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "workers", fake_workers)
     case = CASE_1024
     args = argparse.Namespace(case=[case], sizes=[0.5, 10], runs=2, aa_runs=2)
-    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    policy = ratchet.load_yaml(POLICY_FILE)
     assert calibrate.run(args, policy, tmp_path) == gate.PASS
     doc = json.loads((tmp_path / "calibrate.json").read_text())
     big = next(r for r in doc["power"] if r["planted"] == "10%")
@@ -495,7 +546,7 @@ def test_power_study_flags_a_plant_that_did_not_take_effect(tmp_path, monkeypatc
 
     monkeypatch.setattr(calibrate, "workers", fake_workers)
     args = argparse.Namespace(case=[CASE_1024], sizes=[5], runs=2, aa_runs=0)
-    calibrate.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path)
+    calibrate.run(args, ratchet.load_yaml(POLICY_FILE), tmp_path)
     (row,) = json.loads((tmp_path / "calibrate.json").read_text())["power"]
     assert row["realised"] is False and row["slower"] == 0
     assert "| 5% (not realised) | +51 of 1024 keys: 4.98% |" in (tmp_path / "calibrate.md"
@@ -592,7 +643,7 @@ def test_policy_first_look_can_reach_the_per_look_alpha():
     without more first rounds would make the first look unable to convict anything. The family
     is the gate's cases and as many SASS-chosen extras as the policy allows."""
     policy = abtest.Policy.from_dict(
-        {k: v for k, v in ratchet.load_yaml("ci/gate_policy.yaml")["perf"].items()
+        {k: v for k, v in ratchet.load_yaml(POLICY_FILE)["perf"].items()
          if k != "build_timeout_s"})
     n = len(perf.GATE_CASES) + policy.sass_extra_cases
     assert 0.5 ** policy.rounds < policy.alpha_per_look(n)
@@ -638,7 +689,7 @@ def test_a_base_that_can_run_no_case_is_infrastructure_not_a_pass(tmp_path, monk
 
     monkeypatch.setattr(perf, "workers", fake_workers)
     args = argparse.Namespace(rounds=None, max_rounds=None)
-    assert perf.run(args, ratchet.load_yaml("ci/gate_policy.yaml"), tmp_path) == gate.INFRA
+    assert perf.run(args, ratchet.load_yaml(POLICY_FILE), tmp_path) == gate.INFRA
     assert "could run none of the gate's cases" in (tmp_path / "perf.md").read_text()
 
 
@@ -657,7 +708,7 @@ def test_power_study_merge(tmp_path, monkeypatch):
         yield FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
 
     monkeypatch.setattr(calibrate, "workers", fake_workers)
-    policy = ratchet.load_yaml("ci/gate_policy.yaml")
+    policy = ratchet.load_yaml(POLICY_FILE)
     case = CASE_1024
     parts = []
     for i, (sizes, aa) in enumerate([([10], 1), ([10, 5], 2)]):
@@ -923,7 +974,7 @@ def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:
 
     monkeypatch.setattr(perf, "workers", fake_workers)
     monkeypatch.setattr(perf, "GATE_CASES", tuple(cases))
-    doc = ratchet.load_yaml("ci/gate_policy.yaml")
+    doc = ratchet.load_yaml(POLICY_FILE)
     accept_path = tmp_path / "perf_accept.yaml"
     if accept_text is not None:
         accept_path.write_text(accept_text)

@@ -96,7 +96,7 @@ TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashAttention-2 forward kernels (see flash_attention for the Python API)";
+    m.doc() = "FlashAttention forward and backward, sm80 and Hopper families; API: flash_attention";
     m.def("kernels", &flash::binding::list_kernels,
           "the kernels of this build, in config-set order");
     m.def("set_dispatch", &flash::binding::set_dispatch,

@@ -1,4 +1,7 @@
-"""FlashAttention-2 forward kernels written from scratch.
+"""FlashAttention forward and backward written from scratch, in two kernel families: the sm80
+family (mma.sync, cp.async, ldmatrix; any GPU from sm_80) and the Hopper family (wgmma, TMA,
+warp specialization; sm_90a). Fixed-length and varlen (packed) batches; the backward runs
+through autograd when q, k or v requires grad.
 
     import flash_attention as fa
     out = fa.attention(q, k, v)                      # q, k, v: (batch, seq, heads, d_head)

@@ -14,23 +14,36 @@ import os
 import sys
 from pathlib import Path
 
+from .. import paths
 from . import BROKEN, ratchet
+
+POLICY, BASELINE = "ci/gate_policy.yaml", "ci/baselines/static.yaml"  # in the repository
+
+
+def _policy(args: argparse.Namespace) -> Path:
+    """--policy as given, else the repository's (found whatever the current directory)."""
+    return Path(args.policy) if args.policy else paths.repo_file(POLICY)
+
+
+def _baseline(args: argparse.Namespace) -> Path:
+    """--baseline as given, else the repository's; it may not exist yet (rebaseline makes
+    it, static says how to)."""
+    return Path(args.baseline) if args.baseline else paths.repo_file(BASELINE, must_exist=False)
 
 
 def command(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    policy_path, baseline_path = Path(args.policy), Path(args.baseline)
     if args.action == "static":
         from . import static
 
-        code = static.run(policy_path, baseline_path, out)
+        code = static.run(_policy(args), _baseline(args), out)
         print((out / "static.md").read_text())
         return code
     if args.action == "rebaseline":
         from . import static
 
         try:
-            return static.rebaseline(policy_path, baseline_path, args.reason or "")
+            return static.rebaseline(_policy(args), _baseline(args), args.reason or "")
         except ValueError as exc:
             print(f"fa-tools gate rebaseline: {exc}", file=sys.stderr)
             return BROKEN
@@ -39,7 +52,7 @@ def command(args: argparse.Namespace) -> int:
 
         if not (args.aa or args.base or args.base_dir):
             raise SystemExit("fa-tools gate perf: give --base REF, --base-dir DIR or --aa")
-        code = perf.run(args, ratchet.load_yaml(policy_path), out)
+        code = perf.run(args, ratchet.load_yaml(_policy(args)), out)
         print((out / "perf.md").read_text())
         return code
     if args.action == "calibrate":
@@ -52,7 +65,7 @@ def command(args: argparse.Namespace) -> int:
         if not args.case and not args.aa_runs:
             raise SystemExit("fa-tools gate calibrate: name a --case to plant slowdowns on, "
                              "or ask for --aa-runs")
-        code = calibrate.run(args, ratchet.load_yaml(policy_path), out)
+        code = calibrate.run(args, ratchet.load_yaml(_policy(args)), out)
         print((out / "calibrate.md").read_text())
         return code
     from . import report
@@ -69,8 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "report", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=("static", "perf", "calibrate", "rebaseline", "report"))
-    p.add_argument("--policy", default="ci/gate_policy.yaml")
-    p.add_argument("--baseline", default="ci/baselines/static.yaml")
+    p.add_argument("--policy", help=f"gate policy (default: the repository's {POLICY})")
+    p.add_argument("--baseline", help=f"static pins (default: the repository's {BASELINE})")
     p.add_argument("--out", default="gate-report", help="directory for reports")
     p.add_argument("--reason", help="why the pins change (rebaseline)")
     p.add_argument("--base", help="git ref of the target branch; its merge-base is compared")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .. import paths
 from ..analysis.binaries import ToolError
 from ..gpu.perfcases import GATE_CASES, Case
 from . import (
@@ -33,20 +34,20 @@ from . import (
 from .abtest import CaseResult, Policy, Worker, WorkerError, compare
 
 log = logging.getLogger(__name__)
-ROOT = Path.cwd()
 
 
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                          cwd=ROOT).stdout.strip()
+                          cwd=paths.repo_root()).stdout.strip()
 
 
 def prepare_base(ref: str) -> tuple[Path, str]:
     """The source of merge-base(ref, HEAD), exported (git archive) to <cache>/base-<sha>, where
-    <cache> is $FA_GATE_CACHE (default .gate/): a runner that keeps the cache between jobs
-    builds each base once. Returns (tree, sha)."""
+    <cache> is $FA_GATE_CACHE (default .gate/ in the repository): a runner that keeps the cache
+    between jobs builds each base once. Returns (tree, sha)."""
+    root = paths.repo_root()
     sha = _git("merge-base", ref, "HEAD")
-    tree = Path(os.environ.get("FA_GATE_CACHE", ROOT / ".gate")) / f"base-{sha[:12]}"
+    tree = Path(os.environ.get("FA_GATE_CACHE", root / ".gate")) / f"base-{sha[:12]}"
     stamp = tree / ".fa-gate-sha"
     if stamp.exists() and stamp.read_text().strip() == sha:
         log.info("base %s: reusing %s", sha[:10], tree)
@@ -54,7 +55,7 @@ def prepare_base(ref: str) -> tuple[Path, str]:
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, check=True,
+    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=root, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     stamp.write_text(sha + "\n")
@@ -193,7 +194,7 @@ def workers(args: argparse.Namespace, policy: dict, meta: dict) -> Iterator[tupl
 
     if not torch.cuda.is_available():
         raise WorkerError("no CUDA GPU on this machine: the A/B gate needs one", "infra")
-    head_src = ROOT / "src"
+    head_src = paths.repo_root("the head's source") / "src"
     if not list((head_src / "flash_attention").glob("_C*.so")):
         raise WorkerError("the head is not built (nox -s build)", "infra")
     if args.aa:
@@ -297,7 +298,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer, "warm_ms": policy.warm_ms, "round_ms": policy.round_ms,
             "alpha_per_look": policy.alpha_per_look(len(cases))}
-    accept_path = ROOT / policy.accept_file
+    accept_path = paths.repo_file(policy.accept_file, must_exist=False)  # absent: none accepted
     try:
         entries = accept.load(accept_path)  # a malformed file fails before any GPU work
         with workers(args, perf, meta) as (base_w, head_w):

@@ -17,7 +17,7 @@ STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)
 # forward + backward as a training step does them.
 KINDS = ("fwd", "bwd", "fwdbwd")
 # FLOPs of each kind in forwards: the backward counts 2.5 forwards (FlashAttention's benchmark
-# convention; DESIGN.md), a training step both.
+# convention), a training step both.
 FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 
