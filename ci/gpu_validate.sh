@@ -305,11 +305,13 @@ if step bwd90-planted; then
         "wgmma_fence();  // (dP^T's registers were last written by the previous block)"
 fi
 # ncu_run NAME KERNEL_REGEX WHO [TARGET ARGS...]: Nsight Compute (full set, clocks untouched) of
-# the last of 4 launches of the matching kernel in studies/ncu_target.py WHO $shape ARGS, and
-# its details page.
+# the last of 4 launches of the matching kernel (the regex over its demangled name: our kernels
+# are flash::<family>::<direction>_kernel) in studies/ncu_target.py WHO $shape ARGS, and its
+# details page.
 # shellcheck disable=SC2086
 ncu_run() {
-    run "ncu-$1" timeout 240 ncu --clock-control none --set full -k "regex:$2" \
+    run "ncu-$1" timeout 240 ncu --clock-control none --set full --kernel-name-base demangled \
+        -k "regex:$2" \
         --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
         python3 studies/ncu_target.py "$3" $shape "${@:4}"
     ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
@@ -320,13 +322,13 @@ ncu_sass() {  # ncu_sass NAME: the per-SASS-line page of ncu_run NAME's report
 }
 if step profile; then
     shape=${PROFILE_SHAPE:-bf16 128 16 4096 16}
-    ncu_run ours fwd_sm90 ours
+    ncu_run ours 'sm90::fwd_kernel' ours
     ncu_sass ours
     ncu_run cudnn 'cudnn|sdpa|fprop|fmha' cudnn
 fi
 if step profile-bwd; then
     shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}
-    ncu_run bwd-ours 'bwd_sm90_kernel' ours --backward
+    ncu_run bwd-ours 'sm90::bwd_kernel' ours --backward
     ncu_sass bwd-ours
     ncu_run bwd-cudnn 'bprop' cudnn --backward
 fi
@@ -340,7 +342,7 @@ ops.require()
 c = bwd_sm80.select(Call('$dt', $d), built())
 print(c.name if c else '')")
     if [ -n "$sm80" ]; then
-        ncu_run bwd80-ours '^bwd_kernel|bwd::bwd_kernel' ours --backward --config "$sm80"
+        ncu_run bwd80-ours 'sm80::bwd_kernel' ours --backward --config "$sm80"
         ncu_sass bwd80-ours
         ncu_run bwd80-fa2 'flash_bwd_dq_dk_dv' fa2 --backward
         ncu_sass bwd80-fa2

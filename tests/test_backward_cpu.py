@@ -288,8 +288,8 @@ def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
     assert [p.name for p in paths] == [f"{c.name}.cu" for c in (*forward, *configs)] + [
         "registry.cu"]
     text = (tmp_path / "bwd_sm80_bf16_d128_r64_c128_w8_fh.cu").read_text()
-    assert ("BwdConfig<__nv_bfloat16, 128, 128, 64, 8, /*prefetch=*/true, /*softcap=*/false>"
-            in text)
+    assert ("sm80::BwdConfig<__nv_bfloat16, 128, 64, 128, 8, /*prefetch=*/true, "
+            "/*softcap=*/false>" in text)
     registry = (tmp_path / "registry.cu").read_text()
     assert all(f"&entry_{c.name}" in registry for c in configs)
     assert f"*count = {len(configs)};" in registry
@@ -303,8 +303,8 @@ def test_codegen_writes_one_file_per_config_and_the_registry(tmp_path):
 
 def test_codegen_of_a_hopper_config(tmp_path):
     """A Hopper backward unit: the sm_90a marker in its head (the nvcc wrapper then compiles it
-    for sm_90a alone), the Hopper launcher's header, flash::sm90::Sm90BwdConfig<Elem, d_head,
-    softcap, B_r> and its registry entry; listed in the registry beside the sm80 kind's, which
+    for sm_90a alone), the Hopper launcher's header, flash::sm90::BwdConfig<Elem, d_head, B_r,
+    B_c, softcap> and its registry entry; listed in the registry beside the sm80 kind's, which
     keeps its own template and no marker. Every flag changes the instantiation."""
     hopper, sm80 = Sm90BwdConfig("bf16", 128, 64, 128), default_tile("bf16", 128)
     forward = fwd_sm80.CI[0]
@@ -315,12 +315,12 @@ def test_codegen_of_a_hopper_config(tmp_path):
     assert ARCH_MARKER in text[:4096] and "torch" not in text
     assert '#include "sm90/backward_launch.cuh"' in text
     assert (f"using Cfg_{hopper.name} = "
-            "sm90::Sm90BwdConfig<__nv_bfloat16, 128, /*softcap=*/false, 64>;") in text
+            "sm90::BwdConfig<__nv_bfloat16, 128, 64, 128, /*softcap=*/false>;") in text
     assert f'sm90::make_bwd_entry<Cfg_{hopper.name}>("{hopper.name}")' in text
     assert f"extern const BwdKernelEntry entry_{hopper.name} =" in text
     other = paths[2].read_text()
     assert ARCH_MARKER not in other and '#include "sm80/backward_launch.cuh"' in other
-    assert "Sm90BwdConfig" not in other
+    assert "sm90::" not in other
     registry = paths[3].read_text()
     assert f"&entry_{hopper.name}," in registry and f"&entry_{sm80.name}," in registry
     assert "*count = 2;" in registry
@@ -328,7 +328,7 @@ def test_codegen_of_a_hopper_config(tmp_path):
     assert arch_override(args, str(paths[1])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
     assert arch_override(args, str(paths[2])) == args
     fp16 = kernel_source(Sm90BwdConfig("fp16", 64, 128, 128, softcap=True))
-    assert "sm90::Sm90BwdConfig<__half, 64, /*softcap=*/true, 128>;" in fp16
+    assert "sm90::BwdConfig<__half, 64, 128, 128, /*softcap=*/true>;" in fp16
     for name in Sm90BwdConfig.FLAGS:
         flipped = hopper.replace(**{name: not getattr(hopper, name)})
         assert kernel_source(flipped) != kernel_source(hopper)

@@ -24,10 +24,10 @@ from flash_attention.kernels.fwd_sm80 import FLAGS, Sm80FwdConfig
 
 CI = resolve("fwd:ci")
 # the C++ config template and registry-entry function of each kind
-CPP = {"fwd_sm80": ("FwdConfig", "make_entry"),
-       "fwd_sm90": ("sm90::Sm90Config", "sm90::make_entry"),
-       "bwd_sm80": ("BwdConfig", "make_bwd_entry"),
-       "bwd_sm90": ("sm90::Sm90BwdConfig", "sm90::make_bwd_entry")}
+CPP = {"fwd_sm80": ("sm80::FwdConfig", "sm80::make_fwd_entry"),
+       "fwd_sm90": ("sm90::FwdConfig", "sm90::make_fwd_entry"),
+       "bwd_sm80": ("sm80::BwdConfig", "sm80::make_bwd_entry"),
+       "bwd_sm90": ("sm90::BwdConfig", "sm90::make_bwd_entry")}
 
 
 def _registry(text: str, function: str) -> list[str]:
@@ -47,10 +47,9 @@ def test_one_file_per_config_and_registry(tmp_path):
         src = (tmp_path / f"{cfg.name}.cu").read_text()
         assert kernel_filename(cfg) == f"{cfg.name}.cu" and src == kernel_source(cfg)
         assert "torch" not in src, "kernel translation units must not include torch"
-        template = "sm90::Sm90Config" if cfg.family == "sm90" else "FwdConfig"
-        assert f"{template}<{template_args(cfg)}>" in src
+        assert f"{cfg.family}::FwdConfig<{template_args(cfg)}>" in src
         assert (ARCH_MARKER in src) == (cfg.family == "sm90"), "sm_90a sources carry the marker"
-        assert f'make_entry<Cfg_{cfg.name}>("{cfg.name}")' in src
+        assert f'{cfg.family}::make_fwd_entry<Cfg_{cfg.name}>("{cfg.name}")' in src
         assert f"&entry_{cfg.name}," in registry
     assert f"*count = {len(CI)};" in registry
     assert json.loads((tmp_path / "manifest.json").read_text()) == {
@@ -69,7 +68,7 @@ def test_every_kind_generates_its_template(tmp_path):
         t = TEMPLATES[cfg.KIND]
         src = path.read_text()
         config, entry = CPP[cfg.KIND]
-        entry_type = "KernelEntry" if cfg.direction == "fwd" else "BwdKernelEntry"
+        entry_type = "FwdKernelEntry" if cfg.direction == "fwd" else "BwdKernelEntry"
         assert f'#include "{t.header}"' in src and t.config == config and t.entry == entry
         assert f"using Cfg_{cfg.name} = {config}<{template_args(cfg)}>;" in src
         assert (f"extern const {entry_type} entry_{cfg.name} = {entry}<Cfg_{cfg.name}>"
@@ -80,27 +79,27 @@ def test_every_kind_generates_its_template(tmp_path):
 
 
 def test_registry_holds_both_registries(tmp_path):
-    """registry.cu lists the forward kernels in kernel_registry and the backward ones in
+    """registry.cu lists the forward kernels in fwd_kernel_registry and the backward ones in
     bwd_kernel_registry, each in selection order; a selection without backward kernels lists
     one null entry with count 0 (a zero-length array is not C++)."""
     forward = (*fwd_sm80.CI[:2], fwd_sm90.CI[0])
     backward = resolve("bwd:ci")
     generate((forward[0], *backward, *forward[1:]), tmp_path)
     text = (tmp_path / "registry.cu").read_text()
-    assert '#include "backward_registry.h"' in text and '#include "registry.h"' in text
-    assert _registry(text, "kernel_registry") == [
+    assert '#include "registry.h"' in text
+    assert _registry(text, "fwd_kernel_registry") == [
         *(f"&entry_{c.name}" for c in forward), f"count {len(forward)}"]
     assert _registry(text, "bwd_kernel_registry") == [
         *(f"&entry_{c.name}" for c in backward), f"count {len(backward)}"]
     for cfg in forward:
-        assert f"extern const KernelEntry entry_{cfg.name};" in text
+        assert f"extern const FwdKernelEntry entry_{cfg.name};" in text
     for cfg in backward:
         assert f"extern const BwdKernelEntry entry_{cfg.name};" in text
 
     generate(forward, tmp_path)
     text = (tmp_path / "registry.cu").read_text()
     assert text == registry_source(forward)
-    assert _registry(text, "kernel_registry")[-1] == f"count {len(forward)}"
+    assert _registry(text, "fwd_kernel_registry")[-1] == f"count {len(forward)}"
     assert _registry(text, "bwd_kernel_registry") == ["nullptr", "count 0"]
     assert "BwdKernelEntry entry_" not in text
 
@@ -156,16 +155,16 @@ def test_template_args_types():
     assert args[:5] == ["__half", "128", "64", "32", "4"]
     assert len(args) == 5 + len(FLAGS)
     assert set(ELEM_TYPES) == {"fp16", "bf16"}
-    # The Hopper forward's template takes B_c before the consumer warpgroups (B_r / 64); the
-    # sm80 backward's B_c before B_r; the Hopper backward's softcap before B_r.
+    # Every kind's template reads as its name: Elem, d_head, B_r, B_c, then warps or stages,
+    # then the flags.
     args = template_args(parse("fwd_sm90_bf16_d64_r192_c96_s3_fwaln")).split(", ")
-    assert args[:5] == ["__nv_bfloat16", "64", "96", "3", "3"]
+    assert args[:5] == ["__nv_bfloat16", "64", "192", "96", "3"]
     assert len(args) == 5 + len(fwd_sm90.FLAGS)
     args = template_args(parse("bwd_sm80_bf16_d64_r128_c64_w8_ft")).split(", ")
-    assert args == ["__nv_bfloat16", "64", "64", "128", "8", "/*prefetch=*/false",
+    assert args == ["__nv_bfloat16", "64", "128", "64", "8", "/*prefetch=*/false",
                     "/*softcap=*/true"]
     args = template_args(parse("bwd_sm90_fp16_d64_r128_c128_ft")).split(", ")
-    assert args == ["__half", "64", "/*softcap=*/true", "128"]
+    assert args == ["__half", "64", "128", "128", "/*softcap=*/true"]
     assert isinstance(parse(Sm80FwdConfig.EXAMPLE), Sm80FwdConfig)
 
 

@@ -206,7 +206,7 @@ def test_sm90_configs_round_trip_and_rules():
     with pytest.raises(ConfigError, match="cannot parse fwd_sm90"):
         parse("fwd_sm90_bf16_d128_r128_c128")
     # The C++ template holds the same rules.
-    text = (ROOT / "src/csrc/sm90/config.cuh").read_text()
+    text = (ROOT / "src/csrc/sm90/forward_config.cuh").read_text()
     assert "static_assert(!kPingPong || (kConsumerWGs == 2 && kWarpSpec)" in text
 
 
@@ -239,14 +239,30 @@ def test_resolve():
         resolve(" , ")
 
 
-def test_flag_order_matches_cpp_template():
-    """The generated template arguments follow FLAGS; config.cuh must list its bool parameters
-    in the same order."""
-    text = (ROOT / "src/csrc/sm80/config.cuh").read_text()
-    params = re.search(r"template <(typename Elem_.*?)>\s*struct FwdConfig", text, re.S)[1]
-    bools = re.findall(r"bool k(\w+)_", params)
-    expected = ["".join(p.title() for p in name.split("_")) for name in FLAGS]
-    assert [b.lower() for b in bools] == [e.lower() for e in expected]
+# Each kind's C++ config template: its header and struct (flash::<family>::<Direction>Config).
+CPP_CONFIGS = {"fwd_sm80": ("sm80/forward_config.cuh", "FwdConfig"),
+               "fwd_sm90": ("sm90/forward_config.cuh", "FwdConfig"),
+               "bwd_sm80": ("sm80/backward_config.cuh", "BwdConfig"),
+               "bwd_sm90": ("sm90/backward_config.cuh", "BwdConfig")}
+
+
+@pytest.mark.parametrize("kind", CPP_CONFIGS)
+def test_template_parameters_match_the_generated_arguments(kind):
+    """A kind's C++ config template lists its parameters in the order codegen's template
+    arguments follow (the config's fields: Elem, d_head, B_r, B_c, warps or stages, then the
+    flags in name order), so a name's segments and flags are the template's."""
+    from flash_attention.codegen.templates import TEMPLATES
+
+    header, struct = CPP_CONFIGS[kind]
+    assert TEMPLATES[kind].config == f"{kind[4:]}::{struct}"
+    text = (ROOT / "src/csrc" / header).read_text()
+    params = re.search(rf"template <(typename Elem_.*?)>\s*struct {struct} {{", text, re.S)[1]
+    names = [re.search(r"(\w+)_$", p.strip().split("=")[0].strip())[1]
+             for p in params.split(",")]
+    cpp = {"dtype": "Elem", "d_head": "kDHead", "block_r": "kBr", "block_c": "kBc"}
+    expected = [cpp.get(f, "k" + "".join(w.title() for w in f.split("_")))
+                for f in TEMPLATES[kind].args]
+    assert [n.lower() for n in names] == [e.lower() for e in expected]
 
 
 def test_kernel_modules_import_one_way():

@@ -189,17 +189,17 @@ def _bwd_op(q, k, v, dout, out, lse, kernel="", deterministic=False, causal=Fals
 
 
 def _main_kernels(*args, **kwargs) -> set[str]:
-    """The backward main kernels _bwd_op(*args, **kwargs) launches: 'sm90' (bwd_sm90_kernel)
-    and/or 'sm80' (bwd_kernel), from the CUDA kernel names torch.profiler records."""
+    """The backward main kernels _bwd_op(*args, **kwargs) launches: 'sm90'
+    (flash::sm90::bwd_kernel) and/or 'sm80' (flash::sm80::bwd_kernel), from the CUDA kernel
+    names torch.profiler records."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _bwd_op(*args, **kwargs)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return ({"sm90"} if any("bwd_sm90_kernel" in n for n in names) else set()) | (
-        {"sm80"} if any("bwd_kernel" in n.replace("bwd_sm90_kernel", "") for n in names)
-        else set())
+    return {family for family in ("sm80", "sm90")
+            if any(f"{family}::bwd_kernel" in n for n in names)}
 
 
 @pytest.mark.parametrize("d_head", [64, 128, 256])

@@ -92,9 +92,9 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
             .categories["tensor_mma"] for k in (main, *helpers)}
     assert mmas[main] > 0 and mmas[helpers[0]] == mmas[helpers[1]] == 0, mmas
     text = sass.dump(binary, main, "90")
-    assert "flash::bwd::bwd_kernel<" in text and "bwd_preprocess_kernel" not in text
+    assert "flash::sm80::bwd_kernel<" in text and "bwd_preprocess_kernel" not in text
     text = sass.dump(binary, helpers[0], "90")
-    assert "bwd_preprocess_kernel" in text and "flash::bwd::bwd_kernel<" not in text
+    assert "bwd_preprocess_kernel" in text and "flash::sm80::bwd_kernel<" not in text
     # The set count over an arch the build has (a GPU runner's build may hold sm_90 only).
     arches = {m.arch for m in cubins.list_cubins(binary)}
     arch = "80" if "80" in arches else "90"
@@ -168,8 +168,21 @@ def test_static_smem_and_foreign_kernels_parse():
     assert (r.kernel, r.registers, r.static_smem, r.ctas_per_sm) == ("_Z6helperPf", 32, 1024, None)
 
 
-SM90_MANGLED = ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI13__nv_bfloat16Li128ELi128ELi2E"
-                "Li2ELb1ELb0ELb1ELb1ELb1ELb0ELb0ELb1ELb1ELb1ELb1ELb0EEEEEvNS0_10Sm90ParamsE")
+# flash::sm90::fwd_kernel<flash::sm90::FwdConfig<bf16, d 128, B_r 128, B_c 128, 2 stages, ...>>
+SM90_MANGLED = ("_ZN5flash4sm9010fwd_kernelINS0_9FwdConfigI13__nv_bfloat16Li128ELi128ELi128E"
+                "Li2ELb1ELb0ELb1ELb1ELb1ELb0ELb0ELb1ELb1ELb1ELb1ELb0EEEEEvNS0_15FwdKernelParamsE")
+# ... as builds before the one name scheme named it (Sm90Config<Elem, d, B_c, warpgroups, ...>)
+OLD_SM90_MANGLED = ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI13__nv_bfloat16Li128ELi128"
+                    "ELi2ELi2ELb1ELb0ELb1ELb1ELb1ELb0ELb0ELb1ELb1ELb1ELb1ELb0EEEEEvNS0_10Sm90Params"
+                    "E")
+
+
+def test_forward_symbols_of_either_scheme_name_the_same_kernel():
+    from fa_tools.analysis.kernel_names import short_of
+
+    assert short_of(SM90_MANGLED) == short_of(OLD_SM90_MANGLED) == (
+        "fwd_sm90_bf16_d128_r128_c128_s2_fwialngzm")
+    assert short_of(SM90_MANGLED.replace("4sm9010fwd", "4sm9110fwd")) is None
 
 
 def test_serialized_wgmma_note_is_attributed_to_its_kernel():
@@ -255,7 +268,7 @@ def test_spilling_kernel_shows_local_memory(tmp_path):
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     if not os.path.exists(nvcc):
         pytest.skip("nvcc not found")
-    proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-Xptxas=-v",
+    proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++20", "-arch=sm_90", "-Xptxas=-v",
                            f"-I{ROOT / 'src/csrc'}", str(src), "-o", str(tmp_path / "k.cubin")],
                           capture_output=True, text=True, check=True)
     (rec,) = ptxas_report.parse(proc.stderr)
@@ -299,7 +312,7 @@ def test_cfg_is_valid_dot(built):
 def test_sass_dump_strips_addresses_and_demangles(built):
     binary, info = built
     text = sass.dump(binary, info["configs"][0], "90", strip_addresses=True)
-    assert "flash::fwd_kernel<flash::FwdConfig<" in text
+    assert "flash::sm80::fwd_kernel<flash::sm80::FwdConfig<" in text
     assert not re.search(r"/\*[0-9a-f]{4}\*/", text)
     assert "HMMA" in text
 
@@ -344,8 +357,12 @@ def test_kernel_code_includes_internal_subroutines_listed_apart():
         sass.kernel_code([kernel, {**kernel, "function-name": "_ZN5other"}], "k.cubin")
 
 
-BWD_MAIN = ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI13__nv_bfloat16Li128ELi128ELi64ELi8ELb1ELb0E"
-            "EEEEvNS_9BwdParamsE")
+# flash::sm80::bwd_kernel<flash::sm80::BwdConfig<bf16, d 128, B_r 64, B_c 128, 8 warps, ...>>
+BWD_MAIN = ("_ZN5flash4sm8010bwd_kernelINS0_9BwdConfigI13__nv_bfloat16Li128ELi64ELi128ELi8ELb1E"
+            "Lb0EEEEEvNS_9BwdParamsE")
+# ... before the one name scheme: flash::bwd::bwd_kernel<flash::BwdConfig<Elem, d, B_c, B_r, ...>>
+OLD_BWD_MAIN = ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI13__nv_bfloat16Li128ELi128ELi64ELi8ELb1E"
+                "Lb0EEEEvNS_9BwdParamsE")
 BWD_PRE = "_ZN5flash3bwd21bwd_preprocess_kernelI13__nv_bfloat16EEvNS_9BwdParamsE"
 
 
@@ -358,7 +375,7 @@ def test_backward_kernel_names():
     assert parse_kernel("bwd_sm80_convert_dq_fp16").threads == 256
     from fa_tools.analysis.kernel_names import short_of
 
-    assert short_of(BWD_MAIN) == "bwd_sm80_bf16_d128_r64_c128_w8_fh"
+    assert short_of(BWD_MAIN) == short_of(OLD_BWD_MAIN) == "bwd_sm80_bf16_d128_r64_c128_w8_fh"
     assert short_of(BWD_PRE) == "bwd_sm80_preprocess_bf16"
     assert short_of(BWD_PRE.replace("preprocess", "convert_dq").replace("13__nv_bfloat16",
                                                                         "6__half")) \
@@ -387,24 +404,31 @@ def test_hopper_backward_dq_conversion_names():
         "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16"]
 
 
-# The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit): B_c is
-# fixed by the family, so the template arguments are Elem, d_head, softcap and B_r (absent in
-# builds before B_r was one: read as 64).
-BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0ELi64EE"
-            "EEEvNS0_13Sm90BwdParamsE")
+# The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit):
+# flash::sm90::bwd_kernel<flash::sm90::BwdConfig<Elem, d_head, B_r, B_c, softcap>>
+BWD_SM90 = ("_ZN5flash4sm9010bwd_kernelINS0_9BwdConfigI13__nv_bfloat16Li128ELi64ELi128ELb0EEEEEvNS0"
+            "_15BwdKernelParamsE")
+# ... before the one name scheme: B_c fixed by d_head, the template's arguments Elem, d_head,
+# softcap and B_r (absent in builds before B_r was one: read as 64).
+OLD_BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0ELi64E"
+                "EEEEvNS0_13Sm90BwdParamsE")
 
 
 def test_hopper_backward_kernel_names():
     from fa_tools.analysis.kernel_names import config_of, is_hopper, short_of
     from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
 
-    assert short_of(BWD_SM90) == "bwd_sm90_bf16_d128_r64_c128_f"
+    assert short_of(BWD_SM90) == short_of(OLD_BWD_SM90) == "bwd_sm90_bf16_d128_r64_c128_f"
     assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128, 64, 128)
-    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELb0ELi64E", "6__halfLi64ELb1ELi128E")
+    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELi64ELi128ELb0E",
+                                    "6__halfLi64ELi128ELi128ELb1E")
     assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_r128_c128_ft"
-    assert short_of(BWD_SM90.replace("Li64E", "")) == "bwd_sm90_bf16_d128_r64_c128_f"  # older
     assert short_of(BWD_SM90.replace("Lb0E", "Lb0ELb1E")) is None  # a flag more: not ours
-    assert short_of(BWD_SM90.replace("bwd_sm90_kernel", "bwd_sm91_kernel")) is None
+    assert short_of(BWD_SM90.replace("Li64ELi128E", "Li64ELi64E")) is None  # B_c 64 at d 128
+    assert short_of(BWD_SM90.replace("4sm9010bwd", "4sm9110bwd")) is None
+    old_fp16 = OLD_BWD_SM90.replace("13__nv_bfloat16Li128ELb0ELi64E", "6__halfLi64ELb1ELi128E")
+    assert short_of(old_fp16) == "bwd_sm90_fp16_d64_r128_c128_ft"
+    assert short_of(OLD_BWD_SM90.replace("Li64E", "")) == "bwd_sm90_bf16_d128_r64_c128_f"
     for cfg in bwd_sm90.DEFAULT:
         assert parse_kernel(cfg.name) == cfg and is_hopper(cfg)
         assert archs_of(cfg, ["80", "90"]) == ["90a"]
@@ -563,7 +587,7 @@ def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
     def compile_one(cfg):
         src = tmp_path / f"{cfg.name}.cu"
         src.write_text(kernel_source(cfg))
-        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++20", "--expt-relaxed-constexpr",
                                "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas=-v",
                                f"-I{ROOT / 'src/csrc'}", str(src), "-o",
                                str(src.with_suffix(".cubin"))],
@@ -667,7 +691,7 @@ def test_default_configs_do_not_spill_or_serialize(tmp_path):
         src = tmp_path / f"{cfg.name}_{arch}.cu"
         src.write_text(kernel_source(cfg))
         target = f"-gencode=arch=compute_{arch},code=sm_{arch}"  # 90a: the Hopper family
-        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++17", target,
+        proc = subprocess.run([nvcc, "-cubin", "-O3", "-std=c++20", target,
                                "-Xptxas=-v", f"-I{ROOT / 'src/csrc'}", str(src), "-o",
                                str(src.with_suffix(".cubin"))],
                               capture_output=True, text=True, check=True)

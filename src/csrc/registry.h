@@ -1,37 +1,44 @@
-// What the binding knows about a built kernel: the name (its config short form), the shape facts
-// it needs to validate a call, and the launcher. Plain C++; the table of entries is generated
-// (registry.cu) from the build's config set, so this list is never kept by hand.
+// What the binding knows about a built kernel of any kind: its name, the shape facts it needs to
+// choose and validate a call, and the launcher. One entry shape for every kind; a registry per
+// direction (the launch takes that direction's parameters). Plain C++; the tables are generated
+// (generated/registry.cu) from the build's selection, so no list is kept by hand.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include "common/bwd_params.h"
 #include "common/params.h"
 
 namespace flash {
 
-using LaunchFn = cudaError_t (*)(const FwdParams&, cudaStream_t);
-
 enum class DType : int { kFp16 = 0, kBf16 = 1 };
 
+template <class Params>
 struct KernelEntry {
-    const char* name;  // config short form, e.g. bf16_d128_r128_c64_w4_fseqkvbor
+    const char* name;  // the kernel's name, e.g. fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor
     DType dtype;
-    int d_head;
-    int block_m;  // B_r
-    int block_n;  // B_c
+    int d_head;   // the variant: serves every multiple of 8 up to it
+    int block_r;  // B_r: query rows per tile (the backward's dQ accumulator pads to it)
+    int block_c;  // B_c: key rows per tile
     int threads;
     int smem_bytes;
-    bool mask;     // serves causal / sliding-window masks (window_left/right of FwdParams)
-    bool softcap;  // applies FwdParams::softcap_scale (and serves only softcap > 0)
-    LaunchFn launch;
-    // 80: an sm_80-family kernel (runs on sm_80 and newer); 90: an sm_90a kernel (Hopper only;
-    // TMA-compatible fixed-length calls, see tma_compatible in the binding).
+    // Serves causal / sliding-window masks (window_left/right of the parameters): the forward
+    // kernels with flag m; every backward kernel (masks are run-time arguments there).
+    bool mask;
+    bool softcap;  // applies softcap_scale (and serves only softcap > 0)
+    // 80: an sm80-family kernel (runs on sm_80 and newer); 90: an sm_90a kernel (Hopper only;
+    // fixed-length calls whose tensors TMA can address, see tma_fit.h in the binding).
     int arch;
-    // The kernel needs FwdParams::tile_counter: the binding allocates one int per call.
+    // The kernel needs its parameters' tile_counter: the binding allocates one int per call.
     bool tile_counter;
+    cudaError_t (*launch)(const Params&, cudaStream_t);
 };
 
-// Defined in the generated registry.cu: every kernel of this build, in config-set order.
-const KernelEntry* const* kernel_registry(int* count);
+using FwdKernelEntry = KernelEntry<FwdParams>;
+using BwdKernelEntry = KernelEntry<BwdParams>;
+
+// Defined in the generated registry.cu: every kernel of this build, in selection order.
+const FwdKernelEntry* const* fwd_kernel_registry(int* count);
+const BwdKernelEntry* const* bwd_kernel_registry(int* count);
 
 }  // namespace flash

@@ -25,7 +25,7 @@
 #include <utility>
 #include <vector>
 
-#include "../backward_registry.h"
+#include "../registry.h"
 #include "device_properties.h"
 #include "input_layout.h"
 #include "message.h"

@@ -44,8 +44,8 @@ inline uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask,
 // A row's kernel and its fallback: an sm80-family kernel that runs wherever the kernel (a Hopper
 // one) cannot; the same entry when the kernel is an sm80 one.
 struct Choice {
-    const flash::KernelEntry* kernel;
-    const flash::KernelEntry* fallback;
+    const flash::FwdKernelEntry* kernel;
+    const flash::FwdKernelEntry* fallback;
 };
 
 struct DispatchTable {
@@ -101,7 +101,7 @@ inline Choice lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, boo
 // The table's kernel for a call ('' if none), before the run-time fallback (sm90_unfit).
 inline std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, bool mask,
                           bool softcap, bool local) {
-    const flash::KernelEntry* e =
+    const flash::FwdKernelEntry* e =
         lookup(dtype == "bf16", d_head, seqlen_q, mask, local, softcap).kernel;
     return e == nullptr ? "" : e->name;
 }

@@ -12,11 +12,11 @@
 
 namespace flash::binding {
 
-inline const std::unordered_map<std::string, const flash::KernelEntry*>& entries_by_name() {
+inline const std::unordered_map<std::string, const flash::FwdKernelEntry*>& entries_by_name() {
     static const auto table = [] {
-        std::unordered_map<std::string, const flash::KernelEntry*> map;
+        std::unordered_map<std::string, const flash::FwdKernelEntry*> map;
         int count = 0;
-        const flash::KernelEntry* const* entries = flash::kernel_registry(&count);
+        const flash::FwdKernelEntry* const* entries = flash::fwd_kernel_registry(&count);
         for (int i = 0; i < count; ++i)
             map.emplace(entries[i]->name, entries[i]);
         return map;
@@ -27,15 +27,15 @@ inline const std::unordered_map<std::string, const flash::KernelEntry*>& entries
 inline py::list list_kernels() {
     py::list out;
     int count = 0;
-    const flash::KernelEntry* const* entries = flash::kernel_registry(&count);
+    const flash::FwdKernelEntry* const* entries = flash::fwd_kernel_registry(&count);
     for (int i = 0; i < count; ++i) {
-        const flash::KernelEntry& e = *entries[i];
+        const flash::FwdKernelEntry& e = *entries[i];
         py::dict d;
         d["name"] = e.name;
         d["dtype"] = e.dtype == flash::DType::kFp16 ? "fp16" : "bf16";
         d["d_head"] = e.d_head;
-        d["block_r"] = e.block_m;
-        d["block_c"] = e.block_n;
+        d["block_r"] = e.block_r;
+        d["block_c"] = e.block_c;
         d["threads"] = e.threads;
         d["smem_bytes"] = e.smem_bytes;
         d["mask"] = e.mask;

@@ -133,7 +133,7 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     const at::Tensor& o = *out_addr;
 
     // A Hopper kernel runs only what TMA can address on an sm_90 GPU; else its row's fallback.
-    const flash::KernelEntry* pick = chosen.kernel;
+    const flash::FwdKernelEntry* pick = chosen.kernel;
     if (pick->arch == 90) {
         if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &o})) {
             FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
@@ -141,7 +141,7 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
             pick = chosen.fallback;
         }
     }
-    const flash::KernelEntry& e = *pick;
+    const flash::FwdKernelEntry& e = *pick;
     FA_CHECK(static_cast<size_t>(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);

@@ -116,8 +116,8 @@ inline std::pair<int64_t, int64_t> canonical_window(bool causal, int64_t left, i
 // The rest of a call against its kernel `c` (or its fallback: they share dtype, d_head variant,
 // masks and softcap, so these checks hold for whichever runs): out and lse, the limits of the
 // kernels' index arithmetic, softmax_scale, the window and the softcap.
-inline void check_call(const flash::KernelEntry& c, const at::Tensor& q_in, const at::Tensor& k_in,
-                       const at::Tensor& out, bool out_is_fresh,
+inline void check_call(const flash::FwdKernelEntry& c, const at::Tensor& q_in,
+                       const at::Tensor& k_in, const at::Tensor& out, bool out_is_fresh,
                        const std::optional<at::Tensor>& lse, bool varlen, const CallShape& s,
                        at::ScalarType dtype, double softmax_scale, int64_t window_left,
                        int64_t window_right, double softcap) {

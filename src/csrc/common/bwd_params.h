@@ -33,7 +33,7 @@ struct BwdParams {
     int* dq_semaphore;
     // The sm80 family's rotated deterministic order (bwd::rotated_dq_turn): r, the query blocks
     // per KV block, where its launcher chose it; 0 (the binding's value): the last KV block
-    // first. The Hopper family keeps its own (Sm90BwdParams).
+    // first. The Hopper family keeps its own (sm90::BwdKernelParams).
     int dq_rotation;
     // The sm80 family's dQ accumulator order (bwd::DqLayout), chosen by the binding and
     // followed by its main kernel and conversion: 0 kRows (varlen), 1 kWgmmaTiles (fixed-length

@@ -10,7 +10,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "../backward_registry.h"
 #include "../registry.h"
 
 namespace flash {
@@ -65,38 +64,29 @@ cudaError_t launch_checked(dim3 grid, int threads, int smem, cudaStream_t stream
     return cudaGetLastError();
 }
 
-// The registry entry of config Cfg, launched by `launch`; arch: 80 (sm80 family) or 90 (sm_90a).
-template <class Cfg>
-constexpr KernelEntry kernel_entry(const char* name, LaunchFn launch, int arch,
-                                   bool tile_counter = false) {
-    return KernelEntry{name,
-                       std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-                       Cfg::kDHead,
-                       Cfg::kBr,
-                       Cfg::kBc,
-                       Cfg::kThreads,
-                       Cfg::kSmemBytes,
-                       Cfg::kMask,
-                       Cfg::kSoftcap,
-                       launch,
-                       arch,
-                       tile_counter};
-}
-
-// The backward registry entry of config Cfg (either family), launched by `launch`; arch: 80
-// (sm80 family) or 90 (sm_90a).
-template <class Cfg>
-constexpr BwdKernelEntry bwd_kernel_entry(const char* name, BwdLaunchFn launch, int arch) {
-    return BwdKernelEntry{name,
-                          std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-                          Cfg::kDHead,
-                          Cfg::kBc,
-                          Cfg::kBr,
-                          Cfg::kThreads,
-                          Cfg::kSmemBytes,
-                          Cfg::kSoftcap,
-                          arch,
-                          launch};
+// The registry entry of config Cfg of any kind, launched by `launch`; arch: 80 (sm80 family) or
+// 90 (sm_90a). A config without kMask (the backward's) serves masks at run time.
+template <class Cfg, class Params>
+constexpr KernelEntry<Params> kernel_entry(const char* name,
+                                           cudaError_t (*launch)(const Params&, cudaStream_t),
+                                           int arch, bool tile_counter = false) {
+    bool mask = true;
+    if constexpr (requires { Cfg::kMask; })
+        mask = Cfg::kMask;
+    return KernelEntry<Params>{
+        .name = name,
+        .dtype = std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
+        .d_head = Cfg::kDHead,
+        .block_r = Cfg::kBr,
+        .block_c = Cfg::kBc,
+        .threads = Cfg::kThreads,
+        .smem_bytes = Cfg::kSmemBytes,
+        .mask = mask,
+        .softcap = Cfg::kSoftcap,
+        .arch = arch,
+        .tile_counter = tile_counter,
+        .launch = launch,
+    };
 }
 
 }  // namespace flash

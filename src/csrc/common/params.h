@@ -48,7 +48,7 @@ struct FwdParams {
     int total_q;
     int total_k;
 
-    // Kernels that schedule their tiles dynamically (KernelEntry::tile_counter): an int of
+    // Kernels that schedule their tiles dynamically (FwdKernelEntry::tile_counter): an int of
     // device memory for this launch alone, which the launcher zeroes on the launch's stream.
     int* tile_counter;
 };

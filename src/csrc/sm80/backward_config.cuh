@@ -1,6 +1,6 @@
 // The compile-time config of the sm80-family backward: the single C++ description of one
-// backward kernel. The Python dataclass flash_attention.config_bwd.BwdConfig holds the same
-// fields and rules; the generated per-config .cu files instantiate this template from it.
+// backward kernel. The Python dataclass flash_attention.kernels.bwd_sm80.Sm80BwdConfig holds the
+// same fields and rules; the generated per-config .cu files instantiate this template from it.
 //
 // One CTA owns B_c keys (and values) of one (batch, KV head) and loops over the query blocks of
 // B_r rows that see them, for every query head of the KV head's group. Its warps tile three
@@ -15,7 +15,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace flash {
+namespace flash::sm80 {
 
 // The warp rows of a grid over a (rows x cols) tile: of the splits into whole 16 x 16 tiles per
 // warp, the one whose warp tile has the smallest rows + cols (each warp reads rows + cols
@@ -57,7 +57,7 @@ struct WarpGrid {
     }
 };
 
-template <typename Elem_, int kDHead_, int kBc_, int kBr_, int kWarps_, bool kPrefetch_,
+template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kWarps_, bool kPrefetch_,
           bool kSoftcap_>
 struct BwdConfig {
     using Elem = Elem_;
@@ -66,8 +66,8 @@ struct BwdConfig {
     // missing columns zero-filled in smem.
     static constexpr int kDHead = kDHead_;
     static constexpr int kSmemDHead = kDHead <= 64 ? 64 : (kDHead <= 128 ? 128 : 256);
-    static constexpr int kBc = kBc_;  // B_c: keys per CTA
     static constexpr int kBr = kBr_;  // B_r: query rows per iteration
+    static constexpr int kBc = kBc_;  // B_c: keys per CTA
     static constexpr int kWarps = kWarps_;
     // Double-buffered query blocks: Q, dO, LSE and D of the next block stream into a second
     // buffer while this one is computed (else each block is loaded when it starts).
@@ -154,4 +154,4 @@ struct BwdConfig {
     static_assert(kSmemBytes + 128 <= 163 * 1024, "shared memory exceeds the sm_80 limit");
 };
 
-}  // namespace flash
+}  // namespace flash::sm80

@@ -13,7 +13,7 @@
 #include "fragments.cuh"
 #include "ptx.cuh"
 
-namespace flash::bwd {
+namespace flash::sm80 {
 
 template <int kMT>
 struct AFrag {
@@ -118,4 +118,4 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[kMT][kNT][4], const LA& l
     }
 }
 
-}  // namespace flash::bwd
+}  // namespace flash::sm80

@@ -28,7 +28,11 @@
 #include "backward_gemm.cuh"
 #include "smem_tile.cuh"
 
-namespace flash::bwd {
+namespace flash::sm80 {
+
+// The pieces both backward families share (common/backward_common.cuh): the window, the dQ
+// orders and turns, the conversions.
+using namespace flash::bwd;
 
 // This CTA's sequence (common/varlen.cuh's seq_span): where its rows start in q/dout/dq (and
 // the fp32 row buffers) and in k/v/dk/dv, and its lengths; 32-bit starts, kept in smem.
@@ -519,4 +523,4 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cta.run();
 }
 
-}  // namespace flash::bwd
+}  // namespace flash::sm80

@@ -6,11 +6,11 @@
 
 #include <cuda_runtime.h>
 
-#include "../backward_registry.h"
 #include "../common/launch_support.cuh"
+#include "../registry.h"
 #include "backward_kernel.cuh"
 
-namespace flash {
+namespace flash::sm80 {
 
 // Preprocess (D, zeroed dQ accumulator), the main kernel, then the dQ conversion. The caller
 // (the binding) has checked every argument; dq_semaphore, when set, is zeroed.
@@ -27,14 +27,13 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
         err != cudaSuccess)
         return err;
     return bwd::launch_passes<Elem, bwd::DqLayout::kRows>(prm, stream, [&] {
-        return launch_checked<&bwd::bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
-                                                     prm);
+        return launch_checked<&bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, prm);
     });
 }
 
 template <class Cfg>
 constexpr BwdKernelEntry make_bwd_entry(const char* name) {
-    return bwd_kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/80);
+    return kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/80);
 }
 
-}  // namespace flash
+}  // namespace flash::sm80

@@ -20,11 +20,11 @@
 #include "../common/mask.cuh"
 #include "../common/params.h"
 #include "../common/varlen.cuh"
-#include "gemm.cuh"
+#include "forward_gemm.cuh"
+#include "forward_softmax.cuh"
 #include "smem_tile.cuh"
-#include "softmax.cuh"
 
-namespace flash {
+namespace flash::sm80 {
 
 template <class Cfg>
 struct ForwardCta {
@@ -270,4 +270,4 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cta.run(smem);
 }
 
-}  // namespace flash
+}  // namespace flash::sm80

@@ -1,5 +1,5 @@
 // The compile-time config of a Hopper (sm_90a) backward kernel: the single C++ description of one
-// instantiation. flash_attention.config_bwd.Sm90BwdConfig holds the same fields and rules.
+// instantiation. flash_attention.kernels.bwd_sm90.BwdConfig holds the same fields and rules.
 //
 // d_head 64 and 128: one CTA owns B_c = 128 keys (and values) of one (batch, KV head); consumer
 // warpgroup g owns keys 64g .. 64g + 63 end to end (its dK and dV rows stay in registers). A
@@ -35,8 +35,8 @@
 
 namespace flash::sm90 {
 
-template <typename Elem_, int kDHead_, bool kSoftcap_, int kBr_ = 64>
-struct Sm90BwdConfig {
+template <typename Elem_, int kDHead_, int kBr_, int kBc_, bool kSoftcap_>
+struct BwdConfig {
     using Elem = Elem_;
 
     static constexpr int kDHead = kDHead_;       // 64, 128 or 256; serves multiples of 8 up to it
@@ -44,11 +44,14 @@ struct Sm90BwdConfig {
     static constexpr int kConsumerWGs = 2;
     // kSplitD: the warpgroups share the CTA's keys and split d_head (see above).
     static constexpr bool kSplitD = kDHead == 256;
-    static constexpr int kBc = kSplitD ? 64 : 64 * kConsumerWGs;  // B_c: keys per CTA
-    static constexpr int kWgKeys = kSplitD ? 0 : 64;  // the first key of warpgroup g: kWgKeys g
     // B_r: query rows per block; 128 only with kDqOwnKeys (d_head 64), where the per-block
     // costs (barriers, waits, the writer's handover) weigh most against GEMMs of 64 columns.
     static constexpr int kBr = kBr_;
+    // B_c: keys per CTA, fixed by d_head: 64 per consumer warpgroup, or 64 shared by both with
+    // kSplitD. A template argument so that a kernel's name and type say its tile.
+    static constexpr int kBc = kBc_;
+    static_assert(kBc == (kSplitD ? 64 : 64 * kConsumerWGs), "B_c is 64 at d_head 256, else 128");
+    static constexpr int kWgKeys = kSplitD ? 0 : 64;  // the first key of warpgroup g: kWgKeys g
     static constexpr int kStages = 2;  // query-block stages in shared memory (Q, LSE, D)
     static constexpr int kDoStages = kSplitD ? 1 : kStages;  // dO's
     // A warpgroup's S^T and dP^T query columns (from kSCols g), and its dK and dV columns.

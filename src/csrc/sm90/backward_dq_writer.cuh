@@ -26,7 +26,7 @@ namespace flash::sm90 {
 // they have completed.
 template <class Cfg>
 struct BackwardDqWriter {
-    const Sm90BwdParams& prm;
+    const BwdKernelParams& prm;
     const BwdSmem<Cfg>& sm;
     const int lane;
 

@@ -22,7 +22,7 @@ namespace flash::sm90 {
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    bwd_sm90_kernel(const __grid_constant__ Sm90BwdParams prm) {
+    bwd_kernel(const __grid_constant__ BwdKernelParams prm) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char smem_raw[];
     const BwdSmem<Cfg> sm = BwdSmem<Cfg>::aligned(smem_raw);

@@ -8,21 +8,21 @@
 
 #include <cuda_runtime.h>
 
-#include "../backward_registry.h"
 #include "../common/backward_common.cuh"
 #include "../common/launch_support.cuh"
+#include "../registry.h"
 #include "backward_kernel.cuh"
 #include "tensor_map.h"
 
 namespace flash::sm90 {
 
 template <class Cfg>
-cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
     // Varlen runs on the sm80 family; the kernel strides the dQ accumulator by its d_head.
     if (p.cu_seqlens_q != nullptr || p.d_pad != Cfg::kDHead)
         return cudaErrorInvalidValue;
-    Sm90BwdParams prm{};
+    BwdKernelParams prm{};
     prm.p = p;
     const bool ok =
         encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, p.seqlen_q, p.heads, p.batch, p.q_row_stride,
@@ -55,14 +55,13 @@ cudaError_t launch_bwd_sm90(const BwdParams& p, cudaStream_t stream) {
     prm.kv_block0 = p.dq_semaphore != nullptr && !rotate ? int(grid.x) - 1 : 0;
     prm.kv_block_step = p.dq_semaphore != nullptr && !rotate ? -1 : 1;
     return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
-        return launch_checked<&bwd_sm90_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream,
-                                                     prm);
+        return launch_checked<&bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, prm);
     });
 }
 
 template <class Cfg>
 constexpr BwdKernelEntry make_bwd_entry(const char* name) {
-    return bwd_kernel_entry<Cfg>(name, &launch_bwd_sm90<Cfg>, /*arch=*/90);
+    return kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/90);
 }
 
 }  // namespace flash::sm90

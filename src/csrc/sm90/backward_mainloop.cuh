@@ -35,7 +35,7 @@ namespace flash::sm90 {
 // through the stage ring. One thread.
 template <class Cfg>
 struct BackwardLoader : TmaLoader<Cfg> {
-    const Sm90BwdParams& prm;
+    const BwdKernelParams& prm;
     const BwdSmem<Cfg>& sm;
 
     __device__ __forceinline__ void run(const BackwardTile<Cfg>& w) const {
@@ -79,7 +79,7 @@ struct BackwardConsumer {
     static constexpr int kStepsS = kNS / 2;           // over this warpgroup's query columns
     static constexpr int kStepsC = Cfg::kBc / 16;     // over the CTA's keys
 
-    const Sm90BwdParams& prm;
+    const BwdKernelParams& prm;
     const BwdSmem<Cfg>& sm;
     const BackwardTile<Cfg>& w;
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps

@@ -1,5 +1,5 @@
 // What a CTA of the Hopper backward works on and where (the algorithm: backward_config.cuh):
-// the kernel's argument (Sm90BwdParams), its shared memory and mbarriers (BwdSmem), and its
+// the kernel's argument (BwdKernelParams), its shared memory and mbarriers (BwdSmem), and its
 // tile (BackwardTile): the KV block, the (query head, query block) pairs it visits, and the
 // deterministic order's turns.
 #pragma once
@@ -18,7 +18,7 @@ namespace flash::sm90 {
 // The kernel's argument: the call's BwdParams and the TMA maps, 4-D (d_head, seqlen, heads,
 // batch), 128-byte swizzled: Q and dO in boxes of 64 columns x B_r rows, K and V x B_c rows, dK
 // and dV x 64 rows (one warpgroup's, stores).
-struct Sm90BwdParams {
+struct BwdKernelParams {
     BwdParams p;
     CUtensorMap tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv;
     // The KV block of CTA x: kv_block0 + kv_block_step * x (0, 1; the deterministic order:
@@ -33,7 +33,7 @@ struct Sm90BwdParams {
     FastDiv rotation;
 };
 
-// Shared memory (offsets: Sm90BwdConfig) and its mbarriers (S = kStages, D = kDoStages):
+// Shared memory (offsets: BwdConfig) and its mbarriers (S = kStages, D = kDoStages):
 //   0 kv_full | 1 .. S q_full | 1+S .. do_full | 1+S+D .. q_empty | 1+2S+D .. do_empty
 template <class Cfg>
 struct BwdSmem {
@@ -114,7 +114,7 @@ struct BackwardTile {
     int2 unmasked;
     bwd::Window win;
 
-    __device__ __forceinline__ explicit BackwardTile(const Sm90BwdParams& prm)
+    __device__ __forceinline__ explicit BackwardTile(const BwdKernelParams& prm)
         : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
     __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
         : kv_block(kv_block_),
@@ -147,7 +147,7 @@ struct BackwardTile {
     // The query block of the i-th place of a head's cycle (i_first .. i_first + n_q - 1): i, or
     // with the rotated order i + kv_block * r, cyclically (the KV block from blockIdx, as
     // rematerialisable as the kernel parameters: held in no register).
-    __device__ __forceinline__ int block_at(const Sm90BwdParams& prm, int i) const {
+    __device__ __forceinline__ int block_at(const BwdKernelParams& prm, int i) const {
         const int kv = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
         const int b = i + kv * prm.rotation_step;
         return b < i_first + n_q ? b : b - n_q;
@@ -156,7 +156,7 @@ struct BackwardTile {
     // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
     // the kernel's parameters, not the tile's fields: the writer warp runs it within the
     // producer's 24 registers.
-    __device__ __forceinline__ static int* dq_turn(const Sm90BwdParams& prm, Pair x, int& turn) {
+    __device__ __forceinline__ static int* dq_turn(const BwdKernelParams& prm, Pair x, int& turn) {
         const BwdParams& p = prm.p;
         const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
         const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);

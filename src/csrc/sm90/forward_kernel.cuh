@@ -7,15 +7,15 @@
 //
 // This header is the kernel: it lays out shared memory, initialises the barriers and splits the
 // CTA into its roles, each from its own header:
-//   params.cuh          the kernel's argument (FwdParams, tile divisors, TMA maps)
-//   smem_layout.cuh     buffers and mbarriers in shared memory
-//   tile_scheduler.cuh  the CTA's sequence of tiles (static, persistent, dynamic), tile -> coords
-//   forward_tile.cuh    a forward tile: its query rows and the KV blocks it visits
-//   tma_loader.cuh      TMA tile copies and the wait for a free buffer (the producer's tools)
-//   forward_mainloop.cuh  the producer's loads and a consumer warpgroup's GEMMs and pipeline
-//   softmax.cuh         the online softmax of a warpgroup's rows
-//   epilogue.cuh        a warpgroup's accumulators out through shared memory and TMA stores
-//   named_barriers.cuh  the named barrier ids of the roles
+//   forward_params.cuh          the kernel's argument (FwdParams, tile divisors, TMA maps)
+//   forward_smem_layout.cuh     buffers and mbarriers in shared memory
+//   forward_tile_scheduler.cuh  the CTA's sequence of tiles (static, persistent, dynamic)
+//   forward_tile.cuh            a forward tile: its query rows and the KV blocks it visits
+//   tma_loader.cuh              TMA tile copies and the wait for a free buffer (the producer's)
+//   forward_mainloop.cuh        the producer's loads and a consumer warpgroup's GEMMs, pipeline
+//   forward_softmax.cuh         the online softmax of a warpgroup's rows
+//   epilogue.cuh                a warpgroup's accumulators out through smem and TMA stores
+//   named_barriers.cuh          the named barrier ids of the roles
 #pragma once
 
 #include <cstdint>
@@ -23,17 +23,17 @@
 #include "../common/params.h"
 #include "epilogue.cuh"
 #include "forward_mainloop.cuh"
+#include "forward_params.cuh"
+#include "forward_smem_layout.cuh"
 #include "forward_tile.cuh"
-#include "params.cuh"
+#include "forward_tile_scheduler.cuh"
 #include "ptx.cuh"
-#include "smem_layout.cuh"
-#include "tile_scheduler.cuh"
 
 namespace flash::sm90 {
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    fwd_sm90_kernel(const __grid_constant__ Sm90Params params) {
+    fwd_kernel(const __grid_constant__ FwdKernelParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char smem_raw[];
     const SmemLayout<Cfg> sm = SmemLayout<Cfg>::aligned(smem_raw);

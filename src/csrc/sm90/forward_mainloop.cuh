@@ -30,12 +30,12 @@
 #include "../common/numeric.cuh"
 #include "../common/params.h"
 #include "epilogue.cuh"
+#include "forward_params.cuh"
+#include "forward_smem_layout.cuh"
+#include "forward_softmax.cuh"
 #include "forward_tile.cuh"
 #include "named_barriers.cuh"
-#include "params.cuh"
 #include "ptx.cuh"
-#include "smem_layout.cuh"
-#include "softmax.cuh"
 #include "tma_loader.cuh"
 #include "wgmma.cuh"
 
@@ -46,7 +46,7 @@ namespace flash::sm90 {
 // g / kStages of it.
 template <class Cfg>
 struct ForwardLoader : TmaLoader<Cfg> {
-    const Sm90Params& prm;
+    const FwdKernelParams& prm;
     const SmemLayout<Cfg>& sm;
 
     // Q of tile use u (the CTA's u-th tile with work), once the S GEMMs of the tile that used its
@@ -80,7 +80,7 @@ struct ForwardConsumer {
     static constexpr int kNS = Cfg::kNTilesS, kNO = Cfg::kNTilesO;
     static constexpr int kStepsQK = Cfg::kDHead / 16, kStepsPV = Cfg::kBc / 16;
 
-    const Sm90Params& prm;
+    const FwdKernelParams& prm;
     const SmemLayout<Cfg>& sm;
     const ForwardLoader<Cfg>& loader;
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps

@@ -5,8 +5,8 @@
 
 #include "../common/mask.cuh"
 #include "../common/params.h"
-#include "params.cuh"
-#include "tile_scheduler.cuh"
+#include "forward_params.cuh"
+#include "forward_tile_scheduler.cuh"
 
 namespace flash::sm90 {
 
@@ -29,7 +29,7 @@ struct ForwardTile : TileCoord {  // block: the query block
 
     ForwardTile() = default;
     // With a causal mask the last query block sees the most keys: heaviest last.
-    __device__ __forceinline__ ForwardTile(const Sm90Params& prm, int tile)
+    __device__ __forceinline__ ForwardTile(const FwdKernelParams& prm, int tile)
         : TileCoord(tile_coord<Cfg, /*kHeavyLast=*/true>(prm, tile, q_blocks(prm.p))) {
         const FwdParams& p = prm.p;
         q_row0 = block * Cfg::kBr;

@@ -20,14 +20,21 @@ _ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
 assert set(_ELEM.values()) == set(ELEM_TYPES)
 
 # The mangled kernel template applied to each kind's config template, up to the config's
-# template arguments: (prefix, kind, the config fields of those arguments in order).
-_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+# template arguments: (prefix, kind, the config fields of those arguments in order). The kernel
+# of kind <direction>_<family> is flash::<family>::<direction>_kernel<flash::<family>::
+# <Direction>Config<...>>.
+_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = tuple(
+    (f"_ZN5flash4{kind[4:]}10{kind[:3]}_kernelINS0_9{kind[:3].title()}ConfigI", kind, t.args)
+    for kind, t in TEMPLATES.items())
+# The same before the one name scheme (commit 71ab9ec and earlier): an older base build.
+_OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("_ZN5flash10fwd_kernelINS_9FwdConfigI", "fwd_sm80", TEMPLATES["fwd_sm80"].args),
     ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI", "fwd_sm90",
-     TEMPLATES["fwd_sm90"].args),
-    ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI", "bwd_sm80", TEMPLATES["bwd_sm80"].args),
+     ("dtype", "d_head", "block_c", "consumer_wgs", "stages", *KINDS["fwd_sm90"].FLAGS)),
+    ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI", "bwd_sm80",
+     ("dtype", "d_head", "block_c", "block_r", "warps", *KINDS["bwd_sm80"].FLAGS)),
     ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI", "bwd_sm90",
-     TEMPLATES["bwd_sm90"].args),
+     ("dtype", "d_head", "softcap", "block_r")),
 )
 _ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16)|Li(?P<int>\d+)E|Lb(?P<bool>[01])E")
 _HELPER = re.compile(r"_ZN5flash3bwd\d+(?P<template>\w+?_kernel)I(?P<elem>6__half|13__nv_bfloat16)"
@@ -50,14 +57,15 @@ def _args(mangled: str, start: int) -> list[str | int | bool] | None:
 
 
 def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
-    """Config fields from template arguments; the template's derived arguments (the Hopper
+    """Config fields from template arguments; an old build's derived arguments (the Hopper
     forward's consumer warpgroups, the Hopper backward's B_c) turned into fields."""
-    if len(values) < len(names) - (1 if kind == "bwd_sm90" else 0):
+    old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
+    if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
     fields = dict(zip(names, values))
     if "consumer_wgs" in fields:
         fields["block_r"] = 64 * fields.pop("consumer_wgs")
-    if kind == "bwd_sm90":
+    if old_bwd_sm90:
         fields.setdefault("block_r", 64)  # builds whose template had no B_r ran B_r 64
         fields["block_c"] = KINDS[kind].Config.block_c_for(fields["d_head"])
     if set(fields) - {"dtype", *KINDS[kind].Config.__dataclass_fields__}:
@@ -68,7 +76,7 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
 def config_of(mangled: str) -> KernelConfig | HelperKernel | None:
     """The config of a mangled kernel symbol of any kind (a helper kernel's for the backward's
     helpers), None for any other symbol."""
-    for prefix, kind, names in _SYMBOLS:
+    for prefix, kind, names in (*_SYMBOLS, *_OLD_SYMBOLS):
         at = mangled.find(prefix)
         if at < 0:
             continue

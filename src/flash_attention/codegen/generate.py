@@ -47,7 +47,7 @@ def kernel_filename(cfg: KernelConfig) -> str:
 def registry_source(configs: Sequence[KernelConfig]) -> str:
     """Every registry's list of the build's kernels, in selection order."""
     parts = [f"{HEADER}// The kernels of this build, in selection order.\n",
-             '#include "backward_registry.h"\n#include "registry.h"\n\n', "namespace flash {\n"]
+             '#include "registry.h"\n\n', "namespace flash {\n"]
     for registry, (entry_type, function) in REGISTRIES.items():
         names = [c.name for c in configs if TEMPLATES[c.KIND].registry == registry]
         decls = "".join(f"extern const {entry_type} entry_{n};\n" for n in names)

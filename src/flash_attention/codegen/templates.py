@@ -27,24 +27,23 @@ def _flags(kind: str) -> tuple[str, ...]:
 
 
 TEMPLATES: dict[str, Template] = {
-    "fwd_sm80": Template("sm80/launch.cuh", "FwdConfig",
+    "fwd_sm80": Template("sm80/forward_launch.cuh", "sm80::FwdConfig",
                          ("dtype", "d_head", "block_r", "block_c", "warps", *_flags("fwd_sm80")),
-                         "make_entry", "fwd", sm90a=False),
-    "fwd_sm90": Template("sm90/launch.cuh", "sm90::Sm90Config",
-                         ("dtype", "d_head", "block_c", "consumer_wgs", "stages",
-                          *_flags("fwd_sm90")),
-                         "sm90::make_entry", "fwd", sm90a=True),
-    "bwd_sm80": Template("sm80/backward_launch.cuh", "BwdConfig",
-                         ("dtype", "d_head", "block_c", "block_r", "warps", *_flags("bwd_sm80")),
-                         "make_bwd_entry", "bwd", sm90a=False),
-    "bwd_sm90": Template("sm90/backward_launch.cuh", "sm90::Sm90BwdConfig",
-                         ("dtype", "d_head", "softcap", "block_r"),
+                         "sm80::make_fwd_entry", "fwd", sm90a=False),
+    "fwd_sm90": Template("sm90/forward_launch.cuh", "sm90::FwdConfig",
+                         ("dtype", "d_head", "block_r", "block_c", "stages", *_flags("fwd_sm90")),
+                         "sm90::make_fwd_entry", "fwd", sm90a=True),
+    "bwd_sm80": Template("sm80/backward_launch.cuh", "sm80::BwdConfig",
+                         ("dtype", "d_head", "block_r", "block_c", "warps", *_flags("bwd_sm80")),
+                         "sm80::make_bwd_entry", "bwd", sm90a=False),
+    "bwd_sm90": Template("sm90/backward_launch.cuh", "sm90::BwdConfig",
+                         ("dtype", "d_head", "block_r", "block_c", *_flags("bwd_sm90")),
                          "sm90::make_bwd_entry", "bwd", sm90a=True),
 }
 assert set(TEMPLATES) == set(KINDS), "every kernel kind needs a template"
 
-# registry -> (its entry type, the function the binding calls)
-REGISTRIES = {"fwd": ("KernelEntry", "kernel_registry"),
+# registry -> (its entry type, the function the binding calls), both in registry.h
+REGISTRIES = {"fwd": ("FwdKernelEntry", "fwd_kernel_registry"),
               "bwd": ("BwdKernelEntry", "bwd_kernel_registry")}
 
 

@@ -12,7 +12,7 @@
 
 #include "../common/launch_support.cuh"
 #include "../registry.h"
-#include "config.cuh"
+#include "forward_config.cuh"
 #include "forward_kernel.cuh"
 #include "tensor_map.h"
 
@@ -23,7 +23,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
     if (p.cu_seqlens_q != nullptr)
         return cudaErrorInvalidValue;  // varlen runs on the sm_80 kernels
-    Sm90Params prm{};
+    FwdKernelParams prm{};
     prm.p = p;
     const int kv_heads = p.heads / p.heads_per_kv;
     const bool ok =
@@ -38,8 +38,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (!ok)
         return cudaErrorInvalidValue;
 
-    auto* kernel = &fwd_sm90_kernel<Cfg>;
-    if (cudaError_t err = opt_in_smem<&fwd_sm90_kernel<Cfg>>(Cfg::kSmemBytes); err != cudaSuccess)
+    auto* kernel = &fwd_kernel<Cfg>;
+    if (cudaError_t err = opt_in_smem<&fwd_kernel<Cfg>>(Cfg::kSmemBytes); err != cudaSuccess)
         return err;
     constexpr int kCtas = Cfg::kClusterCtas;
     const int q_tiles = ForwardTile<Cfg>::tiles_per_head(p);  // pairs with kCluster
@@ -108,7 +108,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <class Cfg>
-constexpr KernelEntry make_entry(const char* name) {
+constexpr FwdKernelEntry make_fwd_entry(const char* name) {
     return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90, /*tile_counter=*/Cfg::kDynamic);
 }
 

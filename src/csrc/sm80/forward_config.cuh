@@ -8,7 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace flash {
+namespace flash::sm80 {
 
 template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kWarps_, bool kSwizzle_,
           bool kEagerKV_, bool kSliceQ_, bool kSliceK_, bool kSliceV_, bool kDoubleBuffer_,
@@ -83,4 +83,4 @@ struct FwdConfig {
     static_assert(kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit");
 };
 
-}  // namespace flash
+}  // namespace flash::sm80

@@ -10,16 +10,16 @@
 
 namespace flash::sm90 {
 
-struct Sm90Params {
+struct FwdKernelParams {
     FwdParams p;
-    // Tile numbering (tile_scheduler.cuh): tiles per (batch, head) (ForwardTile::tiles_per_head),
-    // heads, heads per KV head.
+    // Tile numbering (forward_tile_scheduler.cuh): tiles per (batch, head)
+    // (ForwardTile::tiles_per_head), heads, heads per KV head.
     FastDiv tiles_per_head, heads, heads_per_kv;
     // 4-D maps (d_head, seqlen, heads, batch): Q and O boxes are 64 columns x B_r (Q) or 64 (O,
     // one warpgroup's rows) rows, K and V 64 columns x B_c rows; all 128-byte swizzled.
     CUtensorMap tma_q, tma_k, tma_v, tma_o;
-    // kDynamic: (batch, head) pairs per group of the tile order (tile_scheduler.cuh), chosen by
-    // the launcher so that a group's K and V stay in L2.
+    // kDynamic: (batch, head) pairs per group of the tile order (forward_tile_scheduler.cuh),
+    // chosen by the launcher so that a group's K and V stay in L2.
     int sched_heads;
 };
 

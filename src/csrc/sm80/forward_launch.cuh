@@ -7,10 +7,10 @@
 #include "../common/launch_support.cuh"
 #include "../common/params.h"
 #include "../registry.h"
-#include "config.cuh"
+#include "forward_config.cuh"
 #include "forward_kernel.cuh"
 
-namespace flash {
+namespace flash::sm80 {
 
 template <class Cfg>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
@@ -19,8 +19,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <class Cfg>
-constexpr KernelEntry make_entry(const char* name) {
+constexpr FwdKernelEntry make_fwd_entry(const char* name) {
     return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/80);
 }
 
-}  // namespace flash
+}  // namespace flash::sm80

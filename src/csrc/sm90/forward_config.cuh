@@ -1,6 +1,7 @@
 // The compile-time config of a Hopper (sm_90a) forward kernel: the single C++ description of one
-// instantiation. flash_attention.config.Sm90Config holds the same fields and rules; one flag per
-// technique, so each step of the progression is a config and the SASS shows the difference.
+// instantiation. flash_attention.kernels.fwd_sm90.Sm90FwdConfig holds the same fields and rules;
+// one flag per technique, so each step of the progression is a config and the SASS shows the
+// difference.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,18 +9,18 @@
 
 namespace flash::sm90 {
 
-template <typename Elem_, int kDHead_, int kBc_, int kConsumerWGs_, int kStages_, bool kWarpSpec_,
+template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
           bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kMask_,
           bool kSoftcap_>
-struct Sm90Config {
+struct FwdConfig {
     using Elem = Elem_;
 
     static constexpr int kDHead = kDHead_;  // 64, 128 or 256; serves multiples of 8 up to it
+    static constexpr int kBr = kBr_;        // B_r: query rows per CTA, 64 per consumer warpgroup
     static constexpr int kBc = kBc_;        // B_c: key/value rows per stage
-    static constexpr int kConsumerWGs = kConsumerWGs_;  // warpgroups of 64 query rows each
-    static constexpr int kBr = 64 * kConsumerWGs;       // B_r: query rows per CTA
-    static constexpr int kStages = kStages_;            // K/V shared-memory stages
+    static constexpr int kConsumerWGs = kBr / 64;  // warpgroups of 64 query rows each
+    static constexpr int kStages = kStages_;       // K/V shared-memory stages
     // A producer warpgroup issues the TMA copies and gives its registers to the consumers
     // (setmaxnreg); without it, consumer thread 0 issues them between its own GEMMs.
     static constexpr bool kWarpSpec = kWarpSpec_;
@@ -91,8 +92,8 @@ struct Sm90Config {
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");
     static_assert(kBc == 64 || kBc == 96 || kBc == 128 || kBc == 176 || kBc == 192,
                   "B_c must be a wgmma N the kernels instantiate: 64, 96, 128, 176 or 192");
-    static_assert(kConsumerWGs == 1 || kConsumerWGs == 2 || kConsumerWGs == 3,
-                  "1 to 3 consumer warpgroups");
+    static_assert(kBr == 64 || kBr == 128 || kBr == 192,
+                  "B_r is 64 per consumer warpgroup, 1 to 3 of them");
     static_assert(kStages >= 1 && kStages <= 4, "1 to 4 K/V stages");
     static_assert(!kPingPong || (kConsumerWGs == 2 && kWarpSpec),
                   "ping-pong needs two consumer warpgroups and a producer");
