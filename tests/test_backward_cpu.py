@@ -545,3 +545,42 @@ def test_training_step_traces_with_fake_cuda_tensors(mode):
     for node, w in zip([*updated, *grads], [*weights, *weights]):
         val = node.meta["val"]
         assert val.shape == w.shape and val.dtype == dtype and val.stride() == w.stride()
+
+
+def test_backward_dispatch_rows_cover_every_variant():
+    """The backward's table (flash_attention.backward.dispatch_rows) has a row per dtype,
+    d_head variant and softcap with bucket 64 and no mask: the Hopper kernel where one is built
+    (its row's), the sm80-family kernel as the fallback; with the sm80 kind alone both are that
+    kernel; a variant no built kernel serves has no row."""
+    from flash_attention import backward
+    from flash_attention.kernels.base import D_HEADS
+
+    rows = backward.dispatch_rows(resolve("bwd:default"))
+    assert len(rows) == 2 * 2 * len(D_HEADS)
+    for dtype, d, bucket, mask, local, softcap, kernel, fallback in rows:
+        assert (bucket, mask, local) == (64, False, False)
+        call = Call(dtype, d, softcap=softcap)
+        assert kernel == bwd_sm90.select(call, resolve("bwd:default")).name
+        assert fallback == bwd_sm80.select(call, resolve("bwd:default")).name
+        assert parse(kernel).serves(call) and parse(fallback).serves(call)
+    sm80_only = backward.dispatch_rows(resolve("bwd_sm80:default"))
+    assert all(r[6] == r[7] and r[6].startswith("bwd_sm80_") for r in sm80_only)
+    hopper_only = backward.dispatch_rows(resolve("bwd_sm90:default"))
+    assert all(r[7] == "" for r in hopper_only)
+    d128 = backward.dispatch_rows([bwd_sm80.default_tile("bf16", 128)])
+    assert [r[1] for r in d128] == [32, 64, 96, 128]  # no kernel serves d_head 160-256
+
+
+def test_backward_select_takes_the_row_kernel_first():
+    """A backward kind picks its row's kernel where it is built, whatever else of that d_head
+    the build holds before it (the measured tile), else the smallest built variant that serves
+    the call (zero-padded)."""
+    row = bwd_sm80.default_tile("bf16", 64)
+    other = row.replace(block_r=64)  # the same d_head, another tile, first in the build
+    assert bwd_sm80.select(Call("bf16", 64), (other, row)) == row
+    assert bwd_sm80.select(Call("bf16", 64), (other,)) == other
+    assert bwd_sm80.select(Call("bf16", 40), (bwd_sm80.default_tile("bf16", 128),)) \
+        == bwd_sm80.default_tile("bf16", 128)
+    r64 = bwd_sm90.SETS["r64"][0]
+    assert bwd_sm90.select(Call("bf16", 64), (r64, bwd_sm90.default_tile("bf16", 64))) \
+        == bwd_sm90.default_tile("bf16", 64)

@@ -71,3 +71,40 @@ def test_operator_call_rejects_bad_input(ext):
         with pytest.raises(RuntimeError, match="not in this build"):
             torch.ops.flash_attention.fwd(q, q, q, q, None, "fwd_sm80_bf16_d64_r64_c64_w4_f", 0.1,
                                           -1, -1, 0.0)
+
+
+def test_registry_lists_each_direction(ext):
+    """kernels(direction) lists that direction's registry (the backward's entries serve masks:
+    masks are run-time arguments there); another direction is refused by name."""
+    from flash_attention import backward
+
+    assert [e["name"] for e in ext.kernels("fwd")] == [c.name for c in fa.available_configs()]
+    bwd = ext.kernels("bwd")
+    assert [e["name"] for e in bwd] == [c.name for c in backward.built()]
+    for entry in bwd:
+        cfg = fa.parse(entry["name"])
+        assert (entry["block_r"], entry["block_c"], entry["softcap"], entry["mask"]) == (
+            cfg.block_r, cfg.block_c, cfg.softcap, True)
+        assert entry["arch"] == (90 if cfg.family == "sm90" else 80)
+    with pytest.raises(ValueError, match="direction must be fwd or bwd"):
+        ext.kernels("sideways")
+
+
+def test_set_dispatch_checks_its_rows(ext):
+    """Each direction's table takes rows of its own registry: a kernel another build or
+    direction has, a fallback that is not an sm80-family kernel and an unknown direction are
+    refused (the table the package set stays in place: a call still finds its kernel)."""
+    from flash_attention import backward, ops
+
+    fwd = fa.available_configs()
+    row = ("bf16", 128, 64, False, False, False)
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ext.set_dispatch("bwd", [(*row, fwd[0].name, fwd[0].name)])
+    hopper = [c for c in backward.built() if c.family == "sm90"]
+    if hopper:
+        with pytest.raises(RuntimeError, match="not an sm80-family kernel"):
+            ext.set_dispatch("bwd", [(*row, hopper[0].name, hopper[0].name)])
+    with pytest.raises(ValueError, match="direction must be fwd or bwd"):
+        ext.set_dispatch("sideways", [])
+    ops.refresh_dispatch()
+    assert ext.choice("bf16", 128, 4096, False, False) != ""

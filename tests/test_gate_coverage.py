@@ -27,7 +27,7 @@ BWD_HELPERS = [h.name for h in helpers(bwd_sm80.DEFAULT)]
 BWD_HOPPER = [c.name for c in resolve("bwd:default")]
 BWD_HOPPER_HELPERS = [h.name for h in helpers(resolve("bwd:default"))]
 # the default set behind a d_head 64 kernel of another tile (B_r 64, the old ci set's) that
-# comes first: the operator picks it, and the default's d_head 64 kernel is shadowed
+# comes first: the operator picks its row's kernel (the default's), so the other is shadowed
 SHADOWED = [c.name for c in resolve(current_name("bwd_bf16_d64_c128_r64_w8_fb")
                                     + ",bwd:default")]
 
@@ -234,8 +234,8 @@ def test_each_backward_feature_has_a_case():
 
 def test_a_backward_case_made_for_a_kernel_runs_it():
     """case_for_bwd_kernel inverts the operator's choice for every default kernel and helper;
-    a kernel the operator never picks (a ci-set kernel shadowed by another of its dtype,
-    d_head and softcap that comes first) gets none."""
+    a kernel the operator never picks (one of another tile than its d_head's row, shadowed by
+    the row's kernel though it comes first in the build) gets none."""
     for kernel in BWD_DEFAULT + BWD_HELPERS:
         case = coverage.case_for_bwd_kernel(kernel, BWD_DEFAULT, sm90=True)
         assert case is not None and case.kind == "bwd", kernel
@@ -247,9 +247,9 @@ def test_a_backward_case_made_for_a_kernel_runs_it():
     helper = coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_DEFAULT, sm90=True)
     assert coverage.bwd_kernel(helper, BWD_DEFAULT, sm90=True) == (
         "bwd_sm80_fp16_d128_r64_c128_w8_fh")
-    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d64_r128_c128_w8_fh", SHADOWED,
-                                        sm90=True) is None
     assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d64_r64_c128_w8_fh", SHADOWED,
+                                        sm90=True) is None
+    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d64_r128_c128_w8_fh", SHADOWED,
                                         sm90=True) is not None
 
 
@@ -274,7 +274,7 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
                        "bwd_sm80_preprocess_fp16": "fp16_d64_b4_s4096_kv4_bwd"}
     (skipped,) = sel.skipped
     assert skipped["kernel"] == "bwd_sm80_fp16_d256_r64_c64_w8_ft" and "cap of 2" in skipped["why"]
-    sel = sassdiff.select([change("bwd_sm80_bf16_d64_r128_c128_w8_fh", 10)], rows, SHADOWED,
+    sel = sassdiff.select([change("bwd_sm80_bf16_d64_r64_c128_w8_fh", 10)], rows, SHADOWED,
                           True, GATE_CASES, cap=6)
     assert "the backward operator picks another kernel" in sel.skipped[0]["why"]
 

@@ -9,9 +9,10 @@
 // computes once per process, and what a call would run and copy. The work is in binding/, one
 // header per job (all compiled here, so torch's headers are parsed once):
 //   message.h            error messages (FA_CHECK*)
-//   kernel_registry.h    the build's kernels by name, and their list for Python
+//   kernel_registry.h    the build's kernels of each direction, by name
+//   params.h             the kernels' parameters of a checked call (both directions)
 //   device_properties.h  cudaDeviceProp per device
-//   dispatch.h           the dispatch table, the kernel for a call, the Hopper fallback
+//   dispatch.h           the dispatch tables, the kernel for a call, the Hopper fallback
 //   validation.h         input, cu_seqlens and per-kernel checks (no call launches on bad input)
 //   input_layout.h       what the kernels can address, and copies of what they cannot
 //   launch.h             run_forward(): checks, layout, kernel arguments, launch; explain()
@@ -32,6 +33,34 @@
 namespace {
 
 using namespace flash::binding;
+
+// The kernels of a direction ("fwd" or "bwd"), in build order, with what Python reads of them.
+py::list list_kernels(const std::string& direction) {
+    FA_CHECK_VALUE(direction == "fwd" || direction == "bwd",
+                   "kernels: direction must be fwd or bwd, got ", direction);
+    py::list out;
+    const auto add = [&out](const auto& e) {
+        py::dict d;
+        d["name"] = e.name;
+        d["dtype"] = e.dtype == flash::DType::kFp16 ? "fp16" : "bf16";
+        d["d_head"] = e.d_head;
+        d["block_r"] = e.block_r;
+        d["block_c"] = e.block_c;
+        d["threads"] = e.threads;
+        d["smem_bytes"] = e.smem_bytes;
+        d["mask"] = e.mask;
+        d["softcap"] = e.softcap;
+        d["arch"] = e.arch;
+        out.append(d);
+    };
+    if (direction == "fwd")
+        for (const flash::FwdKernelEntry* e : registry_entries<flash::FwdKernelEntry>())
+            add(*e);
+    else
+        for (const flash::BwdKernelEntry* e : registry_entries<flash::BwdKernelEntry>())
+            add(*e);
+    return out;
+}
 
 // flash_attention::fwd: fixed-length batches into a given out (and lse).
 void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -97,11 +126,11 @@ TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "FlashAttention forward and backward, sm80 and Hopper families; API: flash_attention";
-    m.def("kernels", &flash::binding::list_kernels,
-          "the kernels of this build, in config-set order");
+    m.def("kernels", &list_kernels, "the kernels of a direction (fwd, bwd) in build order",
+          py::arg("direction") = "fwd");
     m.def("set_dispatch", &flash::binding::set_dispatch,
-          "replace the dispatch table: rows (dtype, d_head, bucket, mask, local, softcap, kernel, "
-          "fallback)");
+          "replace a direction's (fwd, bwd) dispatch table: rows (dtype, d_head, bucket, mask, "
+          "local, softcap, kernel, fallback; '' for none)");
     m.def("layout_report", &flash::binding::layout_report,
           "how the operator addresses q, k, v (and out): '' in place, else why it copies",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out") = py::none());

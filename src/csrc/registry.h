@@ -6,7 +6,6 @@
 
 #include <cuda_runtime.h>
 
-#include "common/bwd_params.h"
 #include "common/params.h"
 
 namespace flash {

@@ -24,7 +24,8 @@ import logging
 import torch
 
 from . import validation
-from .kernels import Call, KernelConfig, bwd_sm80, bwd_sm90, parse
+from .kernels import Call, KernelConfig, bwd_sm80, bwd_sm90, fwd_sm80, parse
+from .kernels.base import DTYPES
 
 _REGISTERED = False
 log = logging.getLogger(__name__)
@@ -77,6 +78,26 @@ def built() -> tuple[KernelConfig, ...]:
     """The backward kernels of this build (from the extension's backward registry)."""
     names = torch.ops.flash_attention.bwd_kernels()
     return tuple(parse(n) for n in names.split(",") if n)
+
+
+def dispatch_rows(built: tuple[KernelConfig, ...]
+                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
+    """The backward's dispatch table as the extension takes it (the forward's row shape: dtype,
+    d_head variant, bucket, mask, local, softcap, kernel, fallback): per dtype, d_head variant
+    and softcap, bucket 64 and no mask (masks are run-time arguments of every backward kernel),
+    the kernel bwd_sm90.select picks where a Hopper kernel is built, else bwd_sm80's, and
+    bwd_sm80's as the fallback ("" where the build has none)."""
+    rows = []
+    for dtype in DTYPES:
+        for softcap in (False, True):
+            for d_head in fwd_sm80.D_HEADS:
+                call = Call(dtype, d_head, softcap=softcap)
+                fallback = bwd_sm80.select(call, built)
+                kernel = bwd_sm90.select(call, built) or fallback
+                if kernel is not None:
+                    rows.append((dtype, d_head, 64, False, False, softcap, kernel.name,
+                                 fallback.name if fallback is not None else ""))
+    return rows
 
 
 def _check_kernel(kernel: str, dtype: str, d_head: int, softcap: bool) -> None:

@@ -48,7 +48,7 @@ def load() -> bool:
     except ExtensionNotBuilt as exc:
         LOAD_ERROR = str(exc)
         return False
-    BUILT = tuple(parse(entry["name"]) for entry in ext.kernels())
+    BUILT = tuple(parse(entry["name"]) for entry in ext.kernels("fwd"))
     BUILT_NAMES = frozenset(c.name for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention::attention")(_attention_fake)
@@ -66,10 +66,13 @@ def require() -> None:
 
 
 def refresh_dispatch() -> None:
-    """Give the extension the dispatch table for every (dtype, d_head, bucket, features) this
-    build serves."""
+    """Give the extension the dispatch tables: the forward's for every (dtype, d_head, bucket,
+    features) this build serves, the backward's for every (dtype, d_head, softcap)."""
     if LOADED:
-        extension().set_dispatch(dispatch_rows(BUILT))
+        from . import backward
+
+        extension().set_dispatch("fwd", dispatch_rows(BUILT))
+        extension().set_dispatch("bwd", backward.dispatch_rows(backward.built()))
 
 
 def dispatch_rows(

@@ -22,63 +22,11 @@
 #include "dispatch.h"
 #include "input_layout.h"
 #include "message.h"
+#include "params.h"
+#include "tma_fit.h"
 #include "validation.h"
 
 namespace flash::binding {
-
-// The kernel arguments of a checked call: q, k, v, o as the kernels address them (o: out or the
-// buffer that stands in for it), and lse if given.
-inline flash::FwdParams forward_params(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& o,
-                                       const std::optional<at::Tensor>& lse, const Varlen& vl,
-                                       const CallShape& s, double softmax_scale,
-                                       int64_t window_left, int64_t window_right, double softcap) {
-    const bool varlen = vl.cu_q != nullptr;
-    const int64_t B = s.batch, H = s.heads, Hk = s.kv_heads, Sq = s.seqlen_q, Sk = s.seqlen_k,
-                  D = s.d_head;
-    const int64_t lse_rows = varlen ? q.size(0) : Sq;
-    flash::FwdParams p{};
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.o = o.data_ptr();
-    p.lse = lse ? lse->data_ptr<float>() : nullptr;
-    // Strides by role: (batch, row, head); varlen tensors have no batch dimension.
-    const int r = varlen ? 0 : 1;
-    p.q_batch_stride = varlen ? 0 : q.stride(0);
-    p.q_row_stride = q.stride(r);
-    p.q_head_stride = q.stride(r + 1);
-    p.k_batch_stride = varlen ? 0 : k.stride(0);
-    p.k_row_stride = k.stride(r);
-    p.k_head_stride = k.stride(r + 1);
-    p.v_batch_stride = varlen ? 0 : v.stride(0);
-    p.v_row_stride = v.stride(r);
-    p.v_head_stride = v.stride(r + 1);
-    p.o_batch_stride = varlen ? 0 : o.stride(0);
-    p.o_row_stride = o.stride(r);
-    p.o_head_stride = o.stride(r + 1);
-    p.lse_batch_stride = varlen ? 0 : H * Sq;
-    p.lse_head_stride = lse_rows;
-    p.batch = static_cast<int>(B);
-    p.heads = static_cast<int>(H);
-    p.heads_per_kv = static_cast<int>(H / Hk);
-    p.seqlen_q = static_cast<int>(Sq);
-    p.seqlen_k = static_cast<int>(Sk);
-    p.d_head = static_cast<int>(D);
-    // With a softcap, scores become softcap * tanh(scale * s / softcap): the kernel applies
-    // scale / softcap inside the tanh and folds softcap into the exp2 scale.
-    p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : softmax_scale) * M_LOG2E);
-    p.softcap_scale = static_cast<float>(softcap > 0 ? softmax_scale / softcap : 0.0);
-    p.window_left = static_cast<int>(window_left);
-    p.window_right = static_cast<int>(window_right);
-    if (varlen) {
-        p.cu_seqlens_q = vl.cu_q->data_ptr<int32_t>();
-        p.cu_seqlens_k = vl.cu_k->data_ptr<int32_t>();
-        p.total_q = static_cast<int>(q.size(0));
-        p.total_k = static_cast<int>(k.size(0));
-    }
-    return p;
-}
 
 // Runs q (B, Sq, H, D), k/v (B, Sk, Hk, D) into out (B, Sq, H, D) and, if given, lse (B, H, Sq)
 // fp32 contiguous; varlen: q/out (total_q, H, D), k/v (total_k, Hk, D), lse (H, total_q).
@@ -96,8 +44,8 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     const CallShape s = call_shape(q_in, k_in, vl);
     const int64_t B = s.batch, H = s.heads, Sq = s.seqlen_q, Sk = s.seqlen_k;
     const bool mask = window_left != -1 || window_right != -1;
-    const Choice chosen =
-        choose_kernel(name, dtype, s.d_head, Sq, mask, window_left != -1, softcap > 0);
+    const Choice<flash::FwdKernelEntry> chosen = choose_kernel<flash::FwdKernelEntry>(
+        name, dtype, s.d_head, Sq, mask, window_left != -1, softcap > 0, "");
     check_call(*chosen.kernel, q_in, k_in, out, out_is_fresh, lse, varlen, s, dtype, softmax_scale,
                window_left, window_right, softcap);
     const auto device = q_in.device();
@@ -146,8 +94,9 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);
 
-    flash::FwdParams p =
-        forward_params(q, k, v, o, lse, vl, s, softmax_scale, window_left, window_right, softcap);
+    flash::FwdParams p{};
+    set_attention_params(p, q, k, v, o, lse ? lse->data_ptr<float>() : nullptr, vl, s,
+                         softmax_scale, window_left, window_right, softcap);
     at::Tensor tile_counter;  // zeroed by the launcher on the stream; freed in stream order
     if (e.tile_counter) {
         tile_counter = at::empty({1}, q.options().dtype(at::kInt));
@@ -167,8 +116,8 @@ inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::T
                            int64_t window_left, int64_t window_right, bool softcap) {
     const int64_t D = q.size(-1);
     const bool mask = window_left != -1 || window_right != -1;
-    const Choice c =
-        lookup(q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
+    const Choice<flash::FwdKernelEntry> c = lookup<flash::FwdKernelEntry>(
+        q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
     std::string copies;

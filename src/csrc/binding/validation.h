@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -256,6 +257,99 @@ inline void check_varlen(const Varlen& vl, int64_t total_q, int64_t total_k,
     check_varlen_meta(vl, device);
     check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", total_q, vl.max_q, stream);
     check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", total_k, vl.max_k, stream);
+}
+
+// A backward call after check_backward: its shape, dtype, scale, window (canonical) and softcap.
+struct BackwardCall {
+    CallShape shape;
+    at::ScalarType dtype;
+    bool varlen;
+    int64_t total_q, total_k;  // tokens of q and k (varlen), else their first dimension
+    double scale;
+    int64_t window_left, window_right;
+    double softcap;
+};
+
+inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name) {
+    FA_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, " ",
+                   like.sizes(), ", got ", t.sizes());
+    FA_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must have the dtype of ",
+                  like_name, " (", like.scalar_type(), "), got ", t.scalar_type());
+    FA_CHECK_VALUE(t.device() == like.device(), name, " must be on the device of ", like_name, " (",
+                   like.device(), "), got ", t.device());
+}
+
+// Every argument of flash_attention::bwd short of the cu_seqlens values (read on the call's
+// stream, check_cu_seqlens_values): q, k, v as the forward checks them, out and dout like q, lse
+// (and dlse) the forward's fp32 LSE, the limits of the kernels' index arithmetic, the scale, the
+// window and the softcap.
+inline BackwardCall check_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& out,
+                                   const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                                   const Varlen& vl, std::optional<double> softmax_scale,
+                                   bool causal, int64_t window_left, int64_t window_right,
+                                   double softcap) {
+    BackwardCall c{};
+    c.varlen = vl.cu_q != nullptr;
+    c.dtype = check_qkv(q, k, v, c.varlen);
+    check_like(out, "out", q, "q");
+    check_like(dout, "dout", q, "q");
+    const auto device = q.device();
+    if (c.varlen)
+        check_varlen_meta(vl, device);
+    // By role: (batch, row, head, d) fixed-length; varlen (token, head, d), the batch from
+    // cu_seqlens and the lengths their longest (max_seqlen_q/k).
+    c.shape = call_shape(q, k, vl);
+    const CallShape& s = c.shape;
+    c.total_q = q.size(0);
+    c.total_k = k.size(0);
+    FA_CHECK_VALUE(s.batch <= 65535 && s.kv_heads <= 65535 && s.heads <= 65535, "batch (", s.batch,
+                   ") and heads (", s.heads, ", k/v: ", s.kv_heads, ") must each be at most 65535");
+    constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 256;
+    FA_CHECK_VALUE(s.seqlen_q <= kMaxSeqlen && s.seqlen_k <= kMaxSeqlen,
+                   "sequence lengths must be at most 2^31 - 257");
+    // Varlen row buffers hold every token plus a query block of slack (run_backward).
+    FA_CHECK_VALUE(!c.varlen || (c.total_q <= std::numeric_limits<int>::max() - 512 &&
+                                 c.total_k <= std::numeric_limits<int>::max() - 512),
+                   "token counts must be at most 2^31 - 513");
+    const std::vector<int64_t> lse_shape = c.varlen
+                                               ? std::vector<int64_t>{s.heads, c.total_q}
+                                               : std::vector<int64_t>{s.batch, s.heads, s.seqlen_q};
+    FA_CHECK_VALUE(
+        lse.scalar_type() == at::kFloat && lse.sizes() == lse_shape && lse.device() == device,
+        "lse must be the forward's fp32 ",
+        c.varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)", " = ",
+        at::IntArrayRef(lse_shape), " tensor on q's device, got ", lse.sizes(), " ",
+        lse.scalar_type(), " on ", lse.device());
+    if (dlse)
+        FA_CHECK_VALUE(dlse->scalar_type() == at::kFloat && dlse->sizes() == lse_shape &&
+                           dlse->device() == device,
+                       "dlse must be an fp32 tensor of the shape of lse ",
+                       at::IntArrayRef(lse_shape), " on q's device, got ", dlse->sizes(), " ",
+                       dlse->scalar_type(), " on ", dlse->device());
+    c.scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(s.d_head));
+    FA_CHECK_VALUE(std::isfinite(c.scale) && c.scale > 0,
+                   "softmax_scale must be finite and positive, got ", c.scale);
+    FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                   "softcap must be 0 (off) or finite and positive, got ", softcap);
+    c.softcap = softcap;
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1 &&
+                       window_left <= std::numeric_limits<int>::max() &&
+                       window_right <= std::numeric_limits<int>::max(),
+                   "window sizes must be -1 (unbounded) or in [0, 2^31)");
+    std::tie(c.window_left, c.window_right) =
+        canonical_window(causal, window_left, window_right, s.seqlen_q, s.seqlen_k);
+    return c;
+}
+
+// A backward kernel the caller named must serve the call's dtype, d_head and softcap.
+inline void check_backward_kernel(const flash::BwdKernelEntry& e, const BackwardCall& c) {
+    FA_CHECK_VALUE((e.dtype == flash::DType::kBf16) == (c.dtype == at::kBFloat16) &&
+                       e.d_head >= c.shape.d_head && e.softcap == (c.softcap > 0),
+                   "backward kernel ", e.name, " cannot serve this call (dtype ", c.dtype,
+                   ", d_head=", c.shape.d_head, c.softcap > 0 ? ", a softcap" : ", no softcap",
+                   ")");
 }
 
 }  // namespace flash::binding

@@ -11,9 +11,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "bwd_params.h"
 #include "launch_support.cuh"
 #include "numeric.cuh"
+#include "params.h"
 
 namespace flash::bwd {
 

@@ -20,9 +20,9 @@
 #include <cstdint>
 
 #include "../common/backward_common.cuh"
-#include "../common/bwd_params.h"
 #include "../common/mask.cuh"
 #include "../common/numeric.cuh"
+#include "../common/params.h"
 #include "../common/varlen.cuh"
 #include "backward_config.cuh"
 #include "backward_gemm.cuh"

@@ -17,10 +17,10 @@
 #include <type_traits>
 
 #include "../common/backward_common.cuh"
-#include "../common/bwd_params.h"
 #include "../common/ldmatrix.cuh"
 #include "../common/mask.cuh"
 #include "../common/numeric.cuh"
+#include "../common/params.h"
 #include "backward_config.cuh"
 #include "backward_tile.cuh"
 #include "epilogue.cuh"

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "../common/backward_common.cuh"
-#include "../common/bwd_params.h"
+#include "../common/params.h"
 #include "backward_config.cuh"
 #include "fast_div.cuh"
 #include "ptx.cuh"

@@ -153,6 +153,18 @@ class ProgStep:
     note: str = ""
 
 
+def select_by_rows(built: list[KernelConfig], rows: list[tuple[int | None, str]], call: Call
+                   ) -> KernelConfig | None:
+    """A backward kind's choice among its built kernels: the first row's kernel that is built,
+    else of those that serve the call the smallest d_head variant (the first built of it)."""
+    by_name = {c.name: c for c in built}
+    for _, name in rows:
+        if name in by_name:
+            return by_name[name]
+    serving = [c for c in built if c.serves(call)]
+    return min(serving, key=lambda c: c.d_head) if serving else None
+
+
 _Config = TypeVar("_Config", bound="KernelConfig")
 
 

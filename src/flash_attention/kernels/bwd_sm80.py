@@ -232,10 +232,11 @@ def default_tile(dtype: str, d_head: int, softcap: bool = False) -> Sm80BwdConfi
 
 def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
            ) -> Sm80BwdConfig | None:
-    """The sm80-family backward kernel for a call among the built ones: of those that serve it,
-    the smallest d_head variant (the first built of it)."""
-    serving = [c for c in built if isinstance(c, Sm80BwdConfig) and c.serves(call)]
-    return min(serving, key=lambda c: c.d_head) if serving else None
+    """The sm80-family backward kernel for a call among the built ones: its row's kernel, else
+    of those that serve it the smallest d_head variant (the first built of it; d_head runs
+    zero-padded)."""
+    mine = [c for c in built if isinstance(c, Sm80BwdConfig)]
+    return base.select_by_rows(mine, table_rows(call), call)
 
 
 # ---- sets --------------------------------------------------------------------------------------

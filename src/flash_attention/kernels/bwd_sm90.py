@@ -133,10 +133,10 @@ def default_tile(dtype: str, d_head: int, softcap: bool = False) -> Sm90BwdConfi
 
 def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
            ) -> Sm90BwdConfig | None:
-    """The Hopper backward kernel for a call among the built ones (the smallest d_head variant
-    that serves it), or None: the bwd_sm80 choice runs."""
-    serving = [c for c in built if isinstance(c, Sm90BwdConfig) and c.serves(call)]
-    return min(serving, key=lambda c: c.d_head) if serving else None
+    """The Hopper backward kernel for a call among the built ones (its row's kernel, else the
+    smallest d_head variant that serves it), or None: the bwd_sm80 choice runs."""
+    mine = [c for c in built if isinstance(c, Sm90BwdConfig)]
+    return base.select_by_rows(mine, table_rows(call), call)
 
 
 # ---- sets --------------------------------------------------------------------------------------
