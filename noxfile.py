@@ -219,7 +219,7 @@ def bench(session: nox.Session) -> None:
     recorded history keeps the register/SASS tracks of both architectures the gate pins:
     archs default to 80,90 here. With a wheelhouse, asv's environment installs from it (only
     from it when FA_OFFLINE=1)."""
-    _ensure(session, BENCH_DEPS)
+    _ensure(session, {**BENCH_DEPS, "torch": BUILD_DEPS["torch"]})  # asv_machine asks torch
     env = {**ASV_ENV, "FLASH_ATTENTION_ARCHS": os.environ.get("FLASH_ATTENTION_ARCHS") or "80,90"}
     wheels = _wheelhouse()
     if wheels:
@@ -249,7 +249,8 @@ def hostbench(session: nox.Session) -> None:
     of REF with the same benchmark code and fails on a median more than 20% slower in each of 3
     pairs of runs (CPU benchmarks; `--base-dir DIR`, a built base tree, adds the GPU ones).
     Writes gate-report/hostbench.{json,md}; exit 0 pass, 1 regression, 2 broken, 3 no data."""
-    _ensure(session, {"pytest": TEST_DEPS["pytest"], **HOSTBENCH_DEPS})
+    _ensure(session, {"pytest": TEST_DEPS["pytest"], "torch": BUILD_DEPS["torch"],
+                      **HOSTBENCH_DEPS})  # the benchmarks import flash_attention and torch
     script = ROOT / "benchmarks" / "host" / "hostbench.py"
     session.log(f"hostbench {' '.join(session.posargs) or '(record only)'}")
     code = subprocess.run([PY, str(script), "--out", str(REPORT), *session.posargs],

@@ -65,7 +65,7 @@ def build(tmp_path_factory):
         src = out / kernel_filename(parse(name))
         src.write_text(kernel_source(parse(name)))
         obj = src.with_suffix(".o")
-        proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++20", "-Xcompiler=-fPIC",
+        proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
                                f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v",
                                f"-I{ROOT / 'src/csrc'}", str(src), "-o", str(obj)],
                               capture_output=True, text=True, check=True)
@@ -303,7 +303,7 @@ def bwd_build(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_static_bwd")
     src = out / f"{HOPPER_BWD}.cu"
     src.write_text(kernel_source(parse(HOPPER_BWD)))
-    proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++20", "-Xcompiler=-fPIC",
+    proc = subprocess.run([nvcc, "-c", "-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC",
                            "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
                            "-Xptxas=-v", f"-I{ROOT / 'src/csrc'}", str(src), "-o",
                            str(src.with_suffix(".o"))],

@@ -82,6 +82,29 @@ def test_kinds_in_build_order():
         assert example.name == module.Config.EXAMPLE
         assert (example.direction, example.family) == tuple(kind.split("_"))
     assert {m.Config.ARCH for m in KINDS.values()} == {80, 90}
+
+
+def test_every_kind_module_exports_the_same_names():
+    """One module per kind, each with the same names: its config class, parse, sets (ci and
+    default among them), default table (rows whose kernels it can build and that serve their
+    calls) and select (its table's kernel for a call among built ones, None when none)."""
+    from flash_attention.kernels import Call
+    from flash_attention.kernels.base import D_HEADS, Row
+
+    for kind, module in KINDS.items():
+        for name in ("KIND", "Config", "parse", "SETS", "ROWS", "select", "FLAGS"):
+            assert hasattr(module, name), (kind, name)
+        assert {"ci", "default"} <= set(module.SETS), kind
+        assert module.ROWS and all(isinstance(r, Row) for r in module.ROWS), kind
+        built = module.SETS["default"]
+        assert all(isinstance(c, module.Config) for c in built), kind
+        for d in D_HEADS:
+            call = Call("bf16", d, 4096)
+            picked = module.select(call, built)
+            if picked is not None:
+                assert picked.serves(call) and picked in built, (kind, d)
+            assert module.select(call, ()) is None, kind
+        assert list(module.FLAGS)[-1] == "softcap", "the feature letters end every name"
     # the package's names are the kernels package's
     assert fa.parse is parse and fa.resolve is resolve and fa.KernelConfig is KernelConfig
     assert fa.ConfigError is ConfigError and not hasattr(fa, "SETS")

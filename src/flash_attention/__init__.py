@@ -33,6 +33,7 @@ _LAZY = {
     "flash_attn_varlen_func": "interface",
     "attention_reference": "reference",
     "emulate_blocks": "reference",
+    "kvcache_reference": "reference",
     "ExtensionNotBuilt": "_extension",
     "build_info": "_extension",
     "is_built": "_extension",

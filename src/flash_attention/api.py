@@ -105,7 +105,7 @@ def attention(
     config: KernelConfig | str | None = None,
     deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scores) v, FlashAttention-2 forward, scores = q k^T * softmax_scale.
+    """softmax(scores) v, FlashAttention's algorithm, scores = q k^T * softmax_scale.
 
     q: (batch, seqlen_q, heads, d_head); k, v: (batch, seqlen_k, kv_heads, d_head) with
     heads % kv_heads == 0 (GQA/MQA: query head h reads kv head h // (heads // kv_heads)).

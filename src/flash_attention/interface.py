@@ -1,5 +1,5 @@
 """FlashAttention-compatible functions: the names, argument names, defaults and return
-conventions of ``flash_attn`` (v2), on this package's forward kernels.
+conventions of ``flash_attn`` (v2), on this package's kernels (forward and backward).
 
     from flash_attention.interface import flash_attn_func        # instead of flash_attn's
 

@@ -3,6 +3,9 @@
 - :func:`attention_reference`: plain softmax attention, by default in fp32 on upcast inputs
   (the accuracy reference), or in the inputs' own dtype (the "what low precision costs" peer of
   the test rule), with causal / sliding-window masks and softcap as flash_attention applies them.
+- :func:`kvcache_reference`: flash_attn_with_kvcache's semantics on a copy of the cache: new
+  keys and values appended at each sequence's length (rotary on them and on q where given), a
+  paged cache read through its block table, then attention over each sequence's keys.
 - :func:`emulate_blocks`: the kernel's algorithm block by block in Python: B_r query rows at a
   time, KV blocks of B_c in the config's order, online softmax in base 2 with running max m and
   sum l, P rounded to the input dtype before P V as the kernel does. With ``trace`` it records
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .masks import block_mask, canonical_window, kv_blocks, visible
+from .rotary import apply_rotary
 
 LOG2E = math.log2(math.e)
 
@@ -68,6 +72,76 @@ def attention_reference(
     probs = probs.masked_fill(empty[:, None], 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse
+
+
+@dataclass
+class KVCacheResult:
+    out: torch.Tensor  # (B, Sq, H, D): fp32 with upcast, else q's dtype
+    lse: torch.Tensor  # (B, H, Sq) fp32
+    k_cache: torch.Tensor  # the caches after the append (copies; the inputs are untouched)
+    v_cache: torch.Tensor
+
+
+def kvcache_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor = 0,
+    cache_batch_idx: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    upcast: bool = True,
+) -> KVCacheResult:
+    """flash_attn_with_kvcache's result, one sequence at a time. q (B, Sq, H, D); the caches
+    (B_cache, S_cache, Hk, D), or with block_table (B, max_pages) int (num_pages, page_size, Hk,
+    D) read row r of sequence b from page block_table[b, r // page_size]; k, v (B, S_new, Hk,
+    D) or None, written at rows cache_seqlens[b] ... + S_new of sequence b's cache (row
+    cache_batch_idx[b] of the cache when given). With rotary_cos/sin (seqlen_ro, rotary_dim /
+    2) the new keys rotate at their rows' positions, q at cache_seqlens[b] + i when causal or
+    the window bounds the left, else every row at cache_seqlens[b]. Then sequence b attends to
+    its cache_seqlens[b] + S_new keys, masks aligned bottom-right (attention_reference)."""
+    batch, seqlen_q = q.shape[:2]
+    seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int64).reshape(-1).expand(batch).cpu()
+    s_new = 0 if k is None else k.shape[1]
+    kc, vc = k_cache.clone(), v_cache.clone()
+    if k is not None and rotary_cos is not None:
+        pos = seqlens[:, None] + torch.arange(s_new)[None, :]
+        k = apply_rotary(k, rotary_cos, rotary_sin, pos.to(k.device), rotary_interleaved)
+    if rotary_cos is not None:
+        left = window_size[0]
+        pos = seqlens[:, None] + (torch.arange(seqlen_q)[None, :] if causal or left != -1
+                                  else torch.zeros(1, seqlen_q, dtype=torch.int64))
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos.to(q.device), rotary_interleaved)
+    outs, lses = [], []
+    for b in range(batch):
+        length = int(seqlens[b]) + s_new
+        if block_table is None:
+            row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
+            rows_k, rows_v = kc[row], vc[row]  # views: the append writes the copy
+        else:
+            page = kc.shape[1]
+            pages = block_table[b, : -(-length // page)].long().cpu()
+            rows_k = kc[pages].flatten(0, 1)  # (pages * page_size, Hk, D) copies ...
+            rows_v = vc[pages].flatten(0, 1)
+        if k is not None:
+            rows_k[int(seqlens[b]):length] = k[b]
+            rows_v[int(seqlens[b]):length] = v[b]
+            if block_table is not None:  # ... written back to their pages
+                kc[pages] = rows_k.unflatten(0, (len(pages), kc.shape[1]))
+                vc[pages] = rows_v.unflatten(0, (len(pages), vc.shape[1]))
+        out, lse = attention_reference(q[b:b + 1], rows_k[None, :length], rows_v[None, :length],
+                                       softmax_scale, upcast, causal, window_size, softcap)
+        outs.append(out)
+        lses.append(lse)
+    return KVCacheResult(torch.cat(outs), torch.cat(lses), kc, vc)
 
 
 @dataclass

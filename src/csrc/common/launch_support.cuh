@@ -65,28 +65,25 @@ cudaError_t launch_checked(dim3 grid, int threads, int smem, cudaStream_t stream
 }
 
 // The registry entry of config Cfg of any kind, launched by `launch`; arch: 80 (sm80 family) or
-// 90 (sm_90a). A config without kMask (the backward's) serves masks at run time.
+// 90 (sm_90a). Filled field by field (C++17: the build's standard under older torch).
 template <class Cfg, class Params>
 constexpr KernelEntry<Params> kernel_entry(const char* name,
                                            cudaError_t (*launch)(const Params&, cudaStream_t),
                                            int arch, bool tile_counter = false) {
-    bool mask = true;
-    if constexpr (requires { Cfg::kMask; })
-        mask = Cfg::kMask;
-    return KernelEntry<Params>{
-        .name = name,
-        .dtype = std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16,
-        .d_head = Cfg::kDHead,
-        .block_r = Cfg::kBr,
-        .block_c = Cfg::kBc,
-        .threads = Cfg::kThreads,
-        .smem_bytes = Cfg::kSmemBytes,
-        .mask = mask,
-        .softcap = Cfg::kSoftcap,
-        .arch = arch,
-        .tile_counter = tile_counter,
-        .launch = launch,
-    };
+    KernelEntry<Params> e{};
+    e.name = name;
+    e.dtype = std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16;
+    e.d_head = Cfg::kDHead;
+    e.block_r = Cfg::kBr;
+    e.block_c = Cfg::kBc;
+    e.threads = Cfg::kThreads;
+    e.smem_bytes = Cfg::kSmemBytes;
+    e.mask = Cfg::kMask;
+    e.softcap = Cfg::kSoftcap;
+    e.arch = arch;
+    e.tile_counter = tile_counter;
+    e.launch = launch;
+    return e;
 }
 
 }  // namespace flash

@@ -73,7 +73,8 @@ struct BwdConfig {
     // buffer while this one is computed (else each block is loaded when it starts).
     static constexpr bool kPrefetch = kPrefetch_;
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
-    static constexpr bool kSwizzle = true;       // the tile copies' XOR swizzle (always on)
+    static constexpr bool kMask = true;     // masks are run-time arguments of every backward kernel
+    static constexpr bool kSwizzle = true;  // the tile copies' XOR swizzle (always on)
 
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kChunkElems = 16 / sizeof(Elem);

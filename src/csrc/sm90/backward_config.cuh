@@ -41,6 +41,7 @@ struct BwdConfig {
 
     static constexpr int kDHead = kDHead_;       // 64, 128 or 256; serves multiples of 8 up to it
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
+    static constexpr bool kMask = true;  // masks are run-time arguments of every backward kernel
     static constexpr int kConsumerWGs = 2;
     // kSplitD: the warpgroups share the CTA's keys and split d_head (see above).
     static constexpr bool kSplitD = kDHead == 256;
