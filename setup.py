@@ -86,6 +86,7 @@ if "FLASH_ATTENTION_BWD_KERNELS" in os.environ:
 CONFIGS = resolve(KERNELS)
 FWD_CONFIGS = [c for c in CONFIGS if c.direction == "fwd"]
 BWD_CONFIGS = [c for c in CONFIGS if c.direction == "bwd"]
+DEC_CONFIGS = [c for c in CONFIGS if c.direction == "dec"]
 SOURCES = [str(p.relative_to(ROOT)) for p in generate(CONFIGS, GENERATED)]
 if CUDA_HOME:
     os.environ["CUDA_HOME"] = CUDA_HOME  # the nvcc wrapper runs the same toolkit as torch found
@@ -107,8 +108,8 @@ class BuildWithReport(BuildExtension):
     """torch's BuildExtension, then the ptxas report and build info beside the extension."""
 
     def run(self) -> None:
-        print(f"flash_attention: building {len(FWD_CONFIGS)} forward and {len(BWD_CONFIGS)} "
-              f"backward kernels ({KERNELS}) for "
+        print(f"flash_attention: building {len(FWD_CONFIGS)} forward, {len(BWD_CONFIGS)} "
+              f"backward and {len(DEC_CONFIGS)} decode kernels ({KERNELS}) for "
               f"{', '.join('sm_' + a for a in ARCHS)}", flush=True)
         self._started = time.time()
         super().run()
@@ -171,6 +172,7 @@ class BuildWithReport(BuildExtension):
             "kernels": KERNELS,
             "configs": [c.name for c in FWD_CONFIGS],
             "bwd_configs": [c.name for c in BWD_CONFIGS],
+            "dec_configs": [c.name for c in DEC_CONFIGS],
             "archs": ARCHS,
             "nvcc": _nvcc_version(),
             "torch": _torch_version(),
@@ -203,7 +205,8 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="flash_attention._C",
-            sources=["src/csrc/binding.cpp", "src/csrc/binding/backward.cpp", *SOURCES],
+            sources=["src/csrc/binding.cpp", "src/csrc/binding/backward.cpp",
+                     "src/csrc/binding/decode.cpp", "src/csrc/kvcache/append.cu", *SOURCES],
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},
         )

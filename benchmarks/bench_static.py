@@ -54,7 +54,7 @@ def _default_kernels() -> list[str]:
     by their current names; a commit from before the backward has no backward ones."""
     try:
         from flash_attention.kernels import resolve
-        from flash_attention.kernels.bwd_helpers import helpers
+        from flash_attention.kernels.helpers import helpers
     except ImportError:  # a commit from before flash_attention.kernels
         from flash_attention.config_sets import SETS
 

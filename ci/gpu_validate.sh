@@ -2,11 +2,12 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
 #             examples of the test step's run, new examples every run)
 #   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
@@ -80,6 +81,19 @@ fi
 if step test; then
     run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \
         --hypothesis-show-statistics tests
+fi
+if step decode; then
+    # The KV-cache path (issue 44): its tests, the sanitizers on a few of them (the decode and
+    # combine kernels, the append; the warps' merge through shared memory), then decode steps
+    # against SDPA and the copy bandwidth (studies/decode_bench.py).
+    run decode_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_kvcache.py
+    run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16)"
+    run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
+    run decode_bench timeout 500 python3 studies/decode_bench.py --json "$LOG_DIR/decode.json"
 fi
 if step fuzz; then
     run fuzz env FA_FUZZ_PROFILE=long FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \

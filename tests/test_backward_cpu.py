@@ -37,6 +37,7 @@ from flash_attention.kernels import (
     HelperKernel,
     bwd_sm80,
     bwd_sm90,
+    dec_sm80,
     fwd_sm80,
     parse,
     parse_kernel,
@@ -205,7 +206,7 @@ def test_helpers_of_each_kind():
     """Every backward unit holds the preprocess and its kind's dQ conversion, of its dtype; a
     build holds each helper once."""
     sm80, sm90 = default_tile("fp16", 128), Sm90BwdConfig("bf16", 128, 64, 128)
-    from flash_attention.kernels.bwd_helpers import helpers, helpers_of
+    from flash_attention.kernels.helpers import helpers, helpers_of
 
     assert [h.name for h in helpers_of(sm80)] == ["bwd_sm80_preprocess_fp16",
                                                   "bwd_sm80_convert_dq_fp16"]
@@ -218,10 +219,19 @@ def test_helpers_of_each_kind():
     assert (h.family, h.job, h.dtype, h.threads, h.warps, h.direction) == (
         "sm90", "convert_dq", "fp16", 256, 8, "bwd")
     assert h.template == "bwd_convert_dq_tiles_kernel" and str(h) == h.name
-    with pytest.raises(ConfigError, match="cannot parse backward helper kernel"):
+    with pytest.raises(ConfigError, match="cannot parse helper kernel"):
         HelperKernel.parse("bwd_sm90_preprocess_fp16")  # the preprocess is the sm80 kind's
-    with pytest.raises(ConfigError, match="invalid backward helper kernel"):
+    with pytest.raises(ConfigError, match="cannot parse helper kernel"):
+        HelperKernel.parse("bwd_sm80_combine_fp16")  # the combine is the decode's
+    with pytest.raises(ConfigError, match="invalid helper kernel"):
         HelperKernel("sm90", "preprocess", "bf16")
+    # the decode kernels' helper: the split-KV combine
+    dec = dec_sm80.default_tile("fp16", 128)
+    assert [h.name for h in helpers_of(dec)] == ["dec_sm80_combine_fp16"]
+    c = HelperKernel.parse("dec_sm80_combine_bf16")
+    assert (c.family, c.job, c.direction, c.threads, c.template) == (
+        "sm80", "combine", "dec", 128, "dec_combine_kernel")
+    assert helpers_of(fwd_sm80.CI[0]) == ()
 
 
 def test_warp_grids_take_the_squarest_tile():

@@ -27,7 +27,8 @@ CI = resolve("fwd:ci")
 CPP = {"fwd_sm80": ("sm80::FwdConfig", "sm80::make_fwd_entry"),
        "fwd_sm90": ("sm90::FwdConfig", "sm90::make_fwd_entry"),
        "bwd_sm80": ("sm80::BwdConfig", "sm80::make_bwd_entry"),
-       "bwd_sm90": ("sm90::BwdConfig", "sm90::make_bwd_entry")}
+       "bwd_sm90": ("sm90::BwdConfig", "sm90::make_bwd_entry"),
+       "dec_sm80": ("sm80::DecConfig", "sm80::make_dec_entry")}
 
 
 def _registry(text: str, function: str) -> list[str]:
@@ -68,7 +69,7 @@ def test_every_kind_generates_its_template(tmp_path):
         t = TEMPLATES[cfg.KIND]
         src = path.read_text()
         config, entry = CPP[cfg.KIND]
-        entry_type = "FwdKernelEntry" if cfg.direction == "fwd" else "BwdKernelEntry"
+        entry_type = f"{cfg.direction.capitalize()}KernelEntry"
         assert f'#include "{t.header}"' in src and t.config == config and t.entry == entry
         assert f"using Cfg_{cfg.name} = {config}<{template_args(cfg)}>;" in src
         assert (f"extern const {entry_type} entry_{cfg.name} = {entry}<Cfg_{cfg.name}>"

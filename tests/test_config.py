@@ -267,7 +267,7 @@ def test_template_parameters_match_the_generated_arguments(kind):
 
 def test_kernel_modules_import_one_way():
     """No import cycle between the kind modules: base imports nothing of the package, a kind
-    base and at most fwd_sm80 (its d_head variants), fwd_sm80 base alone, bwd_helpers only
+    base and at most fwd_sm80 (its d_head variants), fwd_sm80 base alone, helpers only
     base; legacy nothing at all (the benchmarks load it by path from commits that predate the
     package)."""
     import ast
@@ -283,6 +283,6 @@ def test_kernel_modules_import_one_way():
     assert package_imports("base") == set()
     assert package_imports("legacy") == set()
     assert package_imports("fwd_sm80") == {"base"}
-    assert package_imports("bwd_helpers") == {"base"}
+    assert package_imports("helpers") == {"base"}
     for kind in ("fwd_sm90", "bwd_sm80", "bwd_sm90"):
         assert "base" in package_imports(kind) <= {"base", "fwd_sm80"}, kind

@@ -1,8 +1,9 @@
-"""docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80
-and fwd_sm90): one docs row per code row, by key and back; the docs row's first five columns are
-the code row's (calls, d_head, seqlen_q, kernel), so a changed decision fails here until its
-measurements are written down; every results file a row names exists. And the rows themselves:
-one open-ended row per (calls, d_head), every kernel a valid config that serves its calls."""
+"""docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80,
+fwd_sm90 and dec_sm80): one docs row per code row, by key and back; the docs row's first five
+columns are the code row's (calls, d_head, seqlen_q, kernel), so a changed decision fails here
+until its measurements are written down; every results file a row names exists. And the rows
+themselves: one open-ended row per (calls, d_head), every kernel a valid config that serves its
+calls."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from flash_attention.kernels import Call, fwd_sm80, fwd_sm90, parse
+from flash_attention.kernels import Call, dec_sm80, fwd_sm80, fwd_sm90, parse
 from flash_attention.kernels.base import Row, rows_for
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADER = "| Row | Calls | d_head | seqlen_q | Kernel | Measurements | Results |"
-ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS}
-MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90}
+ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS, "dec": dec_sm80.ROWS}
+MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90, "dec": dec_sm80}
 CODE_ROWS = [row for rows in ROWS.values() for row in rows]
 
 

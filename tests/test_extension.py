@@ -16,8 +16,9 @@ def ext(require_extension):
 
 def test_registry_matches_build_info(ext):
     """The forward registry lists build_info's "configs", the backward one its "bwd_configs",
-    each the selection's kernels of that direction in selection order."""
-    from flash_attention import backward
+    the decode one its "dec_configs", each the selection's kernels of that direction in
+    selection order."""
+    from flash_attention import backward, kvcache
 
     info = fa.build_info()
     assert info is not None, "build_info.json missing beside the extension"
@@ -27,6 +28,8 @@ def test_registry_matches_build_info(ext):
     assert fa.available_configs() == [c for c in selected if c.direction == "fwd"]
     assert [c.name for c in backward.built()] == info["bwd_configs"]
     assert list(backward.built()) == [c for c in selected if c.direction == "bwd"]
+    assert [c.name for c in kvcache.built()] == info["dec_configs"]
+    assert list(kvcache.built()) == [c for c in selected if c.direction == "dec"]
 
 
 def test_registry_facts_match_python_configs(ext):
@@ -76,7 +79,7 @@ def test_operator_call_rejects_bad_input(ext):
 def test_registry_lists_each_direction(ext):
     """kernels(direction) lists that direction's registry (the backward's entries serve masks:
     masks are run-time arguments there); another direction is refused by name."""
-    from flash_attention import backward
+    from flash_attention import backward, kvcache
 
     assert [e["name"] for e in ext.kernels("fwd")] == [c.name for c in fa.available_configs()]
     bwd = ext.kernels("bwd")
@@ -86,7 +89,11 @@ def test_registry_lists_each_direction(ext):
         assert (entry["block_r"], entry["block_c"], entry["softcap"], entry["mask"]) == (
             cfg.block_r, cfg.block_c, cfg.softcap, True)
         assert entry["arch"] == (90 if cfg.family == "sm90" else 80)
-    with pytest.raises(ValueError, match="direction must be fwd or bwd"):
+    dec = ext.kernels("dec")
+    assert [e["name"] for e in dec] == [c.name for c in kvcache.built()]
+    for entry in dec:  # masks and softcap are run-time arguments of every decode kernel
+        assert (entry["mask"], entry["softcap"], entry["arch"]) == (True, True, 80)
+    with pytest.raises(ValueError, match="direction must be fwd, bwd or dec"):
         ext.kernels("sideways")
 
 
@@ -104,7 +111,9 @@ def test_set_dispatch_checks_its_rows(ext):
     if hopper:
         with pytest.raises(RuntimeError, match="not an sm80-family kernel"):
             ext.set_dispatch("bwd", [(*row, hopper[0].name, hopper[0].name)])
-    with pytest.raises(ValueError, match="direction must be fwd or bwd"):
+    with pytest.raises(RuntimeError, match="not in this build"):  # a forward kernel as decode's
+        ext.set_dispatch("dec", [(*row, fwd[0].name, fwd[0].name)])
+    with pytest.raises(ValueError, match="direction must be fwd, bwd or dec"):
         ext.set_dispatch("sideways", [])
     ops.refresh_dispatch()
     assert ext.choice("bf16", 128, 4096, False, False) != ""

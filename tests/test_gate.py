@@ -304,12 +304,13 @@ def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
     assert f.kernel == bwd and f.metric == "spill_bytes" and "must stay 0" in f.rule
     assert ratchet.zero_spill_kernels(policy) >= {bwd, "bwd_sm90_convert_dq_bf16", K}
     assert ratchet.scope_kernels(POLICY) == [c.name for c in resolve("fwd:ci")]
-    # a selection of every kind: its kernels in kind order, then the backward ones' helpers
+    # a selection of every kind: its kernels in kind order, then the helpers of the backward
+    # and decode ones
     every = ratchet.scope_kernels({"static": {**POLICY["static"], "kernels": "ci"}})
     assert every[:len(resolve("ci"))] == [c.name for c in resolve("ci")]
     assert every[len(resolve("ci")):] == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
                                           "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16",
-                                          "bwd_sm90_convert_dq_bf16"]
+                                          "bwd_sm90_convert_dq_bf16", "dec_sm80_combine_bf16"]
 
 
 def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
@@ -1114,7 +1115,7 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
     accept entry may name a case made for any backward kernel."""
     from fa_tools.gate import sassdiff
     from flash_attention.kernels import resolve
-    from flash_attention.kernels.bwd_helpers import helpers as helpers_of_build
+    from flash_attention.kernels.helpers import helpers as helpers_of_build
 
     base, head = FakeWorker({}, {}, 1), FakeWorker({}, {}, 2)
     _default_build(tmp_path, monkeypatch, base, head)

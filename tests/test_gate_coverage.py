@@ -14,8 +14,8 @@ from fa_tools.gate import coverage
 from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, Case
 from flash_attention import dispatch
 from flash_attention.kernels import Call, bwd_sm80, fwd_sm90, parse, resolve
-from flash_attention.kernels.bwd_helpers import helpers
 from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
+from flash_attention.kernels.helpers import helpers
 from flash_attention.kernels.legacy import current_name
 
 # the sm80 kind's default tiles alone (a build without the Hopper backward), and their

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from flash_attention.kernels import KINDS, resolve
 from flash_attention.kernels.base import FLAG_LETTERS
-from flash_attention.kernels.bwd_helpers import helpers
+from flash_attention.kernels.helpers import helpers
 from flash_attention.kernels.legacy import current_name, old_name
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "kernel-names.md"
@@ -25,7 +25,8 @@ def table_text() -> str:
         "",
         "Every kernel is named `<direction>_<family>_<dtype>_d<d_head>_r<B_r>_c<B_c>"
         "[_w<warps>|_s<stages>]_f<flags>`: its kind first (`fwd_sm80`, `fwd_sm90`, `bwd_sm80`, "
-        "`bwd_sm90`: src/flash_attention/kernels/, one module per kind), then r (query rows per "
+        "`bwd_sm90`, `dec_sm80`: src/flash_attention/kernels/, one module per kind), then r "
+        "(query rows per "
         "tile) before c (key columns), then the letters of the flags that are on, in the kind's "
         "order. The backward's helper kernels are `bwd_<family>_<job>_<dtype>`. A letter means "
         "one thing in every kind:",
@@ -68,7 +69,8 @@ def table_text() -> str:
         configs = resolve(f"{kind}:all")
         lines += [f"### `{kind}` ({len(configs)} kernels; sets: {', '.join(module.SETS)})", "",
                   "| now | before |", "| --- | --- |"]
-        lines += [f"| `{c.name}` | `{old_name(c.name)}` |" for c in configs]
+        lines += [f"| `{c.name}` | " + (f"`{old_name(c.name)}`" if old_name(c.name) else
+                                         "(new in the one scheme)") + " |" for c in configs]
         lines.append("")
     lines += ["### helpers", "", "| now | before |", "| --- | --- |"]
     lines += [f"| `{h.name}` | `{old_name(h.name)}` |" for h in helpers(resolve("bwd:all"))]

@@ -25,6 +25,7 @@ from flash_attention.kernels import (
     KernelConfig,
     bwd_sm80,
     bwd_sm90,
+    dec_sm80,
     fwd_sm80,
     fwd_sm90,
     parse,
@@ -32,7 +33,7 @@ from flash_attention.kernels import (
     resolve,
 )
 from flash_attention.kernels.base import FEATURE_FLAGS, FLAG_LETTERS
-from flash_attention.kernels.bwd_helpers import helpers
+from flash_attention.kernels.helpers import helpers
 from flash_attention.kernels.legacy import current_name, old_form, old_name, rename_in_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +64,10 @@ OLD_FORMS = {
 }
 
 
+# The kinds that had names before the one scheme (kernels.legacy maps them)
+LEGACY_KINDS = ("fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90")
+
+
 def _set_params():
     return [pytest.param(kind, name, id=f"{kind}:{name}")
             for kind, module in KINDS.items() for name in module.SETS]
@@ -72,8 +77,8 @@ def _set_params():
 
 
 def test_kinds_in_build_order():
-    assert list(KINDS) == ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90"]
-    assert kernels.DIRECTIONS == ("fwd", "bwd")
+    assert list(KINDS) == ["fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90", "dec_sm80"]
+    assert kernels.DIRECTIONS == ("fwd", "bwd", "dec")
     for kind, module in KINDS.items():
         assert module.KIND == module.Config.KIND == kind
         assert module.parse == module.Config.parse
@@ -104,7 +109,10 @@ def test_every_kind_module_exports_the_same_names():
             if picked is not None:
                 assert picked.serves(call) and picked in built, (kind, d)
             assert module.select(call, ()) is None, kind
-        assert list(module.FLAGS)[-1] == "softcap", "the feature letters end every name"
+        if module.FLAGS:
+            assert list(module.FLAGS)[-1] == "softcap", "the feature letters end every name"
+        else:  # a kind whose masks and softcap are run-time arguments of every kernel
+            assert module.Config.mask and module.Config.softcap, kind
     # the package's names are the kernels package's
     assert fa.parse is parse and fa.resolve is resolve and fa.KernelConfig is KernelConfig
     assert fa.ConfigError is ConfigError and not hasattr(fa, "SETS")
@@ -125,7 +133,10 @@ def test_every_name_of_every_set_round_trips(kind, set_name):
         assert module.parse(name) == parse(name) == parse_kernel(name) == cfg
         assert parse(name).name == name == str(cfg)
         assert name.endswith("_f" + cfg.flag_letters)
-        assert current_name(old_name(name)) == name, name
+        if kind in LEGACY_KINDS:
+            assert current_name(old_name(name)) == name, name
+        else:  # a kind born in the one scheme has no old name
+            assert old_name(name) is None, name
         assert old_form(name) is None, f"{name} reads as an old-scheme name"
 
 
@@ -169,7 +180,7 @@ def test_flag_letters_are_one_table():
     ("bwd_sm80_bf16_d128_r64_c128_w8_fb", r"must be a subset of 'ht'"),
     ("bwd_sm90_bf16_d128_r64_c128_fh", r"must be a subset of 't'"),
     ("fwd_sm70_bf16_d128_r128_c64_w4_f", r"a name starts with its kind, one of fwd_sm80, "
-                                         "fwd_sm90, bwd_sm80, bwd_sm90"),
+                                         "fwd_sm90, bwd_sm80, bwd_sm90, dec_sm80"),
     ("nonsense", r"cannot parse kernel name 'nonsense'"),
 ])
 def test_parse_names_the_kinds_letters(name, message):
@@ -185,7 +196,8 @@ def test_resolve_a_set_of_every_kind():
     for set_name in ("ci", "default"):
         want = tuple(c for m in KINDS.values() for c in m.SETS[set_name])
         assert resolve(set_name) == want
-    assert resolve("tune") == fwd_sm80.SETS["tune"] + fwd_sm90.SETS["tune"]
+    assert resolve("tune") == (fwd_sm80.SETS["tune"] + fwd_sm90.SETS["tune"]
+                               + dec_sm80.SETS["tune"])
     assert resolve("variants") == bwd_sm80.SETS["variants"]
     assert resolve("r64") == bwd_sm90.SETS["r64"]
     assert kernels.set_names() == ["ci", "default", "tune", "prog", "variants", "r64"]
@@ -218,7 +230,8 @@ def test_resolve_all_and_none():
         c for m in (bwd_sm80, bwd_sm90) for s in m.SETS.values() for c in s))
     assert resolve("fwd_sm80:all") == tuple(dict.fromkeys(
         c for s in fwd_sm80.SETS.values() for c in s))
-    assert set(resolve("all")) == set(resolve("fwd:all")) | set(resolve("bwd:all"))
+    assert set(resolve("all")) == (set(resolve("fwd:all")) | set(resolve("bwd:all"))
+                                   | set(resolve("dec:all")))
     assert resolve("none") == resolve("bwd:none") == resolve("fwd_sm90:none") == ()
     assert resolve("fwd:default,bwd:none") == resolve("fwd:default")
     assert resolve("none,fwd_sm80:ci") == fwd_sm80.CI
@@ -238,7 +251,7 @@ def test_resolve_mixes_sets_and_names_in_order_without_duplicates():
     ("fwd:nonsense", r"no set 'nonsense' in fwd; its sets: ci, default, tune, prog"),
     ("bwd_sm90:tune", r"no set 'tune' in bwd_sm90; its sets: ci, default, r64"),
     ("fwd_sm70:ci", r"unknown kernel kind or direction 'fwd_sm70'; known: fwd_sm80, fwd_sm90, "
-                    "bwd_sm80, bwd_sm90, fwd, bwd"),
+                    "bwd_sm80, bwd_sm90, dec_sm80, fwd, bwd, dec"),
     ("sm90:none", r"unknown kernel kind or direction 'sm90'"),
     ("ci,nonsense", r"cannot parse kernel name 'nonsense'.*or name a set: ci, default"),
     ("default,fwd_sm80_bf16_d80_r128_c64_w4_f", r"d_head must be one of"),

@@ -171,8 +171,27 @@ def test_schema_coercions_take_the_checked_path(mode):
             assert fa.attention(q, q, q, window_size=[8, 0]).shape == q.shape
 
 
-def test_block_table_is_refused():
-    q = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+def test_block_table_calls_refuse_gradients():
+    """block_table / seqused_k run the decode kernels, which have no backward: a call that
+    would need one is refused before any work, by name."""
+    q = torch.zeros(8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, block_table=cu)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, block_table=cu[None])
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, seqused_k=cu[1:])
+
+
+def test_decode_debug_log_names_the_kernel_and_why(require_extension):
+    """The decode path's debug line: the dec_sm80 row's kernel for the call's dtype and d_head
+    variant (d_head 96 runs the d128 kernel), or the named one, and how the splits are set."""
+    from flash_attention import kvcache
+
+    ops.require()
+    built = {c.name for c in kvcache.built()}
+    text = kvcache.explain(torch.bfloat16, 96)
+    if "dec_sm80_bf16_d128_r16_c16_w4_f" in built:
+        assert "dec_sm80_bf16_d128_r16_c16_w4_f" in text and "d_head 96" in text
+        assert "num_splits=0" in text
+    assert "3 key splits" in kvcache.explain(torch.bfloat16, 128, num_splits=3)
+    assert kvcache.explain(torch.float16, 64, kernel="x") == "decode kernel x (named by the call)"

@@ -17,7 +17,7 @@ from fa_tools.analysis.kernel_names import archs_of, parse_kernel
 from fa_tools.cli import main as cli
 from fa_tools.gate import ratchet
 from flash_attention.kernels import HelperKernel, bwd_sm90, resolve
-from flash_attention.kernels.bwd_helpers import helpers, helpers_of
+from flash_attention.kernels.helpers import helpers, helpers_of
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +43,19 @@ def built():
 # ---- resources ---------------------------------------------------------------------------------
 
 
-def _bwd_mains(info: dict) -> list:
-    """The backward main kernels of the build (either kind)."""
-    return [fa.parse(k) for k in info["bwd_configs"]]
+def _mains(info: dict) -> list:
+    """The main kernels of the build that run helpers: backward (either kind) and decode."""
+    return [fa.parse(k) for k in (*info["bwd_configs"], *info.get("dec_configs", ()))]
 
 
 def _built_kernels(info: dict) -> list[str]:
-    """Names of every kernel the build holds: forward, backward (either kind) and the
-    backward's helpers (the preprocess and each built kind's dQ conversion) of its dtypes."""
-    from flash_attention.kernels.bwd_helpers import helpers
+    """Names of every kernel the build holds: forward, backward (either kind), decode and
+    their helpers (the preprocess and each built kind's dQ conversion, the combine) of their
+    dtypes."""
+    from flash_attention.kernels.helpers import helpers
 
-    bwd = _bwd_mains(info)
-    return [*info["configs"], *(c.name for c in (*bwd, *helpers(bwd)))]
+    mains = _mains(info)
+    return [*info["configs"], *(c.name for c in (*mains, *helpers(mains)))]
 
 
 def test_resource_report_covers_every_built_kernel_and_arch(built):
@@ -64,7 +65,7 @@ def test_resource_report_covers_every_built_kernel_and_arch(built):
     _, info = built
     records = ptxas_report.load(binaries.ptxas_log_path())
     got = {(r.kernel, r.arch) for r in records}
-    mains = _bwd_mains(info)
+    mains = _mains(info)
     assert got == {(k, a) for k in _built_kernels(info)
                    for a in archs_of(parse_kernel(k), info["archs"], mains)}
     for r in records:
@@ -446,7 +447,7 @@ def test_hopper_names_and_families_agree():
     kernels = [*resolve("all"), *helpers(resolve("all"))]
     assert {c.family for c in kernels} == {"sm80", "sm90"}
     assert {c.KIND for c in kernels if not isinstance(c, HelperKernel)} == {
-        "fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90"}
+        "fwd_sm80", "fwd_sm90", "bwd_sm80", "bwd_sm90", "dec_sm80"}
     for cfg in kernels:
         assert is_hopper_name(cfg.name) == is_hopper(cfg), cfg.name
 

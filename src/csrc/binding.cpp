@@ -1,4 +1,4 @@
-// The one translation unit that talks to torch: it registers the operators
+// The forward's translation unit: it registers the operators
 //   flash_attention::attention(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q,
 //       max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap, return_lse,
 //       kernel) -> (out, lse)         the whole call, fixed-length or varlen (the fast path)
@@ -6,8 +6,9 @@
 //       window_right, softcap) -> ()  into a given out
 // (CUDA kernels here; fake implementations for tracing in flash_attention/ops.py) and the
 // module functions flash_attention reads: the kernels of this build, the dispatch table it
-// computes once per process, and what a call would run and copy. The work is in binding/, one
-// header per job (all compiled here, so torch's headers are parsed once):
+// computes once per process, what a call would run and copy, and the KV-cache status word. The
+// backward's and the decode's operators are binding/backward.cpp and binding/decode.cpp. The
+// forward's work is in binding/, one header per job:
 //   message.h            error messages (FA_CHECK*)
 //   kernel_registry.h    the build's kernels of each direction, by name
 //   params.h             the kernels' parameters of a checked call (both directions)
@@ -24,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "binding/decode.h"
 #include "binding/dispatch.h"
 #include "binding/kernel_registry.h"
 #include "binding/launch.h"
@@ -36,8 +38,8 @@ using namespace flash::binding;
 
 // The kernels of a direction ("fwd" or "bwd"), in build order, with what Python reads of them.
 py::list list_kernels(const std::string& direction) {
-    FA_CHECK_VALUE(direction == "fwd" || direction == "bwd",
-                   "kernels: direction must be fwd or bwd, got ", direction);
+    FA_CHECK_VALUE(direction == "fwd" || direction == "bwd" || direction == "dec",
+                   "kernels: direction must be fwd, bwd or dec, got ", direction);
     py::list out;
     const auto add = [&out](const auto& e) {
         py::dict d;
@@ -56,8 +58,11 @@ py::list list_kernels(const std::string& direction) {
     if (direction == "fwd")
         for (const flash::FwdKernelEntry* e : registry_entries<flash::FwdKernelEntry>())
             add(*e);
-    else
+    else if (direction == "bwd")
         for (const flash::BwdKernelEntry* e : registry_entries<flash::BwdKernelEntry>())
+            add(*e);
+    else
+        for (const flash::DecKernelEntry* e : registry_entries<flash::DecKernelEntry>())
             add(*e);
     return out;
 }
@@ -125,15 +130,22 @@ TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashAttention forward and backward, sm80 and Hopper families; API: flash_attention";
-    m.def("kernels", &list_kernels, "the kernels of a direction (fwd, bwd) in build order",
+    m.doc() =
+        "FlashAttention forward, backward and KV-cache decoding, sm80 and Hopper families; API: "
+        "flash_attention";
+    m.def("kernels", &list_kernels, "the kernels of a direction (fwd, bwd, dec) in build order",
           py::arg("direction") = "fwd");
-    m.def("set_dispatch", &flash::binding::set_dispatch,
-          "replace a direction's (fwd, bwd) dispatch table: rows (dtype, d_head, bucket, mask, "
-          "local, softcap, kernel, fallback; '' for none)");
+    m.def(
+        "set_dispatch", &flash::binding::set_dispatch,
+        "replace a direction's (fwd, bwd, dec) dispatch table: rows (dtype, d_head, bucket, mask, "
+        "local, softcap, kernel, fallback; '' for none)");
     m.def("layout_report", &flash::binding::layout_report,
           "how the operator addresses q, k, v (and out): '' in place, else why it copies",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out") = py::none());
+    m.def("kvcache_status", &flash::binding::kvcache_status,
+          "the KV-cache status word of a device (error bits of bad cache metadata met by the "
+          "decode kernels; a synchronous read), cleared when asked",
+          py::arg("device"), py::arg("clear") = true);
     m.def("explain", &flash::binding::explain,
           "the kernel a fixed-length call runs, and why not a Hopper one");
     m.def("choice", &flash::binding::choice, "the dispatch table's kernel for a call ('' if none)",

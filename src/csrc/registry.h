@@ -35,9 +35,11 @@ struct KernelEntry {
 
 using FwdKernelEntry = KernelEntry<FwdParams>;
 using BwdKernelEntry = KernelEntry<BwdParams>;
+using DecKernelEntry = KernelEntry<DecParams>;
 
 // Defined in the generated registry.cu: every kernel of this build, in selection order.
 const FwdKernelEntry* const* fwd_kernel_registry(int* count);
 const BwdKernelEntry* const* bwd_kernel_registry(int* count);
+const DecKernelEntry* const* dec_kernel_registry(int* count);
 
 }  // namespace flash

@@ -54,9 +54,9 @@ def _kernels(binary: Path, names: list[str], arch: str | None = None) -> list[st
     or 'all', everything built, keeps the kernels with code for `arch` where one is named: an
     sm_90a-only Hopper kernel under 90 or 90a, never under 80). A selection is what
     FLASH_ATTENTION_KERNELS takes (default, fwd_sm90:tune, bwd:default, ...): its kernels and
-    the helpers of its backward ones (bwd_helpers.helpers)."""
+    the helpers of its backward and decode ones (helpers.helpers)."""
     from flash_attention.kernels import ConfigError, resolve
-    from flash_attention.kernels.bwd_helpers import helpers
+    from flash_attention.kernels.helpers import helpers
 
     built = sorted({m.kernel for m in cubins.list_cubins(binary)
                     if arch is None or m.arch == arch or (arch == "90" and m.arch == "90a")})

@@ -1,13 +1,15 @@
 """FlashAttention forward and backward written from scratch, in two kernel families: the sm80
 family (mma.sync, cp.async, ldmatrix; any GPU from sm_80) and the Hopper family (wgmma, TMA,
 warp specialization; sm_90a). Fixed-length and varlen (packed) batches; the backward runs
-through autograd when q, k or v requires grad.
+through autograd when q, k or v requires grad; decoding over a KV cache (contiguous or paged,
+split-KV) runs on the sm80 family's decode kernels (flash_attention.kvcache).
 
     import flash_attention as fa
     out = fa.attention(q, k, v)                      # q, k, v: (batch, seq, heads, d_head)
     out = fa.attention(q, k, v, causal=True)         # or window_size=(left, right), softcap=c
     out, lse = fa.attention(q, k, v, return_lse=True)
     from flash_attention.interface import flash_attn_func   # flash_attn's API
+    from flash_attention.interface import flash_attn_with_kvcache   # decoding, a KV cache
     fa.forward("fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", q, k, v)  # a named kernel
     fa.forward("fwd_sm90_bf16_d128_r128_c128_s2_fwpia", q, k, v)     # a Hopper one (sm_90a)
     fa.available_configs()
@@ -31,6 +33,9 @@ _LAZY = {
     "flash_attn_qkvpacked_func": "interface",
     "flash_attn_kvpacked_func": "interface",
     "flash_attn_varlen_func": "interface",
+    "flash_attn_with_kvcache": "interface",
+    "check_kvcache": "kvcache",
+    "kvcache_errors": "kvcache",
     "attention_reference": "reference",
     "emulate_blocks": "reference",
     "kvcache_reference": "reference",

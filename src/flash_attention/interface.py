@@ -7,9 +7,11 @@ Supported as in flash_attn: softmax_scale, causal (aligned bottom-right), window
 softcap, GQA/MQA, varlen (packed) batches, return_attn_probs (returns out, softmax_lse, None:
 no attention matrix is ever materialised), and the backward pass through autograd (the
 packed functions give the gradient of the packed tensor); ``deterministic=True`` makes the
-backward bitwise reproducible (the forward always is), fixed-length and varlen. Not supported,
-refused with an error naming the argument rather than silently ignored: dropout_p > 0,
-alibi_slopes and block_table (paged KV).
+backward bitwise reproducible (the forward always is), fixed-length and varlen. Inference over
+a KV cache: flash_attn_with_kvcache (flash_attention.kvcache), and flash_attn_varlen_func with
+block_table (a paged cache of any page size) or seqused_k (per-sequence key counts), on the
+decode kernels. Not supported, refused with an error naming the argument rather than silently
+ignored: dropout_p > 0 and alibi_slopes.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import torch
 
 from .api import attention, attention_varlen
+from .kvcache import flash_attn_with_kvcache, varlen_decode
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
-def _check_unsupported(dropout_p: float, alibi_slopes: object, block_table: object = None) -> None:
-    if block_table is not None:
-        raise NotImplementedError("block_table: flash_attention has no paged KV cache; pass None")
+def _check_unsupported(dropout_p: float, alibi_slopes: object) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"dropout_p={dropout_p}: flash_attention has no dropout; pass dropout_p=0.0")
@@ -113,12 +117,23 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    *,
+    seqused_k: torch.Tensor | None = None,
 ):
     """q: (total_q, heads, d_head); k, v: (total_k, kv_heads, d_head); cu_seqlens_q/k: int32
     (batch + 1,) offsets of the sequences; max_seqlen_q/k: the longest of each. Returns out
     (total_q, heads, d_head), or with return_attn_probs (out, softmax_lse (heads, total_q)
-    fp32, None). Masks align per sequence."""
-    _check_unsupported(dropout_p, alibi_slopes, block_table)
+    fp32, None). Masks align per sequence. With block_table (batch, max_pages) int32, k and v
+    are a paged cache (num_pages, page_size, kv_heads, d_head) of any page size, sequence b's
+    keys its cu_seqlens_k difference (or seqused_k[b]); seqused_k (batch,) int32 alone cuts
+    each sequence to its first seqused_k[b] keys. Those two run the decode kernels (no
+    backward)."""
+    _check_unsupported(dropout_p, alibi_slopes)
+    if block_table is not None or seqused_k is not None:
+        out, lse = varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                 return_attn_probs, block_table, seqused_k)
+        return (out, lse, None) if return_attn_probs else out
     if return_attn_probs:
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal=causal, window_size=window_size,

@@ -55,6 +55,9 @@ def load() -> bool:
     from . import backward  # the backward operator's fake and attention's autograd
 
     backward.register()
+    from . import kvcache  # the decode operators' fakes
+
+    kvcache.register()
     LOADED = True
     refresh_dispatch()
     return True
@@ -67,12 +70,14 @@ def require() -> None:
 
 def refresh_dispatch() -> None:
     """Give the extension the dispatch tables: the forward's for every (dtype, d_head, bucket,
-    features) this build serves, the backward's for every (dtype, d_head, softcap)."""
+    features) this build serves, the backward's for every (dtype, d_head, softcap), the
+    decode's for every (dtype, d_head)."""
     if LOADED:
-        from . import backward
+        from . import backward, kvcache
 
         extension().set_dispatch("fwd", dispatch_rows(BUILT))
         extension().set_dispatch("bwd", backward.dispatch_rows(backward.built()))
+        extension().set_dispatch("dec", kvcache.dispatch_rows(kvcache.built()))
 
 
 def dispatch_rows(

@@ -87,14 +87,16 @@ void set_rows(const std::vector<DispatchRow>& rows) {
     table.choices = std::move(choices);
 }
 
-// Replaces a direction's table ("fwd" or "bwd").
+// Replaces a direction's table ("fwd", "bwd" or "dec").
 inline void set_dispatch(const std::string& direction, const std::vector<DispatchRow>& rows) {
-    FA_CHECK_VALUE(direction == "fwd" || direction == "bwd",
-                   "set_dispatch: direction must be fwd or bwd, got ", direction);
+    FA_CHECK_VALUE(direction == "fwd" || direction == "bwd" || direction == "dec",
+                   "set_dispatch: direction must be fwd, bwd or dec, got ", direction);
     if (direction == "fwd")
         set_rows<flash::FwdKernelEntry>(rows);
-    else
+    else if (direction == "bwd")
         set_rows<flash::BwdKernelEntry>(rows);
+    else
+        set_rows<flash::DecKernelEntry>(rows);
 }
 
 // The d_head variant that serves d_head (kernels.fwd_sm80.variant_for): variants are the

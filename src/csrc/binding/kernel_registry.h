@@ -11,7 +11,8 @@
 
 namespace flash::binding {
 
-// The registry of Entry's direction (FwdKernelEntry or BwdKernelEntry), in build order.
+// The registry of Entry's direction (FwdKernelEntry, BwdKernelEntry or DecKernelEntry), in build
+// order.
 template <class Entry>
 const std::vector<const Entry*>& registry_entries() {
     static const std::vector<const Entry*> entries = [] {
@@ -19,8 +20,10 @@ const std::vector<const Entry*>& registry_entries() {
         const Entry* const* table = nullptr;
         if constexpr (std::is_same_v<Entry, flash::FwdKernelEntry>)
             table = flash::fwd_kernel_registry(&count);
-        else
+        else if constexpr (std::is_same_v<Entry, flash::BwdKernelEntry>)
             table = flash::bwd_kernel_registry(&count);
+        else
+            table = flash::dec_kernel_registry(&count);
         return std::vector<const Entry*>(table, table + count);
     }();
     return entries;

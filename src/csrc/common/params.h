@@ -107,4 +107,49 @@ struct BwdParams : AttentionParams {
     float softmax_scale;  // dq, dk = softmax_scale * (dS K, dS^T Q)
 };
 
+// The decode kernels (flash_attn_with_kvcache, varlen calls over a paged cache): the forward's
+// call read through a KV cache. Query rows are packed per KV head (the heads_per_kv query heads
+// of one KV head are rows of one tile), keys may be split over CTAs (num_splits > 1: each split
+// writes a normalised partial output and its LSE, fp32, merged by the combine kernel).
+struct DecParams : AttentionParams {
+    // Keys of sequence b: seqused_k[b] when given (a KV cache's lengths after the append), else
+    // cu_seqlens_k's difference (varlen), else seqlen_k. Read on the device only: a length
+    // outside [0, capacity] is reported through `status` and gives NaN rows, never an access
+    // outside the cache.
+    const int* seqused_k;
+    int capacity;  // keys a sequence may hold: the cache's seqlen, or pages per row x page_size
+
+    // Paged caches (block_table != nullptr): k, v are (num_pages, page_size, kv_heads, d_head)
+    // (k/v_batch_stride step pages, row strides rows of a page); key j of sequence b lies in
+    // page block_table[b * block_table_stride + j / page_size] at row j % page_size.
+    const int* block_table;
+    int64_t block_table_stride;
+    int page_size;
+    int num_pages;
+
+    // Contiguous caches: the cache row of sequence b (cache_batch_idx[b], else b), < cache_batch.
+    const int* cache_batch_idx;
+    int cache_batch;
+
+    int kv_heads;
+    int num_splits;    // key ranges per (sequence, KV head, row block); 1: no combine
+    float* o_accum;    // (num_splits, heads, rows_total, d_head) fp32, when num_splits > 1
+    float* lse_accum;  // (num_splits, heads, rows_total) fp32, natural log
+    int rows_total;    // query rows over the batch: batch x seqlen_q, or total_q (varlen)
+
+    // An int of device memory the kernels OR error bits into (decode::kStatus*); never cleared
+    // by them. nullptr: none kept.
+    int* status;
+};
+
+namespace decode {
+
+// Error bits of DecParams::status (and of the KV-cache append's).
+constexpr int kStatusSeqlen = 1;    // a sequence's key count (or append row) outside its cache
+constexpr int kStatusPage = 2;      // a block-table entry outside [0, num_pages)
+constexpr int kStatusCacheRow = 4;  // a cache_batch_idx entry outside [0, cache_batch)
+constexpr int kStatusRotary = 8;    // a rotary position past the rows of cos / sin
+
+}  // namespace decode
+
 }  // namespace flash

@@ -3,9 +3,10 @@ cubins and PTX, extracted with cuobjdump into a directory kept for the session.
 
 A translation unit is named after its kernel (<name>.cu). A forward one holds one kernel; a
 backward one three: the main kernel and the two helpers of its kind and dtype
-(bwd_helpers.helpers_of): a bwd_sm80 unit bwd_sm80_preprocess_<dtype> and
+(helpers.helpers_of): a bwd_sm80 unit bwd_sm80_preprocess_<dtype> and
 bwd_sm80_convert_dq_<dtype>, a bwd_sm90 one bwd_sm80_preprocess_<dtype> and
-bwd_sm90_convert_dq_<dtype>; a helper is the same code in every unit of that dtype and arch
+bwd_sm90_convert_dq_<dtype>; a decode one two: the main kernel and dec_sm80_combine_<dtype>; a
+helper is the same code in every unit of that dtype and arch
 holding it, listed once per arch, from the first such unit in name order. A Hopper backward unit
 compiles for sm_90a alone, so it adds its helpers under 90a. Units of a build from before the
 one name scheme (fwd_<old name>.cu, <old bwd name>.cu) are listed by their current names."""
@@ -24,7 +25,7 @@ from pathlib import Path
 from .binaries import ToolError, run_tool
 from .kernel_names import is_hopper_name, parse_kernel
 
-_UNIT = r"(?P<unit>(?:fwd|bwd)_\w+?)\.sm_(?P<arch>\w+)"
+_UNIT = r"(?P<unit>(?:fwd|bwd|dec)_\w+?)\.sm_(?P<arch>\w+)"
 _ELF_NAME = re.compile(r"ELF file\s+\d+:\s+(?P<file>" + _UNIT + r"\.cubin)")
 _PTX_NAME = re.compile(r"PTX file\s+\d+:\s+(?P<file>" + _UNIT + r"\.ptx)")
 
@@ -37,9 +38,9 @@ class Member:
 
 
 def _members(listing: str, pattern: re.Pattern) -> list[Member]:
-    """The kernels of every forward and backward unit in cuobjdump's listing."""
+    """The kernels of every forward, backward and decode unit in cuobjdump's listing."""
     from flash_attention.kernels import ConfigError
-    from flash_attention.kernels.bwd_helpers import helpers_of
+    from flash_attention.kernels.helpers import helpers_of
     from flash_attention.kernels.legacy import current_name, old_form
 
     members: list[Member] = []
@@ -52,8 +53,7 @@ def _members(listing: str, pattern: re.Pattern) -> list[Member]:
         except ConfigError:  # a registry: no kernels
             continue
         members.append(Member(cfg.name, m["arch"], m["file"]))
-        if cfg.direction == "bwd":
-            members += [Member(h.name, m["arch"], m["file"]) for h in helpers_of(cfg)]
+        members += [Member(h.name, m["arch"], m["file"]) for h in helpers_of(cfg)]
     seen: dict[tuple[str, str], Member] = {}
     for member in sorted(members, key=lambda m: m.file):
         seen.setdefault((member.kernel, member.arch), member)

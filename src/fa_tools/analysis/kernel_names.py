@@ -2,7 +2,7 @@
 template over its config template (flash_attention.codegen.templates says which config fields
 the config template takes, in order); their mangled names carry every template argument, so
 any ptxas or disassembler output can be named by config. The backward's helper kernels are
-``flash::bwd::<template><Elem>`` (kernels.bwd_helpers.TEMPLATES). Symbols of builds from before
+``flash::bwd::<template><Elem>`` (kernels.helpers.TEMPLATES). Symbols of builds from before
 the one name scheme (an older base the gate's SASS diff compares with) are named by their
 current names too."""
 
@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 from flash_attention.codegen.templates import ELEM_TYPES, TEMPLATES
 from flash_attention.kernels import KINDS, HelperKernel, KernelConfig, parse_kernel
-from flash_attention.kernels.bwd_helpers import TEMPLATES as HELPER_TEMPLATES
-from flash_attention.kernels.bwd_helpers import helpers_of
+from flash_attention.kernels.helpers import TEMPLATES as HELPER_TEMPLATES
+from flash_attention.kernels.helpers import helpers_of
 
 _ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
 assert set(_ELEM.values()) == set(ELEM_TYPES)
@@ -37,8 +37,8 @@ _OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("dtype", "d_head", "softcap", "block_r")),
 )
 _ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16)|Li(?P<int>\d+)E|Lb(?P<bool>[01])E")
-_HELPER = re.compile(r"_ZN5flash3bwd\d+(?P<template>\w+?_kernel)I(?P<elem>6__half|13__nv_bfloat16)"
-                     r"EEvNS_9BwdParamsE")
+_HELPER = re.compile(r"_ZN5flash(?:3bwd|4sm80)\d+(?P<template>\w+?_kernel)"
+                     r"I(?P<elem>6__half|13__nv_bfloat16)EEvNS_9(?:Bwd|Dec)ParamsE")
 
 
 def _args(mangled: str, start: int) -> list[str | int | bool] | None:
@@ -62,7 +62,8 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
     old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
-    fields = dict(zip(names, values))
+    # fields the C++ template fixes (the decode kernel's 16 packed rows)
+    fields = {**getattr(KINDS[kind].Config, "FIXED_FIELDS", {}), **dict(zip(names, values))}
     if "consumer_wgs" in fields:
         fields["block_r"] = 64 * fields.pop("consumer_wgs")
     if old_bwd_sm90:
@@ -119,18 +120,18 @@ def is_hopper_name(name: str) -> bool:
 
 
 def archs_of(cfg: AnyKernel, build_archs: list[str],
-             bwd_mains: Iterable[KernelConfig] | None = None) -> list[str]:
+             mains: Iterable[KernelConfig] | None = None) -> list[str]:
     """The architectures a build holds code of cfg for: a Hopper kernel compiles for sm_90a
-    alone (whatever the build's list), an sm80-family one for each of the build's. A backward
-    helper is compiled in every backward unit that holds it (bwd_helpers.helpers_of: the
-    preprocess in the units of its dtype of both kinds, a dQ conversion in those of its kind),
-    so it has the architectures of those units' main kernels: with bwd_mains (the build's
-    backward main kernels) those of the mains that hold it, in the build's order and then
-    sm_90a (where a Hopper backward kernel holding it is built); without, its family's (the
-    build's, or sm_90a alone for the Hopper one's)."""
+    alone (whatever the build's list), an sm80-family one for each of the build's. A helper
+    kernel is compiled in every unit that holds it (helpers.helpers_of: the preprocess in the
+    backward units of its dtype of both kinds, a dQ conversion in those of its kind, the
+    combine in the decode units of its dtype), so it has the architectures of those units'
+    main kernels: with mains (the build's main kernels) those of the mains that hold it, in
+    the build's order and then sm_90a (where a Hopper kernel holding it is built); without,
+    its family's (the build's, or sm_90a alone for the Hopper one's)."""
     build = [str(a) for a in build_archs]
-    if isinstance(cfg, HelperKernel) and bwd_mains is not None:
-        have = {a for m in bwd_mains if cfg in helpers_of(m) for a in archs_of(m, build)}
+    if isinstance(cfg, HelperKernel) and mains is not None:
+        have = {a for m in mains if cfg in helpers_of(m) for a in archs_of(m, build)}
         return [a for a in dict.fromkeys([*build, "90a"]) if a in have]
     if is_hopper(cfg):
         return ["90a"]

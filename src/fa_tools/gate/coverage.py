@@ -11,7 +11,7 @@ contiguous, so that never applies to them.
 The backward: the operator runs the built kernel of the call's dtype and softcap with the
 smallest d_head variant not below the call's (the select of flash_attention.kernels.bwd_sm80 and
 bwd_sm90 mirrors it), with the preprocess and the dQ conversion of its kind and dtype around it
-(bwd_helpers.helpers_of: bwd_sm80_convert_dq_<dtype> after a bwd_sm80 kernel,
+(helpers.helpers_of: bwd_sm80_convert_dq_<dtype> after a bwd_sm80 kernel,
 bwd_sm90_convert_dq_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length call
 (deterministic or not) takes it among the Hopper backward kernels (bwd_sm90) where one is built,
 else among bwd_sm80; a varlen call, and every call on another GPU, runs bwd_sm80. (Here too the
@@ -157,7 +157,7 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
     conversion of its family and dtype) when it times the backward; a kernel the build has no
     row or config for is not listed."""
     from flash_attention.kernels import parse
-    from flash_attention.kernels.bwd_helpers import helpers_of
+    from flash_attention.kernels.helpers import helpers_of
 
     run = []
     if case.times_forward:
@@ -174,13 +174,13 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
     tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
     blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
     a Hopper one shadows, the same as a varlen batch (what still runs it there); for a
-    helper, the case of a main kernel it runs with (bwd_helpers.helpers_of: of its dtype,
+    helper, the case of a main kernel it runs with (helpers.helpers_of: of its dtype,
     and of its kind for a dQ conversion) without a softcap and with the d_head nearest 128.
     None when the operator runs another kernel for every call the kernel could serve (a kernel
     of a test set beside the default one, a Hopper kernel or the Hopper dQ conversion off
     sm_90)."""
     from flash_attention.kernels import HelperKernel, parse, parse_kernel
-    from flash_attention.kernels.bwd_helpers import helpers_of
+    from flash_attention.kernels.helpers import helpers_of
 
     cfg = parse_kernel(kernel)
     if isinstance(cfg, HelperKernel):

@@ -19,7 +19,7 @@ from flash_attention.kernels import KernelConfig
 
 from ..analysis import cubins, opcodes, ptxas_report, sass
 from ..analysis.binaries import tool_version, tools_in_use
-from ..analysis.kernel_names import archs_of, parse_kernel
+from ..analysis.kernel_names import archs_of, helpers_of, parse_kernel
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,17 @@ class Finding:
 
 def _selection(spec: str | None) -> list[str]:
     """The names of a kernel selection (flash_attention.kernels.resolve): its kernels, then the
-    helpers of its backward ones (the preprocess and each kind's dQ conversion of their dtypes,
-    bwd_helpers.helpers)."""
+    helpers of its backward and decode ones (the preprocess and each kind's dQ conversion, the
+    split-KV combine, of their dtypes: helpers.helpers)."""
     from flash_attention.kernels import resolve
-    from flash_attention.kernels.bwd_helpers import helpers
+    from flash_attention.kernels.helpers import helpers
 
     configs = resolve(spec) if spec else ()
     return [c.name for c in (*configs, *helpers(configs))]
 
 
 def scope_kernels(policy: dict) -> list[str]:
-    """The kernels pinned: the selection `kernels` with the helpers of its backward kernels."""
+    """The kernels pinned: the selection `kernels` with the helpers of its kernels."""
     return _selection(policy["static"]["kernels"])
 
 
@@ -84,7 +84,7 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
     there are CPUs): 195 entries took 2-3 min one after another on a 2-core machine."""
     records = {(r.kernel, r.arch): r for r in ptxas_report.load(log)}
     cfgs = {kernel: parse_kernel(kernel) for kernel in kernels}
-    mains = [c for c in cfgs.values() if isinstance(c, KernelConfig) and c.direction == "bwd"]
+    mains = [c for c in cfgs.values() if isinstance(c, KernelConfig) and helpers_of(c)]
     todo = [(kernel, arch) for kernel, cfg in cfgs.items()
             for arch in archs_of(cfg, archs, mains) if (kernel, arch) in records]
     if todo:

@@ -18,7 +18,7 @@ class Template:
     config: str  # the C++ config template
     args: tuple[str, ...]  # config fields in the template's parameter order (dtype: the Elem)
     entry: str  # the function template that makes the registry entry of a config
-    registry: str  # "fwd" or "bwd": the registry (and entry type) that lists the kernel
+    registry: str  # "fwd", "bwd" or "dec": the registry (and entry type) that lists the kernel
     sm90a: bool  # the unit compiles for sm_90a alone (nvcc_wrapper.ARCH_MARKER)
 
 
@@ -39,12 +39,16 @@ TEMPLATES: dict[str, Template] = {
     "bwd_sm90": Template("sm90/backward_launch.cuh", "sm90::BwdConfig",
                          ("dtype", "d_head", "block_r", "block_c", *_flags("bwd_sm90")),
                          "sm90::make_bwd_entry", "bwd", sm90a=True),
+    "dec_sm80": Template("sm80/decode_launch.cuh", "sm80::DecConfig",
+                         ("dtype", "d_head", "block_c", "warps"),
+                         "sm80::make_dec_entry", "dec", sm90a=False),
 }
 assert set(TEMPLATES) == set(KINDS), "every kernel kind needs a template"
 
 # registry -> (its entry type, the function the binding calls), both in registry.h
 REGISTRIES = {"fwd": ("FwdKernelEntry", "fwd_kernel_registry"),
-              "bwd": ("BwdKernelEntry", "bwd_kernel_registry")}
+              "bwd": ("BwdKernelEntry", "bwd_kernel_registry"),
+              "dec": ("DecKernelEntry", "dec_kernel_registry")}
 
 
 def template_args(cfg: KernelConfig) -> str:

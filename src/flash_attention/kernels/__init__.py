@@ -9,11 +9,12 @@ ones). The kinds, in build order:
 - ``fwd_sm90``: the Hopper forward (sm_90a)
 - ``bwd_sm80``: the sm80 family's backward
 - ``bwd_sm90``: the Hopper backward (sm_90a)
+- ``dec_sm80``: the sm80 family's decode kernels (KV caches, paged or not; split-KV)
 
-and the backward's helper kernels (bwd_helpers), compiled into the backward units. A kernel's
-name starts with its kind (base.py says the scheme); legacy.py maps the names of the old scheme.
-Code generation (flash_attention.codegen) reads these modules; nothing here imports torch or the
-build.
+and the helper kernels of the backward and decode kinds (helpers), compiled into their units.
+A kernel's name starts with its kind (base.py says the scheme); legacy.py maps the names of the
+old scheme. Code generation (flash_attention.codegen) reads these modules; nothing here imports
+torch or the build.
 
 A build's selection (FLASH_ATTENTION_KERNELS, :func:`resolve`) is comma-separated items: a set
 name (``ci``, ``default``: that set of every kind that has one), a set of one kind or direction
@@ -24,17 +25,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import bwd_helpers, bwd_sm80, bwd_sm90, fwd_sm80, fwd_sm90
+from . import bwd_sm80, bwd_sm90, dec_sm80, fwd_sm80, fwd_sm90, helpers
 from .base import Call, ConfigError, KernelConfig, Row
-from .bwd_helpers import HelperKernel
+from .helpers import HelperKernel
 from .legacy import current_name, old_form
 
-KINDS: dict[str, ModuleType] = {m.KIND: m for m in (fwd_sm80, fwd_sm90, bwd_sm80, bwd_sm90)}
-DIRECTIONS = ("fwd", "bwd")
+KINDS: dict[str, ModuleType] = {m.KIND: m for m in (fwd_sm80, fwd_sm90, bwd_sm80, bwd_sm90,
+                                                    dec_sm80)}
+DIRECTIONS = ("fwd", "bwd", "dec")
 
 __all__ = ["DIRECTIONS", "KINDS", "Call", "ConfigError", "HelperKernel", "KernelConfig", "Row",
-           "bwd_helpers", "bwd_sm80", "bwd_sm90", "fwd_sm80", "fwd_sm90", "kinds_of", "parse",
-           "parse_kernel", "resolve", "set_names"]
+           "bwd_sm80", "bwd_sm90", "dec_sm80", "fwd_sm80", "fwd_sm90", "helpers", "kinds_of",
+           "parse", "parse_kernel", "resolve", "set_names"]
 
 
 def kinds_of(scope: str) -> list[ModuleType]:

@@ -1,0 +1,612 @@
+// The decode operators, in their own translation unit:
+//   flash_attention::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?,
+//       cache_seqlens?, cache_seqlen, cache_batch_idx?, block_table?, softmax_scale?, causal,
+//       window_left, window_right, softcap, rotary_interleaved, num_splits, return_lse, kernel)
+//       -> (out, lse)          flash_attn_with_kvcache: append (with rotary), then attend
+//   flash_attention::varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_k?,
+//       block_table?, max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left,
+//       window_right, softcap, num_splits, return_lse, kernel) -> (out, lse)
+//       flash_attn_varlen_func over a paged cache and/or per-sequence key counts
+// Both check every shape, dtype and device on the host before any launch; what lives on the
+// device (cache lengths, block tables, cache_batch_idx) is not read back (no sync per decode
+// step): the kernels bound every access by it, and a bad value gives NaN rows and a bit in the
+// device's status word (kvcache_status). Lengths given on the host are checked on the host.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common/params.h"
+#include "../kvcache/append.h"
+#include "decode.h"
+#include "device_properties.h"
+#include "dispatch.h"
+#include "input_layout.h"
+#include "kernel_registry.h"
+#include "message.h"
+#include "validation.h"
+
+namespace flash::binding {
+
+namespace {
+
+// The most splits of one call: the combine kernel's limit (sm80/decode_combine.cuh kMaxSplits);
+// num_splits above it runs with this many.
+constexpr int64_t kMaxSplits = 256;
+
+void check_cuda(cudaError_t err, const char* what) {
+    FA_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+// An int32 metadata tensor of `rank` dims on q's device; returned contiguous (a copy when not).
+at::Tensor int_meta(const at::Tensor& t, const char* name, int64_t rank, const at::Device& device,
+                    const char* dims) {
+    FA_CHECK_TYPE(t.scalar_type() == at::kInt, name, " must be int32 (torch.int32), got ",
+                  t.scalar_type());
+    FA_CHECK_VALUE(t.dim() == rank, name, " must be ", rank, "-D ", dims, ", got shape ",
+                   t.sizes());
+    FA_CHECK_VALUE(t.device() == device, name, " must be on ", device, " (q's device), got ",
+                   t.device());
+    return t.contiguous();
+}
+
+// A cache the kernels read (and the append writes) in place: no copy can stand in for it.
+void check_cache(const at::Tensor& c, const char* name, at::ScalarType dtype,
+                 const at::Device& device) {
+    FA_CHECK_TYPE(c.scalar_type() == dtype, name, " has dtype ", c.scalar_type(),
+                  "; it must have q's dtype ", dtype);
+    FA_CHECK_VALUE(c.device() == device, name, " must be on ", device, " (q's device)");
+    const char* why = unaddressable(c);
+    FA_CHECK_VALUE(why == nullptr, name, " cannot be addressed in place (", why ? why : "",
+                   "): a KV cache is read and written where it lies, so its last dimension must "
+                   "be contiguous and its other strides multiples of 16 bytes");
+}
+
+// The splits of the keys (num_splits = 0): none when the CTAs fill most of a wave (two decode
+// CTAs per SM: their shared memory), else the count among 1 .. 128 (each split of at least 128
+// keys) whose CTAs fill the waves they take best, the smallest of equals: split-KV's partial
+// outputs cost a combine, an idle SM costs its share of the bandwidth.
+int choose_splits(int64_t ctas, int64_t keys, int sms) {
+    const int64_t wave = 2 * int64_t(sms);
+    if (ctas >= (wave * 4) / 5)
+        return 1;
+    const int64_t most = std::min<int64_t>(128, std::max<int64_t>(1, keys / 128));
+    double best = 0.0;
+    int chosen = 1;
+    for (int64_t s = 1; s <= most; ++s) {
+        const int64_t total = ctas * s;
+        const int64_t waves = (total + wave - 1) / wave;
+        const double eff = double(total) / double(waves * wave);
+        if (eff > best + 1e-9) {
+            best = eff;
+            chosen = static_cast<int>(s);
+        }
+    }
+    return chosen;
+}
+
+// The decode kernel for a call: `name`, or the dec table's choice for (dtype, d_head).
+const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType dtype,
+                                           int64_t d_head) {
+    const Choice<flash::DecKernelEntry> c = choose_kernel<flash::DecKernelEntry>(
+        name, dtype, d_head, 1, false, false, false, "decode ");
+    FA_CHECK_VALUE(
+        c.kernel->dtype == (dtype == at::kBFloat16 ? flash::DType::kBf16 : flash::DType::kFp16) &&
+            c.kernel->d_head >= d_head,
+        "decode kernel ", c.kernel->name, " does not serve ", dtype, " with d_head=", d_head);
+    return c.kernel;
+}
+
+// q: fp16/bf16, CUDA, `rank`-D; its dtype.
+at::ScalarType check_query(const at::Tensor& q, int64_t rank, const char* dims) {
+    check_rank(q, "q", rank, dims);
+    const at::ScalarType dtype = q.scalar_type();
+    FA_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
+                  "; supported: torch.float16, torch.bfloat16");
+    FA_CHECK_VALUE(q.is_cuda(), "q is on ", q.device(), "; flash_attention runs on CUDA tensors");
+    return dtype;
+}
+
+// The K and V a decode kernel reads (caches, pages or packed rows): `rank`-D, one shape, q's
+// dtype and device, addressable in place, d_head and heads that go with q's.
+void check_keys(const at::Tensor& k, const at::Tensor& v, const char* k_name, const char* v_name,
+                int64_t rank, const char* dims, const at::Tensor& q) {
+    check_rank(k, k_name, rank, dims);
+    check_rank(v, v_name, rank, dims);
+    FA_CHECK_VALUE(k.sizes() == v.sizes(), k_name, " and ", v_name,
+                   " must have the same shape, got ", k.sizes(), " and ", v.sizes());
+    check_cache(k, k_name, q.scalar_type(), q.device());
+    check_cache(v, v_name, q.scalar_type(), q.device());
+    const int64_t D = q.size(-1), H = q.size(-2), Hk = k.size(-2);
+    FA_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
+                   " is not supported; supported: every multiple of 8 up to 256");
+    FA_CHECK_VALUE(k.size(-1) == D, "d_head of ", k_name, " (", k.size(-1),
+                   ") differs from d_head of q (", D, ")");
+    FA_CHECK_VALUE(Hk > 0 && H % Hk == 0, "heads of q (", H, ") must be a multiple of the ", k_name,
+                   "'s kv_heads (", Hk, ")");
+}
+
+// A paged cache: block_table (batch, max_pages) int32 over pages (num_pages, page_size, Hk, D).
+// Returns the table as the kernels read it (contiguous rows).
+at::Tensor set_pages(flash::DecParams& p, const at::Tensor& block_table, const at::Tensor& pages,
+                     int64_t batch) {
+    at::Tensor table =
+        int_meta(block_table, "block_table", 2, pages.device(), "(batch, max_pages)");
+    FA_CHECK_VALUE(table.size(0) == batch, "block_table has ", table.size(0),
+                   " rows; the batch has ", batch);
+    FA_CHECK_VALUE(pages.size(1) > 0, "page_size must be >= 1");
+    const int64_t capacity = table.size(1) * pages.size(1);
+    FA_CHECK_VALUE(capacity < (int64_t(1) << 31), "block_table x page_size (", capacity,
+                   ") exceeds 2^31 - 1 keys");
+    p.block_table = table.data_ptr<int32_t>();
+    p.block_table_stride = table.stride(0);
+    p.page_size = static_cast<int>(pages.size(1));
+    p.num_pages = static_cast<int>(pages.size(0));
+    p.capacity = static_cast<int>(capacity);
+    return table;
+}
+
+// K and V strides by role: (page or batch, row, head) of 4-D caches, (0, row, head) of packed
+// (total_k, Hk, D) ones.
+void set_key_strides(flash::DecParams& p, const at::Tensor& k, const at::Tensor& v) {
+    const bool four = k.dim() == 4;
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.k_batch_stride = four ? k.stride(0) : 0;
+    p.k_row_stride = k.stride(four ? 1 : 0);
+    p.k_head_stride = k.stride(four ? 2 : 1);
+    p.v_batch_stride = four ? v.stride(0) : 0;
+    p.v_row_stride = v.stride(four ? 1 : 0);
+    p.v_head_stride = v.stride(four ? 2 : 1);
+}
+
+// q, out and lse (all fresh or checked), and the shape the kernels read from them.
+void set_queries(flash::DecParams& p, const at::Tensor& q, const at::Tensor& out, float* lse,
+                 int64_t batch, int64_t kv_heads, int64_t seqlen_q, int64_t rows_total) {
+    const bool four = q.dim() == 4;
+    const int64_t H = q.size(-2);
+    FA_CHECK_VALUE(rows_total * H < (int64_t(1) << 31), "query rows x heads exceeds 2^31");
+    p.q = q.data_ptr();
+    p.o = out.data_ptr();
+    p.lse = lse;
+    p.q_batch_stride = four ? q.stride(0) : 0;
+    p.q_row_stride = q.stride(four ? 1 : 0);
+    p.q_head_stride = q.stride(four ? 2 : 1);
+    p.o_batch_stride = four ? out.stride(0) : 0;
+    p.o_row_stride = out.stride(four ? 1 : 0);
+    p.o_head_stride = out.stride(four ? 2 : 1);
+    p.lse_batch_stride = four ? H * seqlen_q : 0;  // (batch, heads, seqlen_q) or (heads, total_q)
+    p.lse_head_stride = four ? seqlen_q : rows_total;
+    p.heads = static_cast<int>(H);
+    p.kv_heads = static_cast<int>(kv_heads);
+    p.heads_per_kv = static_cast<int>(H / kv_heads);
+    p.batch = static_cast<int>(batch);
+    p.seqlen_q = static_cast<int>(seqlen_q);
+    p.d_head = static_cast<int>(q.size(-1));
+    p.rows_total = static_cast<int>(rows_total);
+}
+
+// What launching `kernel` needs of the GPU, checked before anything is launched.
+void check_device(const flash::DecKernelEntry& kernel, const at::Device& device) {
+    const cudaDeviceProp& prop = device_properties(device.index());
+    FA_CHECK(prop.major >= 8,
+             "the decode kernels need compute capability 8.0 or newer, this GPU "
+             "has ",
+             prop.major, ".", prop.minor);
+    FA_CHECK(kernel.smem_bytes <= int64_t(prop.sharedMemPerBlockOptin), "decode kernel ",
+             kernel.name, " needs ", kernel.smem_bytes,
+             " bytes of shared memory; this GPU gives "
+             "a CTA ",
+             int64_t(prop.sharedMemPerBlockOptin));
+}
+
+// The splits (num_splits, or the heuristic's for `keys` keys per sequence) and the grid's
+// limits, after set_queries.
+void plan_splits(flash::DecParams& p, const flash::DecKernelEntry& kernel, int64_t num_splits,
+                 int64_t keys, const at::Device& device) {
+    const int64_t row_blocks =
+        (int64_t(p.seqlen_q) * p.heads_per_kv + kernel.block_r - 1) / kernel.block_r;
+    const int sms = device_properties(device.index()).multiProcessorCount;
+    const int64_t splits = num_splits > 0
+                               ? std::min<int64_t>(num_splits, kMaxSplits)
+                               : choose_splits(row_blocks * p.kv_heads * p.batch, keys, sms);
+    FA_CHECK_VALUE(
+        row_blocks * splits < (int64_t(1) << 31) && p.batch <= 65535 && p.kv_heads <= 65535,
+        "the decode grid is too large: batch ", p.batch, ", kv_heads ", p.kv_heads,
+        ", row blocks x splits ", row_blocks * splits);
+    p.num_splits = static_cast<int>(splits);
+}
+
+// The split-KV buffers and the status word of p, then the launch on the stream.
+void launch_decode(flash::DecParams& p, const flash::DecKernelEntry& kernel, const at::Tensor& like,
+                   cudaStream_t stream) {
+    at::Tensor o_accum, lse_accum;
+    if (p.num_splits > 1) {
+        const auto f32 = like.options().dtype(at::kFloat);
+        o_accum = at::empty({p.num_splits, p.heads, p.rows_total, p.d_head}, f32);
+        lse_accum = at::empty({p.num_splits, p.heads, p.rows_total}, f32);
+        p.o_accum = o_accum.data_ptr<float>();
+        p.lse_accum = lse_accum.data_ptr<float>();
+    }
+    check_cuda(kvcache::status_word(&p.status), "the KV-cache status word");
+    check_cuda(kernel.launch(p, stream), kernel.name);
+}
+
+void set_window(flash::DecParams& p, bool causal, int64_t window_left, int64_t window_right) {
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                   "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
+                   window_right, ")");
+    p.window_left = static_cast<int>(std::min<int64_t>(window_left, 1 << 30));
+    p.window_right = causal ? 0 : static_cast<int>(std::min<int64_t>(window_right, 1 << 30));
+}
+
+void set_scale(flash::DecParams& p, std::optional<double> softmax_scale, double softcap) {
+    const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(p.d_head));
+    FA_CHECK_VALUE(std::isfinite(scale) && scale > 0, "softmax_scale must be finite and > 0");
+    FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap must be finite and >= 0");
+    p.scale_log2 = static_cast<float>((softcap > 0 ? softcap : scale) * M_LOG2E);
+    p.softcap_scale = static_cast<float>(softcap > 0 ? scale / softcap : 0.0);
+}
+
+at::Tensor empty_lse(bool wanted, std::vector<int64_t> shape, const at::Tensor& like) {
+    return at::empty(wanted ? shape : std::vector<int64_t>{0}, like.options().dtype(at::kFloat));
+}
+
+// ---- flash_attn_with_kvcache ------------------------------------------------------------------
+
+// The source rows of an append with the last dimension contiguous (the kernel reads them so).
+at::Tensor rows_source(const at::Tensor& t) {
+    return t.size(-1) > 1 && t.stride(-1) != 1 ? t.contiguous() : t;
+}
+
+// Where the append writes, from the decode parameters' cache fields.
+kvcache::AppendParams append_params(const at::Tensor& src, const flash::DecParams& d,
+                                    const int* base_pos, int base_const, bool per_row,
+                                    const at::Tensor& cos, const at::Tensor& sin,
+                                    bool interleaved) {
+    kvcache::AppendParams a{};
+    a.src = src.data_ptr();
+    a.src_batch_stride = src.stride(0);
+    a.src_row_stride = src.stride(1);
+    a.src_head_stride = src.stride(2);
+    a.batch = static_cast<int>(src.size(0));
+    a.seqlen = static_cast<int>(src.size(1));
+    a.heads = static_cast<int>(src.size(2));
+    a.d_head = static_cast<int>(src.size(3));
+    a.block_table = d.block_table;
+    a.block_table_stride = d.block_table_stride;
+    a.page_size = d.page_size;
+    a.num_pages = d.num_pages;
+    a.cache_batch_idx = d.cache_batch_idx;
+    a.cache_batch = d.cache_batch;
+    a.capacity = d.capacity;
+    a.base_pos = base_pos;
+    a.base_const = base_const;
+    a.per_row = per_row;
+    if (cos.defined()) {
+        a.cos = cos.data_ptr<float>();
+        a.sin = sin.data_ptr<float>();
+        a.seqlen_ro = static_cast<int>(cos.size(0));
+        a.rotary_dim = static_cast<int>(2 * cos.size(1));
+        a.interleaved = interleaved;
+    }
+    return a;
+}
+
+// Runs an append into `dst`: a cache (its rows at each sequence's positions) or a plain tensor
+// shaped like the source.
+void run_append(kvcache::AppendParams a, const at::Tensor& dst, bool cache, bool bf16,
+                cudaStream_t stream) {
+    a.dst = dst.data_ptr();
+    a.dst_cache = cache;
+    a.dst_batch_stride = dst.stride(0);
+    a.dst_row_stride = dst.stride(1);
+    a.dst_head_stride = dst.stride(2);
+    check_cuda(kvcache::status_word(&a.status), "the KV-cache status word");
+    check_cuda(kvcache::launch_append(a, bf16, stream), "the KV-cache append");
+}
+
+// A contiguous cache (batch_cache, seqlen_cache, Hk, D), its rows picked by cache_batch_idx.
+at::Tensor set_contiguous_cache(flash::DecParams& p, const at::Tensor& cache,
+                                const std::optional<at::Tensor>& cache_batch_idx, int64_t batch) {
+    at::Tensor idx;
+    if (cache_batch_idx.has_value()) {
+        idx = int_meta(*cache_batch_idx, "cache_batch_idx", 1, cache.device(), "(batch,)");
+        FA_CHECK_VALUE(idx.size(0) == batch, "cache_batch_idx has ", idx.size(0),
+                       " entries; q has batch ", batch);
+        p.cache_batch_idx = idx.data_ptr<int32_t>();
+    } else {
+        FA_CHECK_VALUE(cache.size(0) == batch, "batch of the cache (", cache.size(0),
+                       ") differs from batch of q (", batch,
+                       "); pass cache_batch_idx to pick "
+                       "cache rows");
+    }
+    FA_CHECK_VALUE(cache.size(1) < (int64_t(1) << 31), "seqlen_cache exceeds 2^31 - 1");
+    p.cache_batch = static_cast<int>(cache.size(0));
+    p.capacity = static_cast<int>(cache.size(1));
+    return idx;
+}
+
+// The new rows k, v (batch, seqlen_new, Hk, D): their count (0 without them).
+int64_t check_new_rows(const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                       const at::Tensor& q, int64_t kv_heads, int capacity, bool have_lengths) {
+    FA_CHECK_VALUE(k.has_value() == v.has_value(), "give both k and v, or neither");
+    if (!k)
+        return 0;
+    check_rank(*k, "k", 4, "(batch, seqlen_new, kv_heads, d_head)");
+    FA_CHECK_VALUE(k->sizes() == v->sizes(), "k and v must have the same shape, got ", k->sizes(),
+                   " and ", v->sizes());
+    FA_CHECK_TYPE(k->scalar_type() == q.scalar_type() && v->scalar_type() == q.scalar_type(),
+                  "k and v must have q's dtype ", q.scalar_type());
+    FA_CHECK_VALUE(k->device() == q.device() && v->device() == q.device(),
+                   "k and v must be on q's device");
+    FA_CHECK_VALUE(k->size(0) == q.size(0) && k->size(2) == kv_heads && k->size(3) == q.size(3),
+                   "k and v must be (batch, seqlen_new, kv_heads, d_head) = (", q.size(0),
+                   ", seqlen_new, ", kv_heads, ", ", q.size(3), "), got ", k->sizes());
+    FA_CHECK_VALUE(k->size(1) <= capacity, "k has ", k->size(1), " new rows; the cache holds ",
+                   capacity, " per sequence");
+    FA_CHECK_VALUE(have_lengths,
+                   "appending k and v needs cache_seqlens: where each sequence's "
+                   "new rows go");
+    return k->size(1);
+}
+
+// The cache lengths before the append: a tensor on the device (read only there), one on the
+// host (checked here, then copied over), an int (checked here), or none (the whole cache).
+struct CacheLengths {
+    at::Tensor device;     // (batch,) int32 on q's device, when given as a tensor
+    int constant = -1;     // the int, when given as one (-1: none)
+    int64_t longest = -1;  // the longest length known on the host (-1: unknown)
+};
+
+CacheLengths cache_lengths(const std::optional<at::Tensor>& tensor, int64_t value, int64_t batch,
+                           int64_t new_rows, int capacity, const at::Device& device) {
+    CacheLengths out;
+    const auto fits = [&](int64_t length, const std::string& what) {
+        FA_CHECK_VALUE(length >= 0 && length + new_rows <= capacity, what, " = ", length,
+                       new_rows ? " plus the new rows " + std::to_string(new_rows) : "",
+                       " does not fit the cache of ", capacity, " rows");
+    };
+    if (tensor.has_value()) {
+        const at::Tensor& s = *tensor;
+        FA_CHECK_TYPE(s.scalar_type() == at::kInt, "cache_seqlens must be int32, got ",
+                      s.scalar_type());
+        FA_CHECK_VALUE(s.dim() == 1 && s.size(0) == batch, "cache_seqlens must be (batch,) = (",
+                       batch, ",), got shape ", s.sizes());
+        if (!s.is_cpu()) {
+            FA_CHECK_VALUE(s.device() == device,
+                           "cache_seqlens must be on q's device or the CPU, "
+                           "got ",
+                           s.device());
+            out.device = s.contiguous();
+            return out;
+        }
+        const at::Tensor host = s.contiguous();
+        const int32_t* v = host.data_ptr<int32_t>();
+        for (int64_t b = 0; b < batch; ++b) {
+            fits(v[b], "cache_seqlens[" + std::to_string(b) + "]");
+            out.longest = std::max<int64_t>(out.longest, v[b]);
+        }
+        out.device = host.to(device, /*non_blocking=*/true);
+    } else if (value >= 0) {
+        fits(value, "cache_seqlens");
+        out.constant = static_cast<int>(value);
+        out.longest = value;
+    }
+    return out;
+}
+
+// rotary_cos, rotary_sin as the append reads them (fp32, contiguous), or undefined.
+std::pair<at::Tensor, at::Tensor> check_rotary(const std::optional<at::Tensor>& cos,
+                                               const std::optional<at::Tensor>& sin,
+                                               const at::Tensor& q, bool have_lengths,
+                                               int64_t longest, int64_t positions) {
+    if (!cos.has_value() && !sin.has_value())
+        return {};
+    FA_CHECK_VALUE(cos.has_value() && sin.has_value(),
+                   "give both rotary_cos and rotary_sin, or neither");
+    FA_CHECK_VALUE(cos->dim() == 2 && cos->sizes() == sin->sizes(),
+                   "rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got ",
+                   cos->sizes(), " and ", sin->sizes());
+    FA_CHECK_VALUE(cos->device() == q.device() && sin->device() == q.device(),
+                   "rotary_cos and rotary_sin must be on q's device");
+    const auto type = cos->scalar_type();
+    FA_CHECK_TYPE((type == q.scalar_type() || type == at::kFloat) && sin->scalar_type() == type,
+                  "rotary_cos and rotary_sin must have q's dtype or float32");
+    FA_CHECK_VALUE(cos->size(1) > 0 && 2 * cos->size(1) <= q.size(-1),
+                   "rotary_dim (2 x rotary_cos.shape[1] = ", 2 * cos->size(1),
+                   ") must be in [2, d_head = ", q.size(-1), "]");
+    FA_CHECK_VALUE(have_lengths, "rotary embedding needs cache_seqlens: the positions of q and k");
+    FA_CHECK_VALUE(longest < 0 || longest + positions <= cos->size(0), "rotary_cos has ",
+                   cos->size(0), " rows; positions up to ", longest + positions - 1, " are needed");
+    return {cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const std::optional<at::Tensor>& cache_seqlens, int64_t cache_seqlen,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, bool rotary_interleaved, int64_t num_splits, bool return_lse,
+    c10::string_view kernel_name) {
+    // Checks, before anything is launched.
+    const at::ScalarType dtype = check_query(q_in, 4, "(batch, seqlen_q, heads, d_head)");
+    const bool paged = block_table.has_value();
+    check_keys(k_cache, v_cache, "k_cache", "v_cache", 4,
+               paged ? "(num_pages, page_size, kv_heads, d_head)"
+                     : "(batch_cache, seqlen_cache, kv_heads, d_head)",
+               q_in);
+    const int64_t B = q_in.size(0), Sq = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+    const int64_t Hk = k_cache.size(2);
+    flash::DecParams p{};
+    FA_CHECK_VALUE(!(paged && cache_batch_idx.has_value()),
+                   "cache_batch_idx does not go with "
+                   "block_table: a paged cache's rows are its block table's");
+    const at::Tensor table = paged ? set_pages(p, *block_table, k_cache, B) : at::Tensor();
+    const at::Tensor batch_idx =
+        paged ? at::Tensor() : set_contiguous_cache(p, k_cache, cache_batch_idx, B);
+    const bool have_lengths = cache_seqlens.has_value() || cache_seqlen >= 0;
+    const int64_t S_new = check_new_rows(k_new, v_new, q_in, Hk, p.capacity, have_lengths);
+    const CacheLengths lengths =
+        cache_lengths(cache_seqlens, cache_seqlen, B, S_new, p.capacity, q_in.device());
+    const bool q_per_row = causal || window_left >= 0;  // flash_attn's positions of q's rows
+    const auto [cos, sin] = check_rotary(rotary_cos, rotary_sin, q_in, have_lengths,
+                                         lengths.longest, std::max(S_new, q_per_row ? Sq : 1));
+    at::Tensor out = at::empty(q_in.sizes(), q_in.options());
+    at::Tensor lse = empty_lse(return_lse, {B, H, Sq}, q_in);
+    set_queries(p, q_in, out, return_lse ? lse.data_ptr<float>() : nullptr, B, Hk, Sq, B * Sq);
+    set_window(p, causal, window_left, window_right);
+    set_scale(p, softmax_scale, softcap);
+    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, D);
+    check_device(*kernel, q_in.device());
+    plan_splits(p, *kernel, num_splits, lengths.longest >= 0 ? lengths.longest + S_new : p.capacity,
+                q_in.device());
+
+    // The append (q's rotated copy, the new rows into the caches), then attention over the
+    // updated caches: cache_seqlens + S_new keys per sequence.
+    const c10::cuda::CUDAGuard guard(q_in.device());
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q_in.device().index()).stream();
+    const bool bf16 = dtype == at::kBFloat16;
+    const int* base = lengths.device.defined() ? lengths.device.data_ptr<int32_t>() : nullptr;
+    const int base_const = std::max(lengths.constant, 0);
+    at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;
+    if (cos.defined()) {
+        q = at::empty(q_in.sizes(), q_in.options());
+        run_append(append_params(rows_source(q_in), p, base, base_const, q_per_row, cos, sin,
+                                 rotary_interleaved),
+                   q, /*cache=*/false, bf16, stream);
+    }
+    if (S_new > 0) {
+        run_append(append_params(rows_source(*k_new), p, base, base_const, true, cos, sin,
+                                 rotary_interleaved),
+                   k_cache, /*cache=*/true, bf16, stream);
+        run_append(append_params(rows_source(*v_new), p, base, base_const, true, at::Tensor(),
+                                 at::Tensor(), false),
+                   v_cache, /*cache=*/true, bf16, stream);
+    }
+    if (B == 0 || Sq == 0 || H == 0)
+        return {out, lse};
+    at::Tensor used;
+    if (lengths.device.defined()) {
+        used = S_new > 0 ? lengths.device.add(S_new) : lengths.device;
+        p.seqused_k = used.data_ptr<int32_t>();
+        p.seqlen_k = p.capacity;
+    } else {
+        p.seqlen_k =
+            lengths.constant >= 0 ? static_cast<int>(lengths.constant + S_new) : p.capacity;
+    }
+    p.q = q.data_ptr();
+    p.q_batch_stride = q.stride(0);
+    p.q_row_stride = q.stride(1);
+    p.q_head_stride = q.stride(2);
+    set_key_strides(p, k_cache, v_cache);
+    launch_decode(p, *kernel, q_in, stream);
+    return {out, lse};
+}
+
+// ---- flash_attn_varlen_func over a paged cache / seqused_k -------------------------------------
+
+// q (total_q, H, D) packed by cu_seqlens_q; k, v (num_pages, page_size, Hk, D) with block_table
+// (batch, max_pages), else (total_k, Hk, D) packed by cu_seqlens_k. Keys of sequence b:
+// seqused_k[b] if given, else cu_seqlens_k's difference.
+std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
+    const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, bool return_lse,
+    c10::string_view kernel_name) {
+    const at::ScalarType dtype = check_query(q_in, 3, "(total_q, heads, d_head)");
+    const bool paged = block_table.has_value();
+    const int64_t rank = paged ? 4 : 3;
+    check_keys(k, v, "k", "v", rank,
+               paged ? "(num_pages, page_size, kv_heads, d_head)" : "(total_k, kv_heads, d_head)",
+               q_in);
+    const int64_t total_q = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+    const at::Device device = q_in.device();
+    const at::Tensor cu_q = int_meta(cu_seqlens_q, "cu_seqlens_q", 1, device, "(batch + 1,)");
+    const at::Tensor cu_k = int_meta(cu_seqlens_k, "cu_seqlens_k", 1, device, "(batch + 1,)");
+    FA_CHECK_VALUE(cu_q.numel() >= 2 && cu_k.numel() == cu_q.numel(),
+                   "cu_seqlens_q and cu_seqlens_k must have the same length, batch + 1 >= 2");
+    FA_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0, "max_seqlen_q/k must be >= 0");
+    const int64_t B = cu_q.numel() - 1;
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    check_cu_seqlens_values(cu_q, "cu_seqlens_q", total_q, max_seqlen_q, stream);
+
+    flash::DecParams p{};
+    const at::Tensor table = paged ? set_pages(p, *block_table, k, B) : at::Tensor();
+    if (!paged) {  // packed keys: sequence b's rows are its cu_seqlens_k range
+        check_cu_seqlens_values(cu_k, "cu_seqlens_k", k.size(0), max_seqlen_k, stream);
+        p.capacity = static_cast<int>(std::min<int64_t>(k.size(0), (int64_t(1) << 31) - 1));
+        p.total_k = static_cast<int>(p.capacity);
+    }
+    const at::Tensor used = seqused_k.has_value()
+                                ? int_meta(*seqused_k, "seqused_k", 1, device, "(batch,)")
+                                : at::Tensor();
+    FA_CHECK_VALUE(!used.defined() || used.size(0) == B, "seqused_k has ",
+                   used.defined() ? used.size(0) : 0, " entries; the batch is ", B);
+    p.seqused_k = used.defined() ? used.data_ptr<int32_t>() : nullptr;
+    p.cu_seqlens_q = cu_q.data_ptr<int32_t>();
+    p.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+    p.total_q = static_cast<int>(total_q);
+    p.seqlen_k = static_cast<int>(max_seqlen_k);
+    at::Tensor out = at::empty(q_in.sizes(), q_in.options());
+    at::Tensor lse = empty_lse(return_lse, {H, total_q}, q_in);
+    set_queries(p, q_in, out, return_lse ? lse.data_ptr<float>() : nullptr, B, k.size(rank - 2),
+                max_seqlen_q, total_q);
+    set_window(p, causal, window_left, window_right);
+    set_scale(p, softmax_scale, softcap);
+    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, D);
+    check_device(*kernel, device);
+    plan_splits(p, *kernel, num_splits, paged ? p.capacity : max_seqlen_k, device);
+    if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)
+        return {out, lse};
+    const at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;
+    p.q = q.data_ptr();
+    p.q_row_stride = q.stride(0);
+    p.q_head_stride = q.stride(1);
+    set_key_strides(p, k, v);
+    launch_decode(p, *kernel, q_in, stream);
+    return {out, lse};
+}
+
+}  // namespace
+
+int64_t kvcache_status(int64_t device, bool clear) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    int value = 0;
+    check_cuda(kvcache::read_status(clear, &value), "reading the KV-cache status word");
+    return value;
+}
+
+}  // namespace flash::binding
+
+TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
+    m.def(
+        "kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+        "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
+        "Tensor? cache_batch_idx, Tensor? block_table, float? softmax_scale, bool causal, "
+        "int window_left, int window_right, float softcap, bool rotary_interleaved, "
+        "int num_splits, bool return_lse, str kernel) -> (Tensor out, Tensor lse)");
+    m.def(
+        "varlen_paged(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "Tensor? seqused_k, Tensor? block_table, int max_seqlen_q, int max_seqlen_k, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+        "int num_splits, bool return_lse, str kernel) -> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
+    m.impl("kvcache", &flash::binding::kvcache_cuda);
+    m.impl("varlen_paged", &flash::binding::varlen_paged_cuda);
+}

@@ -1,0 +1,54 @@
+// The KV-cache append and rotary kernel's arguments and launcher: rows of a (batch, seq, heads,
+// d_head) source (new keys, new values, or q) are written, rotated by rotary embedding when
+// cos/sin are given, into a KV cache (contiguous or paged) at each sequence's length, or into a
+// plain destination (q's rotated copy). Plain C++ on the host side (the binding includes it);
+// the kernel is in append.cu.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace flash::kvcache {
+
+struct AppendParams {
+    const void* src;  // (batch, seqlen, heads, d_head), any strides, d_head contiguous
+    int64_t src_batch_stride, src_row_stride, src_head_stride;
+    int batch, seqlen, heads, d_head;
+
+    // Destination: a cache (dst_cache = true) at rows base_pos[b] + j of sequence b, or a plain
+    // tensor with the source's shape.
+    void* dst;
+    bool dst_cache;
+    int64_t dst_batch_stride, dst_row_stride, dst_head_stride;  // a paged cache: per page
+    const int* block_table;  // (batch, block_table_stride) or nullptr (contiguous)
+    int64_t block_table_stride;
+    int page_size, num_pages;
+    const int* cache_batch_idx;  // contiguous caches: cache row of sequence b, or nullptr
+    int cache_batch;
+    int capacity;  // rows a sequence's cache holds
+
+    // Positions: base_pos[b] (nullptr: base_const) + j when per_row, else base_pos[b].
+    const int* base_pos;
+    int base_const;
+    bool per_row;
+
+    // Rotary embedding: cos, sin (seqlen_ro, rotary_dim / 2) fp32 contiguous, or nullptr.
+    const float* cos;
+    const float* sin;
+    int seqlen_ro, rotary_dim;
+    bool interleaved;
+
+    int* status;  // decode::kStatus* bits ORed on bad metadata (nullptr: not kept)
+};
+
+// is_bf16: the element type (bf16, else fp16). Returns the launch's error.
+cudaError_t launch_append(const AppendParams& p, bool is_bf16, cudaStream_t stream);
+
+// The KV-cache status word of the current device: a static __device__ int the decode and append
+// kernels OR decode::kStatus* bits into, so recording an error costs no allocation and no sync.
+cudaError_t status_word(int** word);
+// Its value (a synchronous read of 4 bytes), cleared afterwards when `clear`.
+cudaError_t read_status(bool clear, int* value);
+
+}  // namespace flash::kvcache

@@ -1,0 +1,66 @@
+// The decode kernel's compile-time config (flash::sm80::DecConfig): one CTA owns B_r = 16
+// packed query rows (the query heads of one KV head times the positions of seqlen_q, see
+// decode_kernel.cuh) and its warps split the keys: each warp streams its own K/V blocks of B_c
+// keys through kStages shared-memory stages, so a warp never waits for another until the end,
+// where the warps' partial results are merged. It also provides the names the sm80 forward's
+// fragment, GEMM and softmax code read (kMTiles, kNTilesS, kStepsQK, ...), so that code is
+// reused unchanged on one 16-row MMA tile.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flash::sm80 {
+
+template <typename Elem_, int kDHead_, int kBc_, int kWarps_>
+struct DecConfig {
+    using Elem = Elem_;
+    static constexpr int kDHead = kDHead_;
+    static constexpr int kSmemDHead = kDHead <= 64 ? 64 : (kDHead <= 128 ? 128 : 256);
+    static constexpr int kBr = 16;    // one m16 MMA tile of packed rows
+    static constexpr int kBc = kBc_;  // keys per warp block
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kStages = 3;  // K/V blocks per warp in shared memory (2 in flight)
+
+    // The forward's technique switches, as the shared fragment/GEMM/softmax code reads them.
+    static constexpr bool kSwizzle = true;
+    static constexpr bool kSliceQ = kDHead > 128;  // Q resident in registers up to d_head 128
+    static constexpr bool kSliceK = true;
+    static constexpr bool kSliceV = true;
+    static constexpr bool kDoubleBuffer = true;
+    static constexpr bool kOptSoftmax = false;
+    // Masks and the softcap are run-time arguments (a decode step is bound by memory, not by the
+    // few instructions they cost): every decode kernel serves every call of its dtype and d_head.
+    static constexpr bool kMask = true;
+    static constexpr bool kSoftcap = true;
+    static constexpr int kRowsPerWarp = kBr;  // every warp holds all 16 rows (its own keys)
+    static constexpr int kMTiles = 1;
+    static constexpr int kNTilesS = kBc / 8;
+    static constexpr int kStepsQK = kDHead / 16;
+    static constexpr int kNTilesO = kDHead / 8;
+    static constexpr int kStepsPV = kBc / 16;
+
+    static constexpr int kChunkElems = 16 / sizeof(Elem);
+    static constexpr int kChunksPerRow = kSmemDHead / kChunkElems;
+    static constexpr int kDataChunks = kDHead / kChunkElems;
+
+    static constexpr int kQTileBytes = kBr * kSmemDHead * int(sizeof(Elem));
+    static constexpr int kKVTileBytes = kBc * kSmemDHead * int(sizeof(Elem));
+    static constexpr int kWarpStageBytes = kStages * 2 * kKVTileBytes;  // K and V per stage
+    // The merge of the warps' results reuses the stage buffers: O (16 x d_head fp32), m and l.
+    static constexpr int kMergeBytes = kWarps * kBr * (kDHead + 2) * 4;
+    static constexpr int kPipeBytes = kWarps * kWarpStageBytes;
+    static constexpr int kSmemBytes =
+        kQTileBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
+
+    static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
+    static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64, 128, 256");
+    static_assert(kBc == 16 || kBc == 32, "B_c must be 16 or 32");
+    static_assert(kWarps == 2 || kWarps == 4 || kWarps == 8, "2, 4 or 8 warps");
+    static_assert((kBc * kChunksPerRow) % 32 == 0, "a warp's K/V block copy must split evenly");
+    static_assert((kBr * kChunksPerRow) % kThreads == 0, "the Q tile copy must split evenly");
+    static_assert(kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit");
+};
+
+}  // namespace flash::sm80

@@ -1,0 +1,156 @@
+"""The sm80 family's decode kernels (``dec_sm80``): attention of a few query rows per sequence
+over a KV cache (flash_attn_with_kvcache, varlen calls over a paged cache), bound by reading K
+and V. mma.sync, ldmatrix and cp.async as the forward; runs on every GPU from sm_80. A
+:class:`Sm80DecConfig` names one instantiation of ``flash::sm80::DecConfig``
+(src/csrc/sm80/decode_config.cuh), whose static_asserts the rules here mirror. Name:
+``dec_sm80_bf16_d128_r16_c16_w4_f``.
+
+One CTA owns B_r = 16 packed query rows (the query heads of one KV head at the positions of
+seqlen_q: packed GQA), its warps split the keys, each through its own 3-stage cp.async pipeline
+(K and V rows gathered one by one: a paged cache of any page size), and the keys may be split
+over CTAs, merged by the combine kernel (split-KV). Masks, softcap and paging are run-time
+arguments: one kernel per dtype and d_head variant serves every call.
+
+Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+from . import base
+from .base import DTYPES, SMEM_PER_BLOCK_OPTIN, Call, ConfigError, KernelConfig, Row, occupancy
+
+KIND = "dec_sm80"
+D_HEADS = (64, 128, 256)
+BLOCK_C = (16, 32)
+WARPS = (2, 4, 8)
+STAGES = 3  # DecConfig::kStages
+FLAGS: dict[str, str] = {}
+
+
+def smem_d_head(d_head: int) -> int:
+    return 64 if d_head <= 64 else (128 if d_head <= 128 else 256)
+
+
+@dataclass(frozen=True, order=True)
+class Sm80DecConfig(KernelConfig):
+    """One decode kernel: 16 packed query rows per CTA, B_c keys per warp block, `warps` warps
+    splitting the keys."""
+
+    dtype: str
+    d_head: int
+    block_r: int
+    block_c: int
+    warps: int
+
+    KIND = KIND
+    SEGMENTS = (("d", "d_head"), ("r", "block_r"), ("c", "block_c"), ("w", "warps"))
+    FLAGS = FLAGS
+    EXAMPLE = "dec_sm80_bf16_d128_r16_c16_w4_f"
+    ARCH = 80
+    mask = True  # masks and softcap are run-time arguments (DecConfig::kMask, kSoftcap)
+    softcap = True
+    FIXED_FIELDS = {"block_r": 16}  # fixed by DecConfig, not one of its template arguments
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q's 16 rows, then each warp's 3 stages of a K and a V block (or, if larger, the
+        merge's fp32 O, m and l of every warp). Mirrors DecConfig::kSmemBytes."""
+        row = smem_d_head(self.d_head) * 2
+        pipe = self.warps * STAGES * 2 * self.block_c * row
+        merge = self.warps * self.block_r * (self.d_head + 2) * 4
+        return self.block_r * row + max(pipe, merge)
+
+    def problems(self) -> list[str]:
+        out = self.field_problems(("dtype", self.dtype, DTYPES),
+                                  ("d_head", self.d_head, D_HEADS),
+                                  ("B_r", self.block_r, (16,), " (one m16 tile of packed rows)"),
+                                  ("B_c", self.block_c, BLOCK_C),
+                                  ("warps", self.warps, WARPS))
+        if not out:
+            chunks = smem_d_head(self.d_head) // 8
+            if (self.block_r * chunks) % self.threads:
+                out.append(f"the Q tile copy ({self.block_r} rows of {chunks} chunks) does not "
+                           f"split over {self.threads} threads")
+            if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
+                out.append(f"shared memory {self.smem_bytes} B exceeds the sm_80 limit "
+                           f"{SMEM_PER_BLOCK_OPTIN[80]} B")
+        return out
+
+    def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
+                  static_smem: int = 0) -> dict[str, int]:
+        return occupancy(self.threads, regs_per_thread or 168, self.smem_bytes + static_smem,
+                         arch)
+
+    def serves(self, call: Call) -> bool:
+        """Every call of its dtype up to its d_head variant."""
+        return self.dtype == call.dtype and self.d_head >= call.d_head
+
+    def describe(self) -> str:
+        return (f"{self.name}: decode, {self.dtype}, d_head={self.d_head}, B_r={self.block_r} "
+                f"packed rows, B_c={self.block_c} keys per warp block, {self.warps} warps, "
+                f"{STAGES} stages, smem={self.smem_bytes} B")
+
+
+Config = Sm80DecConfig
+parse = Sm80DecConfig.parse
+
+# ---- the default table -------------------------------------------------------------------------
+ANY = ("plain", "masked", "local", "softcap")
+ROWS: tuple[Row, ...] = (
+    Row("dec sm80 d64", ANY, (32, 64), None, "r16_c32_w4_f",
+        "B_c=32: a 64-wide row is 128 bytes, so a warp block of 32 keys is 4 KB like d128's"),
+    Row("dec sm80 d128", ANY, (96, 128), None, "r16_c16_w4_f",
+        "4 warps x 3 stages x (K, V) of 16 keys: 96 KB of stages, 2 CTAs per Hopper SM"),
+    Row("dec sm80 d256", ANY, (160, 192, 224, 256), None, "r16_c16_w2_f",
+        "2 warps: 96 KB of stages as at d128; O of 16 x 256 fp32 per warp in registers"),
+)
+
+
+def table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(None, kernel name) of the row for the call's d_head (no feature letters: one kernel
+    serves every mask and softcap)."""
+    nofeat = Call(call.dtype, call.d_head, call.seqlen_q)
+    return base.table_rows(KIND, ROWS, nofeat, D_HEADS)
+
+
+def default_tile(dtype: str, d_head: int) -> Sm80DecConfig:
+    (_, name), = table_rows(Call(dtype, d_head))
+    return parse(name)
+
+
+def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+           ) -> Sm80DecConfig | None:
+    """The decode kernel for a call among the built ones: its row's kernel, else the smallest
+    d_head variant that serves it, or None."""
+    mine = [c for c in built if isinstance(c, Sm80DecConfig)]
+    return base.select_by_rows(mine, table_rows(call), call)
+
+
+# ---- sets --------------------------------------------------------------------------------------
+
+DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
+    default_tile(dtype, d) for dtype, d in itertools.product(DTYPES, D_HEADS))
+
+
+def _tune_space() -> tuple[Sm80DecConfig, ...]:
+    out = []
+    for dtype, d, c, w in itertools.product(DTYPES, D_HEADS, BLOCK_C, WARPS):
+        with contextlib.suppress(ConfigError):
+            out.append(Sm80DecConfig(dtype, d, 16, c, w))
+    return tuple(out)
+
+
+SETS: dict[str, tuple[KernelConfig, ...]] = {
+    "ci": (default_tile("bf16", 128),),
+    "default": DEFAULT,
+    # every valid tile shape, for side-by-side timing
+    "tune": _tune_space(),
+}

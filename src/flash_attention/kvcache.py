@@ -1,0 +1,222 @@
+"""Decoding over a KV cache: :func:`flash_attn_with_kvcache` (flash_attn's name, arguments,
+defaults and returns) on the ``flash_attention::kvcache`` operator, the decode kernels'
+dispatch table, and the device's status word of bad cache metadata.
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                  cache_seqlens=lengths, block_table=pages, causal=True)
+
+The operator (src/csrc/binding/decode.cpp) appends k and v to the caches in place at each
+sequence's length (rotating the new keys, and q, when rotary_cos/sin are given), then runs a
+decode kernel (kind ``dec_sm80``) over the updated caches: packed GQA, paged caches of any page
+size through the block table, keys split over CTAs when the batch is too small to fill the GPU
+(``num_splits=0``: a heuristic; ``n``: n splits; 1: one pass, no combine).
+
+Checks without a device-to-host sync: shapes, dtypes, devices and host-side lengths (an int or
+a CPU tensor for cache_seqlens) are checked before any launch. Lengths, block tables and
+cache_batch_idx that live on the GPU are not read back each decode step; the kernels never
+access memory outside the caches by them, write NaN for a sequence whose metadata is bad, and
+OR what was wrong into the device's status word: :func:`kvcache_errors` reads it (one sync, when
+you ask) and :func:`check_kvcache` raises on it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._extension import extension
+from .kernels import Call, KernelConfig, dec_sm80, parse
+from .kernels.base import D_HEADS, DTYPES
+
+log = logging.getLogger(__name__)
+
+# decode::kStatus* (src/csrc/common/params.h)
+STATUS_BITS = {
+    1: "a cache length (cache_seqlens, or it plus the new rows) outside the cache",
+    2: "a block_table entry outside [0, num_pages)",
+    4: "a cache_batch_idx entry outside the cache's batch",
+    8: "a rotary position past the rows of rotary_cos / rotary_sin",
+}
+
+
+def built() -> tuple[KernelConfig, ...]:
+    """The decode kernels of this build, in build order."""
+    return tuple(parse(e["name"]) for e in extension().kernels("dec"))
+
+
+def dispatch_rows(built: tuple[KernelConfig, ...]
+                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
+    """The decode table as the extension takes it (the forward's row shape): per dtype and
+    d_head variant (multiples of 32), bucket 64, no mask and no softcap (both run-time
+    arguments of every decode kernel), dec_sm80.select's kernel, which is also its fallback."""
+    rows = []
+    for dtype in DTYPES:
+        for d_head in D_HEADS:
+            cfg = dec_sm80.select(Call(dtype, d_head), built)
+            if cfg is not None:
+                rows.append((dtype, d_head, 64, False, False, False, cfg.name, cfg.name))
+    return rows
+
+
+def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0) -> str:
+    """Which decode kernel a call of this dtype and d_head runs, and why (for the debug log)."""
+    if kernel:
+        return f"decode kernel {kernel} (named by the call)"
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    cfg = dec_sm80.select(Call(name, d_head), built())
+    if cfg is None:
+        return f"no decode kernel for {name} d_head {d_head} in this build"
+    splits = (f"{num_splits} key splits (num_splits)" if num_splits else
+              "key splits chosen on the launch from the SM count and the work (num_splits=0)")
+    return (f"decode kernel {cfg.name} (the dec_sm80 row for {name} d_head {d_head}: masks and "
+            f"softcap are run-time arguments), {splits}")
+
+
+def register() -> None:
+    """The operators' fake implementations (ops.load calls it; ops.refresh_dispatch sets the
+    decode table from dispatch_rows)."""
+    torch.library.register_fake("flash_attention::kvcache")(_kvcache_fake)
+    torch.library.register_fake("flash_attention::varlen_paged")(_varlen_paged_fake)
+
+
+def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                  cache_batch_idx, block_table, softmax_scale, causal, window_left, window_right,
+                  softcap, rotary_interleaved, num_splits, return_lse, kernel):
+    """out like q and lse (batch, heads, seqlen_q) or empty; the caches are written in place
+    (the schema says so: Tensor(a!) k_cache, Tensor(b!) v_cache)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, heads, d_head), got {q.dim()}-D")
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,),
+                      dtype=torch.float32)
+    return out, lse
+
+
+def _varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
+                       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                       num_splits, return_lse, kernel):
+    """out like q (total_q, heads, d_head) and lse (heads, total_q) or empty."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D (total_q, heads, d_head), got {q.dim()}-D")
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                  return_lse=False, block_table=None, seqused_k=None, num_splits=0,
+                  kernel=""):
+    """flash_attn_varlen_func's call over a paged cache (block_table (batch, max_pages) int32,
+    k and v (num_pages, page_size, kv_heads, d_head), any page size) and/or per-sequence key
+    counts (seqused_k (batch,) int32: sequence b attends to its first seqused_k[b] keys), on the
+    decode kernels. Inference only: no backward."""
+    from . import ops, validation
+
+    causal, window = validation.check_window(causal, window_size)
+    validation.check_softcap(softcap)
+    if softmax_scale is not None:
+        validation.check_scale(softmax_scale, 1)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("block_table / seqused_k calls have no backward (the decode "
+                                  "kernels serve inference); run them under torch.no_grad()")
+    ops.require()
+    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+        log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
+                  tuple(k.shape), " paged" if block_table is not None else "",
+                  explain(q.dtype, q.shape[-1], kernel, num_splits))
+    return torch.ops.flash_attention.varlen_paged(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
+        int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
+        num_splits, return_lse, kernel)
+
+
+def kvcache_errors(device: torch.device | int | None = None, clear: bool = True) -> list[str]:
+    """What bad cache metadata the decode kernels met on a device since the last clear (a
+    synchronous read of one int), as sentences; [] when none."""
+    from . import ops
+
+    ops.require()
+    index = torch.device("cuda", device).index if isinstance(device, int) else None
+    if isinstance(device, torch.device):
+        index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    bits = extension().kvcache_status(index, clear)
+    return [text for bit, text in STATUS_BITS.items() if bits & bit]
+
+
+def check_kvcache(device: torch.device | int | None = None) -> None:
+    """Raise ValueError if the decode kernels met bad cache metadata on the device since the
+    last check (the rows of those sequences were written as NaN); clears the record."""
+    errors = kvcache_errors(device, clear=True)
+    if errors:
+        raise ValueError("flash_attn_with_kvcache met bad cache metadata (those sequences' "
+                         "outputs are NaN): " + "; ".join(errors))
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    kernel: str = "",
+):
+    """flash_attn's flash_attn_with_kvcache. q (batch, seqlen_q, heads, d_head); k_cache,
+    v_cache (batch_cache, seqlen_cache, kv_heads, d_head), or with block_table (batch,
+    max_pages) int32 (num_pages, page_size, kv_heads, d_head), any page size; k, v (batch,
+    seqlen_new, kv_heads, d_head) appended in place at cache_seqlens (an int or (batch,) int32
+    on the GPU or the CPU; None: every sequence is its whole cache). Causal masks align
+    bottom-right to each sequence's cache length. Returns out (batch, seqlen_q, heads, d_head),
+    and with return_softmax_lse (out, lse (batch, heads, seqlen_q) fp32). Not supported,
+    refused by name: cache_leftpad, alibi_slopes."""
+    from . import ops, validation
+
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad: flash_attention's KV cache has no left padding; "
+                                  "pass None (start each sequence at row 0 of its cache)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: flash_attention has no ALiBi bias; pass None")
+    causal, window = validation.check_window(causal, window_size)
+    validation.check_softcap(softcap)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen by a heuristic), got "
+                         f"{num_splits!r}")
+    if softmax_scale is not None:
+        validation.check_scale(softmax_scale, 1)
+    seqlens_tensor, seqlen_int = None, -1
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens_tensor = cache_seqlens
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int) \
+                or cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be an int >= 0 or an int32 tensor, got "
+                             f"{cache_seqlens!r}")
+        seqlen_int = cache_seqlens
+    ops.require()
+    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+        log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
+                  tuple(k_cache.shape), " paged" if block_table is not None else "",
+                  explain(q.dtype, q.shape[-1], kernel, num_splits))
+    out, lse = torch.ops.flash_attention.kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
+        cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),
+        rotary_interleaved, num_splits, return_softmax_lse, kernel)
+    return (out, lse) if return_softmax_lse else out

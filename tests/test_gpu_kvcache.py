@@ -1,0 +1,364 @@
+"""flash_attn_with_kvcache on the GPU against reference.kvcache_reference: the append (with
+both rotary styles) into contiguous and paged caches of several page sizes, packed GQA, split-KV
+(the heuristic, one pass, forced splits), every mask and softcap, seqlen_q > 1 (chunked
+prefill); then bad metadata (refused before any launch when on the host; NaN rows, a status
+bit and no write outside the cache when on the GPU), CUDA graph replay with changing lengths
+and torch.compile(fullgraph=True) of a decode step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention.interface import flash_attn_with_kvcache
+from flash_attention.reference import kvcache_reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ABS_FLOOR = 1e-5
+
+
+def angles(seqlen: int, rd: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2, device="cuda").float() / rd))
+    t = torch.arange(seqlen, device="cuda").float()[:, None] * inv[None, :]
+    return t.cos().to(dtype), t.sin().to(dtype)
+
+
+def paged_copy(cache: torch.Tensor, page: int, table: torch.Tensor, pages: int) -> torch.Tensor:
+    """The contiguous cache (batch, S, Hk, D) as a pool of `pages` pages of `page` rows, sequence
+    b's rows in pages table[b] (random values in the pages no sequence owns)."""
+    batch, s, hk, d = cache.shape
+    per_seq = table.shape[1]
+    pool = torch.randn(pages, page, hk, d, device="cuda").to(cache.dtype)
+    padded = torch.zeros(batch, per_seq * page, hk, d, dtype=cache.dtype, device="cuda")
+    padded[:, :s] = cache
+    pool[table.long().flatten()] = padded.view(batch * per_seq, page, hk, d)
+    return pool
+
+
+def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window,
+             softcap, rotary, num_splits, seqlens, seed, return_lse=True):
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    batch = len(seqlens)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=gen, dtype=dt).cuda()
+    kc = torch.randn(batch, s_cache, kv_heads, d, generator=gen, dtype=dt).cuda()
+    vc = torch.randn(batch, s_cache, kv_heads, d, generator=gen, dtype=dt).cuda()
+    k = torch.randn(batch, s_new, kv_heads, d, generator=gen, dtype=dt).cuda() if s_new else None
+    v = torch.randn(batch, s_new, kv_heads, d, generator=gen, dtype=dt).cuda() if s_new else None
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    cos = sin = None
+    if rotary:
+        cos, sin = angles(s_cache + seqlen_q + s_new, d // 2 if rotary == "half" else d, dt)
+    interleaved = rotary == "interleaved"
+    ref = kvcache_reference(q, kc, vc, k, v, cos, sin, lens, causal=causal,
+                            window_size=window, softcap=softcap, rotary_interleaved=interleaved)
+    low = kvcache_reference(q, kc, vc, k, v, cos, sin, lens, causal=causal,
+                            window_size=window, softcap=softcap, rotary_interleaved=interleaved,
+                            upcast=False)
+    table = None
+    if page:
+        per_seq = -(-s_cache // page)
+        pages = batch * per_seq + 3
+        table = torch.randperm(pages, generator=gen)[:batch * per_seq].view(batch, per_seq)
+        table = table.to(torch.int32).cuda()
+        kc_run, vc_run = paged_copy(kc, page, table, pages), paged_copy(vc, page, table, pages)
+    else:
+        kc_run, vc_run = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, None, table,
+                                       None, causal, window, softcap, interleaved, None,
+                                       num_splits, True)
+    what = (f"{dtype} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} cache{s_cache} "
+            f"page{page} causal{causal} window{window} softcap{softcap} rotary{rotary} "
+            f"splits{num_splits} lens{seqlens}")
+    assert torch.isfinite(out).all(), what
+    err = (out.float() - ref.out.float()).abs().max().item()
+    err_pt = (low.out.float() - ref.out.float()).abs().max().item()
+    assert err <= 2 * err_pt + ABS_FLOOR, f"{what}: error {err:.3e} > 2 x {err_pt:.3e}"
+    empty = torch.isinf(ref.lse)
+    assert torch.equal(torch.isinf(lse), empty), what
+    torch.testing.assert_close(lse[~empty], ref.lse[~empty].float(), atol=2e-3, rtol=1e-4,
+                               msg=what)
+    # The caches after the append: the reference's rows (contiguous, or gathered from pages).
+    if page:
+        kc_run = kc_run[table.long()].flatten(1, 2)[:, :s_cache]
+        vc_run = vc_run[table.long()].flatten(1, 2)[:, :s_cache]
+    assert torch.equal(kc_run, ref.k_cache) and torch.equal(vc_run, ref.v_cache), (
+        f"{what}: cache contents after the append")
+    assert fa.kvcache_errors() == [], what
+
+
+def _grid():
+    rng = random.Random(44)
+    cases = []
+    shapes = [(8, 8), (8, 2), (32, 8), (6, 1), (4, 4)]
+    for i in range(48):
+        d = rng.choice([64, 128, 128, 96, 256, 40])
+        heads, kv_heads = rng.choice(shapes)
+        seqlen_q = rng.choice([1, 1, 1, 2, 5, 17])
+        s_new = rng.choice([0, 1, 1, seqlen_q])
+        s_cache = rng.choice([37, 128, 300, 1000])
+        page = rng.choice([None, None, 1, 16, 7, 64])
+        mask = rng.choice(["none", "causal", "local", "none"])
+        causal = mask == "causal"
+        window = (rng.choice([0, 5, 50]), rng.choice([-1, 0, 3])) if mask == "local" else (-1, -1)
+        softcap = rng.choice([0.0, 0.0, 0.0, 20.0])
+        rotary = rng.choice([None, None, "interleaved", "neox", "half"])
+        num_splits = rng.choice([0, 0, 1, 3])
+        batch = rng.choice([1, 2, 3])
+        room = s_cache - s_new
+        seqlens = [rng.choice([0, room, rng.randrange(0, room + 1)]) for _ in range(batch)]
+        cases.append(pytest.param(rng.choice(["fp16", "bf16"]), d, heads, kv_heads, seqlen_q,
+                                  s_new, s_cache, page, causal, window, softcap, rotary,
+                                  num_splits, seqlens, i, id=f"case{i:02d}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype,d,heads,kv_heads,seqlen_q,s_new,s_cache,page,causal,window,"
+                         "softcap,rotary,num_splits,seqlens,seed", _grid())
+def test_kvcache_matches_reference(require_extension, dtype, d, heads, kv_heads, seqlen_q, s_new,
+                                   s_cache, page, causal, window, softcap, rotary, num_splits,
+                                   seqlens, seed):
+    run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window, softcap,
+             rotary, num_splits, seqlens, seed)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+@pytest.mark.parametrize("page", [None, 1, 16, 256])
+def test_decode_long_cache_splits_and_pages(require_extension, num_splits, page):
+    """One decode step (seqlen_q 1, GQA 32/8, d128) over 4k-key caches."""
+    run_case("bf16", 128, 32, 8, 1, 1, 4096, page, True, (-1, -1), 0.0, None, num_splits,
+             [4095, 1000, 17], 7)
+
+
+def test_int_and_absent_cache_seqlens(require_extension):
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)
+    kc = torch.randn(2, 50, 2, 64, device="cuda", dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    full = flash_attn_with_kvcache(q, kc, vc)  # None: the whole cache
+    ref = kvcache_reference(q, kc, vc, cache_seqlens=50)
+    assert (full.float() - ref.out).abs().max() < 5e-3
+    part = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=20)
+    ref = kvcache_reference(q, kc, vc, cache_seqlens=20)
+    assert (part.float() - ref.out).abs().max() < 5e-3
+    host = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([20, 20],
+                                                                         dtype=torch.int32))
+    assert torch.equal(host, part)
+
+
+def test_views_as_people_pass_them(require_extension):
+    """q a transposed (batch, heads, seq, d) view, new k/v slices of one packed buffer."""
+    torch.manual_seed(1)
+    q = torch.randn(2, 8, 3, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    kv = torch.randn(2, 3, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = kv.unbind(2)
+    kc = torch.randn(2, 64, 4, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([10, 61], dtype=torch.int32, device="cuda")
+    ref = kvcache_reference(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+    assert (out.float() - ref.out).abs().max() < 2e-2
+    assert torch.equal(kc, ref.k_cache) and torch.equal(vc, ref.v_cache)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def _small(dtype=torch.float16, batch=2, cache=32):
+    q = torch.randn(batch, 1, 4, 64, device="cuda", dtype=dtype)
+    kc = torch.randn(batch, cache, 2, 64, device="cuda", dtype=dtype)
+    return q, kc, torch.randn_like(kc)
+
+
+def test_refused_before_any_launch(require_extension):
+    q, kc, vc = _small()
+    k = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16)
+    before = kc.clone()
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, kc, vc, cache_leftpad=torch.zeros(2, dtype=torch.int32,
+                                                                     device="cuda"))
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        flash_attn_with_kvcache(q, kc, vc, alibi_slopes=torch.zeros(4, device="cuda"))
+    with pytest.raises(ValueError, match="does not fit the cache"):  # host lengths
+        flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=torch.tensor([3, 32],
+                                                                           dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not fit the cache"):
+        flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=32)
+    with pytest.raises(ValueError, match="new rows"):
+        big = torch.randn(2, 40, 2, 64, device="cuda", dtype=torch.float16)
+        flash_attn_with_kvcache(q, kc, vc, big, big, cache_seqlens=0)
+    with pytest.raises(TypeError, match="k_cache has dtype"):
+        flash_attn_with_kvcache(q, kc.bfloat16(), vc.bfloat16())
+    with pytest.raises(ValueError, match="d_head of k_cache"):
+        flash_attn_with_kvcache(q, kc[..., :32], vc[..., :32])
+    with pytest.raises(ValueError, match="block_table has 1 rows"):
+        flash_attn_with_kvcache(q, kc, vc, block_table=torch.zeros(1, 2, dtype=torch.int32,
+                                                                  device="cuda"))
+    with pytest.raises(ValueError, match="batch of the cache"):
+        flash_attn_with_kvcache(q, kc[:1], vc[:1])
+    with pytest.raises(ValueError, match="needs cache_seqlens"):
+        flash_attn_with_kvcache(q, kc, vc, k, k)
+    strided = torch.randn(2, 32, 64, 2, device="cuda", dtype=torch.float16).transpose(2, 3)
+    with pytest.raises(ValueError, match="addressed in place"):
+        flash_attn_with_kvcache(q, strided, strided)
+    assert torch.equal(kc, before), "a refused call wrote the cache"
+
+
+def _guarded(batch, rows, hk, d, dtype, guard=64):
+    """A cache inside a buffer with guard rows on both sides, to see writes outside it."""
+    buf = torch.randn(batch * rows + 2 * guard, hk, d, device="cuda", dtype=dtype)
+    return buf, buf[guard:guard + batch * rows].view(batch, rows, hk, d)
+
+
+def test_bad_device_metadata_gives_nan_and_a_status(require_extension):
+    fa.kvcache_errors()  # clear
+    dt = torch.bfloat16
+    q = torch.randn(3, 1, 4, 64, device="cuda", dtype=dt)
+    kbuf, kc = _guarded(3, 32, 2, 64, dt)
+    vbuf, vc = _guarded(3, 32, 2, 64, dt)
+    k = torch.randn(3, 1, 2, 64, device="cuda", dtype=dt)
+    kguard, vguard = kbuf.clone(), vbuf.clone()
+    lens = torch.tensor([5, 32, -3], dtype=torch.int32, device="cuda")  # 32 + 1 and -3: bad
+    out = flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    changed = (kbuf != kguard).any(-1).any(-1).nonzero().flatten().tolist()
+    assert changed == [64 + 5], f"rows written outside sequence 0's new row: {changed}"
+    assert torch.equal(vbuf[:64], vguard[:64]) and torch.equal(vbuf[-64:], vguard[-64:])
+    errors = fa.kvcache_errors()
+    assert any("cache length" in e for e in errors), errors
+    with pytest.raises(ValueError, match="bad cache metadata"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        fa.check_kvcache()
+    # a page outside the pool, and a cache_batch_idx outside the batch
+    pool = torch.randn(4, 16, 2, 64, device="cuda", dtype=dt)
+    table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q[:2], pool, pool, cache_seqlens=torch.tensor(
+        [20, 20], dtype=torch.int32, device="cuda"), block_table=table)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+    assert any("block_table" in e for e in fa.kvcache_errors())
+    idx = torch.tensor([0, 7, 1], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, cache_batch_idx=idx)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    assert any("cache_batch_idx" in e for e in fa.kvcache_errors())
+    assert fa.kvcache_errors() == []
+
+
+# ---- CUDA graphs and torch.compile --------------------------------------------------------------
+
+def test_cuda_graph_replays_with_changing_lengths(require_extension):
+    torch.manual_seed(3)
+    dt = torch.bfloat16
+    batch, hk, d = 4, 2, 128
+    q = torch.randn(batch, 1, 8, d, device="cuda", dtype=dt)
+    k = torch.randn(batch, 1, hk, d, device="cuda", dtype=dt)
+    pool = torch.randn(64, 16, hk, d, device="cuda", dtype=dt)
+    vpool = torch.randn_like(pool)
+    table = torch.randperm(64, device="cuda")[:batch * 16].view(batch, 16).to(torch.int32)
+    lens = torch.tensor([3, 100, 0, 200], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_attn_with_kvcache(q, pool, vpool, k, k, cache_seqlens=lens,
+                                       block_table=table, causal=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up (writes rows 3, 100, 0, 200)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new in ([7, 150, 1, 255], [0, 0, 0, 0], [250, 5, 64, 33]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        kp, vp = pool.clone(), vpool.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = flash_attn_with_kvcache(q, kp, vp, k, k, cache_seqlens=lens, block_table=table,
+                                       causal=True)
+        assert torch.equal(out, want), new
+        assert torch.equal(pool, kp) and torch.equal(vpool, vp), new
+
+
+def test_compile_fullgraph_decode_step(require_extension):
+    torch.manual_seed(4)
+    dt = torch.float16
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=dt)
+    k = torch.randn(2, 1, 2, 64, device="cuda", dtype=dt)
+    kc = torch.zeros(2, 32, 2, 64, device="cuda", dtype=dt)
+    vc = torch.zeros_like(kc)
+    lens = torch.tensor([0, 5], dtype=torch.int32, device="cuda")
+
+    def step(q, k, kc, vc, lens):
+        out = flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens, causal=True)
+        return out * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = compiled(q, k, kc, vc, lens)
+    want = step(q, k, kc2, vc2, lens)
+    assert torch.equal(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and kc[1, 5].abs().sum() > 0
+
+
+# ---- flash_attn_varlen_func over a paged cache / seqused_k --------------------------------------
+
+@pytest.mark.parametrize("page", [None, 1, 16, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_with_block_table_and_seqused_k(require_extension, page, causal):
+    """A mixed batch (prefill chunks and decode rows) against the per-sequence reference."""
+    from flash_attention.interface import flash_attn_varlen_func
+    from flash_attention.reference import attention_reference
+
+    torch.manual_seed(5)
+    dt, hk, heads, d = torch.bfloat16, 2, 8, 64
+    lens_q = [1, 7, 0, 33, 1]
+    lens_k = [40, 7, 5, 100, 1]
+    used = [40, 5, 0, 90, 1]  # seqused_k: the first keys of each sequence
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    q = torch.randn(sum(lens_q), heads, d, device="cuda", dtype=dt)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dt)
+    v = torch.randn_like(k)
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    if page is None:
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, return_attn_probs=True,
+                                             seqused_k=seqused)
+    else:
+        per = -(-max(lens_k) // page)
+        pages = len(lens_k) * per + 2
+        table = torch.randperm(pages, device="cuda")[:len(lens_k) * per].view(-1, per)
+        table = table.to(torch.int32)
+        kp = torch.randn(pages, page, hk, d, device="cuda", dtype=dt)
+        vp = torch.randn_like(kp)
+        for b, n in enumerate(lens_k):
+            rows_k = kp[table[b].long()].flatten(0, 1)
+            rows_v = vp[table[b].long()].flatten(0, 1)
+            rows_k[:n] = k[cu_k[b]:cu_k[b] + n]
+            rows_v[:n] = v[cu_k[b]:cu_k[b] + n]
+            kp[table[b].long()] = rows_k.view(per, page, hk, d)
+            vp[table[b].long()] = rows_v.view(per, page, hk, d)
+        out, lse, _ = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, return_attn_probs=True,
+                                             block_table=table, seqused_k=seqused)
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    for b in range(len(lens_q)):
+        rq = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        rk = slice(int(cu_k[b]), int(cu_k[b]) + used[b])
+        if lens_q[b] == 0:
+            continue
+        ref, ref_lse = attention_reference(q[None, rq], k[None, rk], v[None, rk], causal=causal)
+        low, _ = attention_reference(q[None, rq], k[None, rk], v[None, rk], causal=causal,
+                                     upcast=False)
+        err = (out[rq].float() - ref[0]).abs().max().item()
+        err_pt = (low[0].float() - ref[0]).abs().max().item()
+        assert err <= 2 * err_pt + ABS_FLOOR, (b, err, err_pt)
+        empty = torch.isinf(ref_lse[0])
+        assert torch.equal(torch.isinf(lse[:, rq]), empty), b
+        torch.testing.assert_close(lse[:, rq][~empty], ref_lse[0][~empty], atol=2e-3, rtol=1e-4)
