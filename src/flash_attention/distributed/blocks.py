@@ -1,0 +1,70 @@
+"""One block of the ring: attention of a query chunk over a key chunk (the whole block, or
+causal on the diagonal) and its backward given the merged output and LSE. CUDA tensors run the
+package's operators (flash_attention::attention and ::bwd); CPU tensors run the same math in
+fp32 (reference.attention_reference and its gradient below), so the ring's communication and
+merging are tested over gloo on machines without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..reference import _expand_kv, attention_reference
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Sq, H, D), lse (B, H, Sq) fp32) of q over k, v."""
+    if q.is_cuda:
+        from .. import ops
+
+        ops.require()
+        return torch.ops.flash_attention.attention.default(
+            q, k, v, None, None, 0, 0, scale, causal, -1, -1, float(softcap), True, "")
+    return attention_reference(q, k, v, scale, True, causal, (-1, -1), softcap)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+                   softcap: float, deterministic: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this block's share of the loss, from the merged out and lse of q's rows
+    (P = exp(scores - lse) is then the block's slice of the full softmax)."""
+    if q.is_cuda:
+        return torch.ops.flash_attention.bwd.default(
+            dout, q, k, v, out, lse, None, None, None, 0, 0, scale, causal, -1, -1,
+            float(softcap), deterministic, "")
+    return _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap)
+
+
+def _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap):
+    heads, kv_heads = q.shape[2], k.shape[2]
+    qf, dof, of = q.float(), dout.float(), out.float()
+    kf, vf = _expand_kv(k.float(), heads), _expand_kv(v.float(), heads)
+    raw = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if softcap > 0:
+        t = torch.tanh(raw / softcap)
+        scores = softcap * t
+    else:
+        scores = raw
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(sk)[None, :]
+        scores = scores.masked_fill(j - i - (sk - sq) > 0, -math.inf)
+    finite = torch.isfinite(lse)[..., None]
+    p = torch.where(finite, torch.exp(scores - torch.where(finite, lse[..., None], 0.0)), 0.0)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
+    rows = (dof * of).sum(-1).transpose(1, 2)  # D = rowsum(dout * out): (B, H, Sq)
+    ds = p * (dp - rows[..., None])
+    if softcap > 0:
+        ds = ds * (1 - t * t)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    group = heads // kv_heads
+    if group > 1:  # the query heads of a KV head add into its gradient
+        dk = dk.unflatten(2, (kv_heads, group)).sum(3)
+        dv = dv.unflatten(2, (kv_heads, group)).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,155 @@
+"""Ring attention over a process group (the layout of layout.py): forward and backward through
+autograd.
+
+Forward, on rank r of P: K and V (stacked, the KV heads only) go around the ring, one step per
+rank; at step s the rank holds those of rank r - s, sends them on to r + 1 while it computes the
+blocks its query chunks see of them (layout.blocks), and merges each block's (out, LSE) into its
+running result in fp32 (merge.py). Backward: K and V go around again, each step's transfer
+started before its blocks are computed; the blocks' dQ add into the rank's own, their dK and dV
+into fp32 accumulators that travel with K and V and come home after P steps. Each block's
+backward uses the merged output and LSE, so its P is its slice of the whole softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .blocks import block_backward, block_forward
+from .layout import DIAGONAL, Layout
+from .merge import merge_partials
+
+
+def _peers(group, rank: int, ranks: int) -> tuple[int, int]:
+    """The global ranks of the next and the previous rank of the ring."""
+    nxt, prev = (rank + 1) % ranks, (rank - 1) % ranks
+    if group is None or group is dist.group.WORLD:
+        return nxt, prev
+    return dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+
+
+def _exchange(t: torch.Tensor, group, peers: tuple[int, int]) -> tuple[torch.Tensor, list]:
+    """Start sending t to the next rank and receiving the previous rank's t into a new buffer."""
+    buf = torch.empty_like(t)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peers[0], group),
+                                   dist.P2POp(dist.irecv, buf, peers[1], group)])
+    return buf, reqs
+
+
+def _wait(reqs: list) -> None:
+    for req in reqs:
+        req.wait()
+
+
+def _ring_forward(q, k, v, group, scale, causal, softcap):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout, peers = Layout(ranks), _peers(group, rank, ranks)
+    q_parts = q.chunk(2, dim=1)
+    outs: list[torch.Tensor | None] = [None, None]
+    lses: list[torch.Tensor | None] = [None, None]
+    kv = torch.stack((k, v)).contiguous()
+    for step in range(ranks):
+        if step + 1 < ranks:
+            kv_next, reqs = _exchange(kv, group, peers)  # in flight under this step's blocks
+        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
+        for i, j, vis in layout.blocks(rank, (rank - step) % ranks, causal):
+            o, lse = block_forward(q_parts[i], k_parts[j], v_parts[j], scale, vis == DIAGONAL,
+                                   softcap)
+            outs[i], lses[i] = merge_partials(outs[i], lses[i], o, lse)
+        if step + 1 < ranks:
+            _wait(reqs)
+            kv = kv_next
+    out = torch.cat([o.to(q.dtype) for o in outs], dim=1)  # type: ignore[union-attr]
+    return out, torch.cat(lses, dim=2)  # type: ignore[arg-type]
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout, peers = Layout(ranks), _peers(group, rank, ranks)
+    q_parts, do_parts, o_parts = q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1)
+    lse_parts = [part.contiguous() for part in lse.chunk(2, dim=2)]  # the operator reads rows
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_parts = dq.chunk(2, dim=1)
+    kv = torch.stack((k, v)).contiguous()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for step in range(ranks):
+        if step + 1 < ranks:
+            kv_next, kv_reqs = _exchange(kv, group, peers)
+        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
+        dk_parts, dv_parts = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
+        for i, j, vis in layout.blocks(rank, (rank - step) % ranks, causal):
+            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], k_parts[j], v_parts[j],
+                                              o_parts[i], lse_parts[i], scale, vis == DIAGONAL,
+                                              softcap, deterministic)
+            dq_parts[i].add_(dq_b)
+            dk_parts[j].add_(dk_b)
+            dv_parts[j].add_(dv_b)
+        if ranks > 1:  # dK, dV of these keys go on with them; the last step sends them home
+            dkv_next, dkv_reqs = _exchange(dkv, group, peers)
+            _wait(dkv_reqs)
+            dkv = dkv_next
+        if step + 1 < ranks:
+            _wait(kv_reqs)
+            kv = kv_next
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic):
+        out, lse = _ring_forward(q, k, v, group, scale, causal, softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, scale, causal, softcap, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _check(q, k, v, group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed initialised "
+                           "(dist.init_process_group)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (batch, "
+                             f"local_seq, heads, d_head)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, local "
+                         f"sequence and d_head (self-attention over one sharded sequence)")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v "
+                         f"({k.shape[2]})")
+    if q.shape[1] % 2:
+        raise ValueError(f"this rank's shard has {q.shape[1]} tokens; a zigzag shard is two "
+                         f"equal chunks (shard_sequence makes one from a sequence of a multiple "
+                         f"of 2 x ranks tokens)")
+    backend = dist.get_backend(group)
+    want = "nccl" if q.is_cuda else "gloo"
+    if backend != want:
+        raise ValueError(f"ring_attention on {'CUDA' if q.is_cuda else 'CPU'} tensors needs a "
+                         f"{want} process group, got {backend}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                   causal: bool = False, softmax_scale: float | None = None,
+                   softcap: float = 0.0, deterministic: bool = False,
+                   return_lse: bool = False):
+    """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
+    its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
+    Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
+    with return_lse); gradients flow back to q, k, v through autograd. causal: the whole
+    sequence's causal mask; softcap as in attention(); deterministic: the backward's sums in a
+    fixed order."""
+    _check(q, k, v, group)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = _RingAttention.apply(q, k, v, group, float(scale), bool(causal), float(softcap),
+                                    bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,75 @@
+"""Context parallelism on GPUs: ring_attention over NCCL with one process per GPU (2 GPUs, or
+as many as the machine has up to 4), bf16, GQA, causal and not, against the fp32 reference on
+the whole sequence by FlashAttention's rule (the error at most twice that of the single-GPU
+call of the package's kernels on the whole sequence, plus a small floor), output and
+gradients. Skipped, with the reason, on a machine with fewer than 2 GPUs."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                 reason=f"multi-GPU test: {torch.cuda.device_count()} GPU(s) "
+                                        "here, 2 needed")]
+
+FLOOR = 2e-3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _errors(got, ref32, single):
+    return ((got.float() - ref32).abs().max().item(),
+            (single.float() - ref32).abs().max().item())
+
+
+def _worker(rank: int, ranks: int, port: int) -> None:
+    import flash_attention as fa
+    from flash_attention.distributed import gather_sequence, ring_attention, shard_sequence
+    from flash_attention.reference import attention_reference
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=ranks)
+    try:
+        for causal, seed in ((False, 0), (True, 1)):
+            g = torch.Generator().manual_seed(seed)
+            whole = [torch.randn(1, 1024, h, 128, generator=g).cuda().bfloat16()
+                     for h in (8, 2, 2, 8)]
+            q, k, v, dout = whole
+            qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+            ref, _ = attention_reference(qr, kr, vr, causal=causal)
+            ref_grads = torch.autograd.grad((ref * dout.float()).sum(), (qr, kr, vr))
+            qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+            single = fa.attention(qs, ks, vs, causal=causal)
+            single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
+
+            ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
+            out = ring_attention(ql, kl, vl, causal=causal)
+            grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
+            what = f"rank {rank} of {ranks}, causal={causal}"
+            err, err_single = _errors(gather_sequence(out.detach()), ref.detach(), single)
+            assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
+            for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):
+                err, err_single = _errors(gather_sequence(mine), want, theirs)
+                assert err <= 2 * err_single + FLOOR, (
+                    f"{what}: d{name} {err:.3e} vs {err_single:.3e}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ring_attention_over_nccl_matches_the_whole_sequence(require_extension, ranks):
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"multi-GPU test: {torch.cuda.device_count()} GPU(s) here, {ranks} needed")
+    mp.spawn(_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
