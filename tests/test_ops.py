@@ -17,6 +17,7 @@ from flash_attention.interface import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_with_kvcache,
 )
 
 
@@ -195,3 +196,29 @@ def test_decode_debug_log_names_the_kernel_and_why(require_extension):
         assert "num_splits=0" in text
     assert "3 key splits" in kvcache.explain(torch.bfloat16, 128, num_splits=3)
     assert kvcache.explain(torch.float16, 64, kernel="x") == "decode kernel x (named by the call)"
+
+
+def test_decode_operators_trace_with_fake_tensors(mode):
+    """flash_attn_with_kvcache and the paged varlen call trace on a machine without a GPU: out
+    like q, the LSE shapes of flash_attn, and the KV-cache operator's schema declares the caches
+    it writes (what torch.compile needs to keep the append)."""
+    q = fake(mode, 3, 2, 8, 128)
+    cache = fake(mode, 3, 64, 2, 128)
+    new = fake(mode, 3, 1, 2, 128)
+    lens = fake(mode, 3, dtype=torch.int32)
+    with mode:
+        out, lse = flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lens,
+                                           causal=True, return_softmax_lse=True)
+    assert isinstance(out, FakeTensor) and out.shape == q.shape and lse.shape == (3, 8, 2)
+    schema = torch.ops.flash_attention.kvcache.default._schema
+    written = [a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["k_cache", "v_cache"]
+    qv = fake(mode, 10, 8, 128)
+    pages = fake(mode, 20, 16, 2, 128)
+    cu = fake(mode, 4, dtype=torch.int32)
+    table = fake(mode, 3, 5, dtype=torch.int32)
+    with mode:
+        out, lse, _ = flash_attn_varlen_func(qv, pages, pages, cu, cu, 4, 80, causal=True,
+                                             return_attn_probs=True, block_table=table)
+    assert out.shape == qv.shape and lse.shape == (8, 10)
