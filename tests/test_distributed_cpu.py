@@ -1,8 +1,9 @@
 """Context parallelism (flash_attention.distributed) on the CPU: the zigzag layout for any group
-size (chunks, balanced causal work, every block exactly once), the LSE merge, and the ring's
-forward and backward over gloo with 1-4 processes against the reference on the whole sequence
-(the blocks run the fp32 reference on CPU tensors; the GPU path runs the same ring with the
-package's operators over NCCL: tests/test_gpu_distributed.py). Causal and not, GQA, softcap."""
+size (chunks, balanced causal work, every block exactly once), the LSE merge, and the forward
+and backward of both methods (ring, all-gather) over gloo with 1-4 processes against the
+reference on the whole sequence (the blocks run the fp32 reference on CPU tensors; the GPU path
+runs the same code with the package's operators over NCCL: tests/test_gpu_distributed.py).
+Causal and not, GQA, softcap."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, seed) -> None:
+def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, seed,
+                method="ring") -> None:
     g = torch.Generator().manual_seed(seed)  # the same whole tensors on every rank
     q = torch.randn(batch, seqlen, heads, d_head, generator=g)
     k = torch.randn(batch, seqlen, kv_heads, d_head, generator=g)
@@ -102,9 +104,11 @@ def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, seed) -
     (out_ref * dout).sum().backward()
 
     ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
-    out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True)
+    out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True,
+                              method=method)
     (out * shard_sequence(dout)).sum().backward()
-    what = f"rank {dist.get_rank()} of {dist.get_world_size()}: {batch, seqlen, heads, kv_heads}"
+    what = (f"{method}, rank {dist.get_rank()} of {dist.get_world_size()}: "
+            f"{batch, seqlen, heads, kv_heads}")
     tol = {"atol": 2e-5, "rtol": 1e-4}
     torch.testing.assert_close(out, shard_sequence(out_ref.detach()), **tol, msg=what)
     torch.testing.assert_close(lse, shard_sequence(lse_ref, dim=2), **tol, msg=what)
@@ -119,9 +123,13 @@ def _worker(rank: int, ranks: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
-        for seed, case in enumerate(CASES):
-            if case[1] % (2 * ranks) == 0:
-                _check_case(*case, seed=seed)
+        for method in ("ring", "allgather"):
+            for seed, case in enumerate(CASES):
+                if case[1] % (2 * ranks) == 0:
+                    _check_case(*case, seed=seed, method=method)
+        with pytest.raises(ValueError, match="method must be one of ring, allgather"):
+            x = torch.zeros(1, 4, 2, 8)
+            ring_attention(x, x, x, method="tree")
         with pytest.raises(ValueError, match="two equal chunks"):
             x = torch.zeros(1, 3, 2, 8)
             ring_attention(x, x, x)
@@ -132,6 +140,11 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         grads = []
         for _ in range(2):
             out = ring_attention(q, k, v, causal=True, deterministic=True)
+            grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        grads = []
+        for _ in range(2):
+            out = ring_attention(q, k, v, causal=True, deterministic=True, method="allgather")
             grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     finally:

@@ -1,5 +1,6 @@
-"""Ring attention over a process group (the layout of layout.py): forward and backward through
-autograd.
+"""Attention over a sequence sharded across a process group (the layout of layout.py), forward
+and backward through autograd, by a ring (below) or by all-gather (every rank's K and V gathered
+at once; dK and dV reduced onto their owners).
 
 Forward, on rank r of P: K and V (stacked, the KV heads only) go around the ring, one step per
 rank; at step s the rank holds those of rank r - s, sends them on to r + 1 while it computes the
@@ -94,20 +95,78 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deter
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
+def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
+    """Every rank's K and V (stacked), by rank."""
+    kv = torch.stack((k, v)).contiguous()
+    gathered = [torch.empty_like(kv) for _ in range(ranks)]
+    dist.all_gather(gathered, kv, group=group)
+    return gathered
+
+
+def _allgather_forward(q, k, v, group, scale, causal, softcap):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout, q_parts = Layout(ranks), q.chunk(2, dim=1)
+    outs: list[torch.Tensor | None] = [None, None]
+    lses: list[torch.Tensor | None] = [None, None]
+    for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
+        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
+        for i, j, vis in layout.blocks(rank, src, causal):
+            o, lse = block_forward(q_parts[i], k_parts[j], v_parts[j], scale, vis == DIAGONAL,
+                                   softcap)
+            outs[i], lses[i] = merge_partials(outs[i], lses[i], o, lse)
+    out = torch.cat([o.to(q.dtype) for o in outs], dim=1)  # type: ignore[union-attr]
+    return out, torch.cat(lses, dim=2)  # type: ignore[arg-type]
+
+
+def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    layout = Layout(ranks)
+    q_parts, do_parts, o_parts = q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1)
+    lse_parts = [part.contiguous() for part in lse.chunk(2, dim=2)]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_parts = dq.chunk(2, dim=1)
+    mine = None
+    for src, kv in enumerate(_gather_kv(k, v, group, ranks)):  # gathered again: not kept
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
+        dk_parts, dv_parts = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
+        for i, j, vis in layout.blocks(rank, src, causal):
+            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], k_parts[j], v_parts[j],
+                                              o_parts[i], lse_parts[i], scale, vis == DIAGONAL,
+                                              softcap, deterministic)
+            dq_parts[i].add_(dq_b)
+            dk_parts[j].add_(dk_b)
+            dv_parts[j].add_(dv_b)
+        # src's keys' gradients from every rank, summed on src (in rank order: deterministic)
+        dst = src if group is None or group is dist.group.WORLD else dist.get_global_rank(group,
+                                                                                          src)
+        dist.reduce(dkv, dst=dst, op=dist.ReduceOp.SUM, group=group)
+        if src == rank:
+            mine = dkv
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
+
+
+METHODS = {"ring": (_ring_forward, _ring_backward),
+           "allgather": (_allgather_forward, _allgather_backward)}
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic):
-        out, lse = _ring_forward(q, k, v, group, scale, causal, softcap)
+    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic, method):
+        forward, _ = METHODS[method]
+        out, lse = forward(q, k, v, group, scale, causal, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, scale, causal, softcap, deterministic)
+        ctx.method = method
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        _, backward = METHODS[ctx.method]
+        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check(q, k, v, group) -> None:
@@ -141,15 +200,20 @@ def _check(q, k, v, group) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                    causal: bool = False, softmax_scale: float | None = None,
                    softcap: float = 0.0, deterministic: bool = False,
-                   return_lse: bool = False):
+                   return_lse: bool = False, method: str = "ring"):
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
     with return_lse); gradients flow back to q, k, v through autograd. causal: the whole
     sequence's causal mask; softcap as in attention(); deterministic: the backward's sums in a
-    fixed order."""
+    fixed order. method: "ring" (K/V passed rank to rank under the blocks: memory of one
+    rank's K/V in flight) or "allgather" (every rank's K/V gathered at once, dK/dV reduced to
+    their owners: fewer, larger collectives, P times the K/V memory); no rule chooses between
+    them yet (none measured on GPUs)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     _check(q, k, v, group)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _RingAttention.apply(q, k, v, group, float(scale), bool(causal), float(softcap),
-                                    bool(deterministic))
+                                    bool(deterministic), method)
     return (out, lse) if return_lse else out
