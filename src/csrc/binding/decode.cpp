@@ -32,6 +32,7 @@
 #include "input_layout.h"
 #include "kernel_registry.h"
 #include "message.h"
+#include "params.h"
 #include "validation.h"
 
 namespace flash::binding {
@@ -154,18 +155,31 @@ at::Tensor set_pages(flash::DecParams& p, const at::Tensor& block_table, const a
     return table;
 }
 
-// K and V strides by role: (page or batch, row, head) of 4-D caches, (0, row, head) of packed
-// (total_k, Hk, D) ones.
+// A tensor's strides by role (params.h): (batch or page, row, head) of 4-D tensors, (0, row,
+// head) of packed (tokens, heads, d_head) ones.
+RoleStrides roles(const at::Tensor& t) {
+    return role_strides(t, t.dim() == 3);
+}
+
 void set_key_strides(flash::DecParams& p, const at::Tensor& k, const at::Tensor& v) {
-    const bool four = k.dim() == 4;
+    const RoleStrides ks = roles(k), vs = roles(v);
     p.k = k.data_ptr();
     p.v = v.data_ptr();
-    p.k_batch_stride = four ? k.stride(0) : 0;
-    p.k_row_stride = k.stride(four ? 1 : 0);
-    p.k_head_stride = k.stride(four ? 2 : 1);
-    p.v_batch_stride = four ? v.stride(0) : 0;
-    p.v_row_stride = v.stride(four ? 1 : 0);
-    p.v_head_stride = v.stride(four ? 2 : 1);
+    p.k_batch_stride = ks.batch;
+    p.k_row_stride = ks.row;
+    p.k_head_stride = ks.head;
+    p.v_batch_stride = vs.batch;
+    p.v_row_stride = vs.row;
+    p.v_head_stride = vs.head;
+}
+
+// q as the kernels read it (the caller's, or its rotated or contiguous copy).
+void set_q(flash::DecParams& p, const at::Tensor& q) {
+    const RoleStrides s = roles(q);
+    p.q = q.data_ptr();
+    p.q_batch_stride = s.batch;
+    p.q_row_stride = s.row;
+    p.q_head_stride = s.head;
 }
 
 // q, out and lse (all fresh or checked), and the shape the kernels read from them.
@@ -174,15 +188,13 @@ void set_queries(flash::DecParams& p, const at::Tensor& q, const at::Tensor& out
     const bool four = q.dim() == 4;
     const int64_t H = q.size(-2);
     FA_CHECK_VALUE(rows_total * H < (int64_t(1) << 31), "query rows x heads exceeds 2^31");
-    p.q = q.data_ptr();
+    const RoleStrides os = roles(out);
+    set_q(p, q);
     p.o = out.data_ptr();
     p.lse = lse;
-    p.q_batch_stride = four ? q.stride(0) : 0;
-    p.q_row_stride = q.stride(four ? 1 : 0);
-    p.q_head_stride = q.stride(four ? 2 : 1);
-    p.o_batch_stride = four ? out.stride(0) : 0;
-    p.o_row_stride = out.stride(four ? 1 : 0);
-    p.o_head_stride = out.stride(four ? 2 : 1);
+    p.o_batch_stride = os.batch;
+    p.o_row_stride = os.row;
+    p.o_head_stride = os.head;
     p.lse_batch_stride = four ? H * seqlen_q : 0;  // (batch, heads, seqlen_q) or (heads, total_q)
     p.lse_head_stride = four ? seqlen_q : rows_total;
     p.heads = static_cast<int>(H);
@@ -292,8 +304,11 @@ kvcache::AppendParams append_params(const at::Tensor& src, const flash::DecParam
     a.base_const = base_const;
     a.per_row = per_row;
     if (cos.defined()) {
-        a.cos = cos.data_ptr<float>();
-        a.sin = sin.data_ptr<float>();
+        a.cos = cos.data_ptr();
+        a.sin = sin.data_ptr();
+        a.cos_row_stride = cos.stride(0);
+        a.sin_row_stride = sin.stride(0);
+        a.rotary_fp32 = cos.scalar_type() == at::kFloat;
         a.seqlen_ro = static_cast<int>(cos.size(0));
         a.rotary_dim = static_cast<int>(2 * cos.size(1));
         a.interleaved = interleaved;
@@ -404,7 +419,8 @@ CacheLengths cache_lengths(const std::optional<at::Tensor>& tensor, int64_t valu
     return out;
 }
 
-// rotary_cos, rotary_sin as the append reads them (fp32, contiguous), or undefined.
+// rotary_cos, rotary_sin as the append reads them (their own dtype, q's or fp32; a copy only
+// when a row is not contiguous), or undefined.
 std::pair<at::Tensor, at::Tensor> check_rotary(const std::optional<at::Tensor>& cos,
                                                const std::optional<at::Tensor>& sin,
                                                const at::Tensor& q, bool have_lengths,
@@ -427,7 +443,10 @@ std::pair<at::Tensor, at::Tensor> check_rotary(const std::optional<at::Tensor>& 
     FA_CHECK_VALUE(have_lengths, "rotary embedding needs cache_seqlens: the positions of q and k");
     FA_CHECK_VALUE(longest < 0 || longest + positions <= cos->size(0), "rotary_cos has ",
                    cos->size(0), " rows; positions up to ", longest + positions - 1, " are needed");
-    return {cos->to(at::kFloat).contiguous(), sin->to(at::kFloat).contiguous()};
+    const auto rows = [](const at::Tensor& t) {
+        return t.size(1) > 1 && t.stride(1) != 1 ? t.contiguous() : t;
+    };
+    return {rows(*cos), rows(*sin)};
 }
 
 std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
@@ -505,10 +524,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
         p.seqlen_k =
             lengths.constant >= 0 ? static_cast<int>(lengths.constant + S_new) : p.capacity;
     }
-    p.q = q.data_ptr();
-    p.q_batch_stride = q.stride(0);
-    p.q_row_stride = q.stride(1);
-    p.q_head_stride = q.stride(2);
+    set_q(p, q);
     set_key_strides(p, k_cache, v_cache);
     launch_decode(p, *kernel, q_in, stream);
     return {out, lse};
@@ -573,9 +589,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
     if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)
         return {out, lse};
     const at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;
-    p.q = q.data_ptr();
-    p.q_row_stride = q.stride(0);
-    p.q_head_stride = q.stride(1);
+    set_q(p, q);
     set_key_strides(p, k, v);
     launch_decode(p, *kernel, q_in, stream);
     return {out, lse};

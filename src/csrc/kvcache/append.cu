@@ -79,8 +79,13 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
         static_cast<const Elem*>(p.src) + b * p.src_batch_stride + int64_t(j) * p.src_row_stride;
     Elem* dst = static_cast<Elem*>(p.dst) + dst_row;
     const int half = p.rotary_dim / 2;
-    const float* cos_row = rotary && !rotary_bad ? p.cos + int64_t(pos) * half : nullptr;
-    const float* sin_row = rotary && !rotary_bad ? p.sin + int64_t(pos) * half : nullptr;
+    const int64_t cos_at = int64_t(pos) * p.cos_row_stride,
+                  sin_at = int64_t(pos) * p.sin_row_stride;
+    // Entry i of this position's cos / sin row, in fp32 (read only for a valid position).
+    const auto angle = [&](const void* table, int64_t at, int i) {
+        return p.rotary_fp32 ? static_cast<const float*>(table)[at + i]
+                             : to_float(static_cast<const Elem*>(table)[at + i]);
+    };
     const int n = p.heads * p.d_head;
     for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
         const int h = idx / p.d_head, c = idx % p.d_head;
@@ -93,11 +98,11 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
         } else if (p.interleaved) {  // pairs (2i, 2i + 1)
             const int i = c / 2;
             const float x1 = to_float(x[2 * i]), x2 = to_float(x[2 * i + 1]);
-            out = rotate(x1, x2, cos_row[i], sin_row[i], c % 2 == 0);
+            out = rotate(x1, x2, angle(p.cos, cos_at, i), angle(p.sin, sin_at, i), c % 2 == 0);
         } else {  // halves (i, i + rotary_dim / 2)
             const int i = c < half ? c : c - half;
             const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-            out = rotate(x1, x2, cos_row[i], sin_row[i], c < half);
+            out = rotate(x1, x2, angle(p.cos, cos_at, i), angle(p.sin, sin_at, i), c < half);
         }
         dst[h * p.dst_head_stride + c] = from_float<Elem>(out);
     }

@@ -33,9 +33,13 @@ struct AppendParams {
     int base_const;
     bool per_row;
 
-    // Rotary embedding: cos, sin (seqlen_ro, rotary_dim / 2) fp32 contiguous, or nullptr.
-    const float* cos;
-    const float* sin;
+    // Rotary embedding: cos, sin (seqlen_ro, rotary_dim / 2), rows cos_row_stride elements
+    // apart, fp32 (rotary_fp32) or the source's element type, read as they are (no copy of the
+    // table per step); nullptr: none.
+    const void* cos;
+    const void* sin;
+    int64_t cos_row_stride, sin_row_stride;
+    bool rotary_fp32;
     int seqlen_ro, rotary_dim;
     bool interleaved;
 

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ..masks import visible
 from ..reference import _expand_kv, attention_reference
 
 
@@ -49,10 +50,7 @@ def _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap):
     else:
         scores = raw
     if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq)[:, None]
-        j = torch.arange(sk)[None, :]
-        scores = scores.masked_fill(j - i - (sk - sq) > 0, -math.inf)
+        scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], -1, 0), -math.inf)
     finite = torch.isfinite(lse)[..., None]
     p = torch.where(finite, torch.exp(scores - torch.where(finite, lse[..., None], 0.0)), 0.0)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)

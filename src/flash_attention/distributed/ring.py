@@ -42,49 +42,83 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
-def _ring_forward(q, k, v, group, scale, causal, softcap):
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout, peers = Layout(ranks), _peers(group, rank, ranks)
-    q_parts = q.chunk(2, dim=1)
-    outs: list[torch.Tensor | None] = [None, None]
-    lses: list[torch.Tensor | None] = [None, None]
-    kv = torch.stack((k, v)).contiguous()
-    for step in range(ranks):
-        if step + 1 < ranks:
-            kv_next, reqs = _exchange(kv, group, peers)  # in flight under this step's blocks
+class _Forward:
+    """One rank's forward: its two query chunks' (out, LSE), merged over the key chunks of every
+    rank as they arrive (add), by either method."""
+
+    def __init__(self, q, scale, causal, softcap, rank: int, ranks: int) -> None:
+        self.q, self.args, self.rank, self.layout = q, (scale, softcap), rank, Layout(ranks)
+        self.causal = causal
+        self.q_parts = q.chunk(2, dim=1)
+        self.outs: list[torch.Tensor | None] = [None, None]
+        self.lses: list[torch.Tensor | None] = [None, None]
+
+    def add(self, src: int, kv: torch.Tensor) -> None:
+        """The blocks the rank's queries see of rank src's keys (kv: K and V stacked)."""
+        scale, softcap = self.args
         k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-        for i, j, vis in layout.blocks(rank, (rank - step) % ranks, causal):
-            o, lse = block_forward(q_parts[i], k_parts[j], v_parts[j], scale, vis == DIAGONAL,
-                                   softcap)
-            outs[i], lses[i] = merge_partials(outs[i], lses[i], o, lse)
-        if step + 1 < ranks:
-            _wait(reqs)
-            kv = kv_next
-    out = torch.cat([o.to(q.dtype) for o in outs], dim=1)  # type: ignore[union-attr]
-    return out, torch.cat(lses, dim=2)  # type: ignore[arg-type]
+        for i, j, vis in self.layout.blocks(self.rank, src, self.causal):
+            o, lse = block_forward(self.q_parts[i], k_parts[j], v_parts[j], scale,
+                                   vis == DIAGONAL, softcap)
+            self.outs[i], self.lses[i] = merge_partials(self.outs[i], self.lses[i], o, lse)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.cat([o.to(self.q.dtype) for o in self.outs], dim=1)  # type: ignore[union-attr]
+        return out, torch.cat(self.lses, dim=2)  # type: ignore[arg-type]
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout, peers = Layout(ranks), _peers(group, rank, ranks)
-    q_parts, do_parts, o_parts = q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1)
-    lse_parts = [part.contiguous() for part in lse.chunk(2, dim=2)]  # the operator reads rows
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq_parts = dq.chunk(2, dim=1)
-    kv = torch.stack((k, v)).contiguous()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    for step in range(ranks):
-        if step + 1 < ranks:
-            kv_next, kv_reqs = _exchange(kv, group, peers)
+class _Backward:
+    """One rank's backward: dQ of its query chunks, summed over the key chunks of every rank,
+    and each block's dK, dV added into that rank's (fp32) accumulator (add)."""
+
+    def __init__(self, dout, q, out, lse, scale, causal, softcap, deterministic, rank: int,
+                 ranks: int) -> None:
+        self.parts = (q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1),
+                      [part.contiguous() for part in lse.chunk(2, dim=2)])  # rows, as read
+        self.args = (scale, causal, softcap, deterministic)
+        self.rank, self.layout, self.q = rank, Layout(ranks), q
+        self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
+        scale, causal, softcap, deterministic = self.args
+        q_parts, do_parts, o_parts, lse_parts = self.parts
+        dq_parts = self.dq.chunk(2, dim=1)
         k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
         dk_parts, dv_parts = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
-        for i, j, vis in layout.blocks(rank, (rank - step) % ranks, causal):
+        for i, j, vis in self.layout.blocks(self.rank, src, causal):
             dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], k_parts[j], v_parts[j],
                                               o_parts[i], lse_parts[i], scale, vis == DIAGONAL,
                                               softcap, deterministic)
             dq_parts[i].add_(dq_b)
             dk_parts[j].add_(dk_b)
             dv_parts[j].add_(dv_b)
+
+
+def _ring_forward(q, k, v, group, scale, causal, softcap):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    peers = _peers(group, rank, ranks)
+    acc = _Forward(q, scale, causal, softcap, rank, ranks)
+    kv = torch.stack((k, v)).contiguous()
+    for step in range(ranks):
+        if step + 1 < ranks:
+            kv_next, reqs = _exchange(kv, group, peers)  # in flight under this step's blocks
+        acc.add((rank - step) % ranks, kv)
+        if step + 1 < ranks:
+            _wait(reqs)
+            kv = kv_next
+    return acc.result()
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    peers = _peers(group, rank, ranks)
+    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks)
+    kv = torch.stack((k, v)).contiguous()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for step in range(ranks):
+        if step + 1 < ranks:
+            kv_next, kv_reqs = _exchange(kv, group, peers)
+        acc.add((rank - step) % ranks, kv, dkv)
         if ranks > 1:  # dK, dV of these keys go on with them; the last step sends them home
             dkv_next, dkv_reqs = _exchange(dkv, group, peers)
             _wait(dkv_reqs)
@@ -92,7 +126,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deter
         if step + 1 < ranks:
             _wait(kv_reqs)
             kv = kv_next
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return acc.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
@@ -105,45 +139,26 @@ def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
 
 def _allgather_forward(q, k, v, group, scale, causal, softcap):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout, q_parts = Layout(ranks), q.chunk(2, dim=1)
-    outs: list[torch.Tensor | None] = [None, None]
-    lses: list[torch.Tensor | None] = [None, None]
+    acc = _Forward(q, scale, causal, softcap, rank, ranks)
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
-        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-        for i, j, vis in layout.blocks(rank, src, causal):
-            o, lse = block_forward(q_parts[i], k_parts[j], v_parts[j], scale, vis == DIAGONAL,
-                                   softcap)
-            outs[i], lses[i] = merge_partials(outs[i], lses[i], o, lse)
-    out = torch.cat([o.to(q.dtype) for o in outs], dim=1)  # type: ignore[union-attr]
-    return out, torch.cat(lses, dim=2)  # type: ignore[arg-type]
+        acc.add(src, kv)
+    return acc.result()
 
 
 def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = Layout(ranks)
-    q_parts, do_parts, o_parts = q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1)
-    lse_parts = [part.contiguous() for part in lse.chunk(2, dim=2)]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq_parts = dq.chunk(2, dim=1)
+    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks)
     mine = None
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):  # gathered again: not kept
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-        dk_parts, dv_parts = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
-        for i, j, vis in layout.blocks(rank, src, causal):
-            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], k_parts[j], v_parts[j],
-                                              o_parts[i], lse_parts[i], scale, vis == DIAGONAL,
-                                              softcap, deterministic)
-            dq_parts[i].add_(dq_b)
-            dk_parts[j].add_(dk_b)
-            dv_parts[j].add_(dv_b)
+        acc.add(src, kv, dkv)
         # src's keys' gradients from every rank, summed on src (in rank order: deterministic)
         dst = src if group is None or group is dist.group.WORLD else dist.get_global_rank(group,
                                                                                           src)
         dist.reduce(dkv, dst=dst, op=dist.ReduceOp.SUM, group=group)
         if src == rank:
             mine = dkv
-    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
+    return acc.dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
 
 
 METHODS = {"ring": (_ring_forward, _ring_backward),
