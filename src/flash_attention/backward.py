@@ -137,7 +137,7 @@ def _attention_backward(ctx, dout, dlse):
             "backward; call it with return_lse=True (fa.attention does when an input requires "
             "grad)")
     softmax_scale, causal, window_left, window_right, softcap = ctx.features
-    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("attention backward %s %s: %s", q.dtype, tuple(q.shape),
                   torch.ops.flash_attention.bwd_explain(dout, q, k, v, cu_seqlens_q is not None,
                                                         softcap > 0))

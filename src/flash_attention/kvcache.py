@@ -122,7 +122,7 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise NotImplementedError("block_table / seqused_k calls have no backward (the decode "
                                   "kernels serve inference); run them under torch.no_grad()")
     ops.require()
-    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits))
@@ -211,7 +211,7 @@ def flash_attn_with_kvcache(
                              f"{cache_seqlens!r}")
         seqlen_int = cache_seqlens
     ops.require()
-    if log.isEnabledFor(logging.DEBUG) and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits))
