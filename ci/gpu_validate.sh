@@ -3,11 +3,19 @@
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
-#        sanitize debug asv calibrate hang profile profile-bwd profile-bwd80 gate-aa bwd-planted
+#        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
+#             (studies/decode_bench.py with DECODE_BENCH_ARGS)
+#   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
+#             through flash_attn_with_kvcache against SDPA) and ci/serving_loop.py (a page pool
+#             shared by sequences of many lengths, prefill and decode in one varlen call per
+#             step, page sizes SERVING_PAGES), with their GPU tests
+#   distributed  context parallelism on every GPU of the host (2 or more): the multi-GPU tests,
+#             then studies/ring_bench.py (ring and all-gather against torch's context_parallel
+#             over SDPA and one GPU alone; RING_SEQS, RING_HEADS, RING_LONG tokens)
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
 #             examples of the test step's run, new examples every run)
 #   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
@@ -36,6 +44,8 @@
 #   profile   Nsight Compute (full set, clocks untouched) of the dispatched kernel and SDPA
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
+#   profile-decode  the same for the decode kernel (ours, the split heuristic) and SDPA cuDNN's at
+#             PROFILE_SHAPE ("16 32768 32 8 128": batch, seqlen, heads, kv_heads, d_head)
 #   profile-bwd  the same for the backward's main kernel (the Hopper one) and cuDNN's, at
 #             PROFILE_SHAPE ("bf16 128 4 4096 16")
 #   profile-bwd80  the sm80 family's backward kernel by name (as on an sm_80 GPU or a varlen
@@ -93,7 +103,25 @@ if step decode; then
         -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16)"
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
-    run decode_bench timeout 500 python3 studies/decode_bench.py --json "$LOG_DIR/decode.json"
+    # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
+    run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
+        --json "$LOG_DIR/decode.json"
+fi
+if step clients; then
+    run generate_tests timeout 300 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_llama_generate_client.py tests/test_serving_loop.py
+    run generate_client timeout 300 python3 ci/llama_generate_client.py \
+        --json "$LOG_DIR/generate.json"
+    for ps in ${SERVING_PAGES:-16 1 256}; do
+        run "serving_p$ps" timeout 240 python3 ci/serving_loop.py --page-size "$ps" \
+            --json "$LOG_DIR/serving_p$ps.json"
+    done
+fi
+if step distributed; then
+    run distributed_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_distributed.py
+    run ring_bench timeout 500 python3 studies/ring_bench.py --seqs "${RING_SEQS:-32768,65536,131072}" \
+        --heads "${RING_HEADS:-32/32}" --long "${RING_LONG:-0}" --json "$LOG_DIR/ring.json"
 fi
 if step fuzz; then
     run fuzz env FA_FUZZ_PROFILE=long FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
@@ -327,7 +355,7 @@ ncu_run() {
     run "ncu-$1" timeout 240 ncu --clock-control none --set full --kernel-name-base demangled \
         -k "regex:$2" \
         --launch-skip 3 --launch-count 1 -f -o "$LOG_DIR/ncu-$1" \
-        python3 studies/ncu_target.py "$3" $shape "${@:4}"
+        python3 "${NCU_TARGET:-studies/ncu_target.py}" "$3" $shape "${@:4}"
     ncu --import "$LOG_DIR/ncu-$1.ncu-rep" --page details >"$LOG_DIR/ncu-$1-details.txt" 2>&1
 }
 ncu_sass() {  # ncu_sass NAME: the per-SASS-line page of ncu_run NAME's report
@@ -339,6 +367,12 @@ if step profile; then
     ncu_run ours 'sm90::fwd_kernel' ours
     ncu_sass ours
     ncu_run cudnn 'cudnn|sdpa|fprop|fmha' cudnn
+fi
+if step profile-decode; then
+    shape=${PROFILE_SHAPE:-16 32768 32 8 128}
+    NCU_TARGET=studies/decode_ncu_target.py ncu_run dec-ours 'dec_kernel' ours
+    ncu_sass dec-ours
+    NCU_TARGET=studies/decode_ncu_target.py ncu_run dec-cudnn 'cudnn|sdpa|fprop|fmha' sdpa
 fi
 if step profile-bwd; then
     shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}

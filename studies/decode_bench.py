@@ -1,16 +1,31 @@
-"""Decode steps on a GPU, side by side in one process: flash_attn_with_kvcache (contiguous cache,
-and paged caches of 16- and 256-row pages through a shuffled block table; the split heuristic,
-and one pass with num_splits=1) against SDPA (enable_gqa=True, its preferred contiguous (batch,
-heads, seq, d) layout, the backend it picks) and the GPU's copy bandwidth. One new token per
-sequence (seqlen_q 1), every sequence at the cache's full length, no append (the step's
-attention alone), called from Python and replayed from a CUDA graph (rows "graph"). Each
-contender is timed at steady clocks (time_sustained_ms: 20 calls after about 300 ms of the
-same calls); --rounds N rotates the contenders' order per round and the table gives the median
-and the spread (min-max) over rounds. The KV fraction is the cache bytes read per second over
-the copy's (bytes read + written per second).
+"""Decode steps on a GPU, side by side in one process: flash_attn_with_kvcache against SDPA (each
+of its backends forced in turn, and the one it picks), torch's FlexAttention (compiled; its
+paged-attention path over a block mask, and a contiguous cache) and the GPU's copy bandwidth.
+
+Every sequence is at the cache's full length; no append unless the row says so. Rows (all
+replayed from CUDA graphs, the GPU's time without the host's, as serving engines run decode
+steps, except the "eager" rows, called from Python):
+
+    ours                 contiguous cache (batch, seq, kv_heads, d), the split heuristic
+    ours 1 split         num_splits=1 (--one-split); ours N splits: num_splits=N (--splits)
+    ours bhsd            the cache in SDPA's (batch, kv_heads, seq, d) storage, read in place
+    ours paged N         N-row pages through a shuffled block table (--pages)
+    ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec)
+    ours append+rotary   the step with its new k, v appended and rotary on q and k (--append)
+    sdpa <backend>       SDPA forced to cudnn, flash, efficient (enable_gqa=True, (b, h, s, d));
+                         "sdpa best" in the summary is the fastest that ran
+    flex, flex paged N   FlexAttention compiled, contiguous and through PagedAttention (--flex)
+    copy                 a device-to-device copy of the cache's bytes
+
+Each contender is timed at steady clocks (time_sustained_ms: 20 calls after about 300 ms of the
+same calls); --rounds N rotates the order per round and the table gives the median and the
+spread (min-max) over rounds. The KV fraction is the cache bytes read per second over the
+copy's (bytes read + written per second). --host also times the host's cost of one eager call
+(microseconds of Python + launch per call, 200 calls queued without a sync) of ours and SDPA.
 
     PYTHONPATH=src python3 studies/decode_bench.py [--shapes 1x4096,16x32768] [--rounds 2]
-        [--heads 32/8] [--d 128] [--dtype bf16] [--json out.json]
+        [--heads 32/8] [--d 128] [--dtype bf16] [--pages 16,256] [--spec] [--append]
+        [--flex] [--host] [--one-split] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +43,7 @@ from fa_tools.gpu.perfcases import time_sustained_ms
 from flash_attention.interface import flash_attn_with_kvcache
 
 SHAPES = "1x4096,1x32768,1x131072,16x4096,16x32768,64x4096,64x16384"
+SDPA_BACKENDS = ("cudnn", "flash", "efficient")
 
 
 def graphed(fn):
@@ -41,46 +59,145 @@ def graphed(fn):
     return graph.replay
 
 
-def contenders(batch, seqlen, heads, kv_heads, d, dtype, kernels=()):
-    """name -> callable, and the cache's bytes (K and V). kernels: decode kernels by name,
-    timed on the contiguous cache beside the one dispatch picks."""
+def _sdpa(qs, kt, vt, backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def fn():
+        with sdpa_kernel([which]):
+            return F.scaled_dot_product_attention(qs, kt, vt, enable_gqa=True)
+    return fn
+
+
+def _paged(kc, vc, page: int):
+    """The caches as pages of `page` rows in a shuffled pool, and the block table."""
+    batch, seqlen = kc.shape[:2]
+    per = seqlen // page
+    perm = torch.randperm(batch * per, device="cuda")
+    table = perm.view(batch, per).to(torch.int32)
+    pools = []
+    for c in (kc, vc):
+        pool = torch.empty(batch * per, page, *c.shape[2:], device="cuda", dtype=c.dtype)
+        pool[perm] = c.view(batch * per, page, *c.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def _flex(qs, kt, vt, page: int = 0):
+    """FlexAttention (compiled) on the (b, h, s, d) cache; page > 0: torch's PagedAttention
+    (pool (1, kv_heads, pages x page, d), its converted block mask and score mod)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    batch, kv_heads, seqlen, d = kt.shape
+    if not page:
+        return lambda: flex(qs, kt, vt, enable_gqa=True)
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    n_pages = batch * seqlen // page
+    pa = PagedAttention(n_pages, page, batch)
+    kpool = torch.zeros(1, kv_heads, n_pages * page, d, device="cuda", dtype=kt.dtype)
+    vpool = torch.zeros_like(kpool)
+    for b in range(batch):
+        pa.reserve(torch.tensor(b, device="cuda"), torch.tensor(seqlen, device="cuda"))
+    pos = torch.arange(seqlen, device="cuda").expand(batch, seqlen)
+    pa.assign(torch.arange(batch, device="cuda"), pos, kt, vt, kpool, vpool)
+    mask = create_block_mask(noop_mask, batch, None, qs.shape[2], seqlen,
+                             BLOCK_SIZE=(128, page))
+    paged_mask = pa.convert_logical_block_mask(mask)
+    score_mod = pa.get_score_mod(None)
+    return lambda: flex(qs, kpool, vpool, block_mask=paged_mask, score_mod=score_mod,
+                        enable_gqa=True)
+
+
+def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, int, dict]:
+    """name -> callable (graph replays but for the eager rows), the cache's bytes (K and V),
+    and name -> error for contenders that could not be set up."""
     q = torch.randn(batch, 1, heads, d, device="cuda", dtype=dtype)
     kc = torch.randn(batch, seqlen, kv_heads, d, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
     lens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
-    out = {
-        "ours": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens),
-        "ours 1 split": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                                         num_splits=1),
-    }
-    for name in kernels:
-        out[name] = (lambda name=name: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                                               kernel=name))
+    eager = {"ours": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)}
+    if opts.one_split:
+        eager["ours 1 split"] = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                                num_splits=1)
+    for n in opts.splits:
+        eager[f"ours {n} splits"] = (lambda n=n: flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, num_splits=n))
+    for name in opts.kernels:
+        eager[name] = (lambda name=name: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                                                 kernel=name))
     # The cache in SDPA's layout, (batch, kv_heads, seq, d) storage read through a transposed
     # view (flash_attn's (batch, seq, kv_heads, d) is the default): each head's rows contiguous.
     kt, vt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-    out["ours bhsd"] = lambda: flash_attn_with_kvcache(q, kt.transpose(1, 2), vt.transpose(1, 2),
-                                                       cache_seqlens=lens)
-    for page in (16, 256):
-        per = seqlen // page
-        perm = torch.randperm(batch * per, device="cuda")
-        table = perm.view(batch, per).to(torch.int32)
-        kp = torch.empty(batch * per, page, kv_heads, d, device="cuda", dtype=dtype)
-        kp[perm] = kc.view(batch * per, page, kv_heads, d)
-        vp = torch.empty_like(kp)
-        vp[perm] = vc.view(batch * per, page, kv_heads, d)
-        out[f"ours paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
+    eager["ours bhsd"] = lambda: flash_attn_with_kvcache(q, kt.transpose(1, 2),
+                                                         vt.transpose(1, 2), cache_seqlens=lens)
+    for page in opts.pages:
+        kp, vp, table = _paged(kc, vc, page)
+        eager[f"ours paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
             q, kp, vp, cache_seqlens=lens, block_table=table))
+    if opts.spec:
+        for n in (4, 8):
+            qn = torch.randn(batch, n, heads, d, device="cuda", dtype=dtype)
+            eager[f"ours q{n}"] = (lambda qn=qn: flash_attn_with_kvcache(
+                qn, kc, vc, cache_seqlens=lens, causal=True))
+    if opts.append:
+        # one new token per sequence written at row seqlen - 1 (the same row every call), rotary
+        # on it and on q: attention then covers seqlen keys, as the "ours" row does
+        kn, vn = (torch.randn(batch, 1, kv_heads, d, device="cuda", dtype=dtype)
+                  for _ in range(2))
+        angles = torch.arange(seqlen, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        before = lens - 1
+        eager["ours append+rotary"] = lambda: flash_attn_with_kvcache(
+            q, kc, vc, k=kn, v=vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=before,
+            causal=True)
     qs = q.transpose(1, 2).contiguous()
-    out["sdpa"] = lambda: F.scaled_dot_product_attention(qs, kt, vt, enable_gqa=True)
-    # The same calls replayed from CUDA graphs, as serving engines run decode steps: the GPU's
-    # time without the host's per-call cost.
-    for name in ("ours", "ours bhsd", "ours paged 16", "sdpa"):
-        out[name + " graph"] = graphed(out[name])
+    for backend in SDPA_BACKENDS:
+        eager[f"sdpa {backend}"] = _sdpa(qs, kt, vt, backend)
+    eager["sdpa"] = lambda: F.scaled_dot_product_attention(qs, kt, vt, enable_gqa=True)
+    errors: dict[str, str] = {}
+    if opts.flex:
+        for page in (0, *opts.flex_pages):
+            name = f"flex paged {page}" if page else "flex"
+            try:
+                eager[name] = _flex(qs, kt, vt, page)
+            except Exception as exc:
+                errors[name] = _short(exc)
+    out = {}
+    for name, fn in eager.items():
+        try:
+            fn()
+            out[name] = graphed(fn)
+        except Exception as exc:  # a backend that refuses the shape is reported, not fatal
+            errors[name] = _short(exc)
+            torch.cuda.synchronize()
+    out["ours eager"], out["sdpa eager"] = eager["ours"], eager["sdpa"]
     src = torch.empty(2 * kc.numel(), device="cuda", dtype=dtype)
     dst = torch.empty_like(src)
     out["copy"] = lambda: dst.copy_(src)
-    return out, 2 * kc.numel() * kc.element_size()
+    return out, 2 * kc.numel() * kc.element_size(), errors
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:140] if text else ''}"
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host microseconds per eager call: calls queued back to back with no sync between them
+    (the GPU runs behind; the launch queue holds them), the first after a sync."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
 
 
 def profile_kernels(fns) -> None:
@@ -100,9 +217,22 @@ def profile_kernels(fns) -> None:
                                                  sorted(rows, key=lambda r: -r[1])))
 
 
-def peer(name: str) -> str:
-    """SDPA's row to compare a row of ours with: its graph replay for a graph replay."""
-    return "sdpa graph" if name.endswith(" graph") else "sdpa"
+def summary(med: dict[str, float]) -> dict:
+    """The target ratios of one shape: SDPA's best backend over ours (graph replays), the
+    paged and the speculative rows over the contiguous one, append+rotary's cost."""
+    sdpa = {n: t for n, t in med.items() if n.startswith("sdpa ") and n != "sdpa eager"}
+    best = min(sdpa, key=sdpa.get) if sdpa else None
+    out: dict = {"sdpa_best": best}
+    ours = med["ours"]
+    if best:
+        out["sdpa_best_over_ours"] = med[best] / ours
+    flex = {n: t for n, t in med.items() if n.startswith("flex")}
+    for n, t in flex.items():
+        out[f"{n}_over_ours"] = t / ours
+    for n, t in med.items():
+        if n.startswith("ours paged") or n.startswith("ours q") or n == "ours append+rotary":
+            out[f"{n}_over_ours"] = t / ours
+    return out
 
 
 def main() -> int:
@@ -112,6 +242,14 @@ def main() -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pages", default="16,256", help="page sizes of the paged rows")
+    ap.add_argument("--spec", action="store_true", help="rows of 4 and 8 queries, causal")
+    ap.add_argument("--append", action="store_true", help="a row appending k, v with rotary")
+    ap.add_argument("--flex", action="store_true", help="FlexAttention rows (compiled)")
+    ap.add_argument("--flex-pages", default="64,256", help="page sizes of the flex paged rows")
+    ap.add_argument("--host", action="store_true", help="host us per eager call, first shape")
+    ap.add_argument("--one-split", action="store_true", help="a num_splits=1 row")
+    ap.add_argument("--splits", default="", help="rows with these num_splits (comma-separated)")
     ap.add_argument("--kernels", default="", help="decode kernels to time by name as well "
                     "(comma-separated; built ones)")
     ap.add_argument("--profile", action="store_true",
@@ -119,41 +257,59 @@ def main() -> int:
                          "(torch.profiler over 20 replays)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    args.pages = [int(p) for p in args.pages.split(",") if p]
+    args.splits = [int(n) for n in args.splits.split(",") if n]
+    args.flex_pages = [int(p) for p in args.flex_pages.split(",") if p]
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"# decode step, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{args.dtype}, heads {heads}/{kv_heads}, d_head {args.d}, seqlen_q 1; us per call, "
-          f"median over {args.rounds} rounds [min-max]")
+          f"{args.dtype}, heads {heads}/{kv_heads}, d_head {args.d}; us per call, median over "
+          f"{args.rounds} rounds [min-max]; graph replays but for the eager rows", flush=True)
     rows = []
-    for shape in args.shapes.split(","):
+    for i, shape in enumerate(args.shapes.split(",")):
         batch, seqlen = (int(x) for x in shape.split("x"))
-        fns, kv_bytes = contenders(batch, seqlen, heads, kv_heads, args.d, dtype,
-                                   [k for k in args.kernels.split(",") if k])
+        fns, kv_bytes, errors = contenders(batch, seqlen, heads, kv_heads, args.d, dtype, args)
         names = list(fns)
         times: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
-                times[n].append(statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3)
+                try:
+                    times[n].append(statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3)
+                except Exception:
+                    traceback.print_exc()
+                    errors[n] = "failed while timed"
+        times = {n: t for n, t in times.items() if t and n not in errors}
         med = {n: statistics.median(t) for n, t in times.items()}
         if args.profile:
-            profile_kernels({n: f for n, f in fns.items() if n.endswith(" graph")})
+            profile_kernels({n: fns[n] for n in ("ours", "sdpa cudnn") if n in med})
         copy_bw = 2 * kv_bytes / (med["copy"] * 1e-6)
-        row = {"batch": batch, "seqlen_k": seqlen, "kv_bytes": kv_bytes,
-               "us": med, "spread": {n: (min(t), max(t)) for n, t in times.items()},
+        row = {"batch": batch, "seqlen_k": seqlen, "heads": heads, "kv_heads": kv_heads,
+               "d": args.d, "dtype": args.dtype, "kv_bytes": kv_bytes, "us": med,
+               "spread": {n: (min(t), max(t)) for n, t in times.items()},
                "copy_GBps": copy_bw / 1e9,
-               "kv_fraction": {n: kv_bytes / (med[n] * 1e-6) / copy_bw for n in names
-                               if n not in ("copy",)},
-               "sdpa_over_ours": {n: med[peer(n)] / med[n] for n in names
-                                  if n.startswith("ours")}}
+               "kv_fraction": {n: kv_bytes / (med[n] * 1e-6) / copy_bw for n in med
+                               if n != "copy" and not n.startswith("ours q")},
+               "errors": errors, **summary(med)}
+        if args.host and i == 0:
+            row["host_us"] = {n: host_us(fns[n]) for n in ("ours eager", "sdpa eager")}
         rows.append(row)
-        print(f"b{batch} kv{seqlen} ({kv_bytes / 2**20:.0f} MiB), copy {copy_bw / 1e9:.0f} GB/s:")
-        for n in names:
+        best = row.get("sdpa_best")
+        print(f"b{batch} kv{seqlen} ({kv_bytes / 2**20:.0f} MiB), copy {copy_bw / 1e9:.0f} GB/s, "
+              f"SDPA's best backend {best}:")
+        for n in med:
             lo, hi = row["spread"][n]
             frac = row["kv_fraction"].get(n)
-            print(f"  {n:16s} {med[n]:9.1f} us [{lo:.1f}-{hi:.1f}]"
-                  + (f"  KV at {frac:.2f} of copy" if frac is not None else "")
-                  + (f"  SDPA/ours {med[peer(n)] / med[n]:.2f}x" if n.startswith("ours") else ""),
+            ratio = (f"  {best}/this {med[best] / med[n]:.2f}x"
+                     if best and n.startswith("ours") and not n.endswith("eager") else "")
+            print(f"  {n:20s} {med[n]:9.1f} us [{lo:.1f}-{hi:.1f}]"
+                  + (f"  KV at {frac:.2f} of copy" if frac is not None else "") + ratio,
                   flush=True)
+        for n, err in errors.items():
+            print(f"  {n:20s} not timed: {err}")
+        if "host_us" in row:
+            print("  host us per eager call: " + ", ".join(
+                f"{n} {us:.1f}" for n, us in row["host_us"].items()))
         del fns
         torch.cuda.empty_cache()
     if args.json:

@@ -71,27 +71,23 @@ void check_cache(const at::Tensor& c, const char* name, at::ScalarType dtype,
                    "be contiguous and its other strides multiples of 16 bytes");
 }
 
-// The splits of the keys (num_splits = 0): none when the CTAs fill most of a wave (two decode
-// CTAs per SM: their shared memory), else the count among 1 .. 128 (each split of at least 128
-// keys) whose CTAs fill the waves they take best, the smallest of equals: split-KV's partial
-// outputs cost a combine, an idle SM costs its share of the bandwidth.
+// The splits of the keys (num_splits = 0). A decode CTA keeps about 64 KB of K/V in flight,
+// enough for one CTA per SM to draw an H100's bandwidth but not an H200's (two per SM do; their
+// shared memory allows two). So: no split when the CTAs fill most of a wave of two per SM; two
+// when they fill most of one per SM and the keys are long enough (4096 or more) to pay for the
+// combine; else as many as one wave of two per SM holds (each split at least 128 keys, at most
+// 128 splits). Never more than one wave: a step bound by memory gains nothing from more waves,
+// which add each CTA's start and the combine's reads of more partials (the wave-filling count of
+// earlier, 33 splits in 16 waves at 16 x 8k keys, ran at 0.73x SDPA cuDNN's speed on an H200).
+// Measured: docs/results.md, decode.
 int choose_splits(int64_t ctas, int64_t keys, int sms) {
     const int64_t wave = 2 * int64_t(sms);
     if (ctas >= (wave * 4) / 5)
         return 1;
-    const int64_t most = std::min<int64_t>(128, std::max<int64_t>(1, keys / 128));
-    double best = 0.0;
-    int chosen = 1;
-    for (int64_t s = 1; s <= most; ++s) {
-        const int64_t total = ctas * s;
-        const int64_t waves = (total + wave - 1) / wave;
-        const double eff = double(total) / double(waves * wave);
-        if (eff > best + 1e-9) {
-            best = eff;
-            chosen = static_cast<int>(s);
-        }
-    }
-    return chosen;
+    if (ctas >= (int64_t(sms) * 4) / 5)
+        return keys >= 4096 ? 2 : 1;
+    return static_cast<int>(std::min<int64_t>(
+        {128, std::max<int64_t>(1, keys / 128), std::max<int64_t>(1, wave / ctas)}));
 }
 
 // The decode kernel for a call: `name`, or the dec table's choice for (dtype, d_head).
@@ -316,17 +312,17 @@ kvcache::AppendParams append_params(const at::Tensor& src, const flash::DecParam
     return a;
 }
 
-// Runs an append into `dst`: a cache (its rows at each sequence's positions) or a plain tensor
-// shaped like the source.
-void run_append(kvcache::AppendParams a, const at::Tensor& dst, bool cache, bool bf16,
-                cudaStream_t stream) {
+// Adds an append into `dst` to the step's jobs: a cache (its rows at each sequence's positions)
+// or a plain tensor shaped like the source.
+void add_append(kvcache::AppendJobs& jobs, kvcache::AppendParams a, const at::Tensor& dst,
+                bool cache) {
     a.dst = dst.data_ptr();
     a.dst_cache = cache;
     a.dst_batch_stride = dst.stride(0);
     a.dst_row_stride = dst.stride(1);
     a.dst_head_stride = dst.stride(2);
     check_cuda(kvcache::status_word(&a.status), "the KV-cache status word");
-    check_cuda(kvcache::launch_append(a, bf16, stream), "the KV-cache append");
+    jobs.job[jobs.count++] = a;
 }
 
 // A contiguous cache (batch_cache, seqlen_cache, Hk, D), its rows picked by cache_batch_idx.
@@ -499,31 +495,44 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     const int* base = lengths.device.defined() ? lengths.device.data_ptr<int32_t>() : nullptr;
     const int base_const = std::max(lengths.constant, 0);
     at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;
+    kvcache::AppendJobs jobs{};
+    jobs.batch = static_cast<int>(B);
     if (cos.defined()) {
         q = at::empty(q_in.sizes(), q_in.options());
-        run_append(append_params(rows_source(q_in), p, base, base_const, q_per_row, cos, sin,
+        add_append(jobs,
+                   append_params(rows_source(q_in), p, base, base_const, q_per_row, cos, sin,
                                  rotary_interleaved),
-                   q, /*cache=*/false, bf16, stream);
+                   q, /*cache=*/false);
     }
     if (S_new > 0) {
-        run_append(append_params(rows_source(*k_new), p, base, base_const, true, cos, sin,
+        add_append(jobs,
+                   append_params(rows_source(*k_new), p, base, base_const, true, cos, sin,
                                  rotary_interleaved),
-                   k_cache, /*cache=*/true, bf16, stream);
-        run_append(append_params(rows_source(*v_new), p, base, base_const, true, at::Tensor(),
+                   k_cache, /*cache=*/true);
+        add_append(jobs,
+                   append_params(rows_source(*v_new), p, base, base_const, true, at::Tensor(),
                                  at::Tensor(), false),
-                   v_cache, /*cache=*/true, bf16, stream);
+                   v_cache, /*cache=*/true);
     }
-    if (B == 0 || Sq == 0 || H == 0)
-        return {out, lse};
+    // The keys each sequence has after the append: the lengths on the device plus S_new, written
+    // by the append's launch (no kernel of its own), or a constant.
     at::Tensor used;
     if (lengths.device.defined()) {
-        used = S_new > 0 ? lengths.device.add(S_new) : lengths.device;
+        used = S_new > 0 ? at::empty_like(lengths.device) : lengths.device;
         p.seqused_k = used.data_ptr<int32_t>();
         p.seqlen_k = p.capacity;
+        if (S_new > 0) {
+            jobs.used = used.data_ptr<int32_t>();
+            jobs.used_add = static_cast<int>(S_new);
+        }
     } else {
         p.seqlen_k =
             lengths.constant >= 0 ? static_cast<int>(lengths.constant + S_new) : p.capacity;
     }
+    if (jobs.count > 0)
+        check_cuda(kvcache::launch_appends(jobs, bf16, stream), "the KV-cache append");
+    if (B == 0 || Sq == 0 || H == 0)
+        return {out, lse};
     set_q(p, q);
     set_key_strides(p, k_cache, v_cache);
     launch_decode(p, *kernel, q_in, stream);

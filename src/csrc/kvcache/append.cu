@@ -1,9 +1,9 @@
-// The KV-cache append / rotary kernel (append.h). One CTA per (row j, sequence b); its threads
-// walk the row's heads x d_head elements, each element computed in fp32 from the one or two
-// source values its rotation reads. A row whose position is outside the cache (or whose page or
-// cache row is outside the tensors) is not written: the error bit goes to status, and the
-// attention over that sequence returns NaN (decode_kernel.cuh). A position past cos/sin's rows
-// writes NaN, so a wrong rotary table is never a silently wrong answer either.
+// The KV-cache append / rotary kernel (append.h): one launch for a step's jobs (q's rotated copy,
+// new keys, new values), a thread per element of a row's heads x d_head, each element computed in
+// fp32 from the one or two source values its rotation reads. A row whose position is outside the
+// cache (or whose page or cache row is outside the tensors) is not written: the error bit goes to
+// status, and the attention over that sequence returns NaN (decode_kernel.cuh). A position past
+// cos/sin's rows writes NaN, so a wrong rotary table is never a silently wrong answer either.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -41,9 +41,12 @@ __device__ __forceinline__ float rotate(float x1, float x2, float c, float s, bo
                  : __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c));
 }
 
+constexpr int kAppendThreads = 128;
+
+// One element (row j of sequence b, column idx of the row's heads x d_head) of job p.
 template <typename Elem>
-__global__ void append_kernel(const __grid_constant__ AppendParams p) {
-    const int j = blockIdx.x, b = blockIdx.y;
+__device__ __forceinline__ void append_element(const AppendParams& p, int j, int b, int idx,
+                                               bool record) {
     const int pos = (p.base_pos != nullptr ? p.base_pos[b] : p.base_const) + (p.per_row ? j : 0);
     int bad = 0;
     int64_t dst_row = 0;
@@ -70,54 +73,83 @@ __global__ void append_kernel(const __grid_constant__ AppendParams p) {
     const bool rotary_bad = rotary && (pos < 0 || pos >= p.seqlen_ro);
     if (rotary_bad)
         bad |= decode::kStatusRotary;
-    if (bad != 0 && threadIdx.x == 0 && p.status != nullptr)
+    if (bad != 0 && record && p.status != nullptr)
         atomicOr(p.status, bad);
-    if (bad & ~decode::kStatusRotary)
-        return;  // nowhere inside the cache to write
+    if ((bad & ~decode::kStatusRotary) || idx >= p.heads * p.d_head)
+        return;  // nowhere inside the cache to write, or past the row
 
-    const Elem* src =
+    const Elem* __restrict__ src =
         static_cast<const Elem*>(p.src) + b * p.src_batch_stride + int64_t(j) * p.src_row_stride;
-    Elem* dst = static_cast<Elem*>(p.dst) + dst_row;
-    const int half = p.rotary_dim / 2;
-    const int64_t cos_at = int64_t(pos) * p.cos_row_stride,
-                  sin_at = int64_t(pos) * p.sin_row_stride;
+    Elem* __restrict__ dst = static_cast<Elem*>(p.dst) + dst_row;
+    const int h = idx / p.d_head, c = idx - h * p.d_head;
+    const Elem* x = src + h * p.src_head_stride;
     // Entry i of this position's cos / sin row, in fp32 (read only for a valid position).
-    const auto angle = [&](const void* table, int64_t at, int i) {
-        return p.rotary_fp32 ? static_cast<const float*>(table)[at + i]
-                             : to_float(static_cast<const Elem*>(table)[at + i]);
+    const auto angle = [&](const void* table, int64_t row_stride, int i) {
+        const int64_t at = int64_t(pos) * row_stride + i;
+        return p.rotary_fp32 ? static_cast<const float*>(table)[at]
+                             : to_float(static_cast<const Elem*>(table)[at]);
     };
-    const int n = p.heads * p.d_head;
-    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) {
-        const int h = idx / p.d_head, c = idx % p.d_head;
-        const Elem* x = src + h * p.src_head_stride;
-        float out;
-        if (!rotary || c >= p.rotary_dim) {
-            out = to_float(x[c]);
-        } else if (rotary_bad) {
-            out = NAN;
-        } else if (p.interleaved) {  // pairs (2i, 2i + 1)
-            const int i = c / 2;
-            const float x1 = to_float(x[2 * i]), x2 = to_float(x[2 * i + 1]);
-            out = rotate(x1, x2, angle(p.cos, cos_at, i), angle(p.sin, sin_at, i), c % 2 == 0);
-        } else {  // halves (i, i + rotary_dim / 2)
-            const int i = c < half ? c : c - half;
-            const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-            out = rotate(x1, x2, angle(p.cos, cos_at, i), angle(p.sin, sin_at, i), c < half);
-        }
-        dst[h * p.dst_head_stride + c] = from_float<Elem>(out);
+    const int half = p.rotary_dim / 2;
+    float out;
+    if (!rotary || c >= p.rotary_dim) {
+        out = to_float(x[c]);
+    } else if (rotary_bad) {
+        out = NAN;
+    } else if (p.interleaved) {  // pairs (2i, 2i + 1)
+        const int i = c / 2;
+        const float x1 = to_float(x[2 * i]), x2 = to_float(x[2 * i + 1]);
+        out = rotate(x1, x2, angle(p.cos, p.cos_row_stride, i), angle(p.sin, p.sin_row_stride, i),
+                     c % 2 == 0);
+    } else {  // halves (i, i + rotary_dim / 2)
+        const int i = c < half ? c : c - half;
+        const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+        out = rotate(x1, x2, angle(p.cos, p.cos_row_stride, i), angle(p.sin, p.sin_row_stride, i),
+                     c < half);
     }
+    dst[h * p.dst_head_stride + c] = from_float<Elem>(out);
+}
+
+// Grid (rows, batch, chunks of every job): CTA (j, b, z) writes one chunk of kAppendThreads
+// elements of row j of sequence b of the job z falls in.
+template <typename Elem>
+__global__ void __launch_bounds__(kAppendThreads)
+    append_kernel(const __grid_constant__ AppendJobs jobs) {
+    const int j = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
+    if (jobs.used != nullptr && j == 0 && z == 0 && threadIdx.x == 0) {
+        const AppendParams& p = jobs.job[0];
+        jobs.used[b] = (p.base_pos != nullptr ? p.base_pos[b] : p.base_const) + jobs.used_add;
+    }
+    int i = 0;
+    while (i + 1 < jobs.count && z >= jobs.chunk_start[i + 1])
+        ++i;
+    const AppendParams& p = jobs.job[i];
+    if (j >= p.seqlen)
+        return;
+    const int chunk = z - jobs.chunk_start[i];
+    append_element<Elem>(p, j, b, chunk * kAppendThreads + threadIdx.x,
+                         chunk == 0 && threadIdx.x == 0);
 }
 
 }  // namespace
 
-cudaError_t launch_append(const AppendParams& p, bool is_bf16, cudaStream_t stream) {
-    if (p.batch == 0 || p.seqlen == 0 || p.heads == 0)
+cudaError_t launch_appends(AppendJobs& jobs, bool is_bf16, cudaStream_t stream) {
+    if (jobs.count <= 0 || jobs.count > kMaxJobs)
+        return cudaErrorInvalidValue;
+    jobs.rows = 0;
+    jobs.chunk_start[0] = 0;
+    for (int i = 0; i < jobs.count; ++i) {
+        const AppendParams& p = jobs.job[i];
+        const int chunks = (p.heads * p.d_head + kAppendThreads - 1) / kAppendThreads;
+        jobs.chunk_start[i + 1] = jobs.chunk_start[i] + (chunks > 0 ? chunks : 1);
+        jobs.rows = p.seqlen > jobs.rows ? p.seqlen : jobs.rows;
+    }
+    if (jobs.batch == 0 || jobs.rows == 0)
         return cudaSuccess;
-    const dim3 grid(p.seqlen, p.batch);
+    const dim3 grid(jobs.rows, jobs.batch, jobs.chunk_start[jobs.count]);
     if (is_bf16)
-        append_kernel<__nv_bfloat16><<<grid, 128, 0, stream>>>(p);
+        append_kernel<__nv_bfloat16><<<grid, kAppendThreads, 0, stream>>>(jobs);
     else
-        append_kernel<__half><<<grid, 128, 0, stream>>>(p);
+        append_kernel<__half><<<grid, kAppendThreads, 0, stream>>>(jobs);
     return cudaGetLastError();
 }
 

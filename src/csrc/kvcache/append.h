@@ -1,5 +1,5 @@
-// The KV-cache append and rotary kernel's arguments and launcher: rows of a (batch, seq, heads,
-// d_head) source (new keys, new values, or q) are written, rotated by rotary embedding when
+// The KV-cache append and rotary kernel's arguments and launcher: rows of (batch, seq, heads,
+// d_head) sources (new keys, new values, or q) are written, rotated by rotary embedding when
 // cos/sin are given, into a KV cache (contiguous or paged) at each sequence's length, or into a
 // plain destination (q's rotated copy). Plain C++ on the host side (the binding includes it);
 // the kernel is in append.cu.
@@ -46,8 +46,23 @@ struct AppendParams {
     int* status;  // decode::kStatus* bits ORed on bad metadata (nullptr: not kept)
 };
 
-// is_bf16: the element type (bf16, else fp16). Returns the launch's error.
-cudaError_t launch_append(const AppendParams& p, bool is_bf16, cudaStream_t stream);
+// A decode step's appends in one launch: q's rotated copy, the new keys, the new values (up to
+// kMaxJobs jobs), and, when used != nullptr, each sequence's key count after the append
+// (used[b] = its base position + used_add), which the attention then reads.
+constexpr int kMaxJobs = 3;
+struct AppendJobs {
+    AppendParams job[kMaxJobs];
+    int count;
+    int chunk_start[kMaxJobs + 1];  // job i's CTAs: blockIdx.z in [chunk_start[i], [i + 1])
+    int rows;                       // the jobs' longest seqlen (gridDim.x)
+    int batch;
+    int* used;
+    int used_add;
+};
+
+// is_bf16: the element type (bf16, else fp16). One thread per element of a row's heads x
+// d_head. Returns the launch's error.
+cudaError_t launch_appends(AppendJobs& jobs, bool is_bf16, cudaStream_t stream);
 
 // The KV-cache status word of the current device: a static __device__ int the decode and append
 // kernels OR decode::kStatus* bits into, so recording an error costs no allocation and no sync.
