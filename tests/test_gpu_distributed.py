@@ -33,7 +33,7 @@ def _errors(got, ref32, single):
             (single.float() - ref32).abs().max().item())
 
 
-def _worker(rank: int, ranks: int, port: int) -> None:
+def _worker(rank: int, ranks: int, port: int, method: str) -> None:
     import flash_attention as fa
     from flash_attention.distributed import gather_sequence, ring_attention, shard_sequence
     from flash_attention.reference import attention_reference
@@ -55,9 +55,9 @@ def _worker(rank: int, ranks: int, port: int) -> None:
             single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
 
             ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
-            out = ring_attention(ql, kl, vl, causal=causal)
+            out = ring_attention(ql, kl, vl, causal=causal, method=method)
             grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
-            what = f"rank {rank} of {ranks}, causal={causal}"
+            what = f"{method}, rank {rank} of {ranks}, causal={causal}"
             err, err_single = _errors(gather_sequence(out.detach()), ref.detach(), single)
             assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
             for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):
@@ -68,8 +68,9 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("method", ["ring", "allgather"])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ring_attention_over_nccl_matches_the_whole_sequence(require_extension, ranks):
+def test_ring_attention_over_nccl_matches_the_whole_sequence(require_extension, ranks, method):
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"multi-GPU test: {torch.cuda.device_count()} GPU(s) here, {ranks} needed")
-    mp.spawn(_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
+    mp.spawn(_worker, args=(ranks, _free_port(), method), nprocs=ranks, join=True)

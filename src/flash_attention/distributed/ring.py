@@ -114,18 +114,28 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deter
     peers = _peers(group, rank, ranks)
     acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks)
     kv = torch.stack((k, v)).contiguous()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv_reqs: list = []
+    dkv_next = kv  # replaced by the first incoming accumulator before it is read
     for step in range(ranks):
         if step + 1 < ranks:
             kv_next, kv_reqs = _exchange(kv, group, peers)
-        acc.add((rank - step) % ranks, kv, dkv)
+        # This step's blocks add into a fresh accumulator while the one of these keys (the
+        # previous ranks' sums) is still on its way here; the two are summed when it lands.
+        local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        acc.add((rank - step) % ranks, kv, local)
+        if step == 0:
+            dkv = local
+        else:
+            _wait(dkv_reqs)
+            dkv = dkv_next.add_(local)
         if ranks > 1:  # dK, dV of these keys go on with them; the last step sends them home
             dkv_next, dkv_reqs = _exchange(dkv, group, peers)
-            _wait(dkv_reqs)
-            dkv = dkv_next
         if step + 1 < ranks:
             _wait(kv_reqs)
             kv = kv_next
+    if ranks > 1:
+        _wait(dkv_reqs)
+        dkv = dkv_next
     return acc.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
