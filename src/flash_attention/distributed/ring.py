@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .blocks import block_backward, block_forward
-from .layout import DIAGONAL, Layout
+from .layout import DIAGONAL, FULL, Layout
 from .merge import merge_partials
 
 
@@ -42,6 +42,25 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
+def _spans(blocks: list[tuple[int, int, str]]) -> dict[int, tuple[int, bool]]:
+    """The blocks one rank's query chunks see of another rank's two key chunks, as one call per
+    query chunk: {i: (n, causal)}, query chunk i over the first n key chunks (1 or 2) whose
+    last is diagonal when causal. Zigzag makes this always possible: a query chunk that sees the
+    later key chunk sees the earlier one whole, and the diagonal is only ever the last one seen
+    (causal aligned bottom-right over the two chunks is then exactly the two blocks' masks)."""
+    seen: dict[int, list[tuple[int, str]]] = {}
+    for i, j, vis in blocks:
+        seen.setdefault(i, []).append((j, vis))
+    out = {}
+    for i, parts in seen.items():
+        parts.sort()
+        if [j for j, _ in parts] != list(range(len(parts))) or any(
+                vis != FULL for _, vis in parts[:-1]):
+            raise AssertionError(f"blocks {parts} of query chunk {i} are not one key prefix")
+        out[i] = (len(parts), parts[-1][1] == DIAGONAL)
+    return out
+
+
 class _Forward:
     """One rank's forward: its two query chunks' (out, LSE), merged over the key chunks of every
     rank as they arrive (add), by either method."""
@@ -54,12 +73,13 @@ class _Forward:
         self.lses: list[torch.Tensor | None] = [None, None]
 
     def add(self, src: int, kv: torch.Tensor) -> None:
-        """The blocks the rank's queries see of rank src's keys (kv: K and V stacked)."""
+        """The blocks the rank's queries see of rank src's keys (kv: K and V stacked), one call
+        per query chunk (_spans)."""
         scale, softcap = self.args
-        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-        for i, j, vis in self.layout.blocks(self.rank, src, self.causal):
-            o, lse = block_forward(self.q_parts[i], k_parts[j], v_parts[j], scale,
-                                   vis == DIAGONAL, softcap)
+        chunk = kv.shape[2] // 2
+        for i, (n, causal) in _spans(self.layout.blocks(self.rank, src, self.causal)).items():
+            o, lse = block_forward(self.q_parts[i], kv[0][:, :n * chunk], kv[1][:, :n * chunk],
+                                   scale, causal, softcap)
             self.outs[i], self.lses[i] = merge_partials(self.outs[i], self.lses[i], o, lse)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,15 +103,15 @@ class _Backward:
         scale, causal, softcap, deterministic = self.args
         q_parts, do_parts, o_parts, lse_parts = self.parts
         dq_parts = self.dq.chunk(2, dim=1)
-        k_parts, v_parts = kv[0].chunk(2, dim=1), kv[1].chunk(2, dim=1)
-        dk_parts, dv_parts = dkv[0].chunk(2, dim=1), dkv[1].chunk(2, dim=1)
-        for i, j, vis in self.layout.blocks(self.rank, src, causal):
-            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], k_parts[j], v_parts[j],
-                                              o_parts[i], lse_parts[i], scale, vis == DIAGONAL,
-                                              softcap, deterministic)
+        chunk = kv.shape[2] // 2
+        for i, (n, diag) in _spans(self.layout.blocks(self.rank, src, causal)).items():
+            keys = slice(0, n * chunk)
+            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], kv[0][:, keys],
+                                              kv[1][:, keys], o_parts[i], lse_parts[i], scale,
+                                              diag, softcap, deterministic)
             dq_parts[i].add_(dq_b)
-            dk_parts[j].add_(dk_b)
-            dv_parts[j].add_(dv_b)
+            dkv[0][:, keys].add_(dk_b)
+            dkv[1][:, keys].add_(dv_b)
 
 
 def _ring_forward(q, k, v, group, scale, causal, softcap):
