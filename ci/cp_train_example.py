@@ -73,8 +73,10 @@ import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _path in (ROOT / "src", ROOT / "ci"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from hf_attention import is_causal, refuse_unsupported  # noqa: E402
 
 IGNORE = -100  # label of a token with no next token (cross_entropy's ignore_index)
 PLANTS = ("positions", "labels", "grads")  # --plant: faults for the tests only
@@ -112,15 +114,8 @@ RING, ONE, REF = "cp_ring", "cp_one_process", "cp_fp32_reference"
 
 
 def _check_call(module, attention_mask, dropout, kwargs) -> None:
-    # transformers builds no mask for an implementation it does not know (a causal model
-    # without padding needs none); one here would be padding or a custom mask: refused
-    if attention_mask is not None:
-        raise NotImplementedError("attention_mask (padding or a custom mask) is not supported")
-    if dropout:
-        raise NotImplementedError(f"attention dropout {dropout} is not supported")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding_window is not supported")
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+    refuse_unsupported(attention_mask, dropout, kwargs)
+    if not is_causal(module, kwargs):
         raise NotImplementedError("a causal language model only")
 
 

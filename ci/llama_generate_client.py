@@ -75,8 +75,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _path in (ROOT / "src", ROOT / "ci"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from hf_attention import is_causal, refuse_unsupported  # noqa: E402
 
 CACHES = ("static", "append")
 
@@ -150,24 +152,6 @@ ATTENTIONS = ("flash_attention", "reference")
 # ---- the attention functions transformers calls -----------------------------------------------
 
 
-def _causal(module, kwargs) -> bool:
-    return bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-
-
-def _check_call(attention_mask, dropout, kwargs) -> None:
-    # transformers builds no mask for an attention function it does not know: a mask here is
-    # a custom one (or a 4-D padding mask), which we refuse rather than ignore
-    if attention_mask is not None:
-        raise NotImplementedError("attention_mask (padding or a custom mask) is not supported: "
-                                  "unpadded causal batches only")
-    if dropout:
-        raise NotImplementedError(f"attention dropout {dropout} is not supported")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding_window from the model config is not wired here")
-    if kwargs.get("position_ids") is None:
-        raise NotImplementedError("no position_ids: the cache lengths are read from them")
-
-
 def cache_lengths(position_ids: torch.Tensor, batch: int, after_update: bool) -> torch.Tensor:
     """Each sequence's cache rows as a (batch,) int32 tensor on position_ids' device, no sync.
     position_ids (batch or 1, seqlen_q): without padding a token's position is its cache row,
@@ -187,12 +171,12 @@ class StaticCacheAttention:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                  **kwargs):
-        _check_call(attention_mask, dropout, kwargs)
+        refuse_unsupported(attention_mask, dropout, kwargs, position_ids=True)
         q = query.transpose(1, 2)  # (batch, seqlen_q, heads, d) views: no copies
         lengths = cache_lengths(kwargs["position_ids"], q.shape[0], after_update=True)
         out = self.kvcache_fn(q, key.transpose(1, 2), value.transpose(1, 2),
                               cache_seqlens=lengths, softmax_scale=scaling,
-                              causal=_causal(module, kwargs))
+                              causal=is_causal(module, kwargs))
         return out, None
 
 
@@ -207,7 +191,7 @@ class AppendAttention:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                  **kwargs):
-        _check_call(attention_mask, dropout, kwargs)
+        refuse_unsupported(attention_mask, dropout, kwargs, position_ids=True)
         if self.cache is None:
             raise RuntimeError("AppendAttention has no cache: generate with make_append_cache's")
         layer = self.cache.layers[module.layer_idx]
@@ -216,7 +200,7 @@ class AppendAttention:
         out = self.kvcache_fn(q, layer.keys.transpose(1, 2), layer.values.transpose(1, 2),
                               k=key.transpose(1, 2), v=value.transpose(1, 2),
                               cache_seqlens=lengths, softmax_scale=scaling,
-                              causal=_causal(module, kwargs))
+                              causal=is_causal(module, kwargs))
         return out, None
 
 

@@ -40,8 +40,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for _path in (ROOT / "src", ROOT / "ci"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+from hf_attention import is_causal, refuse_unsupported  # noqa: E402
 
 # names under which the attention under test is registered in transformers' AttentionInterface
 ATTENTION_NAMES = {"flash_attention": "fa_from_scratch", "reference": "fa_torch_reference"}
@@ -79,33 +81,16 @@ PRESETS = {
 # ---- the attention functions transformers calls ----------------------------------------------
 
 
-def _causal(module, kwargs) -> bool:
-    return bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-
-
-def _check_call(attention_mask, dropout, kwargs) -> None:
-    # transformers builds no mask for an implementation it does not know (a causal model
-    # without padding needs none): a mask here is padding or a custom mask, which we refuse
-    # rather than ignore
-    if attention_mask is not None:
-        raise NotImplementedError("attention_mask (padding or a custom mask) is not supported: "
-                                  "causal batches without padding only")
-    if dropout:
-        raise NotImplementedError(f"attention dropout {dropout} is not supported")
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding_window from the model config is not wired here")
-
-
 def flash_attention_forward(module, query, key, value, attention_mask, scaling=None,
                             dropout=0.0, **kwargs):
     """transformers' attention signature: query (batch, heads, seq, d), key/value (batch,
     kv_heads, seq, d), not repeated for GQA. Returns (out (batch, seq, heads, d), None)."""
     import flash_attention as fa
 
-    _check_call(attention_mask, dropout, kwargs)
+    refuse_unsupported(attention_mask, dropout, kwargs)
     # (batch, seq, heads, d) views: the kernels take any strides, K and V stay un-repeated
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = fa.attention(q, k, v, causal=_causal(module, kwargs), softmax_scale=scaling)
+    out = fa.attention(q, k, v, causal=is_causal(module, kwargs), softmax_scale=scaling)
     return out, None
 
 
@@ -115,9 +100,9 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
     output rounded to the input dtype (what a kernel with fp32 accumulators returns)."""
     from flash_attention.reference import attention_reference
 
-    _check_call(attention_mask, dropout, kwargs)
+    refuse_unsupported(attention_mask, dropout, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, _ = attention_reference(q, k, v, scaling, causal=_causal(module, kwargs))
+    out, _ = attention_reference(q, k, v, scaling, causal=is_causal(module, kwargs))
     return out.to(query.dtype), None
 
 

@@ -126,7 +126,7 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits))
-    return torch.ops.flash_attention.varlen_paged(
+    return torch.ops.flash_attention.varlen_paged.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
         int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
         num_splits, return_lse, kernel)
@@ -215,7 +215,7 @@ def flash_attn_with_kvcache(
         log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits))
-    out, lse = torch.ops.flash_attention.kvcache(
+    out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),
         rotary_interleaved, num_splits, return_softmax_lse, kernel)
