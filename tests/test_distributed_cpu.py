@@ -151,6 +151,37 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+def _compile_worker(rank: int, ranks: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 8 * ranks, 4, 8, generator=g)
+        k, v = (torch.randn(1, 8 * ranks, 2, 8, generator=g) for _ in range(2))  # GQA 4/2
+
+        def step(q, k, v):
+            return (ring_attention(q, k, v, causal=True) ** 2).sum()
+
+        results = []
+        for fn in (step, torch.compile(step, backend="aot_eager")):
+            ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
+            loss = fn(ql, kl, vl)
+            results.append((loss.detach(), *torch.autograd.grad(loss, (ql, kl, vl))))
+        for eager, compiled in zip(*results):
+            torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_attention_under_torch_compile():
+    """torch.compile of a step calling ring_attention gives the eager step's loss and gradients:
+    the code around it is compiled, the ring runs eagerly behind a graph break (dynamo does not
+    trace P2P operations unless TORCHDYNAMO_ENABLE_P2P_COMPILATION is set, so fullgraph=True is
+    refused there). CPU, gloo."""
+    mp.spawn(_compile_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_ring_attention_over_gloo_matches_the_whole_sequence(ranks):
     mp.spawn(_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
