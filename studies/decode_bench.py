@@ -20,7 +20,9 @@ steps, except the "eager" rows, called from Python):
 Each contender is timed at steady clocks (time_sustained_ms: 20 calls after about 300 ms of the
 same calls); --rounds N rotates the order per round and the table gives the median and the
 spread (min-max) over rounds. The KV fraction is the cache bytes read per second over the
-copy's (bytes read + written per second). --host also times the host's cost of one eager call
+copy's (bytes read + written per second). Each round also times 20 calls between one pair of
+events (span_us in the JSON); a row whose per-call median falls under 0.9x that is flagged "!".
+--host also times the host's cost of one eager call
 (microseconds of Python + launch per call, 200 calls queued without a sync) of ours and SDPA.
 
     PYTHONPATH=src python3 studies/decode_bench.py [--shapes 1x4096,16x32768] [--rounds 2]
@@ -186,6 +188,19 @@ def _short(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text[0][:140] if text else ''}"
 
 
+def span_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of `calls` calls queued back to back between one pair of CUDA
+    events: the end-to-end rate, against which a per-call median (events around each call) is
+    checked (they disagreed on some rows of the 2026-11-28 runs, see docs/results)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
 def host_us(fn, calls: int = 200) -> float:
     """Host microseconds per eager call: calls queued back to back with no sync between them
     (the GPU runs behind; the launch queue holds them), the first after a sync."""
@@ -272,10 +287,12 @@ def main() -> int:
         fns, kv_bytes, errors = contenders(batch, seqlen, heads, kv_heads, args.d, dtype, args)
         names = list(fns)
         times: dict[str, list[float]] = {n: [] for n in names}
+        spans: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 try:
                     times[n].append(statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3)
+                    spans[n].append(span_us(fns[n]))
                 except Exception:
                     traceback.print_exc()
                     errors[n] = "failed while timed"
@@ -287,6 +304,7 @@ def main() -> int:
         row = {"batch": batch, "seqlen_k": seqlen, "heads": heads, "kv_heads": kv_heads,
                "d": args.d, "dtype": args.dtype, "kv_bytes": kv_bytes, "us": med,
                "spread": {n: (min(t), max(t)) for n, t in times.items()},
+               "span_us": {n: spans[n] for n in med},
                "copy_GBps": copy_bw / 1e9,
                "kv_fraction": {n: kv_bytes / (med[n] * 1e-6) / copy_bw for n in med
                                if n != "copy" and not n.startswith("ours q")},
@@ -302,9 +320,12 @@ def main() -> int:
             frac = row["kv_fraction"].get(n)
             ratio = (f"  {best}/this {med[best] / med[n]:.2f}x"
                      if best and n.startswith("ours") and not n.endswith("eager") else "")
+            # a round whose per-call median is well under its end-to-end rate is not a figure
+            odd = any(t < 0.9 * sp for t, sp in zip(times[n], spans[n]))
             print(f"  {n:20s} {med[n]:9.1f} us [{lo:.1f}-{hi:.1f}]"
-                  + (f"  KV at {frac:.2f} of copy" if frac is not None else "") + ratio,
-                  flush=True)
+                  + (f"  KV at {frac:.2f} of copy" if frac is not None else "") + ratio
+                  + ("  ! per-call under end-to-end: " + ", ".join(f"{sp:.1f}" for sp in spans[n])
+                     if odd else ""), flush=True)
         for n, err in errors.items():
             print(f"  {n:20s} not timed: {err}")
         if "host_us" in row:
