@@ -19,9 +19,11 @@ import torch.multiprocessing as mp
 
 from flash_attention.distributed import (
     Layout,
+    gather_packed,
     gather_sequence,
     merge_partials,
     ring_attention,
+    shard_packed,
     shard_sequence,
 )
 from flash_attention.distributed.layout import DIAGONAL, FULL
@@ -118,6 +120,40 @@ def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, seed,
         torch.testing.assert_close(got, shard_sequence(want), **tol, msg=f"{what}: {name}")
 
 
+def _check_packed(ranks: int, heads, kv_heads, causal, softcap, seed, method) -> None:
+    """A varlen pack of three sequences (3, 1 and 5 times 2 x ranks tokens), sharded sequence by
+    sequence: outputs, LSEs and gradients against the reference on each whole sequence."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [2 * ranks * m for m in (3, 1, 5)]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    total, d = int(cu[-1]), 8
+    q = torch.randn(total, heads, d, generator=g)
+    k, v = (torch.randn(total, kv_heads, d, generator=g) for _ in range(2))
+    dout = torch.randn(total, heads, d, generator=g)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    outs, lses = [], []
+    for s0, s1 in itertools.pairwise(cu.tolist()):
+        o, lse = attention_reference(qr[None, s0:s1], kr[None, s0:s1], vr[None, s0:s1], None,
+                                     True, causal, (-1, -1), softcap)
+        outs.append(o[0])
+        lses.append(lse[0])
+    out_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
+    (out_ref * dout).sum().backward()
+
+    ql, kl, vl = (shard_packed(t, cu).requires_grad_() for t in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True,
+                              method=method, cu_seqlens=cu)
+    (out * shard_packed(dout, cu)).sum().backward()
+    what = f"packed {method}, rank {dist.get_rank()} of {ranks}, causal={causal}"
+    tol = {"atol": 2e-5, "rtol": 1e-4}
+    torch.testing.assert_close(out, shard_packed(out_ref.detach(), cu), **tol, msg=what)
+    torch.testing.assert_close(lse, shard_packed(lse_ref.T, cu).T, **tol, msg=what)
+    torch.testing.assert_close(gather_packed(out.detach(), cu), out_ref.detach(), **tol, msg=what)
+    for name, got, want in (("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
+                            ("dv", vl.grad, vr.grad)):
+        torch.testing.assert_close(got, shard_packed(want, cu), **tol, msg=f"{what}: {name}")
+
+
 def _worker(rank: int, ranks: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -127,12 +163,21 @@ def _worker(rank: int, ranks: int, port: int) -> None:
             for seed, case in enumerate(CASES):
                 if case[1] % (2 * ranks) == 0:
                     _check_case(*case, seed=seed, method=method)
+            for seed, (heads, kv_heads, causal, softcap) in enumerate(
+                    ((4, 2, True, 0.0), (2, 2, False, 5.0))):
+                _check_packed(ranks, heads, kv_heads, causal, softcap, seed, method)
         with pytest.raises(ValueError, match="method must be one of ring, allgather"):
             x = torch.zeros(1, 4, 2, 8)
             ring_attention(x, x, x, method="tree")
         with pytest.raises(ValueError, match="two equal chunks"):
             x = torch.zeros(1, 3, 2, 8)
             ring_attention(x, x, x)
+        with pytest.raises(ValueError, match="multiple of 2 x ranks"):
+            x = torch.zeros(2 * ranks + 1, 2, 8)
+            ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 2 * ranks + 1]))
+        with pytest.raises(ValueError, match="3-D tensor"):
+            x = torch.zeros(1, 2 * ranks, 2, 8)
+            ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 2 * ranks]))
         # a deterministic backward gives the same gradients twice
         g = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(1, 4 * ranks, 2, 8, generator=g).requires_grad_()

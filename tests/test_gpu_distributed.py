@@ -1,8 +1,9 @@
 """Context parallelism on GPUs: ring_attention over NCCL with one process per GPU (2 GPUs, or
-as many as the machine has up to 4), bf16, GQA, causal and not, against the fp32 reference on
-the whole sequence by FlashAttention's rule (the error at most twice that of the single-GPU
-call of the package's kernels on the whole sequence, plus a small floor), output and
-gradients. Skipped, with the reason, on a machine with fewer than 2 GPUs."""
+as many as the machine has up to 4), bf16, GQA, causal and not, one sequence and a varlen pack
+(sharded sequence by sequence), against the fp32 reference on the whole sequence by
+FlashAttention's rule (the error at most twice that of the single-GPU call of the package's
+kernels on the whole sequence, plus a small floor), output and gradients. Skipped, with the
+reason, on a machine with fewer than 2 GPUs."""
 
 from __future__ import annotations
 
@@ -31,6 +32,40 @@ def _free_port() -> int:
 def _errors(got, ref32, single):
     return ((got.float() - ref32).abs().max().item(),
             (single.float() - ref32).abs().max().item())
+
+
+def _check_packed(rank: int, ranks: int, method: str, causal: bool) -> None:
+    """A varlen pack of 3 sequences sharded sequence by sequence (cu_seqlens): out and grads
+    against the fp32 reference per sequence, by FlashAttention's rule against the single-GPU
+    varlen call on the whole pack."""
+    from flash_attention.distributed import gather_packed, ring_attention, shard_packed
+    from flash_attention.interface import flash_attn_varlen_func
+    from flash_attention.reference import attention_reference
+
+    lengths = [128 * ranks, 64 * ranks, 320 * ranks]
+    cu = torch.tensor([0, lengths[0], lengths[0] + lengths[1], sum(lengths)],
+                      dtype=torch.int32, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(sum(lengths), h, 128, generator=g).cuda().bfloat16()
+                     for h in (8, 2, 2, 8))
+    qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+    ref = torch.cat([attention_reference(qr[None, a:b], kr[None, a:b], vr[None, a:b],
+                                         causal=causal)[0][0]
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    ref_grads = torch.autograd.grad((ref * dout.float()).sum(), (qr, kr, vr))
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    single = flash_attn_varlen_func(qs, ks, vs, cu, cu, max(lengths), max(lengths),
+                                    causal=causal)
+    single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
+    ql, kl, vl = (shard_packed(t, cu).requires_grad_() for t in (q, k, v))
+    out = ring_attention(ql, kl, vl, causal=causal, method=method, cu_seqlens=cu)
+    grads = torch.autograd.grad((out * shard_packed(dout, cu)).sum(), (ql, kl, vl))
+    what = f"packed {method}, rank {rank} of {ranks}, causal={causal}"
+    err, err_single = _errors(gather_packed(out.detach(), cu), ref.detach(), single)
+    assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
+    for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):
+        err, err_single = _errors(gather_packed(mine, cu), want, theirs)
+        assert err <= 2 * err_single + FLOOR, f"{what}: d{name} {err:.3e} vs {err_single:.3e}"
 
 
 def _worker(rank: int, ranks: int, port: int, method: str) -> None:
@@ -64,6 +99,8 @@ def _worker(rank: int, ranks: int, port: int, method: str) -> None:
                 err, err_single = _errors(gather_sequence(mine), want, theirs)
                 assert err <= 2 * err_single + FLOOR, (
                     f"{what}: d{name} {err:.3e} vs {err_single:.3e}")
+        for causal in (False, True):
+            _check_packed(rank, ranks, method, causal)
     finally:
         dist.destroy_process_group()
 

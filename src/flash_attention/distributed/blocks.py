@@ -15,8 +15,19 @@ from ..reference import _expand_kv, attention_reference
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Sq, H, D), lse (B, H, Sq) fp32) of q over k, v."""
+                  softcap: float, varlen=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Sq, H, D), lse (B, H, Sq) fp32) of q over k, v. varlen: (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a pack (batch 1), masks per sequence."""
+    if varlen is not None:
+        if q.is_cuda:
+            from .. import ops
+
+            ops.require()
+            o, lse = torch.ops.flash_attention.attention.default(
+                q[0], k[0], v[0], *varlen, scale, causal, -1, -1, float(softcap), True, "")
+            return o[None], lse[None]
+        return _per_sequence(lambda qs, ks, vs: attention_reference(
+            qs, ks, vs, scale, True, causal, (-1, -1), softcap), varlen, (q, k, v), (1, 2))
     if q.is_cuda:
         from .. import ops
 
@@ -26,12 +37,38 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return attention_reference(q, k, v, scale, True, causal, (-1, -1), softcap)
 
 
+def _per_sequence(fn, varlen, tensors, cat_dims):
+    """fn over each sequence of a pack (batch-1 tensors; the first is cut by cu_seqlens_q, the
+    others by cu_seqlens_k, a trailing LSE-like (1, H, rows) by cu_seqlens_q on dim 2), its
+    outputs concatenated along cat_dims (one per output)."""
+    cu_q, cu_k = varlen[0].tolist(), varlen[1].tolist()
+    outs = []
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        args = [t[:, rq] if j == 0 else t[:, rk] for j, t in enumerate(tensors[:3])]
+        args += [t[:, rq] for t in tensors[3:5]] + [t[:, :, rq] for t in tensors[5:]]
+        outs.append(fn(*args))
+    return tuple(torch.cat(parts, dim=d) for parts, d in zip(zip(*outs), cat_dims))
+
+
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-                   softcap: float, deterministic: bool
+                   softcap: float, deterministic: bool, varlen=None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this block's share of the loss, from the merged out and lse of q's rows
-    (P = exp(scores - lse) is then the block's slice of the full softmax)."""
+    (P = exp(scores - lse) is then the block's slice of the full softmax). varlen as in
+    block_forward."""
+    if varlen is not None:
+        if q.is_cuda:
+            dq, dk, dv = torch.ops.flash_attention.bwd.default(
+                dout[0], q[0], k[0], v[0], out[0], lse[0].contiguous(), None, *varlen, scale,
+                causal, -1, -1, float(softcap), deterministic, "")
+            return dq[None], dk[None], dv[None]
+        # per sequence: (q, k, v, dout, out, lse) cut as _per_sequence cuts them
+        return _per_sequence(
+            lambda qs, ks, vs, ds, os_, ls: _reference_backward(ds, qs, ks, vs, os_, ls, scale,
+                                                                causal, softcap),
+            varlen, (q, k, v, dout, out, lse), (1, 1, 1))
     if q.is_cuda:
         return torch.ops.flash_attention.bwd.default(
             dout, q, k, v, out, lse, None, None, None, 0, 0, scale, causal, -1, -1,

@@ -92,3 +92,31 @@ def gather_sequence(x_local: torch.Tensor, group=None, dim: int = 1) -> torch.Te
         for part, c in zip(piece.chunk(2, dim=dim), layout.chunks_of(rank)):
             chunks[c] = part
     return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's local pack of a varlen pack x (total, ...) with offsets cu_seqlens (every
+    rank passes the same): of each sequence, in order, its zigzag chunks (rank and 2 ranks - 1
+    - rank of 2 ranks equal chunks; each length a multiple of 2 ranks)."""
+    from .parts import local_rows
+
+    ranks, rank = _group_size_rank(group)
+    layout = Layout(ranks)
+    for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist():
+        layout.check_length(int(n))
+    return x.index_select(0, local_rows(cu_seqlens.cpu(), rank, ranks).to(x.device))
+
+
+def gather_packed(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group=None) -> torch.Tensor:
+    """The whole pack from every rank's local pack (all_gather), in pack order."""
+    import torch.distributed as dist
+
+    from .parts import local_rows
+
+    ranks, _ = _group_size_rank(group)
+    pieces = [torch.empty_like(x_local) for _ in range(ranks)]
+    dist.all_gather(pieces, x_local.contiguous(), group=group)
+    out = x_local.new_empty(int(cu_seqlens[-1]), *x_local.shape[1:])
+    for rank, piece in enumerate(pieces):
+        out[local_rows(cu_seqlens.cpu(), rank, ranks).to(x_local.device)] = piece
+    return out

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .blocks import block_backward, block_forward
 from .layout import DIAGONAL, FULL, Layout
 from .merge import merge_partials
+from .parts import Fixed, Packed
 
 
 def _peers(group, rank: int, ranks: int) -> tuple[int, int]:
@@ -63,12 +64,13 @@ def _spans(blocks: list[tuple[int, int, str]]) -> dict[int, tuple[int, bool]]:
 
 class _Forward:
     """One rank's forward: its two query chunks' (out, LSE), merged over the key chunks of every
-    rank as they arrive (add), by either method."""
+    rank as they arrive (add), by either method. parts: how the local tensors split into the
+    chunks (parts.Fixed, parts.Packed)."""
 
-    def __init__(self, q, scale, causal, softcap, rank: int, ranks: int) -> None:
+    def __init__(self, q, scale, causal, softcap, rank: int, ranks: int, parts) -> None:
         self.q, self.args, self.rank, self.layout = q, (scale, softcap), rank, Layout(ranks)
-        self.causal = causal
-        self.q_parts = q.chunk(2, dim=1)
+        self.causal, self.parts = causal, parts
+        self.q_parts = [parts.part(q, i) for i in (0, 1)]
         self.outs: list[torch.Tensor | None] = [None, None]
         self.lses: list[torch.Tensor | None] = [None, None]
 
@@ -76,15 +78,15 @@ class _Forward:
         """The blocks the rank's queries see of rank src's keys (kv: K and V stacked), one call
         per query chunk (_spans)."""
         scale, softcap = self.args
-        chunk = kv.shape[2] // 2
         for i, (n, causal) in _spans(self.layout.blocks(self.rank, src, self.causal)).items():
-            o, lse = block_forward(self.q_parts[i], kv[0][:, :n * chunk], kv[1][:, :n * chunk],
-                                   scale, causal, softcap)
+            k, v = self.parts.keys(kv, n)
+            o, lse = block_forward(self.q_parts[i], k, v, scale, causal, softcap,
+                                   self.parts.args(n))
             self.outs[i], self.lses[i] = merge_partials(self.outs[i], self.lses[i], o, lse)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.cat([o.to(self.q.dtype) for o in self.outs], dim=1)  # type: ignore[union-attr]
-        return out, torch.cat(self.lses, dim=2)  # type: ignore[arg-type]
+        out = self.parts.join([o.to(self.q.dtype) for o in self.outs])
+        return out, self.parts.join_lse(self.lses)
 
 
 class _Backward:
@@ -92,32 +94,32 @@ class _Backward:
     and each block's dK, dV added into that rank's (fp32) accumulator (add)."""
 
     def __init__(self, dout, q, out, lse, scale, causal, softcap, deterministic, rank: int,
-                 ranks: int) -> None:
-        self.parts = (q.chunk(2, 1), dout.chunk(2, 1), out.chunk(2, 1),
-                      [part.contiguous() for part in lse.chunk(2, dim=2)])  # rows, as read
+                 ranks: int, parts) -> None:
+        self.chunks = [(parts.part(q, i), parts.part(dout, i), parts.part(out, i),
+                        parts.lse_part(lse, i)) for i in (0, 1)]
         self.args = (scale, causal, softcap, deterministic)
-        self.rank, self.layout, self.q = rank, Layout(ranks), q
-        self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.rank, self.layout, self.q, self.parts = rank, Layout(ranks), q, parts
+        self.dq_parts = [torch.zeros(c[0].shape, dtype=torch.float32, device=q.device)
+                         for c in self.chunks]
 
     def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
         scale, causal, softcap, deterministic = self.args
-        q_parts, do_parts, o_parts, lse_parts = self.parts
-        dq_parts = self.dq.chunk(2, dim=1)
-        chunk = kv.shape[2] // 2
         for i, (n, diag) in _spans(self.layout.blocks(self.rank, src, causal)).items():
-            keys = slice(0, n * chunk)
-            dq_b, dk_b, dv_b = block_backward(do_parts[i], q_parts[i], kv[0][:, keys],
-                                              kv[1][:, keys], o_parts[i], lse_parts[i], scale,
-                                              diag, softcap, deterministic)
-            dq_parts[i].add_(dq_b)
-            dkv[0][:, keys].add_(dk_b)
-            dkv[1][:, keys].add_(dv_b)
+            q_i, do_i, o_i, lse_i = self.chunks[i]
+            k, v = self.parts.keys(kv, n)
+            dq_b, dk_b, dv_b = block_backward(do_i, q_i, k, v, o_i, lse_i, scale, diag, softcap,
+                                              deterministic, self.parts.args(n))
+            self.dq_parts[i].add_(dq_b)
+            self.parts.add_keys(dkv, n, dk_b, dv_b)
+
+    def dq(self) -> torch.Tensor:
+        return self.parts.join(self.dq_parts)
 
 
-def _ring_forward(q, k, v, group, scale, causal, softcap):
+def _ring_forward(q, k, v, group, scale, causal, softcap, parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     peers = _peers(group, rank, ranks)
-    acc = _Forward(q, scale, causal, softcap, rank, ranks)
+    acc = _Forward(q, scale, causal, softcap, rank, ranks, parts)
     kv = torch.stack((k, v)).contiguous()
     for step in range(ranks):
         if step + 1 < ranks:
@@ -129,10 +131,12 @@ def _ring_forward(q, k, v, group, scale, causal, softcap):
     return acc.result()
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic,
+                   parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     peers = _peers(group, rank, ranks)
-    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks)
+    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks,
+                    parts)
     kv = torch.stack((k, v)).contiguous()
     dkv_reqs: list = []
     dkv_next = kv  # replaced by the first incoming accumulator before it is read
@@ -156,7 +160,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deter
     if ranks > 1:
         _wait(dkv_reqs)
         dkv = dkv_next
-    return acc.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return acc.dq().to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
@@ -167,17 +171,19 @@ def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
     return gathered
 
 
-def _allgather_forward(q, k, v, group, scale, causal, softcap):
+def _allgather_forward(q, k, v, group, scale, causal, softcap, parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = _Forward(q, scale, causal, softcap, rank, ranks)
+    acc = _Forward(q, scale, causal, softcap, rank, ranks, parts)
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
         acc.add(src, kv)
     return acc.result()
 
 
-def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic):
+def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic,
+                        parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks)
+    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks,
+                    parts)
     mine = None
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):  # gathered again: not kept
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -188,7 +194,7 @@ def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, 
         dist.reduce(dkv, dst=dst, op=dist.ReduceOp.SUM, group=group)
         if src == rank:
             mine = dkv
-    return acc.dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
+    return acc.dq().to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
 
 
 METHODS = {"ring": (_ring_forward, _ring_backward),
@@ -197,11 +203,11 @@ METHODS = {"ring": (_ring_forward, _ring_backward),
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic, method):
+    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic, method, parts):
         forward, _ = METHODS[method]
-        out, lse = forward(q, k, v, group, scale, causal, softcap)
+        out, lse = forward(q, k, v, group, scale, causal, softcap, parts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, causal, softcap, deterministic)
+        ctx.args = (group, scale, causal, softcap, deterministic, parts)
         ctx.method = method
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -211,30 +217,49 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         _, backward = METHODS[ctx.method]
         dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _check(q, k, v, group) -> None:
+def _check(q, k, v, group, cu_seqlens) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed initialised "
                            "(dist.init_process_group)")
+    rank_dims = 3 if cu_seqlens is not None else 4
+    form = "(local_total, heads, d_head) of a pack" if rank_dims == 3 else \
+        "(batch, local_seq, heads, d_head)"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be this rank's shard, a 4-D tensor (batch, "
-                             f"local_seq, heads, d_head)")
+        if not isinstance(t, torch.Tensor) or t.dim() != rank_dims:
+            raise ValueError(f"{name} must be this rank's shard, a {rank_dims}-D tensor {form}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    rows = 1 if rank_dims == 4 else 0
+    if q.shape[:rows + 1] != k.shape[:rows + 1] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, local "
                          f"sequence and d_head (self-attention over one sharded sequence)")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"heads of q ({q.shape[2]}) must be a multiple of heads of k/v "
-                         f"({k.shape[2]})")
-    if q.shape[1] % 2:
-        raise ValueError(f"this rank's shard has {q.shape[1]} tokens; a zigzag shard is two "
-                         f"equal chunks (shard_sequence makes one from a sequence of a multiple "
-                         f"of 2 x ranks tokens)")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v "
+                         f"({k.shape[-2]})")
+    ranks = dist.get_world_size(group)
+    if cu_seqlens is None:
+        if q.shape[1] % 2:
+            raise ValueError(f"this rank's shard has {q.shape[1]} tokens; a zigzag shard is two "
+                             f"equal chunks (shard_sequence makes one from a sequence of a "
+                             f"multiple of 2 x ranks tokens)")
+    else:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
+            raise ValueError("cu_seqlens must be the whole pack's (batch + 1,) integer offsets")
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        odd = [n for n in lengths if n < 0 or n % (2 * ranks)]
+        if odd or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"every sequence of the pack must have a length that is a "
+                             f"multiple of 2 x ranks = {2 * ranks} (offsets from 0), got "
+                             f"{odd[:4] or [int(cu_seqlens[0])]}")
+        if q.shape[0] * ranks != int(cu_seqlens[-1]):
+            raise ValueError(f"this rank's pack has {q.shape[0]} rows; the pack's "
+                             f"{int(cu_seqlens[-1])} tokens over {ranks} ranks make "
+                             f"{int(cu_seqlens[-1]) // ranks} (shard_packed makes them)")
     backend = dist.get_backend(group)
     want = "nccl" if q.is_cuda else "gloo"
     if backend != want:
@@ -245,20 +270,34 @@ def _check(q, k, v, group) -> None:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                    causal: bool = False, softmax_scale: float | None = None,
                    softcap: float = 0.0, deterministic: bool = False,
-                   return_lse: bool = False, method: str = "ring"):
+                   return_lse: bool = False, method: str = "ring",
+                   cu_seqlens: torch.Tensor | None = None):
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
     with return_lse); gradients flow back to q, k, v through autograd. causal: the whole
     sequence's causal mask; softcap as in attention(); deterministic: the backward's sums in a
     fixed order. method: "ring" (K/V passed rank to rank under the blocks: memory of one
-    rank's K/V in flight) or "allgather" (every rank's K/V gathered at once, dK/dV reduced to
-    their owners: fewer, larger collectives, P times the K/V memory); no rule chooses between
-    them yet (none measured on GPUs)."""
+    rank's K/V in flight; the default, measured as fast as the other on 2 GPUs) or
+    "allgather" (every rank's K/V gathered at once, dK/dV reduced to their owners: fewer,
+    larger collectives, P times the K/V memory).
+
+    Varlen packs: with cu_seqlens (the whole pack's (batch + 1,) offsets, the same on every
+    rank, each sequence's length a multiple of 2 x ranks), q, k, v are this rank's local pack
+    (local_total, heads, d_head) as shard_packed makes it (every sequence zigzag-sharded on its
+    own), causal applies per sequence, and the LSE is (heads, local_total)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    _check(q, k, v, group)
+    _check(q, k, v, group, cu_seqlens)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = _RingAttention.apply(q, k, v, group, float(scale), bool(causal), float(softcap),
-                                    bool(deterministic), method)
+    if cu_seqlens is None:
+        parts = Fixed(q.shape[1])
+        args = (q, k, v)
+    else:
+        parts = Packed(cu_seqlens.cpu(), dist.get_world_size(group), q.device)
+        args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))  # batch 1: one pack
+    out, lse = _RingAttention.apply(*args, group, float(scale), bool(causal), float(softcap),
+                                    bool(deterministic), method, parts)
+    if cu_seqlens is not None:
+        out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
