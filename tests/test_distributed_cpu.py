@@ -175,6 +175,10 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         with pytest.raises(ValueError, match="multiple of 2 x ranks"):
             x = torch.zeros(2 * ranks + 1, 2, 8)
             ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 2 * ranks + 1]))
+        if ranks > 1:  # every rank raises (none hangs in the ring)
+            x = torch.zeros(1, 2 * (ranks + rank % 2), 2, 8)
+            with pytest.raises(ValueError, match="the ranks' shards differ"):
+                ring_attention(x, x, x)
         with pytest.raises(ValueError, match="3-D tensor"):
             x = torch.zeros(1, 2 * ranks, 2, 8)
             ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 2 * ranks]))

@@ -224,6 +224,7 @@ def _check(q, k, v, group, cu_seqlens) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed initialised "
                            "(dist.init_process_group)")
+    ranks = dist.get_world_size(group)
     rank_dims = 3 if cu_seqlens is not None else 4
     form = "(local_total, heads, d_head) of a pack" if rank_dims == 3 else \
         "(batch, local_seq, heads, d_head)"
@@ -240,7 +241,6 @@ def _check(q, k, v, group, cu_seqlens) -> None:
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
         raise ValueError(f"heads of q ({q.shape[-2]}) must be a multiple of heads of k/v "
                          f"({k.shape[-2]})")
-    ranks = dist.get_world_size(group)
     if cu_seqlens is None:
         if q.shape[1] % 2:
             raise ValueError(f"this rank's shard has {q.shape[1]} tokens; a zigzag shard is two "
@@ -265,6 +265,27 @@ def _check(q, k, v, group, cu_seqlens) -> None:
     if backend != want:
         raise ValueError(f"ring_attention on {'CUDA' if q.is_cuda else 'CPU'} tensors needs a "
                          f"{want} process group, got {backend}")
+    _check_same_shards(q, k, group, ranks)
+
+
+def _check_same_shards(q, k, group, ranks: int) -> None:
+    """Every rank's shards must have the same shapes and dtype (the ring exchanges buffers of
+    this rank's size): one small all_gather, read on the host, so that a mismatch is a
+    ValueError on every rank rather than a hang or an NCCL error mid-ring."""
+    if ranks == 1:
+        return
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    mine = torch.tensor([*q.shape, *k.shape, dtypes.index(q.dtype) if q.dtype in dtypes else -1],
+                        dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(every, mine, group=group)
+    shapes = [tuple(t.tolist()) for t in every]
+    if len(set(shapes)) > 1:
+        raise ValueError("the ranks' shards differ (q shape, k shape, dtype per rank): "
+                         + "; ".join(f"rank {r}: {s[:q.dim()]}, {s[q.dim():-1]}, "
+                                     f"{dtypes[s[-1]] if s[-1] >= 0 else 'other'}"
+                                     for r, s in enumerate(shapes))
+                         + "; every rank passes its shard of the same sequence (shard_sequence)")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
