@@ -1,9 +1,10 @@
 """Context parallelism (flash_attention.distributed) on the CPU: the zigzag layout for any group
-size (chunks, balanced causal work, every block exactly once), the LSE merge, and the forward
-and backward of both methods (ring, all-gather) over gloo with 1-4 processes against the
-reference on the whole sequence (the blocks run the fp32 reference on CPU tensors; the GPU path
-runs the same code with the package's operators over NCCL: tests/test_gpu_distributed.py).
-Causal and not, GQA, softcap."""
+size (chunks, balanced causal work, every block exactly once), the sliding-window plan (its
+calls cover the window's mask exactly once, its ring steps), the LSE merge, and the forward
+and backward of both methods (ring, all-gather) over gloo with 1-4 processes (6 for the
+shortened ring) against the reference on the whole sequence (the blocks run the fp32
+reference on CPU tensors; the GPU path runs the same code with the package's operators over
+NCCL: tests/test_gpu_distributed.py). Causal and not, sliding windows, GQA, softcap."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from flash_attention.distributed import (
     shard_packed,
     shard_sequence,
 )
-from flash_attention.distributed.layout import DIAGONAL, FULL
+from flash_attention.distributed import ring as ring_module
+from flash_attention.distributed.layout import DIAGONAL, FULL, Plan, plan_for
+from flash_attention.masks import canonical_window, visible
 from flash_attention.reference import attention_reference
 
 
@@ -45,6 +48,78 @@ def test_zigzag_layout_balances_causal_work_and_covers_every_block_once(ranks):
     assert sorted(seen) == sorted((a, b) for a in range(2 * ranks) for b in range(a + 1))
     full = [b for r in range(ranks) for s in range(ranks) for b in layout.blocks(r, s, False)]
     assert len(full) == 4 * ranks * ranks and all(vis == FULL for _, _, vis in full)
+
+
+def _plan_mask(plan: Plan) -> torch.Tensor:
+    """(S, S) int: how many of the plan's calls, over every pair of ranks, compute each (query,
+    key) pair of the whole sequence (a call's window read on its slices, as the kernels do)."""
+    layout, c = plan.layout, plan.chunk
+    seqlen = layout.chunks * c
+    count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    for q_rank, kv_rank in itertools.product(range(layout.ranks), repeat=2):
+        # global position of each of kv_rank's local key rows (its two chunks back to back)
+        keys = torch.cat([torch.arange(b * c, (b + 1) * c) for b in layout.chunks_of(kv_rank)])
+        for span in plan.spans(q_rank, kv_rank):
+            a = layout.chunks_of(q_rank)[span.chunk]
+            seen = visible(span.q1 - span.q0, span.k1 - span.k0, *span.window).long()
+            rows = torch.arange(a * c + span.q0, a * c + span.q1)
+            count[rows[:, None], keys[span.k0:span.k1][None, :]] += seen
+    return count
+
+
+WINDOWS = [-1, 0, 1, 2, 3, 5, 7, 11, 40]
+
+
+@pytest.mark.parametrize("ranks", range(1, 7))
+def test_window_calls_cover_the_mask_exactly_once(ranks):
+    """Every (query, key) pair a window (and causal) lets see is computed by exactly one call,
+    no other pair is, whatever the chunk length against the window: under a chunk, between one
+    and several, beyond the sequence."""
+    for c, (left, right), causal in itertools.product((1, 2, 3, 4), itertools.product(
+            WINDOWS, repeat=2), (False, True)):
+        seqlen = 2 * ranks * c
+        window = canonical_window(causal, (left, right), seqlen, seqlen)
+        plan = plan_for(ranks, c, *window)
+        want = visible(seqlen, seqlen, *window).long()
+        assert torch.equal(_plan_mask(plan), want), (ranks, c, left, right, causal)
+        forward, backward = plan.steps
+        for q_rank, kv_rank in itertools.product(range(ranks), repeat=2):
+            d = (q_rank - kv_rank) % ranks
+            if plan.spans(q_rank, kv_rank):  # the ring's steps reach every keys seen
+                assert d <= forward or ranks - d <= backward, (ranks, c, window, plan.steps)
+
+
+@pytest.mark.parametrize("ranks", range(1, 9))
+def test_plan_without_a_window_is_the_whole_ring_one_call_per_query_chunk(ranks):
+    """No window: the ring runs whole, one way, and a query chunk makes one call per rank (the
+    blocks of a rank's two key chunks are one key prefix: no mask, or causal on the last)."""
+    for causal in (False, True):
+        plan = plan_for(ranks, 8, -1, 0 if causal else -1)
+        assert plan.steps == (ranks - 1, 0)
+        for q_rank, kv_rank in itertools.product(range(ranks), repeat=2):
+            spans = plan.spans(q_rank, kv_rank)
+            assert len({s.chunk for s in spans}) == len(spans), spans
+            assert all((s.q0, s.q1, s.k0, s.left) == (0, 8, 0, -1) and s.k1 in (8, 16)
+                       and s.right in ((-1, 0) if causal else (-1,)) for s in spans), spans
+
+
+@pytest.mark.parametrize(("ranks", "chunk", "window", "steps"), [
+    (4, 6, (3, 0), (1, 1)),   # under a chunk: the ranks either side (zigzag: both ways)
+    (8, 4, (3, 0), (1, 1)),
+    (8, 4, (4, 0), (1, 1)),   # a whole chunk back is still the neighbour's
+    (8, 4, (5, 0), (2, 2)),   # one key into the chunk two back
+    (8, 4, (9, 0), (3, 3)),
+    (8, 4, (3, 3), (1, 1)),
+    (8, 4, (0, 0), (0, 0)),   # every query sees its own key: no transfer
+    (2, 4, (0, 0), (0, 0)),
+    (2, 4, (1, 0), (1, 0)),   # 2 ranks: one step is the whole ring
+    (3, 4, (1, 0), (2, 0)),   # 3 ranks: both neighbours make the whole ring
+    (4, 6, (7, 0), (3, 0)),   # two steps both ways would be no fewer transfers
+    (8, 4, (-1, 3), (7, 0)),  # unbounded left: every rank's keys
+    (8, 4, (15, 0), (7, 0)),
+])
+def test_ring_steps_shrink_to_the_window(ranks, chunk, window, steps):
+    assert plan_for(ranks, chunk, *window).steps == steps
 
 
 def test_layout_refuses_what_does_not_split():
@@ -88,29 +163,42 @@ CASES = [  # batch, seqlen, heads, kv_heads, d_head, causal, softcap
 ]
 
 
+WINDOW_CASES = [  # the same, then window_size; chunks of 24, 12, 8, 6 tokens at 1-4 ranks
+    (1, 48, 4, 2, 16, False, 0.0, (3, 2)),     # both sides under a chunk
+    (2, 48, 4, 4, 16, True, 0.0, (4, -1)),     # causal: right 0
+    (1, 48, 4, 2, 8, False, 0.0, (10, 0)),     # (w, 0): one to two chunks back at 3-4 ranks
+    (1, 48, 2, 2, 8, False, 3.0, (20, 13)),    # several chunks, softcap
+    (1, 48, 6, 1, 8, False, 0.0, (-1, 5)),     # unbounded left, MQA
+    (1, 48, 2, 2, 8, False, 0.0, (7, -1)),     # unbounded right
+    (1, 48, 2, 2, 8, True, 5.0, (100, 0)),     # beyond the sequence: plain causal
+    (1, 48, 2, 2, 8, False, 0.0, (0, 0)),      # each query its own key only
+    (1, 48, 4, 2, 8, True, 0.0, (7, 3)),       # causal with right > 0: right 0, as attention()
+]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, seed,
-                method="ring") -> None:
+def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, window=(-1, -1), *,
+                seed, method="ring") -> None:
     g = torch.Generator().manual_seed(seed)  # the same whole tensors on every rank
     q = torch.randn(batch, seqlen, heads, d_head, generator=g)
     k = torch.randn(batch, seqlen, kv_heads, d_head, generator=g)
     v = torch.randn(batch, seqlen, kv_heads, d_head, generator=g)
     dout = torch.randn(batch, seqlen, heads, d_head, generator=g)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    out_ref, lse_ref = attention_reference(qr, kr, vr, None, True, causal, (-1, -1), softcap)
+    out_ref, lse_ref = attention_reference(qr, kr, vr, None, True, causal, window, softcap)
     (out_ref * dout).sum().backward()
 
     ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True,
-                              method=method)
+                              method=method, window_size=window)
     (out * shard_sequence(dout)).sum().backward()
     what = (f"{method}, rank {dist.get_rank()} of {dist.get_world_size()}: "
-            f"{batch, seqlen, heads, kv_heads}")
+            f"{batch, seqlen, heads, kv_heads}, causal={causal}, window={window}")
     tol = {"atol": 2e-5, "rtol": 1e-4}
     torch.testing.assert_close(out, shard_sequence(out_ref.detach()), **tol, msg=what)
     torch.testing.assert_close(lse, shard_sequence(lse_ref, dim=2), **tol, msg=what)
@@ -160,7 +248,7 @@ def _worker(rank: int, ranks: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         for method in ("ring", "allgather"):
-            for seed, case in enumerate(CASES):
+            for seed, case in enumerate(CASES + WINDOW_CASES):
                 if case[1] % (2 * ranks) == 0:
                     _check_case(*case, seed=seed, method=method)
             for seed, (heads, kv_heads, causal, softcap) in enumerate(
@@ -179,6 +267,16 @@ def _worker(rank: int, ranks: int, port: int) -> None:
             x = torch.zeros(1, 2 * (ranks + rank % 2), 2, 8)
             with pytest.raises(ValueError, match="the ranks' shards differ"):
                 ring_attention(x, x, x)
+        with pytest.raises(ValueError, match="window_size left must be -1"):
+            x = torch.zeros(1, 2 * ranks, 2, 8)
+            ring_attention(x, x, x, window_size=(-2, 0))
+        with pytest.raises(ValueError, match="window_size right must be -1"):
+            x = torch.zeros(1, 2 * ranks, 2, 8)
+            ring_attention(x, x, x, causal=True, window_size=(4, -3))
+        with pytest.raises(ValueError, match="a varlen pack takes no sliding window"):
+            x = torch.zeros(8, 2, 8)  # the local pack of two sequences of 4 x ranks tokens
+            ring_attention(x, x, x, causal=True, window_size=(1, 0),
+                           cu_seqlens=torch.tensor([0, 4 * ranks, 8 * ranks]))
         with pytest.raises(ValueError, match="3-D tensor"):
             x = torch.zeros(1, 2 * ranks, 2, 8)
             ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 2 * ranks]))
@@ -186,18 +284,77 @@ def _worker(rank: int, ranks: int, port: int) -> None:
         g = torch.Generator().manual_seed(7)
         q, k, v = (torch.randn(1, 4 * ranks, 2, 8, generator=g).requires_grad_()
                    for _ in range(3))
-        grads = []
-        for _ in range(2):
-            out = ring_attention(q, k, v, causal=True, deterministic=True)
-            grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
-        grads = []
-        for _ in range(2):
-            out = ring_attention(q, k, v, causal=True, deterministic=True, method="allgather")
-            grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        for method, window in itertools.product(("ring", "allgather"), ((-1, -1), (3, 1))):
+            grads = []
+            for _ in range(2):
+                out = ring_attention(q, k, v, causal=True, deterministic=True, method=method,
+                                     window_size=window)
+                grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+            assert all(torch.equal(a, b) for a, b in zip(*grads)), (method, window)
     finally:
         dist.destroy_process_group()
+
+
+def _steps_worker(rank: int, ranks: int, port: int) -> None:
+    """Counts what the ring moves (every tensor _shift sends, by direction) and whose keys it
+    offers the calls, for causal windows under and over a chunk, none, and one's own key."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    sent: list[int] = []
+    sources: set[int] = set()  # whose keys the calls were offered
+    plans: list[Plan] = []
+    real_shift, real_add = ring_module._shift, ring_module._Forward.add
+
+    def counted_shift(moves, *args):
+        sent.extend(d for _, d in moves)
+        return real_shift(moves, *args)
+
+    def counted_add(self, src, kv):
+        sources.add(src)
+        plans.append(self.plan)
+        return real_add(self, src, kv)
+
+    ring_module._shift, ring_module._Forward.add = counted_shift, counted_add
+    try:
+        seqlen = 48  # chunks of 48 / 2 ranks tokens: 6 at 4 ranks, 4 at 6
+        g = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, seqlen, 2, 8, generator=g) for _ in range(3))
+        for window, (forward, backward) in (
+                ((3, 0), (1, 1)),                      # under a chunk: one step each way
+                ((5, 0), (1, 1) if ranks == 4 else (2, 2)),  # over a chunk at 6 ranks
+                ((-1, -1), (ranks - 1, 0)),            # the whole ring
+                ((0, 0), (0, 0))):                     # own keys only
+            sent.clear()
+            sources.clear()
+            with torch.no_grad():
+                ring_attention(shard_sequence(q), shard_sequence(k), shard_sequence(v),
+                               causal=True, window_size=window)
+            # K/V: each step's transfers, each way
+            assert sorted(sent) == [-1] * backward + [1] * forward, (window, sent)
+            reach = {(rank - d) % ranks for d in range(forward + 1)} | {
+                (rank + d) % ranks for d in range(backward + 1)}
+            seen = {src for src in range(ranks) if plans[-1].spans(rank, src)}
+            assert seen <= sources == reach, (window, seen, sources, reach)
+            sent.clear()
+            _check_case(1, seqlen, 2, 2, 8, True, 0.0, window, seed=5)  # forward + backward
+            # the backward's K/V as the forward's; dK/dV accumulators: one a step each way
+            # (from step 0 forward, from step 1 backward) and, after a way's last, one home
+            dkv = forward + (forward > 0) + backward
+            assert len(sent) == 2 * (forward + backward) + dkv, (window, sent)
+    finally:
+        ring_module._shift, ring_module._Forward.add = real_shift, real_add
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", [4, 6])
+def test_ring_runs_only_the_steps_a_window_needs(ranks):
+    """A causal window under a chunk: each rank sends K/V one step each way (2 transfers, not
+    ranks - 1) and reads only its neighbours' keys; one over a chunk at 6 ranks: two steps each
+    way (4, not 5); the backward moves K/V the same and its dK/dV accumulators go on one step
+    less and then home; outputs and gradients still match the reference. A window of one key
+    moves nothing, no window the whole ring. (Counted through ring._shift.)"""
+    mp.spawn(_steps_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
 
 
 def _compile_worker(rank: int, ranks: int, port: int) -> None:

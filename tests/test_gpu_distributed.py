@@ -1,6 +1,8 @@
 """Context parallelism on GPUs: ring_attention over NCCL with one process per GPU (2 GPUs, or
-as many as the machine has up to 4), bf16, GQA, causal and not, one sequence and a varlen pack
-(sharded sequence by sequence), against the fp32 reference on the whole sequence by
+as many as the machine has up to 4), bf16, GQA, causal and not, sliding windows (under a chunk,
+and over one: partial blocks on slices; at 4 GPUs the first runs the ring one step each way),
+one sequence and a varlen pack (sharded sequence by sequence), against the fp32 reference on
+the whole sequence by
 FlashAttention's rule (the error at most twice that of the single-GPU call of the package's
 kernels on the whole sequence, plus a small floor), output and gradients. Skipped, with the
 reason, on a machine with fewer than 2 GPUs."""
@@ -77,22 +79,24 @@ def _worker(rank: int, ranks: int, port: int, method: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=ranks)
     try:
-        for causal, seed in ((False, 0), (True, 1)):
+        # windows over 1024 tokens: chunks of 256 (2 GPUs) or 128 (4 GPUs)
+        for causal, seed, window in ((False, 0, (-1, -1)), (True, 1, (-1, -1)),
+                                     (False, 2, (100, 37)), (True, 3, (300, 0))):
             g = torch.Generator().manual_seed(seed)
             whole = [torch.randn(1, 1024, h, 128, generator=g).cuda().bfloat16()
                      for h in (8, 2, 2, 8)]
             q, k, v, dout = whole
             qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
-            ref, _ = attention_reference(qr, kr, vr, causal=causal)
+            ref, _ = attention_reference(qr, kr, vr, causal=causal, window_size=window)
             ref_grads = torch.autograd.grad((ref * dout.float()).sum(), (qr, kr, vr))
             qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-            single = fa.attention(qs, ks, vs, causal=causal)
+            single = fa.attention(qs, ks, vs, causal=causal, window_size=window)
             single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
 
             ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
-            out = ring_attention(ql, kl, vl, causal=causal, method=method)
+            out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
             grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
-            what = f"{method}, rank {rank} of {ranks}, causal={causal}"
+            what = f"{method}, rank {rank} of {ranks}, causal={causal}, window={window}"
             err, err_single = _errors(gather_sequence(out.detach()), ref.detach(), single)
             assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
             for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):

@@ -12,8 +12,11 @@ The layout (layout.py) gives rank r of P the chunks r and 2P - 1 - r of 2P equal
 ("zigzag"), so that under a causal mask every rank has the same work; the ring (ring.py) passes
 K and V (only the KV heads: GQA travels at its own size) around the group one step at a time,
 each step's transfer overlapping the current block's attention, and merges the partial outputs
-by their LSEs in fp32 (merge.py); its backward sends dK and dV around with K and V. A varlen
-pack is sharded sequence by sequence (shard_packed, gather_packed; ring_attention's cu_seqlens).
+by their LSEs in fp32 (merge.py); its backward sends dK and dV around with K and V. A sliding
+window (ring_attention's window_size, as attention() takes it) skips the blocks outside it,
+runs partial ones on slices, and shortens the ring to the steps some rank needs (layout.Plan).
+A varlen pack is sharded sequence by sequence (shard_packed, gather_packed; ring_attention's
+cu_seqlens; no window).
 """
 
 from .layout import Layout, gather_packed, gather_sequence, shard_packed, shard_sequence

@@ -1,8 +1,10 @@
-"""One block of the ring: attention of a query chunk over a key chunk (the whole block, or
-causal on the diagonal) and its backward given the merged output and LSE. CUDA tensors run the
-package's operators (flash_attention::attention and ::bwd); CPU tensors run the same math in
-fp32 (reference.attention_reference and its gradient below), so the ring's communication and
-merging are tested over gloo on machines without a GPU."""
+"""One call of the ring: attention of a query chunk's rows over a slice of keys (the whole block,
+or masked by a window (left, right) aligned bottom-right: causal on the diagonal, or a sliding
+window's band shifted onto the slices, layout.band_slice) and its backward given the merged
+output and LSE. CUDA tensors run the package's operators (flash_attention::attention and
+::bwd); CPU tensors run the same math in fp32 (reference.attention_reference and its gradient
+below), so the ring's communication and merging are tested over gloo on machines without a
+GPU."""
 
 from __future__ import annotations
 
@@ -14,27 +16,30 @@ from ..masks import visible
 from ..reference import _expand_kv, attention_reference
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                  softcap: float, varlen=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Sq, H, D), lse (B, H, Sq) fp32) of q over k, v. varlen: (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a pack (batch 1), masks per sequence."""
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: tuple[int, int], softcap: float, varlen=None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Sq, H, D), lse (B, H, Sq) fp32) of q over k, v, masked by window (left, right;
+    -1 unbounded; (-1, 0) is causal) aligned bottom-right. varlen: (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k) of a pack (batch 1), masks per sequence."""
+    left, right = window
     if varlen is not None:
         if q.is_cuda:
             from .. import ops
 
             ops.require()
             o, lse = torch.ops.flash_attention.attention.default(
-                q[0], k[0], v[0], *varlen, scale, causal, -1, -1, float(softcap), True, "")
+                q[0], k[0], v[0], *varlen, scale, False, left, right, float(softcap), True, "")
             return o[None], lse[None]
         return _per_sequence(lambda qs, ks, vs: attention_reference(
-            qs, ks, vs, scale, True, causal, (-1, -1), softcap), varlen, (q, k, v), (1, 2))
+            qs, ks, vs, scale, True, False, window, softcap), varlen, (q, k, v), (1, 2))
     if q.is_cuda:
         from .. import ops
 
         ops.require()
         return torch.ops.flash_attention.attention.default(
-            q, k, v, None, None, 0, 0, scale, causal, -1, -1, float(softcap), True, "")
-    return attention_reference(q, k, v, scale, True, causal, (-1, -1), softcap)
+            q, k, v, None, None, 0, 0, scale, False, left, right, float(softcap), True, "")
+    return attention_reference(q, k, v, scale, True, False, window, softcap)
 
 
 def _per_sequence(fn, varlen, tensors, cat_dims):
@@ -52,31 +57,33 @@ def _per_sequence(fn, varlen, tensors, cat_dims):
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float, window: tuple[int, int],
                    softcap: float, deterministic: bool, varlen=None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of this block's share of the loss, from the merged out and lse of q's rows
-    (P = exp(scores - lse) is then the block's slice of the full softmax). varlen as in
-    block_forward."""
+    (P = exp(scores - lse) is then the block's slice of the full softmax). window and varlen as
+    in block_forward."""
+    left, right = window
+    lse = lse.contiguous()
     if varlen is not None:
         if q.is_cuda:
             dq, dk, dv = torch.ops.flash_attention.bwd.default(
-                dout[0], q[0], k[0], v[0], out[0], lse[0].contiguous(), None, *varlen, scale,
-                causal, -1, -1, float(softcap), deterministic, "")
+                dout[0], q[0], k[0], v[0], out[0], lse[0], None, *varlen, scale,
+                False, left, right, float(softcap), deterministic, "")
             return dq[None], dk[None], dv[None]
         # per sequence: (q, k, v, dout, out, lse) cut as _per_sequence cuts them
         return _per_sequence(
             lambda qs, ks, vs, ds, os_, ls: _reference_backward(ds, qs, ks, vs, os_, ls, scale,
-                                                                causal, softcap),
+                                                                window, softcap),
             varlen, (q, k, v, dout, out, lse), (1, 1, 1))
     if q.is_cuda:
         return torch.ops.flash_attention.bwd.default(
-            dout, q, k, v, out, lse, None, None, None, 0, 0, scale, causal, -1, -1,
+            dout, q, k, v, out, lse, None, None, None, 0, 0, scale, False, left, right,
             float(softcap), deterministic, "")
-    return _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap)
+    return _reference_backward(dout, q, k, v, out, lse, scale, window, softcap)
 
 
-def _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap):
+def _reference_backward(dout, q, k, v, out, lse, scale, window, softcap):
     heads, kv_heads = q.shape[2], k.shape[2]
     qf, dof, of = q.float(), dout.float(), out.float()
     kf, vf = _expand_kv(k.float(), heads), _expand_kv(v.float(), heads)
@@ -86,8 +93,8 @@ def _reference_backward(dout, q, k, v, out, lse, scale, causal, softcap):
         scores = softcap * t
     else:
         scores = raw
-    if causal:
-        scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], -1, 0), -math.inf)
+    if window != (-1, -1):
+        scores = scores.masked_fill(~visible(q.shape[1], k.shape[1], *window), -math.inf)
     finite = torch.isfinite(lse)[..., None]
     p = torch.where(finite, torch.exp(scores - torch.where(finite, lse[..., None], 0.0)), 0.0)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)

@@ -6,10 +6,18 @@ Zigzag: a sequence of length S is cut into 2P chunks of S / 2P tokens; rank r ho
 and 2P - 1 - r (in that order along its local sequence). Under a causal mask chunk i sees
 chunks j < i whole, itself causally, and none after it, so every rank's pair holds the same
 number of visible blocks (2P + 1 over a whole ring): no rank waits for another.
+
+Sliding windows (`Plan`): query chunk a against key chunk b (c tokens each) is a band, row i
+seeing key j iff D - left <= j - i <= D + right with D = (a - b) c: empty (skipped), whole, or
+partial. A partial block runs as one call on the slices of its rows and keys that hold the
+band, the window shifted onto the slices (aligned bottom-right, as the kernels align it), so
+the kernels' windows (each side -1 or >= 0) express every block. The ring then runs only the
+steps some rank needs, in both directions when that is shorter (`Plan.steps`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +69,130 @@ class Layout:
             raise ValueError(f"a sequence of {seqlen} tokens does not split into {self.chunks} "
                              f"equal chunks ({self.ranks} ranks x 2); pad it to a multiple of "
                              f"{self.chunks}")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One kernel call of the ring: query rows [q0, q1) of the rank's local query chunk `chunk`
+    (0 or 1) over key rows [k0, k1) of a source rank's local K/V (its two chunks back to back),
+    masked by the window (left, right) aligned bottom-right on these slices (-1: unbounded)."""
+
+    chunk: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: int
+    right: int
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.left, self.right
+
+
+def band_slice(rows: int, keys: int, lo: int | None, hi: int | None
+               ) -> tuple[int, int, int, int, int, int] | None:
+    """The band lo <= j - i <= hi of a block of `rows` query rows i and `keys` key rows j (None:
+    that side unbounded; lo <= hi) as one call: (q0, q1, k0, k1, left, right), the rows that
+    see a key, the keys they see, and the window that masks exactly the band on those slices,
+    aligned bottom-right (a side that bounds nothing there is -1). None: no pair in the band.
+
+    The rows that see a key are q0 = max(0, -hi) to q1 = min(rows, keys - lo); the first sees
+    keys from max(0, q0 + lo), the last up to min(keys, q1 + hi) - 1, which it sees: the slices'
+    bottom-right corner is in the band, so the shifted bounds straddle its diagonal and both
+    window sides come out >= 0."""
+    q0 = 0 if hi is None else max(0, -hi)
+    q1 = rows if lo is None else min(rows, keys - lo)
+    if q0 >= q1:
+        return None
+    k0 = 0 if lo is None else max(0, q0 + lo)
+    k1 = keys if hi is None else min(keys, q1 + hi)
+    n_q, n_k = q1 - q0, k1 - k0
+    off = n_k - n_q  # the slices' diagonal (bottom-right): j' - i' = off
+    # on the slices j' - i' = (j - i) - (k0 - q0): the band's bounds there
+    lo_s = None if lo is None else lo - (k0 - q0)
+    hi_s = None if hi is None else hi - (k0 - q0)
+    left = -1 if lo_s is None or lo_s <= -(n_q - 1) else off - lo_s
+    right = -1 if hi_s is None or hi_s >= n_k - 1 else hi_s - off
+    if left < -1 or right < -1:
+        raise AssertionError(f"band [{lo}, {hi}] of a {rows} x {keys} block: window "
+                             f"({left}, {right})")
+    return q0, q1, k0, k1, left, right
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The calls and ring steps of one ring_attention call: the layout, the chunk length
+    `chunk` in tokens and the window (left, right) over the whole sequence, causal folded in
+    (right 0) and -1 for an unbounded side (masks.canonical_window)."""
+
+    layout: Layout
+    chunk: int
+    left: int = -1
+    right: int = -1
+
+    def block(self, q_chunk: int, k_chunk: int) -> tuple[int, int, int, int, int, int] | None:
+        """band_slice of the block of global chunks (q_chunk, k_chunk); None when empty."""
+        d = (q_chunk - k_chunk) * self.chunk  # key j, row i of the block: j - i - d globally
+        return band_slice(self.chunk, self.chunk, None if self.left < 0 else d - self.left,
+                          None if self.right < 0 else d + self.right)
+
+    def spans(self, q_rank: int, kv_rank: int) -> tuple[Span, ...]:
+        """The calls q_rank's query chunks make on kv_rank's keys (none: nothing visible). One
+        call per query chunk where the blocks of the two key chunks form one key prefix with a
+        mask the kernels take: the first seen whole and some of the second by every row (no
+        mask, or causal on the diagonal: always so without a window, as the zigzag puts it);
+        otherwise one call per non-empty block."""
+        return self._spans[q_rank, kv_rank]
+
+    @functools.cached_property
+    def _spans(self) -> dict[tuple[int, int], tuple[Span, ...]]:
+        ranks = range(self.layout.ranks)
+        return {(q, kv): self._pair(q, kv) for q in ranks for kv in ranks}
+
+    def _pair(self, q_rank: int, kv_rank: int) -> tuple[Span, ...]:
+        c = self.chunk
+        full = (0, c, 0, c, -1, -1)
+        out = []
+        for i, a in enumerate(self.layout.chunks_of(q_rank)):
+            first, second = (self.block(a, b) for b in self.layout.chunks_of(kv_rank))
+            if first == full and second is not None and second[:2] == (0, c):
+                # Every row sees all of the first chunk and some of the second, so (the band
+                # being one interval of the sequence) the second from its first key: the two
+                # are one key prefix, bounded at most on the right (second[2:5] is 0, _, -1).
+                out.append(Span(i, 0, c, 0, c + second[3], -1, second[5]))
+                continue
+            for j, s in enumerate((first, second)):
+                if s is not None:
+                    q0, q1, k0, k1, left, right = s
+                    out.append(Span(i, q0, q1, k0 + j * c, k1 + j * c, left, right))
+        return tuple(out)
+
+    @functools.cached_property
+    def steps(self) -> tuple[int, int]:
+        """(forward, backward): the ring steps that carry K/V to the next rank (rank r then
+        holds r - s at step s) and to the previous one (r + s). Every offset d = (r - src) mod
+        P at which a rank r sees keys of src must be covered, d <= forward or P - d <=
+        backward; the pair with the fewest transfers (then the fewest rounds) wins, and when
+        that is no fewer than the whole ring's P - 1 the ring runs whole, one way: (P - 1,
+        0). (Zigzag puts both neighbours of a chunk on the ranks either side, so a small
+        window needs both directions.)"""
+        ranks = self.layout.ranks
+        needed = {(r - s) % ranks for r in range(ranks) for s in range(ranks)
+                  if self.spans(r, s)}
+        best = (ranks - 1, 0)
+        for forward in range(ranks):
+            backward = max((ranks - d for d in needed if d > forward), default=0)
+            if (forward + backward, max(forward, backward)) < (sum(best), max(best)):
+                best = (forward, backward)
+        return best if sum(best) < ranks - 1 else (ranks - 1, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def plan_for(ranks: int, chunk: int, left: int = -1, right: int = -1) -> Plan:
+    """The Plan of a group size, chunk length and window, kept for the calls that repeat them
+    (its spans and steps are worked out once, over every pair of ranks)."""
+    return Plan(Layout(ranks), chunk, left, right)
 
 
 def _group_size_rank(group) -> tuple[int, int]:

@@ -4,38 +4,57 @@ at once; dK and dV reduced onto their owners).
 
 Forward, on rank r of P: K and V (stacked, the KV heads only) go around the ring, one step per
 rank; at step s the rank holds those of rank r - s, sends them on to r + 1 while it computes the
-blocks its query chunks see of them (layout.blocks), and merges each block's (out, LSE) into its
-running result in fp32 (merge.py). Backward: K and V go around again, each step's transfer
-started before its blocks are computed; the blocks' dQ add into the rank's own, their dK and dV
-into fp32 accumulators that travel with K and V and come home after P steps. Each block's
-backward uses the merged output and LSE, so its P is its slice of the whole softmax.
+calls its query chunks make on them (layout.Plan.spans), and merges each call's (out, LSE) into
+the rows of its running result that the call covers, in fp32 (merge.py). Backward: K and V go
+around again, each step's transfer started before its calls are computed; the calls' dQ add
+into the rank's own, their dK and dV into fp32 accumulators that travel with K and V and come
+home after P steps. Each call's backward uses the merged output and LSE, so its P is its slice
+of the whole softmax.
+
+A sliding window shortens the ring (layout.Plan.steps): K/V go only as many steps as some rank
+needs, to the next ranks (r holds r - s) and, when that is shorter, also to the previous ones
+(r holds r + s) at the same time; the zigzag puts a chunk's neighbours on the ranks either side,
+so a small window takes one step each way. In the backward each way's accumulators travel with
+its K/V and after its last step go straight to their owner (one transfer, n ranks back; for the
+whole ring that is the plain next hop), where the ways' sums are added in a fixed order.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
+from ..masks import canonical_window
+from ..validation import check_window
 from .blocks import block_backward, block_forward
-from .layout import DIAGONAL, FULL, Layout
+from .layout import Plan, plan_for
 from .merge import merge_partials
 from .parts import Fixed, Packed
 
 
-def _peers(group, rank: int, ranks: int) -> tuple[int, int]:
-    """The global ranks of the next and the previous rank of the ring."""
-    nxt, prev = (rank + 1) % ranks, (rank - 1) % ranks
+def _global(group, rank: int) -> int:
+    """The global rank of a rank of the group."""
     if group is None or group is dist.group.WORLD:
-        return nxt, prev
-    return dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
-def _exchange(t: torch.Tensor, group, peers: tuple[int, int]) -> tuple[torch.Tensor, list]:
-    """Start sending t to the next rank and receiving the previous rank's t into a new buffer."""
-    buf = torch.empty_like(t)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peers[0], group),
-                                   dist.P2POp(dist.irecv, buf, peers[1], group)])
-    return buf, reqs
+def _shift(moves: list[tuple[torch.Tensor, int]], group, rank: int, ranks: int
+           ) -> tuple[list[torch.Tensor], list]:
+    """Start, for each (t, d) of moves, sending t to rank + d and receiving rank - d's t into a
+    new buffer (one batch of P2P operations; every rank posts the same moves in the same order,
+    so the sends and receives between any two ranks pair up in order)."""
+    if not moves:
+        return [], []
+    bufs, ops = [], []
+    for t, d in moves:
+        buf = torch.empty_like(t)
+        ops += [dist.P2POp(dist.isend, t, _global(group, (rank + d) % ranks), group),
+                dist.P2POp(dist.irecv, buf, _global(group, (rank - d) % ranks), group)]
+        bufs.append(buf)
+    return bufs, dist.batch_isend_irecv(ops)
 
 
 def _wait(reqs: list) -> None:
@@ -43,46 +62,54 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
-def _spans(blocks: list[tuple[int, int, str]]) -> dict[int, tuple[int, bool]]:
-    """The blocks one rank's query chunks see of another rank's two key chunks, as one call per
-    query chunk: {i: (n, causal)}, query chunk i over the first n key chunks (1 or 2) whose
-    last is diagonal when causal. Zigzag makes this always possible: a query chunk that sees the
-    later key chunk sees the earlier one whole, and the diagonal is only ever the last one seen
-    (causal aligned bottom-right over the two chunks is then exactly the two blocks' masks)."""
-    seen: dict[int, list[tuple[int, str]]] = {}
-    for i, j, vis in blocks:
-        seen.setdefault(i, []).append((j, vis))
-    out = {}
-    for i, parts in seen.items():
-        parts.sort()
-        if [j for j, _ in parts] != list(range(len(parts))) or any(
-                vis != FULL for _, vis in parts[:-1]):
-            raise AssertionError(f"blocks {parts} of query chunk {i} are not one key prefix")
-        out[i] = (len(parts), parts[-1][1] == DIAGONAL)
-    return out
+# The ring's two directions: K/V sent to the next rank (rank r holds r - s at step s) and to
+# the previous one (r + s), with how many steps each runs (Plan.steps).
+_FORWARD, _BACKWARD = 1, -1
+
+
+def _directions(plan: Plan) -> tuple[tuple[int, int], ...]:
+    forward, backward = plan.steps
+    return (_FORWARD, forward), (_BACKWARD, backward)
+
+
+def _held(step: int, direction: int, n: int) -> bool:
+    """Whether a direction of n steps holds K/V of another rank's at this step (step 0, the
+    rank's own, is the forward direction's)."""
+    return step <= n and (step > 0 or direction == _FORWARD)
 
 
 class _Forward:
     """One rank's forward: its two query chunks' (out, LSE), merged over the key chunks of every
     rank as they arrive (add), by either method. parts: how the local tensors split into the
-    chunks (parts.Fixed, parts.Packed)."""
+    chunks (parts.Fixed, parts.Packed); plan: the calls (layout.Plan)."""
 
-    def __init__(self, q, scale, causal, softcap, rank: int, ranks: int, parts) -> None:
-        self.q, self.args, self.rank, self.layout = q, (scale, softcap), rank, Layout(ranks)
-        self.causal, self.parts = causal, parts
+    def __init__(self, q, scale, plan: Plan, softcap, rank: int, parts) -> None:
+        self.q, self.args, self.rank, self.plan = q, (scale, softcap), rank, plan
+        self.parts = parts
         self.q_parts = [parts.part(q, i) for i in (0, 1)]
         self.outs: list[torch.Tensor | None] = [None, None]
         self.lses: list[torch.Tensor | None] = [None, None]
 
     def add(self, src: int, kv: torch.Tensor) -> None:
-        """The blocks the rank's queries see of rank src's keys (kv: K and V stacked), one call
-        per query chunk (_spans)."""
+        """The calls the rank's queries make on rank src's keys (kv: K and V stacked), each
+        merged into the rows it covers (a row a call leaves out saw none of its keys)."""
         scale, softcap = self.args
-        for i, (n, causal) in _spans(self.layout.blocks(self.rank, src, self.causal)).items():
-            k, v = self.parts.keys(kv, n)
-            o, lse = block_forward(self.q_parts[i], k, v, scale, causal, softcap,
-                                   self.parts.args(n))
-            self.outs[i], self.lses[i] = merge_partials(self.outs[i], self.lses[i], o, lse)
+        for span in self.plan.spans(self.rank, src):
+            i, rows = span.chunk, self.parts.query_rows(span)
+            k, v = self.parts.keys(kv, span)
+            o, lse = block_forward(self.q_parts[i][:, rows], k, v, scale, span.window, softcap,
+                                   self.parts.args(span))
+            if self.outs[i] is None and (span.q0, span.q1) == (0, self.parts.chunk):
+                self.outs[i], self.lses[i] = merge_partials(None, None, o, lse)  # fp32
+                continue
+            if self.outs[i] is None:  # rows no call has reached: out 0, LSE -inf
+                shape = self.q_parts[i].shape
+                self.outs[i] = torch.zeros(shape, dtype=torch.float32, device=self.q.device)
+                self.lses[i] = torch.full((shape[0], shape[2], shape[1]), -math.inf,
+                                          dtype=torch.float32, device=self.q.device)
+            out_i, lse_i = self.outs[i], self.lses[i]
+            out_i[:, rows], lse_i[:, :, rows] = merge_partials(out_i[:, rows], lse_i[:, :, rows],
+                                                               o, lse)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.parts.join([o.to(self.q.dtype) for o in self.outs])
@@ -91,76 +118,92 @@ class _Forward:
 
 class _Backward:
     """One rank's backward: dQ of its query chunks, summed over the key chunks of every rank,
-    and each block's dK, dV added into that rank's (fp32) accumulator (add)."""
+    and each call's dK, dV added into that rank's (fp32) accumulator (add)."""
 
-    def __init__(self, dout, q, out, lse, scale, causal, softcap, deterministic, rank: int,
-                 ranks: int, parts) -> None:
+    def __init__(self, dout, q, out, lse, scale, plan: Plan, softcap, deterministic, rank: int,
+                 parts) -> None:
         self.chunks = [(parts.part(q, i), parts.part(dout, i), parts.part(out, i),
                         parts.lse_part(lse, i)) for i in (0, 1)]
-        self.args = (scale, causal, softcap, deterministic)
-        self.rank, self.layout, self.q, self.parts = rank, Layout(ranks), q, parts
+        self.args = (scale, softcap, deterministic)
+        self.rank, self.plan, self.q, self.parts = rank, plan, q, parts
         self.dq_parts = [torch.zeros(c[0].shape, dtype=torch.float32, device=q.device)
                          for c in self.chunks]
 
     def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
-        scale, causal, softcap, deterministic = self.args
-        for i, (n, diag) in _spans(self.layout.blocks(self.rank, src, causal)).items():
-            q_i, do_i, o_i, lse_i = self.chunks[i]
-            k, v = self.parts.keys(kv, n)
-            dq_b, dk_b, dv_b = block_backward(do_i, q_i, k, v, o_i, lse_i, scale, diag, softcap,
-                                              deterministic, self.parts.args(n))
-            self.dq_parts[i].add_(dq_b)
-            self.parts.add_keys(dkv, n, dk_b, dv_b)
+        scale, softcap, deterministic = self.args
+        for span in self.plan.spans(self.rank, src):
+            rows = self.parts.query_rows(span)
+            q_i, do_i, o_i, lse_i = self.chunks[span.chunk]
+            k, v = self.parts.keys(kv, span)
+            dq_b, dk_b, dv_b = block_backward(do_i[:, rows], q_i[:, rows], k, v, o_i[:, rows],
+                                              lse_i[:, :, rows], scale, span.window, softcap,
+                                              deterministic, self.parts.args(span))
+            self.dq_parts[span.chunk][:, rows].add_(dq_b)
+            self.parts.add_keys(dkv, span, dk_b, dv_b)
 
     def dq(self) -> torch.Tensor:
         return self.parts.join(self.dq_parts)
 
 
-def _ring_forward(q, k, v, group, scale, causal, softcap, parts):
+def _ring_forward(q, k, v, group, scale, plan, softcap, parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    peers = _peers(group, rank, ranks)
-    acc = _Forward(q, scale, causal, softcap, rank, ranks, parts)
+    acc = _Forward(q, scale, plan, softcap, rank, parts)
     kv = torch.stack((k, v)).contiguous()
-    for step in range(ranks):
-        if step + 1 < ranks:
-            kv_next, reqs = _exchange(kv, group, peers)  # in flight under this step's blocks
-        acc.add((rank - step) % ranks, kv)
-        if step + 1 < ranks:
-            _wait(reqs)
-            kv = kv_next
+    held = {_FORWARD: kv, _BACKWARD: kv}  # the K/V each direction holds at this step
+    directions = _directions(plan)
+    for step in range(max(plan.steps) + 1):
+        moving = [d for d, n in directions if step < n]  # in flight under this step's calls
+        arriving, reqs = _shift([(held[d], d) for d in moving], group, rank, ranks)
+        for d, n in directions:
+            if _held(step, d, n):
+                acc.add((rank - d * step) % ranks, held[d])
+        _wait(reqs)
+        held.update(zip(moving, arriving))
     return acc.result()
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic,
+def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
                    parts):
+    """K/V go around as in the forward; the dK/dV of the keys a direction holds travel with
+    them in an fp32 accumulator (each rank adds its calls' share), and after the direction's
+    last step go straight to their owner, n ranks back the way they came (for the whole ring
+    that is the plain next hop)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    peers = _peers(group, rank, ranks)
-    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks,
-                    parts)
+    acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     kv = torch.stack((k, v)).contiguous()
-    dkv_reqs: list = []
-    dkv_next = kv  # replaced by the first incoming accumulator before it is read
-    for step in range(ranks):
-        if step + 1 < ranks:
-            kv_next, kv_reqs = _exchange(kv, group, peers)
-        # This step's blocks add into a fresh accumulator while the one of these keys (the
-        # previous ranks' sums) is still on its way here; the two are summed when it lands.
-        local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        acc.add((rank - step) % ranks, kv, local)
-        if step == 0:
-            dkv = local
-        else:
-            _wait(dkv_reqs)
-            dkv = dkv_next.add_(local)
-        if ranks > 1:  # dK, dV of these keys go on with them; the last step sends them home
-            dkv_next, dkv_reqs = _exchange(dkv, group, peers)
-        if step + 1 < ranks:
-            _wait(kv_reqs)
-            kv = kv_next
-    if ranks > 1:
-        _wait(dkv_reqs)
-        dkv = dkv_next
-    return acc.dq().to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    held = {_FORWARD: kv, _BACKWARD: kv}
+    sums: dict[int, tuple[torch.Tensor, list]] = {}  # a direction's incoming accumulator
+    home: list[tuple[torch.Tensor, list]] = []  # this rank's keys' sums, on their way here
+    directions = _directions(plan)
+    for step in range(max(plan.steps) + 1):
+        moving = [d for d, n in directions if step < n]
+        arriving, kv_reqs = _shift([(held[d], d) for d in moving], group, rank, ranks)
+        for d, n in directions:
+            if not _held(step, d, n):
+                continue
+            # This step's calls add into a fresh accumulator while the one of these keys (the
+            # previous ranks' sums) is still on its way here; the two are summed when it lands.
+            local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            acc.add((rank - d * step) % ranks, held[d], local)
+            if d in sums:
+                buf, reqs = sums.pop(d)
+                _wait(reqs)
+                local = buf.add_(local)
+            if step < n:  # on with the keys
+                bufs, reqs = _shift([(local, d)], group, rank, ranks)
+                sums[d] = bufs[0], reqs
+            elif n > 0:  # home to the keys' owner, n ranks back
+                bufs, reqs = _shift([(local, -d * n)], group, rank, ranks)
+                home.append((bufs[0], reqs))
+            else:  # no step this way: the rank's own keys' sum is home
+                home.append((local, []))
+        _wait(kv_reqs)
+        held.update(zip(moving, arriving))
+    dkv = None
+    for buf, reqs in home:  # in a fixed order: deterministic
+        _wait(reqs)
+        dkv = buf if dkv is None else dkv.add_(buf)
+    return acc.dq().to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)  # type: ignore[index]
 
 
 def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
@@ -171,27 +214,24 @@ def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
     return gathered
 
 
-def _allgather_forward(q, k, v, group, scale, causal, softcap, parts):
+def _allgather_forward(q, k, v, group, scale, plan, softcap, parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = _Forward(q, scale, causal, softcap, rank, ranks, parts)
+    acc = _Forward(q, scale, plan, softcap, rank, parts)
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
         acc.add(src, kv)
     return acc.result()
 
 
-def _allgather_backward(dout, q, k, v, out, lse, group, scale, causal, softcap, deterministic,
+def _allgather_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
                         parts):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = _Backward(dout, q, out, lse, scale, causal, softcap, deterministic, rank, ranks,
-                    parts)
+    acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     mine = None
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):  # gathered again: not kept
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         acc.add(src, kv, dkv)
         # src's keys' gradients from every rank, summed on src (in rank order: deterministic)
-        dst = src if group is None or group is dist.group.WORLD else dist.get_global_rank(group,
-                                                                                          src)
-        dist.reduce(dkv, dst=dst, op=dist.ReduceOp.SUM, group=group)
+        dist.reduce(dkv, dst=_global(group, src), op=dist.ReduceOp.SUM, group=group)
         if src == rank:
             mine = dkv
     return acc.dq().to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
@@ -203,11 +243,11 @@ METHODS = {"ring": (_ring_forward, _ring_backward),
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, softcap, deterministic, method, parts):
+    def forward(ctx, q, k, v, group, scale, plan, softcap, deterministic, method, parts):
         forward, _ = METHODS[method]
-        out, lse = forward(q, k, v, group, scale, causal, softcap, parts)
+        out, lse = forward(q, k, v, group, scale, plan, softcap, parts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, causal, softcap, deterministic, parts)
+        ctx.args = (group, scale, plan, softcap, deterministic, parts)
         ctx.method = method
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -292,7 +332,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    causal: bool = False, softmax_scale: float | None = None,
                    softcap: float = 0.0, deterministic: bool = False,
                    return_lse: bool = False, method: str = "ring",
-                   cu_seqlens: torch.Tensor | None = None):
+                   cu_seqlens: torch.Tensor | None = None,
+                   window_size: tuple[int, int] = (-1, -1)):
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
@@ -303,21 +344,40 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     "allgather" (every rank's K/V gathered at once, dK/dV reduced to their owners: fewer,
     larger collectives, P times the K/V memory).
 
+    window_size (left, right): a sliding window over the whole sequence, as attention() takes
+    it: query i sees keys i - left to i + right, -1 leaves a side unbounded, causal sets right
+    to 0. Blocks outside the window are skipped, partial ones run on the slices that hold the
+    band, and the ring runs only the steps (in both directions when shorter) that carry keys
+    some rank sees (layout.Plan.steps); the all-gather skips the empty blocks.
+
     Varlen packs: with cu_seqlens (the whole pack's (batch + 1,) offsets, the same on every
     rank, each sequence's length a multiple of 2 x ranks), q, k, v are this rank's local pack
     (local_total, heads, d_head) as shard_packed makes it (every sequence zigzag-sharded on its
-    own), causal applies per sequence, and the LSE is (heads, local_total)."""
+    own), causal applies per sequence, and the LSE is (heads, local_total). A pack takes no
+    window (ValueError): its sequences' chunks differ in length, so a window's slices would
+    differ per sequence."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    causal, (left, right) = check_window(bool(causal), window_size)
     _check(q, k, v, group, cu_seqlens)
+    ranks = dist.get_world_size(group)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if cu_seqlens is None:
         parts = Fixed(q.shape[1])
         args = (q, k, v)
+        seqlen = q.shape[1] * ranks
+        left, right = canonical_window(causal, (left, right), seqlen, seqlen)
     else:
-        parts = Packed(cu_seqlens.cpu(), dist.get_world_size(group), q.device)
+        parts = Packed(cu_seqlens.cpu(), ranks, q.device)
         args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))  # batch 1: one pack
-    out, lse = _RingAttention.apply(*args, group, float(scale), bool(causal), float(softcap),
+        longest = max(parts.chunks, default=0) * 2 * ranks
+        left, right = canonical_window(causal, (left, right), longest, longest)
+        if left != -1 or right not in (-1, 0):
+            raise ValueError(f"window_size {tuple(window_size)} with cu_seqlens: a varlen pack "
+                             f"takes no sliding window in ring_attention (its sequences' "
+                             f"chunks differ in length); only (-1, -1) and causal")
+    out, lse = _RingAttention.apply(*args, group, float(scale),
+                                    plan_for(ranks, parts.chunk, left, right), float(softcap),
                                     bool(deterministic), method, parts)
     if cu_seqlens is not None:
         out, lse = out.squeeze(0), lse.squeeze(0)
