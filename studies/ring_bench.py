@@ -9,10 +9,12 @@ rank's CUDA-event time; median over --reps calls after warm-up calls, the spread
 TFLOP/s per GPU (the mask's attention FLOPs of the whole sequence over time x GPUs), and the
 scaling efficiency T_one_gpu(S) / (P x T_P(S)): 1.0 is perfect strong scaling, every byte of
 communication hidden. --long S times one forward + backward at S tokens (GQA) on every GPU with
-the ring and reports peak memory per GPU.
+the ring and reports peak memory per GPU. --window L gives every mask a sliding window of L
+keys back (and L ahead when not causal), the FLOPs those of the pairs it keeps; torch's
+context_parallel is left out then (SDPA takes no window).
 
     python3 studies/ring_bench.py [--seqs 32768,65536,131072] [--heads 32/32] [--d 128]
-        [--reps 5] [--long 524288] [--json out.json]
+        [--reps 5] [--long 524288] [--window 4096] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,10 +38,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def flops(seq: int, heads: int, d: int, causal: bool, backward: bool) -> float:
+def window_of(causal: bool, window: int) -> tuple[int, int]:
+    """--window's (left, right) for a mask: L back, and L ahead unless causal; (-1, -1) none."""
+    return (window, 0 if causal else window) if window > 0 else (-1, -1)
+
+
+def flops(seq: int, heads: int, d: int, causal: bool, backward: bool,
+          window: tuple[int, int] = (-1, -1)) -> float:
     """Attention FLOPs of one sequence: 4 S^2 H d forward (two GEMMs), 2.5x that with the
-    backward (five GEMMs); half under a causal mask."""
-    f = 4.0 * seq * seq * heads * d * (0.5 if causal else 1.0)
+    backward (five GEMMs); half under a causal mask; a window's: 4 H d per pair it keeps."""
+    if window != (-1, -1):
+        from flash_attention.masks import visible_pairs
+
+        f = 4.0 * visible_pairs(seq, seq, *window) * heads * d
+    else:
+        f = 4.0 * seq * seq * heads * d * (0.5 if causal else 1.0)
     return f * (3.5 if backward else 1.0)
 
 
@@ -68,7 +81,7 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _ours(q, k, v, dout, causal, method):
+def _ours(q, k, v, dout, causal, method, window=(-1, -1)):
     from flash_attention.distributed import ring_attention, shard_sequence
 
     ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
@@ -76,10 +89,10 @@ def _ours(q, k, v, dout, causal, method):
 
     def fwd():
         with torch.no_grad():
-            ring_attention(ql, kl, vl, causal=causal, method=method)
+            ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
 
     def step():
-        out = ring_attention(ql, kl, vl, causal=causal, method=method)
+        out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
         torch.autograd.grad(out, (ql, kl, vl), dl)
 
     return fwd, step
@@ -118,17 +131,17 @@ def _torch_cp(q, k, v, dout, causal, backend, mesh):
     return fwd, step, stack
 
 
-def _one_gpu(q, k, v, dout, causal):
+def _one_gpu(q, k, v, dout, causal, window=(-1, -1)):
     import flash_attention as fa
 
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
     def fwd():
         with torch.no_grad():
-            fa.attention(qs, ks, vs, causal=causal)
+            fa.attention(qs, ks, vs, causal=causal, window_size=window)
 
     def step():
-        out = fa.attention(qs, ks, vs, causal=causal)
+        out = fa.attention(qs, ks, vs, causal=causal, window_size=window)
         torch.autograd.grad(out, (qs, ks, vs), dout)
 
     return fwd, step
@@ -180,23 +193,26 @@ def _one_shape(seq, causal, heads, kv_heads, args, rank, mesh, rows) -> None:
     from torch.nn.attention import SDPBackend
 
     key = f"{seq}|{causal}"
+    window = window_of(causal, args.window)
     g = torch.Generator(device="cuda").manual_seed(seq)
     q = torch.randn(1, seq, heads, args.d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, seq, kv_heads, args.d, device="cuda", dtype=torch.bfloat16,
                         generator=g) for _ in range(2))
     dout = torch.randn_like(q)
     if rank == 0:
-        print(f"# S {seq}, causal={causal}", flush=True)
+        print(f"# S {seq}, causal={causal}, window={window}", flush=True)
     for method in ("ring", "allgather"):
-        _measure(f"ours {method}", lambda m=method: _ours(q, k, v, dout, causal, m),
+        _measure(f"ours {method}", lambda m=method: _ours(q, k, v, dout, causal, m, window),
                  args.reps, rank, rows, key)
     for label, backend in (("torch cp cudnn", SDPBackend.CUDNN_ATTENTION),
                            ("torch cp flash", SDPBackend.FLASH_ATTENTION)):
+        if window != (-1, -1):
+            break  # SDPA takes no window
         _measure(label, lambda b=backend: _torch_cp(q, k, v, dout, causal, b, mesh),
                  args.reps, rank, rows, key)
     # one GPU alone on the whole sequence (rank 0; the others wait at the barrier)
     if rank == 0:
-        fwd, step = _one_gpu(q, k, v, dout, causal)
+        fwd, step = _one_gpu(q, k, v, dout, causal, window)
         rows[key]["one gpu"] = {"fwd": _time_alone(fwd, args.reps),
                                 "fwd+bwd": _time_alone(step, args.reps)}
     dist.barrier()
@@ -245,10 +261,11 @@ def _long_run(args, rank, ranks) -> dict:
             / ranks / 1e12}
 
 
-def report(rows: dict, ranks: int, heads: int, d: int) -> list[dict]:
+def report(rows: dict, ranks: int, heads: int, d: int, window: int = 0) -> list[dict]:
     table = []
     print(f"\n# context parallelism, {ranks} x {torch.cuda.get_device_name()}, torch "
-          f"{torch.__version__}, bf16, heads {heads}, d_head {d}; ms median [min-max], "
+          f"{torch.__version__}, bf16, heads {heads}, d_head {d}"
+          + (f", window {window}" if window > 0 else "") + "; ms median [min-max], "
           f"TFLOP/s per GPU, scaling = T(one GPU) / ({ranks} x T)")
     for key, contenders in rows.items():
         if key == "long":
@@ -266,12 +283,14 @@ def report(rows: dict, ranks: int, heads: int, d: int) -> list[dict]:
                 t = res[what]
                 med = statistics.median(t)
                 gpus = 1 if name == "one gpu" else ranks
-                tf = flops(seq, heads, d, causal, what == "fwd+bwd") / (med * 1e-3) / gpus / 1e12
+                tf = flops(seq, heads, d, causal, what == "fwd+bwd",
+                           window_of(causal, window)) / (med * 1e-3) / gpus / 1e12
                 scale = (statistics.median(one[what]) / (ranks * med)
                          if one and name != "one gpu" else None)
                 print(f"  {name:16s} {what:8s} {med:9.2f} ms [{min(t):.2f}-{max(t):.2f}] "
                       f"{tf:6.0f} TFLOP/s/GPU" + (f"  scaling {scale:.2f}" if scale else ""))
-                table.append({"seq": seq, "causal": causal, "name": name, "what": what,
+                table.append({"seq": seq, "causal": causal, "window": window_of(causal, window),
+                              "name": name, "what": what,
                               "ms": med, "spread": [min(t), max(t)], "tflops_per_gpu": tf,
                               "scaling": scale})
     if "long" in rows:
@@ -291,6 +310,8 @@ def main() -> int:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--long", type=int, default=0, help="also one fwd+bwd at this many tokens")
+    ap.add_argument("--window", type=int, default=0, help="a sliding window of this many keys "
+                    "back (and ahead when not causal); 0: none")
     ap.add_argument("--json")
     args = ap.parse_args()
     ranks = torch.cuda.device_count()
@@ -302,7 +323,7 @@ def main() -> int:
     with open(path) as f:
         rows = json.load(f)
     heads = int(args.heads.split("/")[0])
-    table = report(rows, ranks, heads, args.d)
+    table = report(rows, ranks, heads, args.d, args.window)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpus": ranks, "device": torch.cuda.get_device_name(), "heads": args.heads,
