@@ -500,3 +500,116 @@ class TrainingStep(Backward):
         return measure_grads(list(BWD_CASES), "fwdbwd")
 
     setup_cache.timeout = 1200
+
+
+# ---- decode steps -----------------------------------------------------------------------------
+
+# (batch, cached keys, page size; 0 = contiguous) of the decode rows: GQA 32/8, d_head 128,
+# bf16, one query per sequence (issue 44's shapes: split-KV at batch 1, one pass at 64).
+DECODE_STEPS = ((1, 8192, 0), (16, 8192, 0), (64, 8192, 0), (16, 8192, 16), (16, 8192, 256))
+DECODE_SHAPES = [f"b{b}_k{k}" + (f"_page{p}" if p else "") for b, k, p in DECODE_STEPS]
+DECODE_CONTENDERS = ("ours", "sdpa_cudnn", "sdpa_fa2")
+
+
+def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
+    """{contender: median ms} of one decode step: flash_attn_with_kvcache over a full cache of
+    `keys` keys (contiguous, or in pages of `page` rows placed in a random order), and SDPA
+    restricted to cuDNN and to FA2 (enable_gqa) on the contiguous cache. A build from before
+    the KV-cache API is skipped with the reason."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        from flash_attention.interface import flash_attn_with_kvcache
+    except ImportError as exc:
+        raise NotImplementedError(f"this build has no flash_attn_with_kvcache ({exc})") from None
+    heads, kv_heads, d = 32, 8, 128
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, keys, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    table, k_cache, v_cache = None, k, v
+    if page:
+        per_seq = -(-keys // page)
+        table = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32)
+        table = table.view(batch, per_seq)
+
+        def paged(t):
+            t = F.pad(t, (0, 0, 0, 0, 0, per_seq * page - keys))
+            pool = torch.empty(batch * per_seq, page, kv_heads, d, device="cuda", dtype=t.dtype)
+            pool[table.flatten().long()] = t.reshape(-1, page, kv_heads, d)
+            return pool
+
+        k_cache, v_cache = paged(k), paged(v)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def make_peer(backend):
+        def peer():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return peer
+
+    fns = {"ours": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                   block_table=table)}
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa_fa2", SDPBackend.FLASH_ATTENTION)):
+        try:
+            make_peer(backend)()
+        except RuntimeError:
+            continue
+        fns[name] = make_peer(backend)
+    if not torch.isfinite(fns["ours"]()).all():
+        raise RuntimeError("flash_attn_with_kvcache produced non-finite values")
+    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5))
+            for name, fn in fns.items()}
+
+
+class Decode:
+    """Decode steps (DECODE_STEPS) of ours against SDPA's cuDNN and FA2 backends on the same
+    cache, and the ratio to cuDNN, SDPA's fastest backend for decode on Hopper
+    (docs/results/2026-11-28-h200-decode-targets.md); a peer that cannot run a step records
+    nan."""
+
+    params = (DECODE_SHAPES,)
+    param_names = ["step"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        results = {}
+        for shape, (batch, keys, page) in zip(DECODE_SHAPES, DECODE_STEPS):
+            try:
+                results[shape] = measure_decode(batch, keys, page)
+            except NotImplementedError as exc:
+                results[shape] = {"skip": str(exc)}
+        return results
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, step):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        self.r = cache[step]
+        if "skip" in self.r:
+            raise NotImplementedError(self.r["skip"])
+
+    def track_ours_ms(self, cache, step):
+        return self.r["ours"]
+
+    track_ours_ms.unit = "ms"
+
+    def track_sdpa_cudnn_ms(self, cache, step):
+        return self.r.get("sdpa_cudnn", float("nan"))
+
+    track_sdpa_cudnn_ms.unit = "ms"
+
+    def track_ratio_to_sdpa_cudnn(self, cache, step):
+        """Our time over SDPA cuDNN's in the same run (< 1: we are faster; nan where cuDNN
+        does not run the step)."""
+        return self.r["ours"] / self.r.get("sdpa_cudnn", float("nan"))
+
+    track_ratio_to_sdpa_cudnn.unit = "ratio"

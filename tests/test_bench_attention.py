@@ -57,6 +57,23 @@ def test_cases_without_a_backward_kernel_or_gpu_are_skipped_with_the_reason():
     assert ba.TrainingStep.setup_cache is not ba.Backward.setup_cache, "each measures its kind"
 
 
+def test_decode_tracks_every_step_with_its_ratio_to_cudnn():
+    """Each decode step is a parameter; its tracks are ours, cuDNN's and their ratio from the
+    same cache; a step cuDNN cannot run gives nan; a skipped step or no GPU is skipped."""
+    assert len(ba.DECODE_SHAPES) == len(set(ba.DECODE_SHAPES)) == len(ba.DECODE_STEPS)
+    cache = {s: {"ours": 0.02, "sdpa_cudnn": 0.025} for s in ba.DECODE_SHAPES}
+    cache[ba.DECODE_SHAPES[1]] = {"ours": 0.1}
+    cache[ba.DECODE_SHAPES[2]] = {"skip": "this build has no flash_attn_with_kvcache"}
+    got = run_asv_class(ba.Decode, cache)
+    assert set(got) == {(s,) for s in ba.DECODE_SHAPES} - {(ba.DECODE_SHAPES[2],)}
+    first = got[(ba.DECODE_SHAPES[0],)]
+    assert first["track_ours_ms"] == 0.02 and first["track_sdpa_cudnn_ms"] == 0.025
+    assert first["track_ratio_to_sdpa_cudnn"] == pytest.approx(0.8)
+    assert math.isnan(got[(ba.DECODE_SHAPES[1],)]["track_ratio_to_sdpa_cudnn"])
+    assert run_asv_class(ba.Decode, {"skip": "no CUDA GPU: timings skipped"}) == {}
+    assert any("page" in s for s in ba.DECODE_SHAPES) and ba.DECODE_STEPS[0][0] == 1
+
+
 @pytest.mark.gpu
 def test_grad_contenders_give_the_gradients_of_one_problem(require_extension):
     import torch

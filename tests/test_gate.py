@@ -1093,7 +1093,7 @@ def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch)
     assert code == gate.REGRESSION
     verdicts = {r["case"]: r["verdict"] for r in doc["results"]}
     assert verdicts == {BWD.name: "slower", CASES[1].name: "same", STEP.name: "same"}
-    assert f"| {BWD.name} | 14 |" in md and "**slower**" in md
+    assert f"| {BWD.name} | 15 |" in md and "**slower**" in md
     kernels = {r["case"]: r["kernel"] for r in doc["results"]}
     # on sm_90 the default build's Hopper backward runs the fixed-length cases
     assert kernels[BWD.name] == ("bwd_sm90_bf16_d128_r64_c128_f + bwd_sm80_preprocess_bf16 + "

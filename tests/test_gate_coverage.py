@@ -11,9 +11,15 @@ from dataclasses import replace
 import pytest
 
 from fa_tools.gate import coverage
-from fa_tools.gpu.perfcases import BWD_GATE_CASES, FWD_GATE_CASES, GATE_CASES, Case
+from fa_tools.gpu.perfcases import (
+    BWD_GATE_CASES,
+    DEC_GATE_CASES,
+    FWD_GATE_CASES,
+    GATE_CASES,
+    Case,
+)
 from flash_attention import dispatch
-from flash_attention.kernels import Call, bwd_sm80, fwd_sm90, parse, resolve
+from flash_attention.kernels import Call, bwd_sm80, dec_sm80, fwd_sm90, parse, resolve
 from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
 from flash_attention.kernels.helpers import helpers
 from flash_attention.kernels.legacy import current_name
@@ -85,7 +91,8 @@ def test_softcap_and_varlen_kernels_are_run(rows):
 def test_each_call_feature_has_a_case():
     assert {c.kind for c in FWD_GATE_CASES} == {"fwd"}
     assert {c.kind for c in BWD_GATE_CASES} == {"bwd", "fwdbwd"}
-    assert GATE_CASES == FWD_GATE_CASES + BWD_GATE_CASES
+    assert GATE_CASES == FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES
+    assert {c.kind for c in DEC_GATE_CASES} == {"decode"}
 
     def has(pred) -> bool:
         return any(pred(c) for c in FWD_GATE_CASES)
@@ -101,6 +108,48 @@ def test_each_call_feature_has_a_case():
     assert {c.dtype for c in FWD_GATE_CASES} == {"bf16", "fp16"}
     assert has(lambda c: c.d_head == 64) and has(lambda c: c.d_head in (96, 128))
     assert has(lambda c: c.d_head in (160, 192, 224)) and has(lambda c: c.d_head == 256)
+
+
+def test_every_decode_kernel_and_cache_form_has_a_decode_case():
+    """Each decode kernel of the default set, dtype aside, and the combine run by a gate case
+    (on a GPU of 132 SMs); every way a step reads its cache: split (the combine) and one pass,
+    contiguous and paged (a page smaller than a key block and one holding whole blocks), and
+    more than one query (speculative decoding, causal); both dtypes, GQA and MHA."""
+    run = {k for c in DEC_GATE_CASES for k in coverage.kernels_run(c, [], [], sm90=True)}
+    assert {coverage.kind(c.name) for c in dec_sm80.DEFAULT} <= {coverage.kind(k) for k in run}
+    assert any(k.startswith("dec_sm80_combine_") for k in run)
+    splits = [coverage.dec_splits(c) for c in DEC_GATE_CASES]
+    assert 1 in splits and max(splits) > 2
+    pages = {c.page_size for c in DEC_GATE_CASES}
+    assert 0 in pages and any(0 < p < 16 * 2 for p in pages) and any(p >= 64 for p in pages)
+    assert any(c.seqlen > 1 and c.causal for c in DEC_GATE_CASES)
+    assert {c.dtype for c in DEC_GATE_CASES} == {"bf16", "fp16"}
+    assert any(c.kv < c.heads for c in DEC_GATE_CASES)
+    assert any(c.kv == c.heads for c in DEC_GATE_CASES)
+
+
+def test_a_decode_case_made_for_a_kernel_runs_it():
+    """case_for_dec_kernel inverts kernels_run for every decode kernel of the default set and
+    both combines; a decode kernel the table does not run gets none."""
+    for cfg in dec_sm80.DEFAULT:
+        case = coverage.case_for_dec_kernel(cfg.name)
+        assert case.kind == "decode" and cfg.name in coverage.kernels_run(case, [], [], True)
+    for dtype in ("bf16", "fp16"):
+        name = f"dec_sm80_combine_{dtype}"
+        assert name in coverage.kernels_run(coverage.case_for_dec_kernel(name), [], [], True)
+    assert coverage.case_for_dec_kernel("dec_sm80_bf16_d128_r16_c32_w2_f") is None
+
+
+def test_decode_case_names_and_checks():
+    """Page size and kind show in the name; a page size outside a decode case, or a decode
+    case without its cache length, is refused."""
+    c = Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=16,
+             kind="decode")
+    assert c.name == "bf16_d128_b16_s1_sk8192_kv8_page16_decode"
+    with pytest.raises(ValueError, match="page_size"):
+        Case("bf16", 128, 16, 1, page_size=16)
+    with pytest.raises(ValueError, match="seqlen_k"):
+        Case("bf16", 128, 16, 1, kind="decode")
 
 
 def test_a_case_made_for_a_kernel_routes_back_to_it(rows):

@@ -16,6 +16,10 @@ bwd_sm90_convert_dq_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length 
 (deterministic or not) takes it among the Hopper backward kernels (bwd_sm90) where one is built,
 else among bwd_sm80; a varlen call, and every call on another GPU, runs bwd_sm80. (Here too the
 gate's contiguous inputs always suit TMA.)
+
+A decode step (flash_attn_with_kvcache) runs the decode table's kernel for its dtype and d_head
+(flash_attention.kernels.dec_sm80: one kernel per row serves every mask, page size and split
+count, its combine kernel in the same unit) on every GPU.
 """
 
 from __future__ import annotations
@@ -160,6 +164,10 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
     from flash_attention.kernels.helpers import helpers_of
 
     run = []
+    if case.kind == "decode":
+        run.append(dec_kernel(case))
+        if dec_splits(case) > 1:
+            run.append(f"dec_sm80_combine_{case.dtype}")
     if case.times_forward:
         run.append(route(case, rows, sm90))
     if case.times_backward:
@@ -194,3 +202,51 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
         if bwd_kernel(made, bwd_configs, sm90) == kernel:
             return made
     return None
+
+
+# ---- decode steps ------------------------------------------------------------------------------
+
+# A decode case made for a decode kernel: 16 sequences of 8192 cached keys, GQA 32/8, one query.
+DEC_CASE = {"batch": 16, "seqlen": 1, "heads": 32, "kv_heads": 8, "seqlen_k": 8192}
+
+
+def dec_kernel(case: Case) -> str | None:
+    """The decode kernel a decode case's flash_attn_with_kvcache call runs (the decode table's
+    row for its dtype and d_head), None for another kind of case."""
+    from flash_attention.kernels import Call, dec_sm80
+
+    if case.kind != "decode":
+        return None
+    ((_, name),) = dec_sm80.table_rows(Call(case.dtype, case.d_head))
+    return name
+
+
+def dec_splits(case: Case, sms: int = 132) -> int:
+    """The split count the extension's heuristic takes for a decode case on a GPU of `sms` SMs
+    (132: H100 SXM, H200), mirroring choose_splits in src/csrc/binding/decode.cpp: none when
+    the CTAs fill most of a wave of two per SM, two when they fill most of one per SM and the
+    keys are 4096 or more, else what one wave of two per SM holds (128 keys a split at least,
+    128 splits at most)."""
+    row_blocks = -(-case.seqlen * (case.heads // case.kv) // 16)
+    ctas = row_blocks * case.kv * case.batch
+    wave = 2 * sms
+    if ctas >= wave * 4 // 5:
+        return 1
+    if ctas >= sms * 4 // 5:
+        return 2 if case.keys >= 4096 else 1
+    return min(128, max(1, case.keys // 128), max(1, wave // ctas))
+
+
+def case_for_dec_kernel(kernel: str) -> Case | None:
+    """A decode case whose call runs `kernel`: DEC_CASE at a decode kernel's dtype and d_head;
+    for the combine (dec_sm80_combine_<dtype>) one sequence at d_head 128, which splits its
+    keys. None when the decode table runs another kernel for its calls (a kernel of a test
+    set)."""
+    from flash_attention.kernels import parse
+
+    if kernel.startswith("dec_sm80_combine_"):
+        case = Case(kernel.rsplit("_", 1)[1], 128, kind="decode", **{**DEC_CASE, "batch": 1})
+        return case if kernel in kernels_run(case, [], [], sm90=True) else None
+    cfg = parse(kernel)
+    case = Case(cfg.dtype, cfg.d_head, kind="decode", **DEC_CASE)
+    return case if dec_kernel(case) == kernel else None

@@ -265,10 +265,13 @@ def measurable_names(cases: list[Case], rows: list[coverage.Row], bwd_configs: l
     """Every case name the gate can measure with this head: its cases and the case it would
     add for any kernel of the dispatch table or the backward (what an accept entry may
     name)."""
+    from flash_attention.kernels import dec_sm80
+
     sm90 = arch == "90"
     kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
     made = [coverage.case_for_kernel(k, rows, sm90) for k in kernels]
     made += [coverage.case_for_bwd_kernel(k, bwd_configs, sm90) for k in bwd_configs]
+    made += [coverage.case_for_dec_kernel(c.name) for c in dec_sm80.DEFAULT]
     return {c.name for c in cases} | {c.name for c in made if c is not None}
 
 

@@ -2,7 +2,8 @@
 head's extension, compared for the GPU the gate runs on; each kernel whose code differs and
 that no gate case runs gets a case dispatch runs it for (coverage.case_for_kernel; for a
 backward kernel, `bwd_*`, a backward case the operator runs it for:
-coverage.case_for_bwd_kernel), the kernels with the most changed instructions first, up to the
+coverage.case_for_bwd_kernel; for a decode kernel, `dec_*`, a decode step:
+coverage.case_for_dec_kernel), the kernels with the most changed instructions first, up to the
 policy's `sass_extra_cases`.
 
 The code compared is the bytes of each kernel's .text sections in its cubin (cuobjdump
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from ..analysis.kernel_names import is_hopper_name, short_of
 from ..gpu.perfcases import Case
-from .coverage import Row, case_for_bwd_kernel, case_for_kernel, kernels_run
+from .coverage import Row, case_for_bwd_kernel, case_for_dec_kernel, case_for_kernel, kernels_run
 
 INSTRUCTION_BYTES = 16  # sm_70 and later
 
@@ -149,7 +150,10 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], bwd_configs: Se
             sel.covered.append({"kernel": ch.kernel, "case": runs[ch.kernel],
                                 "why": f"{ch.describe()}; measured by {runs[ch.kernel]}"})
             continue
-        if ch.kernel.startswith("bwd_"):
+        if ch.kernel.startswith("dec_"):
+            case = case_for_dec_kernel(ch.kernel)
+            unrun = "the decode table runs another kernel for its calls (a kernel of a test set)"
+        elif ch.kernel.startswith("bwd_"):
             case = case_for_bwd_kernel(ch.kernel, bwd_configs, sm90)
             unrun = "the backward operator picks another kernel for its calls (a kernel of a " \
                     "test set)"

@@ -13,12 +13,13 @@ from dataclasses import asdict, dataclass, field
 # (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
 
-# What a case times: the forward, the backward alone (on the forward's saved out and LSE), or
-# forward + backward as a training step does them.
-KINDS = ("fwd", "bwd", "fwdbwd")
+# What a case times: the forward, the backward alone (on the forward's saved out and LSE),
+# forward + backward as a training step does them, or a decode step (flash_attn_with_kvcache:
+# seqlen queries per sequence over a KV cache of seqlen_k keys, contiguous or paged).
+KINDS = ("fwd", "bwd", "fwdbwd", "decode")
 # FLOPs of each kind in forwards: the backward counts 2.5 forwards (FlashAttention's benchmark
 # convention), a training step both.
-FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5, "decode": 1.0}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Case:
     seqlen_k: int | None = None  # keys per sequence when not seqlen
     kind: str = "fwd"  # one of KINDS
     deterministic: bool = False  # the backward adds dQ in a fixed order (bwd, fwdbwd only)
+    page_size: int = 0  # decode: rows per page of a paged cache (0: a contiguous cache)
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -54,6 +56,11 @@ class Case:
             raise ValueError("deterministic is an option of the backward: a bwd or fwdbwd case")
         if self.varlen and self.kind == "fwdbwd":
             raise ValueError("a training step is fixed-length (no varlen fwdbwd timing yet)")
+        if self.page_size and self.kind != "decode":
+            raise ValueError("page_size is an option of a decode case")
+        if self.kind == "decode" and (self.varlen or self.seqlen_k is None or self.page_size < 0):
+            raise ValueError("a decode case is fixed-length with seqlen_k cached keys "
+                             "(page_size 0 or the rows of a page)")
 
     @property
     def name(self) -> str:
@@ -67,6 +74,7 @@ class Case:
                 + (f"_cap{self.softcap:g}" if self.softcap else "")
                 + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else "")
                 + ("_det" if self.deterministic else "")
+                + (f"_page{self.page_size}" if self.page_size else "")
                 + ("" if self.kind == "fwd" else f"_{self.kind}"))
 
     @property
@@ -208,7 +216,26 @@ BWD_GATE_CASES = tuple([
     # a training step: forward + backward through autograd, causal GQA d_head 128 (Llama's)
     Case("bf16", 128, 4, 4096, causal=True, kv_heads=4, kind="fwdbwd"),
 ])
-GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES
+# The gate's decode steps (flash_attn_with_kvcache, one query per sequence unless stated, GQA
+# 32/8 but at d_head 256): each decode kernel of the `default` set, dtype aside (d_head 64,
+# 128, 256; the sm80 family's, the one decode family, on every GPU), and each way a step
+# reads its cache: split-KV with the combine (batch 1), one pass without (64 sequences fill
+# the GPU), a paged cache whose blocks cross pages (page 16: rows gathered one by one) and one
+# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows).
+# Their SDPA peer runs the same step on the contiguous cache. tests/test_gate_coverage.py checks
+# the kernels against the decode table.
+DEC_GATE_CASES = tuple([
+    Case("bf16", 128, 1, 1, heads=32, kv_heads=8, seqlen_k=8192, kind="decode"),
+    Case("bf16", 128, 64, 1, heads=32, kv_heads=8, seqlen_k=4096, kind="decode"),
+    Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=16,
+         kind="decode"),
+    Case("fp16", 64, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=256,
+         kind="decode"),
+    Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=4096, kind="decode"),
+    Case("bf16", 128, 16, 4, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
+         kind="decode"),
+])
+GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
@@ -566,12 +593,17 @@ class Inputs:
     dout_padded: object = None  # a varlen backward case's dout as (B, S, H, D), for the peers
     last_ms: dict = field(default_factory=dict)  # {contender: median ms of its last timing}
     planted: dict = field(default_factory=dict)  # {fraction: (k, v)}, planted_attention
+    # a decode case: (k_cache, v_cache, block_table or None, cache_seqlens); k and v above are
+    # the same keys as a contiguous cache (B, seqlen_k, kv heads, d), the peers' input
+    cache: tuple | None = None
 
     @classmethod
     def make(cls, case: Case, device: str = "cuda") -> Inputs:
         import torch
 
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+        if case.kind == "decode":
+            return cls._decode(case, dtype, device)
         q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device=device,
                         dtype=dtype)
         k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
@@ -588,6 +620,57 @@ class Inputs:
         cu = torch.tensor(offsets, dtype=torch.int32, device=device)
         return cls(*packed[:3], torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)),
                    dout=packed[3] if dout is not None else None, dout_padded=dout)
+
+
+    @classmethod
+    def _decode(cls, case: Case, dtype, device: str) -> Inputs:
+        """A decode case's inputs: q, a full cache of seqlen_k keys per sequence (contiguous,
+        or its rows copied into pages of page_size rows in a random order, one block table
+        row per sequence) and cache_seqlens."""
+        import torch
+
+        q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device=device,
+                        dtype=dtype)
+        k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
+                            dtype=dtype) for _ in range(2))
+        seqlens = torch.full((case.batch,), case.keys, dtype=torch.int32, device=device)
+        if not case.page_size:
+            return cls(q, k, v, None, cache=(k, v, None, seqlens))
+        per_seq = -(-case.keys // case.page_size)
+        table = torch.randperm(case.batch * per_seq, device=device, dtype=torch.int32)
+        table = table.view(case.batch, per_seq)
+        pad = per_seq * case.page_size - case.keys
+
+        def paged(t):
+            t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
+            pool = torch.empty(case.batch * per_seq, case.page_size, *t.shape[2:],
+                               device=device, dtype=dtype)
+            pool[table.flatten().long()] = t.reshape(-1, case.page_size, *t.shape[2:])
+            return pool
+
+        return cls(q, k, v, None, cache=(paged(k), paged(v), table, seqlens))
+
+
+def decode_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
+    """Zero-argument callables, one per contender, timing one decode step: ours is
+    flash_attn_with_kvcache on the case's cache (paged or not), returning its output; the SDPA
+    peers run the same queries over the contiguous cache's (B, H, S, D) views (enable_gqa, or
+    K/V repeated where a backend refuses it; causal aligned bottom-right as ours)."""
+    from flash_attention.interface import flash_attn_with_kvcache
+
+    q, (k_cache, v_cache, table, seqlens) = inputs.q, inputs.cache
+    opts = _attention_options(case.causal, case.window, case.softcap)
+    fns = {}
+    if "ours" in names:
+        fns["ours"] = lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **opts)
+    if case.peer_note():
+        return fns
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, inputs.k, inputs.v))
+    fns.update(_working_peers(
+        names, lambda backend, expand: _sdpa_peer(backend, qt, kt, vt, case.causal, expand),
+        gqa=case.kv != case.heads))
+    return fns
 
 
 def planted_keys(case: Case, fraction: float) -> int:
@@ -651,12 +734,17 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
         fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
                          causal=case.causal, varlen=inputs.varlen, window=case.window,
                          softcap=case.softcap)
+    elif case.kind == "decode":
+        fns = decode_contenders(case, inputs, contenders_)
     else:
         fns = training_contenders(case, inputs, contenders_)
     missing = set(contenders_) - set(fns)
     if missing:
         raise RuntimeError(f"{case.name}: {', '.join(sorted(missing))} cannot run this case")
-    if case.kind == "fwd":
+    if case.kind == "decode":
+        if not torch.isfinite(fns["ours"]()).all():
+            raise RuntimeError(f"{case.name}: flash_attn_with_kvcache produced non-finite values")
+    elif case.kind == "fwd":
         inputs.out.fill_(float("nan"))
         result = fns["ours"]()
         out = inputs.out if inputs.varlen is None else result  # varlen returns its output
