@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "../common/params.h"
+#include "../common/programmatic_launch.cuh"
 #include "append.h"
 
 namespace flash::kvcache {
@@ -114,6 +115,7 @@ __device__ __forceinline__ void append_element(const AppendParams& p, int j, int
 template <typename Elem>
 __global__ void __launch_bounds__(kAppendThreads)
     append_kernel(const __grid_constant__ AppendJobs jobs) {
+    flash::grid_dependents_launch();  // the decode kernel may be scheduled; it waits for our end
     const int j = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
     if (jobs.used != nullptr && j == 0 && z == 0 && threadIdx.x == 0) {
         const AppendParams& p = jobs.job[0];

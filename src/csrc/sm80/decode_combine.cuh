@@ -12,6 +12,7 @@
 
 #include "../common/numeric.cuh"
 #include "../common/params.h"
+#include "../common/programmatic_launch.cuh"
 
 namespace flash::sm80 {
 
@@ -33,6 +34,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int64_t grow = row - int64_t(head) * p.rows_total;
     const int64_t split_step = int64_t(p.heads) * p.rows_total;
     const int n = p.num_splits;
+    grid_dependency_wait();  // the decode kernel's partials (a programmatic launch on sm_90)
 
     if (warp == 0) {
         float mx = -INFINITY;

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "../common/params.h"
+#include "../common/programmatic_launch.cuh"
 #include "../common/varlen.cuh"
 #include "decode_config.cuh"
 #include "forward_gemm.cuh"
@@ -320,6 +321,7 @@ struct DecodeCta {
             __syncwarp();  // every lane has read this stage before it is refilled
         }
         cp_async_wait<0>();
+        grid_dependents_launch();  // the combine may be scheduled (it waits for this grid's end)
         merge_and_write(smem);
     }
 
@@ -417,6 +419,7 @@ struct DecodeCta {
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) dec_kernel(const __grid_constant__ DecParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
+    grid_dependency_wait();  // the append before this kernel wrote the cache, q, key counts
     DecodeCta<Cfg> cta(p, smem);
     if (cta.row0 >= cta.rows)
         return;  // past this sequence's rows (varlen: the grid covers the longest)
