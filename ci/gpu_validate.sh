@@ -4,7 +4,7 @@
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
-#        bwd90-planted bwd-prog bwd80-table
+#        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
@@ -36,6 +36,9 @@
 #             spin 400 cycles per query block: the backward cases that run them (and those the
 #             SASS diff adds for the other ones) must be "slower", all else "same" (exit 1)
 #   bwd90-planted  the same with the spin in the Hopper backward's softcap kernels
+#   dec-planted  the same with the spin (PLANT_CYCLES) per KV block in the decode kernels: the
+#             decode steps must be "slower" (GATE_KINDS=decode: only the gate's decode steps,
+#             for gate-aa too)
 #   bwd80-table  issue 28's table: the sm80 family's d_head 64/128 kernels by name against SDPA
 #             FA2 and cuDNN, bf16/fp16, seq 1024-16384, causal and not, 2 rounds in rotated
 #             order (about 6 minutes on an H100)
@@ -261,8 +264,8 @@ PY
         gate perf --base-dir '$PWD' --out '$LOG_DIR/hang'; echo exit \$?"
 fi
 if step gate-aa; then
-    run gate-aa bash -c "time python3 -m fa_tools gate perf --aa --out '$LOG_DIR/gate-aa'; \
-        echo exit \$?"
+    run gate-aa bash -c "time python3 -m fa_tools gate perf --aa ${GATE_KINDS:+--kinds $GATE_KINDS} \
+        --out '$LOG_DIR/gate-aa'; echo exit \$?"
 fi
 # A planted backward slowdown: head = a copy of this built tree, rebuilt with a 400-cycle spin per
 # query block (PLANT_CYCLES) in the softcap kernels of one backward family; base = this tree. The plant is
@@ -301,9 +304,14 @@ PY
         FLASH_ATTENTION_ARCHS='$ARCHS' MAX_JOBS='${MAX_JOBS:-16}' python3 setup.py -q \
         build_ext --inplace" || exit 2
     run "$name" bash -c "cd $copy && time PYTHONPATH=$copy/src \
-        python3 -m fa_tools gate perf --base-dir '$PWD' --out '$LOG_DIR/$name'; \
+        python3 -m fa_tools gate perf --base-dir '$PWD' ${GATE_KINDS:+--kinds $GATE_KINDS} \
+        --out '$LOG_DIR/$name'; \
         echo exit \$?"
 }
+if step dec-planted; then
+    bwd_plant dec-planted src/csrc/sm80/decode_kernel.cuh \
+        "gemm_qk<Cfg>(S, qbuf, q_at, k_addr<Cfg>(sK, lane));"
+fi
 if step bwd-prog; then
     # One row per technique (needs KERNELS=ci,default,bwd_sm90:r64 for the B_r 64 row at
     # d_head 64): results/2026-11-27-h200-backward-progression.md.

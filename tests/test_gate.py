@@ -3,6 +3,7 @@ the combined report."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -962,7 +963,8 @@ def test_no_nvml_is_reported_not_faked(monkeypatch):
 # ---- accepted regressions and the gate run with its additions ---------------------------------
 
 
-def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:2], arch=""):
+def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:2], arch="",
+              kinds=None):
     """perf.run on simulated workers over `cases`, with an accept file of accept_text, on a GPU
     of `arch` ("90": an H100; "": not known, no SASS diff)."""
     import argparse
@@ -981,7 +983,7 @@ def _run_gate(tmp_path, monkeypatch, base, head, accept_text=None, cases=CASES[:
         accept_path.write_text(accept_text)
     doc["perf"] = {**doc["perf"], "accept_file": str(accept_path)}
     out = tmp_path / "out"
-    code = perf.run(argparse.Namespace(rounds=None, max_rounds=None), doc, out)
+    code = perf.run(argparse.Namespace(rounds=None, max_rounds=None, kinds=kinds), doc, out)
     return code, json.loads((out / "perf.json").read_text()), (out / "perf.md").read_text()
 
 
@@ -1080,6 +1082,30 @@ def _default_build(tmp_path, monkeypatch, *workers):
     for w in workers:
         w.configs = [c.name for c in resolve("fwd:default")]
         w.bwd_configs = [c.name for c in resolve("bwd:default")]
+
+
+DECODE = Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=16,
+              kind="decode")
+
+
+def test_a_slower_decode_step_fails_the_gate_and_kinds_selects_the_cases(tmp_path, monkeypatch):
+    """A decode step 4% slower in the head: exit 1 naming it, its row saying the decode kernel
+    and the combine it runs; with --kinds decode only the decode steps run, and the report says
+    the run was a subset."""
+    base, head = FakeWorker({}, {}, 1), FakeWorker({DECODE.name: 1.04}, {}, 2)
+    _default_build(tmp_path, monkeypatch, base, head)
+    code, doc, md = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], BWD, DECODE],
+                              arch="90", kinds=("decode",))
+    assert code == gate.REGRESSION
+    assert {r["case"]: r["verdict"] for r in doc["results"]} == {DECODE.name: "slower"}
+    assert doc["results"][0]["kernel"] == ("dec_sm80_bf16_d128_r16_c16_w4_f + "
+                                           "dec_sm80_combine_bf16")
+    assert doc["meta"]["kinds"] == ["decode"] and "Only the cases of kind decode" in md
+    from fa_tools.gate.cli import _kinds
+
+    assert _kinds("fwd, decode") == ("fwd", "decode")
+    with pytest.raises(argparse.ArgumentTypeError, match="kinds must be"):
+        _kinds("prefill")
 
 
 def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch):

@@ -77,6 +77,16 @@ def _sizes(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    from ..gpu.perfcases import KINDS
+
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds must be some of {', '.join(KINDS)}, got {text!r}")
+    return kinds
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gate", help="static ratchet, A/B perf gate, power study, rebaseline, "
                        "report", description=__doc__,
@@ -94,6 +104,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebuild", action="store_true", help="rebuild the base even if built")
     p.add_argument("--kernels", default=os.environ.get("FLASH_ATTENTION_KERNELS", "ci,default"))
     p.add_argument("--archs", help="archs of the base build (default: this GPU's)")
+    p.add_argument("--kinds", type=_kinds, default=None,
+                   help="perf: only the gate cases of these kinds (comma-separated: fwd, bwd, "
+                        "fwdbwd, decode; default all), e.g. `--kinds decode` for the decode "
+                        "steps; the report names the kinds run")
     p.add_argument("--case", action="append", default=[],
                    help="calibrate: a gate case to plant slowdowns on (repeatable)")
     p.add_argument("--sizes", type=_sizes, default=[1.5, 2, 3, 5, 10],

@@ -170,6 +170,9 @@ def markdown(results: list[dict], code: int, meta: dict) -> str:
         f"interval and the normalised estimate below {meta['clear_pct']}%. Energy: NVML's "
         "total energy counter over each contender's warm and timed calls in a round, mJ per "
         "call (median over rounds; informational, not judged).")
+    if meta.get("kinds"):
+        lines += ["", f"**Only the cases of kind {', '.join(meta['kinds'])}** (`--kinds`): "
+                  "not a whole gate run."]
     lines += ["", f"| case | rounds | base ms | head ms | head/base {meta.get('metric', 'time')} "
               "[95% CI] | p slower | vs SDPA FA2: head/base [95% CI] | spread base/head | "
               "head/base time | mJ/call base / head (ratio) | verdict |",
@@ -295,12 +298,15 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
         if getattr(args, key, None):
             perf[key] = getattr(args, key)
     policy = Policy.from_dict({k: v for k, v in perf.items() if k != "build_timeout_s"})
-    cases = list(GATE_CASES)
+    kinds = getattr(args, "kinds", None)
+    cases = [c for c in GATE_CASES if kinds is None or c.kind in kinds]
     meta = {"metric": policy.metric, "rounds": policy.rounds, "step": policy.step,
             "max_rounds": policy.max_rounds,
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
             "fwer": policy.fwer, "warm_ms": policy.warm_ms, "round_ms": policy.round_ms,
             "alpha_per_look": policy.alpha_per_look(len(cases))}
+    if kinds is not None:
+        meta["kinds"] = list(kinds)  # a subset of the gate's cases (--kinds)
     accept_path = paths.repo_file(policy.accept_file, must_exist=False)  # absent: none accepted
     try:
         entries = accept.load(accept_path)  # a malformed file fails before any GPU work
@@ -309,7 +315,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             rows = coverage.dispatch_rows(head_w.configs)
             selection = sass_extras(base_w, head_w, rows, policy, arch)
             meta["sass"] = selection.as_dict()
-            cases += selection.cases
+            cases += [c for c in selection.cases if kinds is None or c.kind in kinds]
             accept.check_cases(entries, measurable_names(cases, rows, head_w.bwd_configs, arch),
                                accept_path)
             meta["cases"] = len(cases)
