@@ -508,7 +508,6 @@ class TrainingStep(Backward):
 # bf16, one query per sequence (issue 44's shapes: split-KV at batch 1, one pass at 64).
 DECODE_STEPS = ((1, 8192, 0), (16, 8192, 0), (64, 8192, 0), (16, 8192, 16), (16, 8192, 256))
 DECODE_SHAPES = [f"b{b}_k{k}" + (f"_page{p}" if p else "") for b, k, p in DECODE_STEPS]
-DECODE_CONTENDERS = ("ours", "sdpa_cudnn", "sdpa_fa2")
 
 
 def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
@@ -554,11 +553,12 @@ def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
                                                    block_table=table)}
     for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
                           ("sdpa_fa2", SDPBackend.FLASH_ATTENTION)):
+        peer = make_peer(backend)
         try:
-            make_peer(backend)()
+            peer()
         except RuntimeError:
             continue
-        fns[name] = make_peer(backend)
+        fns[name] = peer
     if not torch.isfinite(fns["ours"]()).all():
         raise RuntimeError("flash_attn_with_kvcache produced non-finite values")
     return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5))

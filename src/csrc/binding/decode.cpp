@@ -39,8 +39,8 @@ namespace flash::binding {
 
 namespace {
 
-// The most splits of one call: the combine kernel's limit (sm80/decode_combine.cuh kMaxSplits);
-// num_splits above it runs with this many.
+// The most splits of one call (the fp32 partials take num_splits x the output's rows, 4 bytes
+// per element); num_splits above it runs with this many.
 constexpr int64_t kMaxSplits = 256;
 
 void check_cuda(cudaError_t err, const char* what) {

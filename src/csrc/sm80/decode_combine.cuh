@@ -19,7 +19,6 @@
 namespace flash::sm80 {
 
 constexpr int kCombineThreads = 128;
-constexpr int kMaxSplits = 256;  // the binding caps num_splits here
 
 template <typename Elem>
 __global__ void __launch_bounds__(kCombineThreads)
@@ -29,15 +28,13 @@ __global__ void __launch_bounds__(kCombineThreads)
     constexpr int kUnroll = 12;  // splits a warp loads at once: 48 splits a round
     __shared__ float4 sums[kWarps][32 * kChunks];
     __shared__ float warp_max[kWarps], warp_sum[kWarps];
-    __shared__ int any_nan;
+    __shared__ bool warp_nan[kWarps];  // each warp writes its own: no initialisation race
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t row = blockIdx.x;  // head * rows_total + global row
     const int head = static_cast<int>(row / p.rows_total);
     const int64_t grow = row - int64_t(head) * p.rows_total;
     const int64_t split_step = int64_t(p.heads) * p.rows_total;
     const int n = p.num_splits;
-    if (threadIdx.x == 0)
-        any_nan = 0;
     grid_dependency_wait();  // the decode kernel's partials (a programmatic launch on sm_90)
 
     const float* part = p.o_accum + row * p.d_head;
@@ -100,8 +97,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (lane == 0) {
         warp_max[warp] = mx;
         warp_sum[warp] = sum;
-        if (nan)
-            any_nan = 1;
+        warp_nan[warp] = nan;
     }
     __syncthreads();
     if (warp != 0)
@@ -118,7 +114,10 @@ __global__ void __launch_bounds__(kCombineThreads)
         f[w] = warp_max[w] == -INFINITY ? 0.f : __expf(warp_max[w] - m_all);
         total += f[w] * warp_sum[w];
     }
-    const bool row_nan = any_nan != 0;
+    bool row_nan = false;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+        row_nan |= warp_nan[w];
     const float inv = row_nan ? NAN : (total > 0.f ? 1.f / total : 0.f);
 
     // Where the row goes: (batch, position) of a fixed-length batch, the packed row of varlen.
