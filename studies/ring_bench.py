@@ -112,6 +112,13 @@ def _torch_cp(q, k, v, dout, causal, backend, mesh):
     qt, kt, vt, dt = (t.transpose(1, 2).contiguous() for t in
                       (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout))
     stack = contextlib.ExitStack()
+    # torch's load balancing (on by default) refuses is_causal=False: off for such calls
+    from torch.distributed.tensor.experimental import _attention as cp_attention
+
+    options = cp_attention._cp_options
+    balance = options.enable_load_balance
+    options.enable_load_balance = causal
+    stack.callback(lambda: setattr(options, "enable_load_balance", balance))
     stack.enter_context(context_parallel(mesh, buffers=(qt, kt, vt, dt),
                                          buffer_seq_dims=(2, 2, 2, 2)))
     stack.enter_context(sdpa_kernel([backend]))
