@@ -2,11 +2,13 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test hopper-varlen hopper-varlen-bench decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   hopper-varlen  the Hopper varlen and softcap forwards (issue 45): tests and sanitizers;
+#             hopper-varlen-bench: studies/hopper_varlen_bench.py (HV_BENCH_ARGS)
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
 #             (studies/decode_bench.py with DECODE_BENCH_ARGS)
 #   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
@@ -109,6 +111,29 @@ if step decode; then
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"
+fi
+if step hopper-varlen; then
+    # Issue 45's Hopper varlen and softcap forwards: their tests (every varlen kernel by name,
+    # dispatch, values past a sequence's end, views; the varlen and softcap grids through
+    # dispatch; the sm90 softcap kernels of the kernel grid) and the sanitizers on the varlen
+    # kernels (the V-tail zeroing in shared memory, the mixed TMA and register stores); step
+    # hopper-varlen-bench: the targets' bench (studies/hopper_varlen_bench.py, HV_BENCH_ARGS).
+    run hv_tests timeout 500 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_varlen_hopper.py tests/test_gpu_varlen.py
+    run hv_kernel_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 FA_TEST_GRID=gate \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+        -k "fwd_sm90 and (fwaldt or fwaldmt or fwpiazt or fwpiazmt)"
+    run hv_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_varlen_hopper.py \
+        -k "tails and bf16 and (fwialdgzj or fwpiazjm or fwaldngzj)"
+    run hv_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_varlen_hopper.py \
+        -k "tails and bf16 and fwpiazjmt"
+fi
+if step hopper-varlen-bench; then
+    # shellcheck disable=SC2086  # HV_BENCH_ARGS: the bench's options, split on spaces
+    run hv_bench timeout 500 python3 studies/hopper_varlen_bench.py ${HV_BENCH_ARGS:-} \
+        --out "$LOG_DIR/hopper_varlen.json"
 fi
 if step clients; then
     run generate_tests timeout 300 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \

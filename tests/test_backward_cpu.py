@@ -374,7 +374,7 @@ def traceable_call():
     from flash_attention import backward
 
     bwd = backward.built()
-    for dtype, d, _, mask, _, softcap, _, _ in ops.dispatch_rows(ops.BUILT):
+    for dtype, d, _, mask, _, softcap, *_ in ops.dispatch_rows(ops.BUILT):
         if any(select(dtype, d, softcap, bwd, hopper=h) is not None for h in (False, True)):
             return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
                     5.0 if softcap else 0.0)
@@ -567,7 +567,8 @@ def test_backward_dispatch_rows_cover_every_variant():
 
     rows = backward.dispatch_rows(resolve("bwd:default"))
     assert len(rows) == 2 * 2 * len(D_HEADS)
-    for dtype, d, bucket, mask, local, softcap, kernel, fallback in rows:
+    for dtype, d, bucket, mask, local, softcap, kernel, fallback, varlen in rows:
+        assert varlen == ""  # varlen calls run the sm80 family's backward
         assert (bucket, mask, local) == (64, False, False)
         call = Call(dtype, d, softcap=softcap)
         assert kernel == bwd_sm90.select(call, resolve("bwd:default")).name

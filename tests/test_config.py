@@ -133,11 +133,12 @@ def test_derived_sizes():
         cfg.ctas_per_sm(75)
 
 
-def _row_names(module, dtypes=("fp16", "bf16")) -> set[str]:
-    """Every kernel name a kind's ROWS name, derived from the rows alone: each d_head variant
-    (the Hopper kernel of the call's sm80 variant) and feature letters of each call kind."""
+def _row_names(module, dtypes=("fp16", "bf16"), rows=None) -> set[str]:
+    """Every kernel name a kind's ROWS (or `rows`) name, derived from the rows alone: each
+    d_head variant (the Hopper kernel of the call's sm80 variant) and feature letters of each
+    call kind."""
     out = set()
-    for row, dtype, call in itertools.product(module.ROWS, dtypes, ROW_CALL_LETTERS):
+    for row, dtype, call in itertools.product(rows or module.ROWS, dtypes, ROW_CALL_LETTERS):
         if call not in row.calls:
             continue
         for d, letters in itertools.product(row.d_heads, ROW_CALL_LETTERS[call]):
@@ -151,7 +152,7 @@ def test_sets_sizes_and_content():
     sm90 = list(fwd_sm90.CI)
     assert resolve("fwd:ci") == (*sm80, *sm90)
     assert {c.family for c in sm80} == {"sm80"} and {c.family for c in sm90} == {"sm90"}
-    assert 1 <= len(sm80) <= 6 and len(sm90) == 4  # CI builds four Hopper kernels for sm_90a
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 5  # CI builds five Hopper kernels for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
         assert any(not getattr(c, name) for c in sm80), name
         assert any(getattr(c, name) for c in sm80), name
@@ -167,11 +168,13 @@ def test_sets_sizes_and_content():
     # ... and the dispatched non-causal d_head 64 kernel: three warpgroups, tile hand-over
     assert sm90[3].consumer_wgs == 3 and sm90[3].block_r == 192 and sm90[3].tile_overlap
 
-    for name in fwd_sm90.FLAGS:  # every Hopper flag but softcap is on in one of them
-        assert name == "softcap" or any(getattr(c, name) for c in sm90), name
+    assert sm90[4].varlen and sm90[4].softcap and sm90[4].mask and sm90[4].pingpong
+    for name in fwd_sm90.FLAGS:  # every Hopper flag is on in one of them
+        assert any(getattr(c, name) for c in sm90), name
     # The default sets are the kernels of the default tables' rows, each once.
     assert {c.name for c in DEFAULT} == _row_names(fwd_sm80)
-    assert {c.name for c in fwd_sm90.DEFAULT} == _row_names(fwd_sm90)
+    assert {c.name for c in fwd_sm90.DEFAULT} == (
+        _row_names(fwd_sm90) | _row_names(fwd_sm90, rows=fwd_sm90.VARLEN_ROWS))
     for configs in (DEFAULT, fwd_sm90.DEFAULT):
         assert len(configs) == len(set(configs))
     assert resolve("fwd:default") == (*DEFAULT, *fwd_sm90.DEFAULT)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flash_attention import dispatch
-from flash_attention.kernels import ConfigError, fwd_sm80, parse, resolve
+from flash_attention.kernels import Call, ConfigError, fwd_sm80, fwd_sm90, parse, resolve
 from flash_attention.kernels.legacy import current_name
 
 DEFAULT = resolve("fwd:default")  # the default set of both forward kinds
@@ -120,8 +120,38 @@ def test_hopper_kernels_by_mask_kind(no_tuning):
     assert pick(32, True, local=True) is None
     no_local = [c for c in built if c.name != "fwd_sm90_bf16_d64_r192_c96_s3_fwalm"]
     assert pick(64, True, True, no_local).name == "fwd_sm90_bf16_d64_r192_c96_s3_fwaldm"
-    assert all(dispatch.select_sm90("bf16", 128, 4096, built, True, True, local) is None
-               for local in (False, True))  # softcap: sm80 only
+    softcap = lambda d, mask, b=built: dispatch.select_sm90(  # noqa: E731
+        "bf16", d, 4096, b, mask, True).name
+    assert softcap(128, False) == "fwd_sm90_bf16_d128_r128_c128_s2_fwpiazt"
+    assert softcap(96, True) == "fwd_sm90_bf16_d128_r128_c128_s2_fwpiazmt"
+    assert softcap(64, True) == "fwd_sm90_bf16_d64_r192_c96_s3_fwaldmt"
+    assert softcap(256, False) == "fwd_sm90_bf16_d256_r128_c64_s2_fwpiazt"
+
+
+def test_hopper_varlen_kernels_come_from_the_varlen_table(no_tuning):
+    """Varlen calls run their kind's row of fwd_sm90.VARLEN_ROWS (flag j, then the call's
+    features), whatever the bucket; none where the build lacks it or the kind has no row; the
+    persistent masked d_head 128 tile that failed on the GPU is in neither the table nor the
+    default set."""
+    built = list(DEFAULT)
+    pick = lambda d, mask=False, local=False, softcap=False, b=built: (  # noqa: E731
+        dispatch.select_sm90_varlen("bf16", d, b, mask, softcap, local))
+    assert pick(128).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwialdgzj"
+    assert pick(96, True).name == pick(128, True, True).name == (
+        "fwd_sm90_bf16_d128_r128_c128_s2_fwpiazjm")
+    assert pick(128, softcap=True).name == "fwd_sm90_bf16_d128_r128_c128_s2_fwpiazjt"
+    assert pick(64).name == "fwd_sm90_bf16_d64_r192_c96_s3_fwaldngzj"
+    assert pick(64, True, True).name == "fwd_sm90_bf16_d64_r192_c96_s3_fwaldjm"
+    assert pick(256, softcap=True).name == "fwd_sm90_bf16_d256_r128_c64_s2_fwpiazjt"
+    assert pick(256, True, softcap=True).name == "fwd_sm90_bf16_d256_r128_c64_s2_fwpiazjmt"
+    assert pick(32) is None
+    assert pick(128, b=[c for c in built if not getattr(c, "varlen", False)]) is None
+    assert "fwd_sm90_bf16_d128_r128_c128_s2_fwialdgzjm" not in {c.name for c in built}
+    for cfg in (c for c in built if getattr(c, "varlen", False)):
+        assert not cfg.cluster
+        assert not cfg.serves(Call(cfg.dtype, cfg.d_head, 4096, cfg.mask, False, cfg.softcap))
+    with pytest.raises(ConfigError, match="varlen cannot take CTA pairs"):
+        fwd_sm90.parse("fwd_sm90_bf16_d128_r128_c128_s2_fwalxgzj")
 
 
 def test_hopper_rows_by_length(no_tuning):

@@ -46,7 +46,9 @@ def _line(dtype, d_head, built, mask, local, softcap) -> str:
             sm80.append("-")
         cfg = dispatch.select_sm90(dtype, d_head, seq, built, mask, softcap, local)
         sm90.append(cfg.name if cfg else "-")
-    return f"sm80: {_runs(sm80)} | sm90: {_runs(sm90)}"
+    varlen = dispatch.select_sm90_varlen(dtype, d_head, built, mask, softcap, local)
+    return (f"sm80: {_runs(sm80)} | sm90: {_runs(sm90)} | sm90 varlen: "
+            f"{varlen.name if varlen else '-'}")
 
 
 def choices_text() -> str:

@@ -73,19 +73,27 @@ def test_every_hopper_tile_of_the_table_is_run_by_a_gate_case(rows):
               for d in (64, 128, 256) for mask, local in ((False, False), (True, False),
                                                           (True, True))
               for _, kernel in fwd_sm90.table_rows(Call("bf16", d, mask=mask, local=local))}
+    # softcap rows with and without masks at d_head 128 and 256
+    wanted |= {coverage.kind(kernel) for d, mask in ((128, False), (256, True))
+               for _, kernel in fwd_sm90.table_rows(Call("bf16", d, mask=mask, softcap=True))}
     assert len(wanted) > 10
     assert wanted - run == set()
 
 
 def test_softcap_and_varlen_kernels_are_run(rows):
-    """Softcap rows have no Hopper kernel: their sm80-family kernels, with and without masks;
-    a varlen batch runs the sm80-family fallback of its row."""
+    """Softcap calls run the Hopper softcap rows, with and without masks; varlen batches the
+    Hopper varlen kernels (flag j), with a softcap too; on another GPU the sm80 family runs
+    them all."""
     routes = _routes(rows)
-    flags = {k.rsplit("_f", 1)[1] for k in routes.values() if not k.startswith("fwd_sm90_")}
-    assert any(f.endswith("t") and "m" not in f for f in flags), "softcap, no mask"
-    assert any(f.endswith("mt") for f in flags), "softcap with masks"
+    hopper = {k.rsplit("_f", 1)[1] for k in routes.values() if k.startswith("fwd_sm90_")}
+    assert any(f.endswith("t") and "m" not in f and "j" not in f for f in hopper), "softcap"
+    assert any(f.endswith("mt") and "j" not in f for f in hopper), "softcap with masks"
     varlen = [c for c in GATE_CASES if c.varlen and c.times_forward]
-    assert varlen and all(not routes[c.name].startswith("fwd_sm90_") for c in varlen)
+    assert len(varlen) >= 3
+    assert all(parse(routes[c.name]).varlen for c in varlen)
+    assert any(parse(routes[c.name]).softcap for c in varlen)
+    assert any(parse(routes[c.name]).mask for c in varlen)
+    assert all(not k.startswith("fwd_sm90_") for k in _routes(rows, sm90=False).values())
 
 
 def test_each_call_feature_has_a_case():
@@ -154,11 +162,12 @@ def test_decode_case_names_and_checks():
 
 def test_a_case_made_for_a_kernel_routes_back_to_it(rows):
     """case_for_kernel inverts route for every kernel the table runs, on sm_90 (fixed-length
-    for a row's kernel, varlen for a fallback only) and on other GPUs."""
+    for a row's kernel, varlen for its varlen kernel, or its fallback where it has none) and
+    on other GPUs."""
     for sm90 in (True, False):
         kernels = {r.kernel if sm90 else r.fallback for r in rows}
         if sm90:
-            kernels |= {r.fallback for r in rows}
+            kernels |= {r.varlen or r.fallback for r in rows}
         for kernel in sorted(kernels):
             case = coverage.case_for_kernel(kernel, rows, sm90)
             assert case is not None and coverage.route(case, rows, sm90) == kernel, kernel
@@ -199,15 +208,15 @@ def test_selection_adds_cases_for_changed_kernels_no_gate_case_runs(rows):
     def change(kernel, n):
         return sassdiff.KernelChange(kernel, n, n, 1000)
 
-    changes = [change("fwd_sm80_fp16_d160_r128_c64_w8_fseqkvbor", 90),  # sm80 fallback: varlen
+    changes = [change("fwd_sm80_fp16_d32_r128_c64_w4_fseqkvbor", 90),  # d 32: no Hopper row
                change("fwd_sm90_bf16_d128_r128_c128_s2_fwialgz", 50),  # run by bf16_d128_b16_s4096
                change("fwd_sm80_bf16_d64_r128_c64_w8_fseqbrmt", 40),  # ci set only: no row runs it
                change("fwd_sm90_fp16_d64_r192_c96_s3_fwaln", 30),  # fp16 d 64: no gate case
                change("fwd_sm90_fp16_d256_r128_c64_s2_fwpiaz", 20)]  # over the cap
     sel = sassdiff.select(changes, rows, BWD_DEFAULT, True, GATE_CASES, cap=2)
-    assert [a["case"] for a in sel.added] == ["fp16_d160_b16_s4096_varlen",
+    assert [a["case"] for a in sel.added] == ["fp16_d32_b16_s4096",
                                               "fp16_d64_b16_s4096"]
-    assert sel.added[0]["why"] == ("kernel fwd_sm80_fp16_d160_r128_c64_w8_fseqkvbor: SASS differs "
+    assert sel.added[0]["why"] == ("kernel fwd_sm80_fp16_d32_r128_c64_w4_fseqkvbor: SASS differs "
                                    "(90 instructions changed: +90 -90 of 1000)")
     for added in sel.cases:
         assert coverage.route(added, rows, True) in {c.kernel for c in changes}

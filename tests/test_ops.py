@@ -34,7 +34,7 @@ def fake(mode, *shape, dtype=torch.bfloat16):
 def built_feature_call():
     """(dtype, d_head, causal, softcap) of a call this build serves, preferring masks."""
     rows = ops.dispatch_rows(ops.BUILT)
-    for dtype, d, _, mask, _, softcap, _, _ in sorted(rows, key=lambda r: (not r[3], r[5])):
+    for dtype, d, _, mask, _, softcap, *_ in sorted(rows, key=lambda r: (not r[3], r[5])):
         return ({"fp16": torch.float16, "bf16": torch.bfloat16}[dtype], d, mask,
                 5.0 if softcap else 0.0)
     pytest.skip("this build serves no call")

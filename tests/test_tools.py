@@ -240,8 +240,10 @@ def test_mma_count_matches_tile_shapes(built):
                 # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
                 # under the running P V wgmma, the tile hand-over the next tile's first block's
                 # (B_c/2, no rescale); without them none
-                overlapped = ((cfg.block_c // 2 + 2 if cfg.overlap else 0)
-                              + (cfg.block_c // 2 if cfg.tile_overlap else 0))
+                # (a softcap's tanh is an exp2 too: twice the block's)
+                per_block = cfg.block_c // 2 * (2 if cfg.softcap else 1)
+                overlapped = ((per_block + 2 if cfg.overlap else 0)
+                              + (per_block if cfg.tile_overlap else 0))
                 assert opcodes.ex2_under_wgmma(instrs) == overlapped, short
                 assert set(hist.base) >= {"HGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
                 assert "HMMA" not in hist.base and "LDGSTS" not in hist.base

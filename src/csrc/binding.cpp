@@ -138,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def(
         "set_dispatch", &flash::binding::set_dispatch,
         "replace a direction's (fwd, bwd, dec) dispatch table: rows (dtype, d_head, bucket, mask, "
-        "local, softcap, kernel, fallback; '' for none)");
+        "local, softcap, kernel, fallback, varlen kernel; '' for none)");
     m.def("layout_report", &flash::binding::layout_report,
           "how the operator addresses q, k, v (and out): '' in place, else why it copies",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out") = py::none());
@@ -148,6 +148,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("device"), py::arg("clear") = true);
     m.def("explain", &flash::binding::explain,
           "the kernel a fixed-length call runs, and why not a Hopper one");
+    m.def("explain_varlen", &flash::binding::explain_varlen,
+          "the kernel a varlen call runs (max_seqlen_q its bucket), and why not a Hopper one",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("max_seqlen_q"), py::arg("window_left"),
+          py::arg("window_right"), py::arg("softcap"));
     m.def("choice", &flash::binding::choice, "the dispatch table's kernel for a call ('' if none)",
           py::arg("dtype"), py::arg("d_head"), py::arg("seqlen_q"), py::arg("mask"),
           py::arg("softcap"), py::arg("local") = false);

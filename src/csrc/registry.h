@@ -30,6 +30,9 @@ struct KernelEntry {
     int arch;
     // The kernel needs its parameters' tile_counter: the binding allocates one int per call.
     bool tile_counter;
+    // Runs varlen calls only (a Hopper forward with flag j: its TMA maps span the packed rows);
+    // every other forward kernel of the sm80 family runs both, a Hopper one fixed-length ones.
+    bool varlen_only;
     cudaError_t (*launch)(const Params&, cudaStream_t);
 };
 

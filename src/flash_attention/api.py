@@ -183,6 +183,24 @@ def _log_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               ops.extension().explain(q, k, v, left, right, softcap > 0))
 
 
+def explain_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool = False,
+                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> str:
+    """The kernel a varlen call of these tensors runs (the dispatch table's varlen kernel on
+    sm_90, else its row's kernel), with the reason where a Hopper kernel cannot run it."""
+    left, right = canonical_window(causal, tuple(window_size), max_seqlen_q, max_seqlen_k)
+    return ops.extension().explain_varlen(q, k, v, max_seqlen_q, left, right, softcap > 0)
+
+
+def _log_varlen_choice(q, k, v, max_seqlen_q, max_seqlen_k, causal, window_size,
+                       softcap) -> None:
+    """Debug log of the kernel a varlen call ran, with the reason when a Hopper kernel fell
+    back."""
+    log.debug("attention_varlen %s %s (max_seqlen_q %d): %s", q.dtype, tuple(q.shape),
+              max_seqlen_q, explain_varlen(q, k, v, max_seqlen_q, max_seqlen_k, causal,
+                                           window_size, softcap))
+
+
 def masks_needed(causal: bool, window_size: tuple[int, int], prob: Problem) -> bool:
     return canonical_window(causal, tuple(window_size), prob.seqlen_q,
                             prob.seqlen_k) != (-1, -1)
@@ -231,6 +249,9 @@ def attention_varlen(
                                causal, window_size, softcap, softmax_scale)
             raise
         else:
+            if log.isEnabledFor(logging.DEBUG):
+                _log_varlen_choice(q, k, v, max_seqlen_q, max_seqlen_k, causal, window_size,
+                                   softcap)
             return (o, lse) if return_lse else o
     _check_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                        window_size, softcap, softmax_scale)

@@ -116,6 +116,15 @@ def select_sm90(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelCo
     return fwd_sm90.select(call, built)
 
 
+def select_sm90_varlen(dtype: str, d_head: int, built: Sequence[KernelConfig],
+                       mask: bool = False, softcap: bool = False,
+                       local: bool = False) -> fwd_sm90.Config | None:
+    """The Hopper kernel for varlen calls of this kind among the built ones
+    (fwd_sm90.VARLEN_ROWS; no tuning file entry applies), or None (the sm80 choice runs
+    them)."""
+    return fwd_sm90.select_varlen(Call(dtype, d_head, 1, mask, local, softcap), built)
+
+
 def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
            mask: bool = False, softcap: bool = False) -> fwd_sm80.Config:
     """The sm80-family config to run for this problem among the built ones (a tuned one

@@ -46,16 +46,17 @@ def built() -> tuple[KernelConfig, ...]:
 
 
 def dispatch_rows(built: tuple[KernelConfig, ...]
-                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
+                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str]]:
     """The decode table as the extension takes it (the forward's row shape): per dtype and
     d_head variant (multiples of 32), bucket 64, no mask and no softcap (both run-time
-    arguments of every decode kernel), dec_sm80.select's kernel, which is also its fallback."""
+    arguments of every decode kernel), dec_sm80.select's kernel, which is also its fallback (no
+    varlen kernel: "")."""
     rows = []
     for dtype in DTYPES:
         for d_head in D_HEADS:
             cfg = dec_sm80.select(Call(dtype, d_head), built)
             if cfg is not None:
-                rows.append((dtype, d_head, 64, False, False, False, cfg.name, cfg.name))
+                rows.append((dtype, d_head, 64, False, False, False, cfg.name, cfg.name, ""))
     return rows
 
 

@@ -82,11 +82,12 @@ def refresh_dispatch() -> None:
 
 def dispatch_rows(
         built: tuple[KernelConfig, ...]
-) -> list[tuple[str, int, int, bool, bool, bool, str, str]]:
-    """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback): the
-    fallback (an sm80-family kernel) runs where the kernel (a Hopper one) cannot; else both
-    are the same. ``local`` rows (a window bounded on the left) differ from the masked ones
-    only in their Hopper kernel."""
+) -> list[tuple[str, int, int, bool, bool, bool, str, str, str]]:
+    """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen
+    kernel): the fallback (an sm80-family kernel) runs where the kernel (a Hopper one) cannot;
+    else both are the same; the varlen kernel (a Hopper one with flag j, "" when none is built)
+    runs the row's varlen calls. ``local`` rows (a window bounded on the left) differ from the
+    masked ones only in their Hopper kernels."""
     rows = []
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built):
         for bucket in dispatch.BUCKETS:
@@ -97,9 +98,11 @@ def dispatch_rows(
                     continue
                 for local in (False, True) if mask else (False,):
                     fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap,
-                                                local) or cfg
-                    rows.append((dtype, d_head, bucket, mask, local, softcap, fast.name,
-                                 cfg.name))
+                                                local)
+                    varlen = dispatch.select_sm90_varlen(dtype, d_head, built, mask, softcap,
+                                                         local)
+                    rows.append((dtype, d_head, bucket, mask, local, softcap,
+                                 (fast or cfg).name, cfg.name, varlen.name if varlen else ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

@@ -41,10 +41,13 @@ inline uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask,
 
 // A row's kernel and its fallback: an sm80-family kernel that runs wherever the kernel (a Hopper
 // one) cannot; the same entry when the kernel is an sm80 one; nullptr when the build has none.
+// varlen: the Hopper kernel of the row's varlen calls (the forward's flag j), nullptr when none
+// is built (they run the kernel, or the fallback where it is a Hopper one).
 template <class Entry>
 struct Choice {
     const Entry* kernel;
     const Entry* fallback;
+    const Entry* varlen = nullptr;
 };
 
 template <class Entry>
@@ -59,9 +62,10 @@ DispatchTable<Entry>& dispatch_table() {
     return table;
 }
 
-// (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback name; "" for none)
-using DispatchRow =
-    std::tuple<std::string, int64_t, int64_t, bool, bool, bool, std::string, std::string>;
+// (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback name, varlen kernel name;
+// "" for none)
+using DispatchRow = std::tuple<std::string, int64_t, int64_t, bool, bool, bool, std::string,
+                               std::string, std::string>;
 
 template <class Entry>
 void set_rows(const std::vector<DispatchRow>& rows) {
@@ -75,10 +79,12 @@ void set_rows(const std::vector<DispatchRow>& rows) {
                  ", which is not in this build");
         return it->second;
     };
-    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback] : rows) {
-        const Choice<Entry> c{entry(name), entry(fallback)};
+    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback, varlen] : rows) {
+        const Choice<Entry> c{entry(name), entry(fallback), entry(varlen)};
         FA_CHECK(c.fallback == nullptr || c.fallback->arch == 80, "dispatch table: fallback ",
                  fallback, " is not an sm80-family kernel");
+        FA_CHECK(c.varlen == nullptr || c.varlen->varlen_only, "dispatch table: varlen kernel ",
+                 varlen, " does not take varlen calls alone");
         FA_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
         choices[choice_key(dtype == "bf16", d_head, bucket, mask, local, softcap)] = c;
     }
@@ -147,7 +153,7 @@ Choice<Entry> choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t
     const auto it = table.find(std::string(name));
     FA_CHECK(it != table.end(), what, "kernel ", name,
              " is not in this build; rebuild with FLASH_ATTENTION_KERNELS=default,", name);
-    return Choice<Entry>{it->second, nullptr};
+    return Choice<Entry>{it->second, nullptr, nullptr};
 }
 
 }  // namespace flash::binding

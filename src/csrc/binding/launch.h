@@ -81,9 +81,11 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     const at::Tensor& o = *out_addr;
 
     // A Hopper kernel runs only what TMA can address on an sm_90 GPU; else its row's fallback.
-    const flash::FwdKernelEntry* pick = chosen.kernel;
+    // Varlen calls run the row's varlen kernel where it has one.
+    const flash::FwdKernelEntry* pick =
+        varlen && chosen.varlen != nullptr ? chosen.varlen : chosen.kernel;
     if (pick->arch == 90) {
-        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &o})) {
+        if (const char* why = sm90_unfit(prop, varlen, {&q, &k, &v, &o}, pick->varlen_only)) {
             FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
                      " (sm_90a) cannot run this call: ", why);
             pick = chosen.fallback;
@@ -132,6 +134,27 @@ inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::T
     return why == nullptr
                ? c.kernel->name + copies
                : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")", copies);
+}
+
+// explain() for a varlen call, q (total_q, H, D), k/v (total_k, Hk, D): the row's varlen kernel
+// (or its kernel, or the fallback, with the reason the Hopper one cannot run the call).
+inline std::string explain_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  int64_t max_seqlen_q, int64_t window_left, int64_t window_right,
+                                  bool softcap) {
+    const bool mask = window_left != -1 || window_right != -1;
+    const Choice<flash::FwdKernelEntry> c =
+        lookup<flash::FwdKernelEntry>(q.scalar_type() == at::kBFloat16, q.size(-1), max_seqlen_q,
+                                      mask, window_left != -1, softcap);
+    if (c.kernel == nullptr)
+        return "no kernel in the dispatch table";
+    const flash::FwdKernelEntry* pick = c.varlen != nullptr ? c.varlen : c.kernel;
+    if (pick->arch != 90)
+        return pick->name;
+    const auto qa = addressable(q), ka = addressable(k), va = addressable(v);
+    const char* why = sm90_unfit(device_properties(q.device().index()), true, {&*qa, &*ka, &*va},
+                                 pick->varlen_only);
+    return why == nullptr ? pick->name
+                          : message(c.fallback->name, " (not ", pick->name, ": ", why, ")");
 }
 
 // How the operator will address each tensor of a call (input_layout.h), for tests and debug

@@ -151,6 +151,8 @@ inline void check_call(const flash::FwdKernelEntry& c, const at::Tensor& q_in,
                    "window sizes must be -1 (unbounded) or in [0, 2^31)");
     FA_CHECK_VALUE(c.mask || !mask, "kernel ", c.name,
                    " has no masks (config flag m): it cannot run causal or windowed attention");
+    FA_CHECK_VALUE(varlen || !c.varlen_only, "kernel ", c.name,
+                   " runs varlen (packed) batches only (config flag j): pass cu_seqlens_q/k");
     FA_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
                    "softcap must be 0 (off) or finite and positive, got ", softcap);
     FA_CHECK_VALUE(c.softcap == (softcap > 0), "kernel ", c.name,

@@ -69,7 +69,8 @@ cudaError_t launch_checked(dim3 grid, int threads, int smem, cudaStream_t stream
 template <class Cfg, class Params>
 constexpr KernelEntry<Params> kernel_entry(const char* name,
                                            cudaError_t (*launch)(const Params&, cudaStream_t),
-                                           int arch, bool tile_counter = false) {
+                                           int arch, bool tile_counter = false,
+                                           bool varlen_only = false) {
     KernelEntry<Params> e{};
     e.name = name;
     e.dtype = std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16;
@@ -82,6 +83,7 @@ constexpr KernelEntry<Params> kernel_entry(const char* name,
     e.softcap = Cfg::kSoftcap;
     e.arch = arch;
     e.tile_counter = tile_counter;
+    e.varlen_only = varlen_only;
     e.launch = launch;
     return e;
 }

@@ -35,6 +35,50 @@ struct Epilogue {
     __device__ __forceinline__ void store_tma(const float (&acc)[kNO][4], unsigned char* buffer,
                                               const CUtensorMap* map, int row0, int head,
                                               int batch) const {
+        stage(acc, buffer);
+        issue_tma(buffer, map, row0, head, batch);
+    }
+
+    // The TMA stores of store_tma(), once stage() has filled the buffer.
+    __device__ __forceinline__ void issue_tma(unsigned char* buffer, const CUtensorMap* map,
+                                              int row0, int head, int batch) const {
+        const int row_wg = kSplitCols ? 0 : wg;                 // the warpgroup's 64 rows
+        const int panel0 = kSplitCols ? wg * kStorePanels : 0;  // and its first panel
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int c = panel0; c < panel0 + kStorePanels; ++c)
+                tma_store_4d(map, buffer + c * kTileRows * 128 + row_wg * 64 * 128, c * 64,
+                             row0 + row_wg * 64, head, batch);
+            tma_store_commit();
+            if constexpr (!Cfg::kPersistent)
+                tma_store_wait_read();  // smem stays valid until the store has read it
+        }
+    }
+
+    // Instead of issue_tma(), once stage() has filled the buffer: the warpgroup's threads copy
+    // its rows r < rows (of its 64) and columns < cols out to `out` (16-byte copies from shared
+    // memory), row r at out + r * row_stride (elements), out pointing at the warpgroup's first
+    // row. For rows that end inside the tensor: a varlen sequence's last rows (a TMA store,
+    // clipped only at the tensor's end, would write the next sequence's). Not for the split
+    // columns of the backward.
+    __device__ __forceinline__ void copy_rows(unsigned char* buffer, Elem* out, int64_t row_stride,
+                                              int rows, int cols) const {
+        static_assert(!kSplitCols, "whole rows of one warpgroup");
+        // Element (r, 8 k .. 8 k + 7) of panel c lies in chunk k ^ (r & 7) of its 128-byte row.
+        const uint32_t base = smem_u32(buffer) + wg * 64 * 128;
+        constexpr int kChunks = kStorePanels * 8;  // 16-byte chunks per row
+        for (int i = threadIdx.x % 128; i < 64 * kChunks; i += 128) {
+            const int r = i / kChunks, c = (i % kChunks) / 8, k = i % 8;
+            if (r < rows && c * 64 + k * 8 < cols)
+                *reinterpret_cast<uint4*>(out + r * row_stride + c * 64 + k * 8) =
+                    ld_shared16(base + c * kTileRows * 128 + r * 128 + ((k ^ (r & 7)) * 16));
+        }
+    }
+
+    // The warpgroup's accumulators into `buffer` (stmatrix, swizzled as a TMA tile), visible to
+    // the TMA unit and to every thread of the warpgroup on return; on a persistent grid first
+    // waits until the previous tile's stores have read the buffer.
+    __device__ __forceinline__ void stage(const float (&acc)[kNO][4], unsigned char* buffer) const {
         if constexpr (Cfg::kPersistent) {
             if (threadIdx.x % 128 == 0)
                 tma_store_wait_read();
@@ -45,8 +89,7 @@ struct Epilogue {
         // l / 8, CTA row r below, tile t + l / 16. That tile's chunk (t % 8 + l / 16) ^ (r & 7)
         // is (t % 8) ^ (l / 16) ^ (l % 8): the 128-byte-aligned row address with the lane's
         // chunk, XORed with the compile-time (t % 8) * 16.
-        const int row_wg = kSplitCols ? 0 : wg;                 // the warpgroup's 64 rows
-        const int panel0 = kSplitCols ? wg * kStorePanels : 0;  // and its first panel
+        const int panel0 = kSplitCols ? wg * kStorePanels : 0;  // the warpgroup's first panel
         const int r = (kSplitCols ? warp % 4 : warp) * 16 + 8 * ((lane / 8) % 2) + lane % 8;
         const uint32_t row = smem_u32(buffer) + panel0 * kTileRows * 128 + r * 128 +
                              (((lane / 16) ^ (lane % 8)) * 16);
@@ -60,15 +103,6 @@ struct Epilogue {
         }
         fence_proxy_async_smem();                // the TMA store reads what these stores wrote
         named_sync(kEpilogueBarrier + wg, 128);  // ... every thread of the warpgroup has written
-        if (threadIdx.x % 128 == 0) {
-#pragma unroll
-            for (int c = panel0; c < panel0 + kStorePanels; ++c)
-                tma_store_4d(map, buffer + c * kTileRows * 128 + row_wg * 64 * 128, c * 64,
-                             row0 + row_wg * 64, head, batch);
-            tma_store_commit();
-            if constexpr (!Cfg::kPersistent)
-                tma_store_wait_read();  // smem stays valid until the store has read it
-        }
     }
 
     // Before the CTA exits (persistent grid: store_tma() returns before its stores have read

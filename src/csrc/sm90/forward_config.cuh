@@ -11,8 +11,8 @@ namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
-          bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kMask_,
-          bool kSoftcap_>
+          bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kVarlen_,
+          bool kMask_, bool kSoftcap_>
 struct FwdConfig {
     using Elem = Elem_;
 
@@ -59,6 +59,11 @@ struct FwdConfig {
     // warp rescales O only when one of its rows moved: most blocks skip the rescale.
     static constexpr bool kLazyRescale = kLazyRescale_;
     static constexpr float kRescaleLog2 = 8.f;
+    // Varlen (packed) batches (FwdParams::cu_seqlens_q/k): each tile finds its sequence's rows in
+    // the packed tensors (TMA maps over all rows; loads past a sequence's end read the next
+    // sequence's rows, which the key-tail mask hides and whose V rows are zeroed in shared memory
+    // before P V), and a warpgroup whose rows cross the sequence's end stores from registers.
+    static constexpr bool kVarlen = kVarlen_;
     static constexpr bool kMask = kMask_;        // causal / sliding window (as flash::FwdConfig)
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
 
@@ -111,6 +116,8 @@ struct FwdConfig {
                   "K/V multicast needs the producer warpgroup, a static schedule and no mask (the "
                   "two CTAs visit the same KV blocks)");
     static_assert(!kTileOverlap || kPersistent, "the tile overlap needs the persistent grid");
+    static_assert(!kVarlen || !kCluster,
+                  "varlen: the two CTAs of a pair could lie in different sequences");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory exceeds the sm_90 limit");
 };
 

@@ -21,19 +21,23 @@ namespace flash::sm90 {
 template <class Cfg>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
-    if (p.cu_seqlens_q != nullptr)
-        return cudaErrorInvalidValue;  // varlen runs on the sm_80 kernels
+    if ((p.cu_seqlens_q != nullptr) != Cfg::kVarlen)
+        return cudaErrorInvalidValue;  // a kVarlen kernel runs varlen calls, the others none
     FwdKernelParams prm{};
     prm.p = p;
     const int kv_heads = p.heads / p.heads_per_kv;
+    // Varlen: one batch of every packed row (a tile adds its sequence's first row).
+    const int rows_q = Cfg::kVarlen ? p.total_q : p.seqlen_q;
+    const int rows_k = Cfg::kVarlen ? p.total_k : p.seqlen_k;
+    const int batch = Cfg::kVarlen ? 1 : p.batch;
     const bool ok =
-        encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, p.seqlen_q, p.heads, p.batch, p.q_row_stride,
+        encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, rows_q, p.heads, batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, Cfg::kBr) &&
-        encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, p.seqlen_k, kv_heads, p.batch, p.k_row_stride,
+        encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, rows_k, kv_heads, batch, p.k_row_stride,
                           p.k_head_stride, p.k_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
-        encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, p.seqlen_k, kv_heads, p.batch, p.v_row_stride,
+        encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, rows_k, kv_heads, batch, p.v_row_stride,
                           p.v_head_stride, p.v_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
-        encode_bshd<Elem>(&prm.tma_o, p.o, p.d_head, p.seqlen_q, p.heads, p.batch, p.o_row_stride,
+        encode_bshd<Elem>(&prm.tma_o, p.o, p.d_head, rows_q, p.heads, batch, p.o_row_stride,
                           p.o_head_stride, p.o_batch_stride, 64);
     if (!ok)
         return cudaErrorInvalidValue;
@@ -109,7 +113,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 template <class Cfg>
 constexpr FwdKernelEntry make_fwd_entry(const char* name) {
-    return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90, /*tile_counter=*/Cfg::kDynamic);
+    return kernel_entry<Cfg>(name, &launch_fwd<Cfg>, /*arch=*/90, /*tile_counter=*/Cfg::kDynamic,
+                             /*varlen_only=*/Cfg::kVarlen);
 }
 
 }  // namespace flash::sm90

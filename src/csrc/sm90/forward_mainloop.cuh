@@ -29,6 +29,7 @@
 #include "../common/mask.cuh"
 #include "../common/numeric.cuh"
 #include "../common/params.h"
+#include "../common/varlen.cuh"
 #include "epilogue.cuh"
 #include "forward_params.cuh"
 #include "forward_smem_layout.cuh"
@@ -54,8 +55,8 @@ struct ForwardLoader : TmaLoader<Cfg> {
     __device__ __forceinline__ void load_q(const ForwardTile<Cfg>& w, int u) const {
         if (Cfg::kPersistent && u >= Cfg::kQBuffers)
             mbar_wait(sm.q_empty(u), SmemLayout<Cfg>::q_phase(u) ^ 1);
-        this->template load_tile<Cfg::kBr, /*kShared=*/false>(sm.q(u), &prm.tma_q, sm.q_full(u),
-                                                              w.block, w.head, w.batch);
+        this->template load_tile<Cfg::kBr, /*kShared=*/false>(
+            sm.q(u), &prm.tma_q, sm.q_full(u), w.block, w.head, w.map_batch(), w.q_start());
     }
     // Block i of the tile's visit order, pipeline block g, once its stage is released. Both CTAs
     // of a cluster visit the same K/V blocks: each copies half and multicasts it (kShared).
@@ -63,13 +64,15 @@ struct ForwardLoader : TmaLoader<Cfg> {
         const int s = g % Cfg::kStages;
         wait_buffer_free(sm.k_empty(s), g / Cfg::kStages);
         this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.k(s), &prm.tma_k, sm.k_full(s),
-                                                             w.kv_block(i), w.kv_head, w.batch);
+                                                             w.kv_block(i), w.kv_head,
+                                                             w.map_batch(), w.k_start());
     }
     __device__ __forceinline__ void load_v(const ForwardTile<Cfg>& w, int i, int g) const {
         const int s = g % Cfg::kStages;
         wait_buffer_free(sm.v_empty(s), g / Cfg::kStages);
         this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.v(s), &prm.tma_v, sm.v_full(s),
-                                                             w.kv_block(i), w.kv_head, w.batch);
+                                                             w.kv_block(i), w.kv_head,
+                                                             w.map_batch(), w.k_start());
     }
 };
 
@@ -196,6 +199,7 @@ struct ForwardConsumer {
         const FwdParams& p = prm.p;
         const ForwardTile<Cfg>& w = tile();
         const int j = w.kv_block(i);
+        const int seqlen_k = w.seqlen_k(p);
         if constexpr (Cfg::kSoftcap) {
 #pragma unroll
             for (int t = 0; t < kNS; ++t)
@@ -203,20 +207,47 @@ struct ForwardConsumer {
                 for (int e = 0; e < 4; ++e)
                     S[t][e] = tanh_fast(S[t][e] * p.softcap_scale);
         }
-        if (w.needs_mask(j, p.seqlen_k)) {
+        if (w.needs_mask(j, seqlen_k)) {
             float (&S3)[1][kNS][4] = reinterpret_cast<float (&)[1][kNS][4]>(S);
-            const WindowMask<Cfg> mask(p.seqlen_q, p.seqlen_k, w.q_row0, warp * 16, lane);
+            const WindowMask<Cfg> mask(w.seqlen_q(p), seqlen_k, w.q_row0, warp * 16, lane);
             // Blocks on one edge check one bound (the right one also holds the key tail).
             const bool lo = Cfg::kMask && j < w.kv.full_first;
             const bool hi = !Cfg::kMask || j > w.kv.full_last;
             if (lo && hi)
-                mask.template apply<true, true>(S3, j * Cfg::kBc, p.seqlen_k, p);
+                mask.template apply<true, true>(S3, j * Cfg::kBc, seqlen_k, p);
             else if (lo)
-                mask.template apply<true, false>(S3, j * Cfg::kBc, p.seqlen_k, p);
+                mask.template apply<true, false>(S3, j * Cfg::kBc, seqlen_k, p);
             else
-                mask.template apply<false, true>(S3, j * Cfg::kBc, p.seqlen_k, p);
+                mask.template apply<false, true>(S3, j * Cfg::kBc, seqlen_k, p);
         }
         softmax.template scores<kFirst>(S, p.scale_log2, corr);
+    }
+
+    // kVarlen, before P V of visit i from stage s: the block that holds the sequence's last key
+    // holds the next sequence's rows past it (the packed tensor's; TMA zero-fills only past its
+    // end). P is 0 there, but 0 x inf or NaN is NaN, so this warpgroup zeroes those V rows (whole
+    // 128-byte rows of every panel: the swizzle permutes chunks within a row). Both warpgroups
+    // write the same zeros, each before its own GEMM reads them; the stage is refilled only after
+    // both have released it.
+    __device__ __forceinline__ void clear_v_tail(int i, int s) const {
+        if constexpr (Cfg::kVarlen) {
+            const ForwardTile<Cfg>& w = tile();
+            const int j = w.kv_block(i), seqlen_k = w.seqlen_k(prm.p);
+            if (!w.kv_tail(j, seqlen_k))
+                return;
+            const int keep = seqlen_k - j * Cfg::kBc;  // rows of the sequence, 1 .. B_c - 1
+            // Thread t: 16-byte chunk t % 8 of rows t / 8 + 16 r, every panel.
+            const int t = threadIdx.x % 128;
+            const uint32_t chunk = smem_u32(sm.v(s)) + (t / 8) * 128 + (t % 8) * 16;
+#pragma unroll
+            for (int r = 0; r < Cfg::kBc; r += 16)
+                if (t / 8 + r >= keep)
+#pragma unroll
+                    for (int c = 0; c < Cfg::kPanels; ++c)
+                        st_shared_zero16(chunk + (c * Cfg::kBc + r) * 128);
+            fence_proxy_async_smem();             // the wgmma (async proxy) reads the zeros
+            named_sync(kVTailBarrier + wg, 128);  // ... every thread of the warpgroup wrote
+        }
     }
 
     // Pipeline block g lives in stage g % kStages; its use g / kStages of that stage waits for
@@ -292,6 +323,7 @@ struct ForwardConsumer {
         const int gl = g0 + tile().n_blocks - 1;
         softmax.rescale(O, corr);
         mbar_wait(sm.v_full(stage(gl)), phase(gl));  // V_{n-1} has landed
+        clear_v_tail(tile().n_blocks - 1, stage(gl));
         wait_turn();
         wgmma_fence();
         issue_pv(stage(gl));
@@ -334,6 +366,7 @@ struct ForwardConsumer {
         fence_regs(O);  // the rescale runs under the next tile's S_0
         softmax.rescale(O, corr);
         mbar_wait(sm.v_full(sl), phase(gl));  // this tile's V_{n-1} has landed
+        clear_v_tail(n - 1, sl);
         wgmma_fence();
         issue_pv(sl);
         wgmma_commit();
@@ -384,7 +417,8 @@ struct ForwardConsumer {
         fence_regs(O);  // the rescale below is issued after S_i, so it runs under it
         softmax.rescale(O, corr);
         mbar_wait(sm.v_full(sp), phase(g - 1));  // V_{i-1} has landed
-        wgmma_fence();                           // O was rescaled by ordinary instructions
+        clear_v_tail(i - 1, sp);
+        wgmma_fence();  // O was rescaled by ordinary instructions
         issue_pv(sp);
         wgmma_commit();
         pass_turn();
@@ -424,37 +458,54 @@ struct ForwardConsumer {
 
     // O (normalised) and LSE. Rows past seqlen_q and columns past d_head are not written. O
     // leaves through the epilogue (kTmaStore: staged in sQ, whose S GEMMs are complete, or on a
-    // persistent grid in O's own buffer, then TMA stores) or straight from registers.
+    // persistent grid in O's own buffer, then TMA stores) or straight from registers; with
+    // kVarlen a warpgroup whose rows cross its sequence's end copies them out of the staging
+    // buffer itself (a TMA store would write the next sequence's rows).
     __device__ __forceinline__ void write_output(const ForwardTile<Cfg>& w, const float (&lse)[2]) {
         const FwdParams& p = prm.p;
         const int row_in_cta = warp * 16 + lane / 4;  // and + 8
+        // kVarlen: the sequence read again (two loads that hit in cache), so that the consumers
+        // keep only its key count in registers through the tile.
+        int q_start = 0, seqlen_q = p.seqlen_q;
+        if constexpr (Cfg::kVarlen) {
+            const SeqSpan span = seq_span(p, w.batch);
+            q_start = int(span.q_start);
+            seqlen_q = span.seqlen_q;
+        }
         if (p.lse != nullptr && lane % 4 == 0) {
             float* lse_out = p.lse + int64_t(w.batch) * p.lse_batch_stride +
-                             int64_t(w.head) * p.lse_head_stride + w.q_row0;
+                             int64_t(w.head) * p.lse_head_stride + q_start + w.q_row0;
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                if (w.q_row0 + row_in_cta + 8 * h < p.seqlen_q)
+                if (w.q_row0 + row_in_cta + 8 * h < seqlen_q)
                     lse_out[row_in_cta + 8 * h] = lse[h];
         }
+        Elem* o = static_cast<Elem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
+                  int64_t(w.head) * p.o_head_stride + int64_t(q_start) * p.o_row_stride;
         if constexpr (Cfg::kTmaStore) {
             const Epilogue<Cfg> epilogue{wg, warp, lane};
-            epilogue.store_tma(O, sm.o(), &prm.tma_o, w.q_row0, w.head, w.batch);
-        } else {
-            Elem* o = static_cast<Elem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
-                      int64_t(w.head) * p.o_head_stride;
+            const int rows = seqlen_q - w.q_row0 - 64 * wg;  // of this warpgroup's 64
+            // (A tile past its sequence's end stages too: skipping it made ptxas spill at d 256.)
+            epilogue.stage(O, sm.o());
+            if (!Cfg::kVarlen || rows >= 64)
+                epilogue.issue_tma(sm.o(), &prm.tma_o, q_start + w.q_row0, w.head, w.map_batch());
+            else
+                epilogue.copy_rows(sm.o(), o + int64_t(w.q_row0 + 64 * wg) * p.o_row_stride,
+                                   p.o_row_stride, rows, p.d_head);
+            return;
+        }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = w.q_row0 + row_in_cta + 8 * h;
-                if (row >= p.seqlen_q)
-                    continue;
-                Elem* o_row = o + int64_t(row) * p.o_row_stride;
+        for (int h = 0; h < 2; ++h) {
+            const int row = w.q_row0 + row_in_cta + 8 * h;
+            if (row >= seqlen_q)
+                continue;
+            Elem* o_row = o + int64_t(row) * p.o_row_stride;
 #pragma unroll
-                for (int t = 0; t < kNO; ++t) {
-                    const int col = t * 8 + (lane % 4) * 2;
-                    if (col < p.d_head)
-                        *reinterpret_cast<uint32_t*>(o_row + col) =
-                            pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
-                }
+            for (int t = 0; t < kNO; ++t) {
+                const int col = t * 8 + (lane % 4) * 2;
+                if (col < p.d_head)
+                    *reinterpret_cast<uint32_t*>(o_row + col) =
+                        pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
             }
         }
     }

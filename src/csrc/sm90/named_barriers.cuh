@@ -10,6 +10,9 @@ enum NamedBarrier : int {
     kTurnBarrier = 1,  // and 2
     // Epilogue: the 128 threads of consumer warpgroup g around its O staging buffer.
     kEpilogueBarrier = 3,  // and 4 (5 with a third warpgroup)
+    // Varlen forward: the 128 threads of consumer warpgroup g have zeroed the V rows past their
+    // sequence's last key (ForwardConsumer::clear_v_tail).
+    kVTailBarrier = 13,  // and 14 (15 with a third warpgroup)
     // Backward: both consumer warpgroups (2 x 128 threads) have stored their dS^T of a block
     // (and at the end: are done with every stage).
     kBwdDsBarrier = 6,

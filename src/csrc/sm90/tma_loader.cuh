@@ -20,8 +20,9 @@ __device__ __forceinline__ void wait_buffer_free(uint64_t* empty, int use) {
 }
 
 // Producer: copies of whole tiles, kRows rows x Cfg::kPanels 64-column panels (panel c at
-// dst + c * kRows * 128 bytes), tile `block` being rows block * kRows .. of (head, batch) of a
-// 4-D tensor map (d_head, rows, heads, batch).
+// dst + c * kRows * 128 bytes), tile `block` being rows row_start + block * kRows .. of (head,
+// batch) of a 4-D tensor map (d_head, rows, heads, batch) (row_start: a varlen sequence's first
+// row in the packed tensor).
 template <class Cfg>
 struct TmaLoader {
     const int rank;  // this CTA's rank in its cluster (0 without kCluster)
@@ -32,12 +33,12 @@ struct TmaLoader {
     // copies the whole tile), so each CTA's full barrier still expects the whole tile.
     template <int kRows, bool kShared>
     __device__ __forceinline__ void load_tile(unsigned char* dst, const CUtensorMap* map,
-                                              uint64_t* full, int block, int head,
-                                              int batch) const {
+                                              uint64_t* full, int block, int head, int batch,
+                                              int row_start = 0) const {
         mbar_arrive_expect_tx(full, kRows * Cfg::kPanels * 128);
         // This CTA's rows: a multiple of 8, so its part of each panel stays 1024-byte aligned.
         constexpr int kPart = kShared ? kRows / Cfg::kClusterCtas : kRows;
-        const int row0 = block * kRows + (kShared ? rank * kPart : 0);
+        const int row0 = row_start + block * kRows + (kShared ? rank * kPart : 0);
 #pragma unroll
         for (int c = 0; c < Cfg::kPanels; ++c) {
             unsigned char* panel = dst + c * kRows * 128 + (kShared ? rank * kPart * 128 : 0);

@@ -30,7 +30,8 @@ _SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = tuple(
 _OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("_ZN5flash10fwd_kernelINS_9FwdConfigI", "fwd_sm80", TEMPLATES["fwd_sm80"].args),
     ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI", "fwd_sm90",
-     ("dtype", "d_head", "block_c", "consumer_wgs", "stages", *KINDS["fwd_sm90"].FLAGS)),
+     ("dtype", "d_head", "block_c", "consumer_wgs", "stages",
+      *(f for f in KINDS["fwd_sm90"].FLAGS if f != "varlen"))),
     ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI", "bwd_sm80",
      ("dtype", "d_head", "block_c", "block_r", "warps", *KINDS["bwd_sm80"].FLAGS)),
     ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI", "bwd_sm90",
@@ -60,6 +61,8 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
     """Config fields from template arguments; an old build's derived arguments (the Hopper
     forward's consumer warpgroups, the Hopper backward's B_c) turned into fields."""
     old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
+    if kind == "fwd_sm90" and "varlen" in names and len(values) == len(names) - 1:
+        names = tuple(n for n in names if n != "varlen")  # a build from before flag j
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
     # fields the C++ template fixes (the decode kernel's 16 packed rows)

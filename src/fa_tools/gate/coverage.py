@@ -51,6 +51,7 @@ class Row:
     softcap: bool
     kernel: str
     fallback: str
+    varlen: str  # the Hopper kernel of the row's varlen calls, "" when none is built
 
     @property
     def key(self) -> tuple[str, int, int, bool, bool, bool]:
@@ -82,12 +83,15 @@ def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:
 
 def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
     """The forward kernel the case's attention() call runs on an sm_90 GPU (sm90=True) or
-    another one; None when the build has no row for it."""
+    another one (a varlen case on sm_90: the row's varlen kernel, else its fallback); None when
+    the build has no row for it."""
     by_key = {r.key: r for r in rows}
     row = by_key.get(call_key(case))
     if row is None:
         return None
-    return row.kernel if sm90 and not case.varlen else row.fallback
+    if not sm90:
+        return row.fallback
+    return (row.varlen or row.fallback) if case.varlen else row.kernel
 
 
 def kind(kernel: str) -> str:
@@ -119,13 +123,13 @@ def _preference(row: Row, kernel: str) -> tuple:
 
 def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None:
     """A case dispatch runs `kernel` for on this GPU: a fixed-length one where a row's kernel
-    runs fixed-length calls, else a varlen one where it is a row's fallback (on sm_90 the
-    sm80-family fallback runs varlen batches); None when no row runs it."""
+    runs fixed-length calls, else a varlen one where it runs a row's varlen batches (on sm_90
+    the row's varlen kernel, else its sm80-family fallback); None when no row runs it."""
     fixed = [r for r in rows if (r.kernel if sm90 else r.fallback) == kernel]
     if fixed:
         return _case_of_row(min(fixed, key=lambda r: _preference(r, kernel)), varlen=False)
     if sm90:
-        packed = [r for r in rows if r.fallback == kernel]
+        packed = [r for r in rows if (r.varlen or r.fallback) == kernel]
         if packed:
             return _case_of_row(min(packed, key=lambda r: _preference(r, kernel)), varlen=True)
     return None

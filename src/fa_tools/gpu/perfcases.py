@@ -165,11 +165,15 @@ FWD_GATE_CASES = tuple([
     Case("bf16", 64, 16, 4096, window=(512, 0)),
     Case("bf16", 128, 8, 8192, window=(1024, 1024)),
     Case("bf16", 192, 8, 4096, window=(1024, 0)),
-    # softcap (sm80-family kernels on every GPU): plain, and with a window at d_head 256
+    # softcap (the Hopper softcap rows): plain at d_head 128, causal at 64, with a window at 256
     Case("bf16", 128, 16, 4096, softcap=30.0),
+    Case("bf16", 64, 16, 4096, causal=True, softcap=30.0),
     Case("bf16", 256, 4, 8192, window=(2048, 0), softcap=50.0),
-    # varlen (the sm80-family fallback): a causal batch of 1024-4096 tokens
+    # varlen (the Hopper varlen kernels): batches of 1024-4096 tokens, causal and not at d_head
+    # 128, a softcap at 64
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
+    Case("bf16", 128, 16, 4096, varlen=True),
+    Case("fp16", 64, 16, 4096, varlen=True, softcap=30.0),
 ])
 # The gate's backward cases: each kernel of the `default` backward set, dtype aside, on the
 # runner's sm_90 GPU (both families' d_head 64, 128 and 256, each with and without a softcap;

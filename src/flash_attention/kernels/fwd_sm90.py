@@ -51,6 +51,9 @@ FLAGS: dict[str, str] = {
               "the S GEMMs read only K from shared memory",
     "lazy_rescale": "a row's running max moves only when it grows by more than 8 (log2 units, P "
                     "stays <= 256), and a warp rescales O only when one of its rows moved",
+    "varlen": "varlen (packed) batches alone: tiles find their sequence through cu_seqlens, TMA "
+              "maps span the packed rows, V rows past a sequence's end are zeroed in shared "
+              "memory, and a warpgroup whose rows cross the end stores from registers",
     "mask": "causal / sliding-window masks (as fwd_sm80's)",
     "softcap": "score soft-capping (as fwd_sm80's)",
 }
@@ -87,6 +90,7 @@ class Sm90FwdConfig(KernelConfig):
     tile_overlap: bool = False
     q_regs: bool = False
     lazy_rescale: bool = False
+    varlen: bool = False
     mask: bool = False
     softcap: bool = False
 
@@ -155,6 +159,8 @@ class Sm90FwdConfig(KernelConfig):
             out.append("cluster needs warp_spec, without dynamic or mask")
         if self.tile_overlap and not self.persistent:
             out.append("tile_overlap needs the persistent grid")
+        if self.varlen and self.cluster:
+            out.append("varlen cannot take CTA pairs (a pair's blocks may lie in two sequences)")
         regs = self.accum_regs + OVERHEAD_REGS
         if regs > self.consumer_regs:
             q = " and Q" if self.q_regs else ""
@@ -175,9 +181,11 @@ class Sm90FwdConfig(KernelConfig):
         return 1
 
     def serves(self, call: Call) -> bool:
-        """As Sm80FwdConfig.serves, with the Hopper d_head variant."""
+        """As Sm80FwdConfig.serves, with the Hopper d_head variant, for fixed-length calls (a
+        varlen kernel serves its twin's calls packed: :func:`varlen_twin`)."""
         return (self.dtype == call.dtype and self.d_head == variant_for(call.d_head)
-                and self.softcap == call.softcap and (self.mask or not call.mask))
+                and self.softcap == call.softcap and (self.mask or not call.mask)
+                and not self.varlen)
 
     def describe(self) -> str:
         return (f"{self.name}: sm90a, {self.dtype}, d_head={self.d_head}, B_r={self.block_r}, "
@@ -192,9 +200,11 @@ parse = Sm90FwdConfig.parse
 # The binding runs these on sm_90 GPUs for fixed-length calls whose tensors TMA can address
 # (16-byte aligned, strides multiples of 8 elements), else the fwd_sm80 row of the call. Rows are
 # keyed by the call's fwd_sm80 d_head variant; the kernel is the next Hopper variant's (columns
-# past the call's d_head zero-filled by TMA, never stored). d_head 32 and softcap calls have no
-# row. Calls: "plain"; "masked" (causal or a window open on the left); "local" (a window bounded
-# on the left, which runs the masked row's kernel when its own is not built).
+# past the call's d_head zero-filled by TMA, never stored). d_head 32 has no row. Calls: "plain";
+# "masked" (causal or a window open on the left); "local" (a window bounded on the left, which
+# runs the masked row's kernel when its own is not built); "softcap" (with or without masks).
+# Varlen calls run the varlen twin (varlen_twin) of their kind's longest row's kernel where it is
+# built: a pack's sequences have many lengths, and its longest set the bucket.
 ROWS: tuple[Row, ...] = (
     Row("sm90 plain d64 q<=4096", ("plain",), (64,), 4096, "r192_c96_s3_fwaln",
         "3 consumer warpgroups, persistent; the tile hand-over (n) saves cycles in every row"),
@@ -224,7 +234,53 @@ ROWS: tuple[Row, ...] = (
         "static persistent schedule with overlap, g and z: fewest cycles per window tile"),
     Row("sm90 local d256", ("local",), (160, 192, 224, 256), None, "r128_c64_s2_fwpia",
         "the masked row's kernel: no room for the persistent grid's O buffer"),
+    Row("sm90 softcap d64", ("softcap",), (64,), None, "r192_c96_s3_fwald",
+        "the masked row's kernel: the dynamic schedule serves masked softcap calls too"),
+    Row("sm90 softcap d128", ("softcap",), (96, 128), None, "r128_c128_s2_fwpiaz",
+        "ping-pong hides one warpgroup's tanh under the other's GEMMs; no spill (fwialdgz does)"),
+    Row("sm90 softcap d256", ("softcap",), (160, 192, 224, 256), None, "r128_c64_s2_fwpiaz",
+        "the plain row's kernel: ping-pong and overlap hide the tanh under the GEMMs"),
 )
+
+
+# Varlen calls (cu_seqlens) on sm_90 run the row of their kind and d_head variant here (its
+# kernel with the call's feature letters after flag j), not a row of their length: a pack holds
+# many lengths. Each kernel ran FlashAttention's rule over packs of 9-40 sequences on an H200
+# (docs/dispatch.md has the measurements): the longest fixed-length row's tile on the dynamic
+# schedule where it passed; at d_head 128 with masks or a softcap the non-persistent ping-pong
+# tile (the persistent masked one, fwialdgzjm, gave wrong rows on a pack of 40 sequences, not
+# diagnosed; kept out of the table and the default set).
+_MASKED = ("masked", "local", "softcap")
+VARLEN_ROWS: tuple[Row, ...] = (
+    Row("sm90 varlen plain d64", ("plain",), (64,), None, "r192_c96_s3_fwaldngzj",
+        "the longest plain row's tile on the dynamic schedule"),
+    Row("sm90 varlen masked d64", _MASKED, (64,), None, "r192_c96_s3_fwaldj",
+        "the masked rows' tile"),
+    Row("sm90 varlen plain d128", ("plain",), (96, 128), None, "r128_c128_s2_fwialdgzj",
+        "the longest plain row's tile on the dynamic schedule"),
+    Row("sm90 varlen masked d128", _MASKED, (96, 128), None, "r128_c128_s2_fwpiazj",
+        "non-persistent ping-pong: the persistent masked tile failed a 40-sequence pack"),
+    Row("sm90 varlen plain d256", ("plain", "softcap"), (160, 192, 224, 256), None,
+        "r128_c64_s2_fwpiazj", "the plain row's tile"),
+    Row("sm90 varlen masked d256", ("masked", "local"), (160, 192, 224, 256), None,
+        "r128_c64_s2_fwpiaj", "the masked row's tile"),
+)
+
+
+def varlen_table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(None, kernel name) of the varlen row for the call's kind and d_head (empty: none)."""
+    return base.table_rows(KIND, VARLEN_ROWS, call, D_HEADS)
+
+
+def select_varlen(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+                  ) -> Sm90FwdConfig | None:
+    """The Hopper kernel for a varlen call among the built ones: its varlen row's kernel, else
+    None (the fwd_sm80 choice runs)."""
+    names = {c.name for c in built}
+    for _, name in varlen_table_rows(call):
+        if name in names:
+            return P(name)
+    return None
 
 
 def table_rows(call: Call) -> list[tuple[int | None, str]]:
@@ -256,20 +312,28 @@ def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
 
 P = Sm90FwdConfig.parse
 
-# What CI builds: 4 kernels that together switch on every Hopper flag but softcap.
+# What CI builds: 5 kernels that together switch on every Hopper flag.
 CI: tuple[Sm90FwdConfig, ...] = (
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwpiam"),  # every technique, masks
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwaldgzm"),  # persistent, dynamic schedule, q_regs, lazy
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwalxgz"),  # persistent, CTA pairs multicasting K/V
     P("fwd_sm90_bf16_d64_r192_c96_s3_fwaln"),  # 3 consumer warpgroups, tile hand-over
+    P("fwd_sm90_bf16_d128_r128_c128_s2_fwpiazjmt"),  # varlen, softcap, ping-pong
 )
 
-# Every kernel of the default table, in table order (dtype, d_head, call kind, rows).
-DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(
+# (mask, local, softcap) of each kind of call the default table serves.
+_CALL_FEATURES = ((False, False, False), (True, False, False), (True, True, False),
+                  (False, False, True), (True, False, True))
+# Every kernel of the default table, in table order (dtype, d_head, call kind, rows), then those
+# of the varlen table.
+_FIXED: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(
     P(name)
-    for dtype, d, (mask, local) in itertools.product(
-        DTYPES, base.D_HEADS, ((False, False), (True, False), (True, True)))
-    for _, name in table_rows(Call(dtype, d, mask=mask, local=local))))
+    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES, base.D_HEADS, _CALL_FEATURES)
+    for _, name in table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap))))
+DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(_FIXED + tuple(
+    P(name)
+    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES, base.D_HEADS, _CALL_FEATURES)
+    for _, name in varlen_table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap)))))
 
 # The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
 # B_c 128: each step adds one technique flag.

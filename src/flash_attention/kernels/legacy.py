@@ -88,7 +88,7 @@ _NEW_FORMS: tuple[tuple[re.Pattern[str], str], ...] = (
 
 def old_name(name: str) -> str | None:
     """The name a kernel had in the old scheme (the inverse of current_name), None for a name
-    of neither scheme."""
+    of neither scheme or with a flag newer than the old scheme (varlen, j)."""
     for pattern, kind in _NEW_FORMS:
         m = pattern.fullmatch(name.strip())
         if m is None:
@@ -97,6 +97,8 @@ def old_name(name: str) -> str | None:
             return m["rest"]
         if kind == "fwd_sm90":
             letters = {new: old for old, new in _SM90_FWD_LETTERS.items()}
+            if not all(ch in letters for ch in m["f"]):
+                return None
             flags = "".join(letters[ch] for ch in m["f"])
             return (f"sm90_{m['dt']}_d{m['d']}_c{m['c']}_g{int(m['r']) // 64}_s{m['s']}"
                     f"_f{flags}")

@@ -1,0 +1,129 @@
+"""The Hopper varlen kernels (fwd_sm90 flag j) on an sm_90 GPU: every built one by name over
+packs with empty, length-1 and long sequences, tails of every size and many tiles per CTA;
+dispatch runs them for varlen calls; values past a sequence's end in the packed tensors
+(even inf and NaN) never reach another sequence; views as people pass them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attention as fa
+from flash_attention import api
+from flash_attention.kernels import fwd_sm90
+
+from .gpu_support import check_against_reference
+from .test_gpu_varlen import check_per_sequence, cu_seqlens, packed
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def varlen_configs():
+    if not fa.is_built():
+        return []
+    return [c for c in fa.available_configs()
+            if isinstance(c, fwd_sm90.Config) and c.varlen]
+
+
+VARLEN_CONFIGS = varlen_configs()
+
+
+@pytest.fixture
+def require_sm90(require_extension):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{torch.cuda.get_device_name()} is not sm_90: the Hopper varlen kernels "
+                    "run on sm_90 alone")
+
+
+def run_kernel(cfg, q, k, v, cu_q, cu_k, lq, lk, causal=False, window=(-1, -1), softcap=0.0):
+    """The operator with a kernel named: out and lse."""
+    return torch.ops.flash_attention.attention.default(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), None, causal, window[0], window[1], softcap,
+        True, cfg.name)
+
+
+# (lengths_q, lengths_k): every tail (B_r, B_c in 64..192), empty and one-token sequences, Sq !=
+# Sk per sequence; and a pack of 40 sequences (many tiles per CTA, uneven lengths).
+PACKS = {
+    "tails": ([1, 0, 63, 65, 127, 129, 191, 193, 300], [1, 5, 63, 65, 127, 129, 191, 0, 301]),
+    "unequal": ([1, 300, 77, 0, 128, 513], [200, 300, 13, 9, 0, 1000]),
+    "many": ([(37 * i) % 700 + 1 for i in range(40)], [(53 * i) % 900 + 1 for i in range(40)]),
+}
+# (causal, window) of the masked kernels
+MASKS = [(True, (-1, -1)), (False, (64, 17)), (True, (100, -1))]
+
+
+def options(cfg):
+    opts = [(causal, window) for causal, window in MASKS] if cfg.mask else [(False, (-1, -1))]
+    return [(c, w, 1.5 if cfg.softcap else 0.0) for c, w in opts]
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("cfg", VARLEN_CONFIGS, ids=str)
+def test_hopper_varlen_kernel_matches_reference(require_sm90, cfg, pack):
+    lq, lk = PACKS[pack]
+    d_head = cfg.d_head if cfg.d_head != 128 else 96  # d_head 96 runs the d128 kernels
+    for causal, window, softcap in options(cfg):
+        torch.manual_seed(hash((cfg.name, pack, causal, window)) % 2**31)
+        q, k, v, cu_q, cu_k = packed(lq, lk, 6, 2, d_head, DTYPES[cfg.dtype])
+        out, lse = run_kernel(cfg, q, k, v, cu_q, cu_k, lq, lk, causal, window, softcap)
+        features = {"causal": causal, "window_size": window, "softcap": softcap}
+        check_per_sequence(out, lse, q, k, v, lq, lk, f"{cfg} {pack} {features}", **features)
+        again, _ = run_kernel(cfg, q, k, v, cu_q, cu_k, lq, lk, causal, window, softcap)
+        assert torch.equal(again, out), f"{cfg} {pack}: a second run differs (race?)"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d_head", [64, 128, 256])
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"softcap": 2.0},
+                                      {"causal": True, "softcap": 2.0}],
+                         ids=lambda f: "-".join(f) or "plain")
+def test_dispatch_runs_the_hopper_varlen_kernel(require_sm90, dtype, d_head, features):
+    lq = [700, 1, 0, 260, 129]
+    q, k, v, cu_q, cu_k = packed(lq, lq, 4, 2, d_head, DTYPES[dtype])
+    ran = api.explain_varlen(q, k, v, max(lq), max(lq), **features)
+    assert ran.startswith("fwd_sm90_") and fwd_sm90.parse(ran.split()[0]).varlen, ran
+    out, lse = fa.attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lq), return_lse=True,
+                                   **features)
+    check_per_sequence(out, lse, q, k, v, lq, lq, f"dispatched {ran}", **features)
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_values_past_a_sequence_never_reach_it(require_sm90, poison):
+    """A sequence's last KV block reads the next sequence's rows in the packed tensors: they
+    must be masked (K) and zeroed (V) even when they hold inf or NaN."""
+    lq, lk = [100, 70, 50], [100, 70, 50]
+    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 4, 128, torch.bfloat16)
+    k[100:], v[100:] = poison, poison  # sequences 1 and 2 poisoned
+    for causal in (False, True):
+        out, lse = fa.attention_varlen(q, k, v, cu_q, cu_k, 100, 100, causal=causal,
+                                       return_lse=True)
+        check_against_reference(out[None, :100], q[None, :100], k[None, :100], v[None, :100],
+                                lse=lse[None, :, :100], what=f"sequence 0 (causal={causal})",
+                                causal=causal)
+
+
+def test_views_as_people_pass_them(require_sm90):
+    """A d_head slice of a wider buffer (copied to an aligned tensor, then the Hopper kernel
+    runs it) and K/V heads expanded from one (stride 0: the sm80 family reads them in place,
+    with the reason in explain_varlen): both right."""
+    lq = [130, 7, 64]
+    total = sum(lq)
+    cu = cu_seqlens(lq)
+    wide = torch.randn(total, 4, 136, device="cuda", dtype=torch.bfloat16)
+    q = wide[..., 4:132]
+    k = torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ran = api.explain_varlen(q, k, v, max(lq), max(lq))
+    assert ran.startswith("fwd_sm90_"), ran
+    out, lse = fa.attention_varlen(q, k, v, cu, cu, max(lq), max(lq), return_lse=True)
+    check_per_sequence(out, lse, q, k, v, lq, lq, "sliced q")
+
+    k1 = torch.randn(total, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = k1.expand(total, 4, 128), torch.randn_like(k1).expand(total, 4, 128)
+    ran = api.explain_varlen(q, k, v, max(lq), max(lq))
+    assert ran.startswith("fwd_sm80_") and "expanded" in ran, ran
+    out, lse = fa.attention_varlen(q, k, v, cu, cu, max(lq), max(lq), return_lse=True)
+    check_per_sequence(out, lse, q, k, v, lq, lq, "expanded k, v")
