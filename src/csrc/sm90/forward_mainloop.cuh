@@ -492,20 +492,20 @@ struct ForwardConsumer {
             else
                 epilogue.copy_rows(sm.o(), o + int64_t(w.q_row0 + 64 * wg) * p.o_row_stride,
                                    p.o_row_stride, rows, p.d_head);
-            return;
-        }
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = w.q_row0 + row_in_cta + 8 * h;
-            if (row >= seqlen_q)
-                continue;
-            Elem* o_row = o + int64_t(row) * p.o_row_stride;
+            for (int h = 0; h < 2; ++h) {
+                const int row = w.q_row0 + row_in_cta + 8 * h;
+                if (row >= seqlen_q)
+                    continue;
+                Elem* o_row = o + int64_t(row) * p.o_row_stride;
 #pragma unroll
-            for (int t = 0; t < kNO; ++t) {
-                const int col = t * 8 + (lane % 4) * 2;
-                if (col < p.d_head)
-                    *reinterpret_cast<uint32_t*>(o_row + col) =
-                        pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
+                for (int t = 0; t < kNO; ++t) {
+                    const int col = t * 8 + (lane % 4) * 2;
+                    if (col < p.d_head)
+                        *reinterpret_cast<uint32_t*>(o_row + col) =
+                            pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
+                }
             }
         }
     }
