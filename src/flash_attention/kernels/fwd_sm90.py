@@ -182,7 +182,7 @@ class Sm90FwdConfig(KernelConfig):
 
     def serves(self, call: Call) -> bool:
         """As Sm80FwdConfig.serves, with the Hopper d_head variant, for fixed-length calls (a
-        varlen kernel serves its twin's calls packed: :func:`varlen_twin`)."""
+        varlen kernel, flag j, serves the same calls packed: VARLEN_ROWS)."""
         return (self.dtype == call.dtype and self.d_head == variant_for(call.d_head)
                 and self.softcap == call.softcap and (self.mask or not call.mask)
                 and not self.varlen)
@@ -203,8 +203,7 @@ parse = Sm90FwdConfig.parse
 # past the call's d_head zero-filled by TMA, never stored). d_head 32 has no row. Calls: "plain";
 # "masked" (causal or a window open on the left); "local" (a window bounded on the left, which
 # runs the masked row's kernel when its own is not built); "softcap" (with or without masks).
-# Varlen calls run the varlen twin (varlen_twin) of their kind's longest row's kernel where it is
-# built: a pack's sequences have many lengths, and its longest set the bucket.
+# Varlen calls have their own rows (VARLEN_ROWS, below).
 ROWS: tuple[Row, ...] = (
     Row("sm90 plain d64 q<=4096", ("plain",), (64,), 4096, "r192_c96_s3_fwaln",
         "3 consumer warpgroups, persistent; the tile hand-over (n) saves cycles in every row"),
