@@ -2,13 +2,16 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test hopper-varlen hopper-varlen-bench decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   hopper-varlen  the Hopper varlen and softcap forwards (issue 45): tests and sanitizers;
 #             hopper-varlen-bench: studies/hopper_varlen_bench.py (HV_BENCH_ARGS)
+#   hopper-varlen-bwd  the Hopper varlen backward (bwd_sm90 flag j): its tests, the varlen
+#             backward tests through dispatch, memcheck and racecheck, and the bench's
+#             --backward rows (HV_BWD_BENCH_ARGS)
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
 #             (studies/decode_bench.py with DECODE_BENCH_ARGS)
 #   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
@@ -134,6 +137,20 @@ if step hopper-varlen-bench; then
     # shellcheck disable=SC2086  # HV_BENCH_ARGS: the bench's options, split on spaces
     run hv_bench timeout 500 python3 studies/hopper_varlen_bench.py ${HV_BENCH_ARGS:-} \
         --out "$LOG_DIR/hopper_varlen.json"
+fi
+if step hopper-varlen-bwd; then
+    run hvb_tests timeout 500 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_varlen_hopper.py tests/test_gpu_backward.py \
+        -k "backward or varlen or debug_log"
+    run hvb_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_varlen_hopper.py \
+        -k "backward and ((tails and bf16) or deterministic or nan)"
+    run hvb_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_varlen_hopper.py \
+        -k "backward_kernel and tails and bf16 and (d128_r64_c128_fj- or d256_r64_c64_fjt)"
+    # shellcheck disable=SC2086  # HV_BWD_BENCH_ARGS: the bench's options, split on spaces
+    run hvb_bench timeout 400 python3 studies/hopper_varlen_bench.py --backward \
+        ${HV_BWD_BENCH_ARGS:-} --out "$LOG_DIR/hopper_varlen_bwd.json"
 fi
 if step clients; then
     run generate_tests timeout 300 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \

@@ -11,6 +11,11 @@ softcap: fixed-length 16 x 4096 and 4 x 16384, d_head 64, 128 and 256, causal an
 the dispatched Hopper softcap kernel against the same call without a softcap (the Hopper plain
 or masked row) and against the sm80 family's softcap kernel.
 
+--backward: the varlen backward instead (the backward operator alone, on the out and LSE of one
+forward): the dispatched Hopper varlen backward (bwd_sm90 flag j), the sm80 family's kernel
+named, the fixed-length backward at the same total tokens, and SDPA cuDNN's backward on the
+padded batch; TFLOP/s count 2.5x the forward's FLOPs.
+
 --ab NAMES (comma-separated kernels in the build) adds each one that serves a row's calls as a
 contender of that row (a varlen kernel in the varlen rows, a softcap one in the softcap rows);
 --equal adds a varlen row of 16 sequences of 4096 (the pack's cost without unequal lengths).
@@ -168,6 +173,72 @@ def varlen_rows(results: list, dtype: str, d_head: int, causal: bool, seed: int,
     results.append(row)
 
 
+def backward_rows(results: list, dtype: str, d_head: int, causal: bool, seed: int,
+                  lengths: list[int] | None = None) -> None:
+    from flash_attention.backward import built
+    from flash_attention.kernels import Call, bwd_sm80
+    dt = DTYPES[dtype]
+    lengths = lengths or pack_lengths(seed, 65536)
+    total, longest = sum(lengths), max(lengths)
+    cu = cu_of(lengths)
+    q, k, v, dout = (torch.randn(total, HEADS, d_head, device="cuda", dtype=dt)
+                     for _ in range(4))
+    out, lse = torch.ops.flash_attention.attention.default(
+        q, k, v, cu, cu, longest, longest, None, causal, -1, 0 if causal else -1, 0.0, True, "")
+    hopper = torch.ops.flash_attention.bwd_explain(dout, q, k, v, True, False)
+    sm80 = bwd_sm80.select(Call(dtype, d_head), built()).name
+    bwd = torch.ops.flash_attention.bwd.default
+
+    def varlen(kernel=""):
+        return lambda: bwd(dout, q, k, v, out, lse, None, cu, cu, longest, longest, None, causal,
+                           -1, 0 if causal else -1, 0.0, False, kernel)
+
+    mean = max(128, round(total / len(lengths) / 128) * 128)
+    batch = max(1, total // mean)
+    qf, kf, vf, df = (torch.randn(batch, mean, HEADS, d_head, device="cuda", dtype=dt)
+                      for _ in range(4))
+    of, lf = fa.attention(qf, kf, vf, causal=causal, return_lse=True)
+
+    def fixed():
+        return bwd(df, qf, kf, vf, of, lf, None, None, None, 0, 0, None, causal, -1,
+                   0 if causal else -1, 0.0, False, "")
+    padded = [torch.zeros(len(lengths), HEADS, longest, d_head, device="cuda", dtype=dt)
+              for _ in range(4)]
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        for p, t in zip(padded, (q, k, v, dout), strict=True):
+            p[i, :, :b - a] = t[a:b].transpose(0, 1)
+    contenders = {"hopper varlen": varlen(), "sm80 varlen": varlen(sm80),
+                  "fixed same tokens": fixed}
+    try:
+        leaves = [t.detach().requires_grad_() for t in padded[:3]]
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            o_sdpa = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+        def sdpa():
+            return torch.autograd.grad(o_sdpa, leaves, padded[3], retain_graph=True)
+        sdpa()
+        contenders["sdpa cudnn padded"] = sdpa
+    except RuntimeError as exc:
+        print(f"  sdpa cudnn padded: not run ({str(exc).splitlines()[0][:100]})")
+    times = rounds(contenders)
+    f_pack = 2.5 * flops(lengths, d_head, causal)
+    f_fixed = 2.5 * flops([mean] * batch, d_head, causal)
+    print(f"varlen backward {dtype} d{d_head} causal={causal}: {len(lengths)} sequences, {total} "
+          f"tokens, longest {longest}; hopper kernel {hopper}; sm80 kernel {sm80}")
+    base = st.median(times["hopper varlen"])
+    for name, ms in times.items():
+        tflops = (f_fixed if name == "fixed same tokens" else f_pack) / (st.median(ms) * 1e9)
+        print(f"  {name:18s} {summary(ms)}  {tflops:6.1f} TFLOP/s  "
+              f"time / hopper varlen {st.median(ms) / base:5.3f}")
+    t_f = f_fixed / (st.median(times["fixed same tokens"]) * 1e9)
+    ratio = f_pack / (base * 1e9) / t_f
+    print(f"  hopper varlen TFLOP/s / fixed-length TFLOP/s: {ratio:.3f}; "
+          f"sm80 varlen time / hopper varlen: {st.median(times['sm80 varlen']) / base:.3f}")
+    results.append({"dtype": dtype, "d_head": d_head, "causal": causal, "lengths": lengths,
+                    "hopper_kernel": hopper, "sm80_kernel": sm80, "fixed": [batch, mean],
+                    "ms": times, "tflops_ratio_to_fixed": ratio})
+
+
 def softcap_rows(results: list, dtype: str, d_head: int, batch: int, seqlen: int,
                  causal: bool, ab: list[str]) -> None:
     dt = DTYPES[dtype]
@@ -207,12 +278,24 @@ def main() -> None:
     parser.add_argument("--ab", default="", help="kernels to add where they serve a row")
     parser.add_argument("--equal", action="store_true", help="a pack of equal lengths too")
     parser.add_argument("--no-softcap", action="store_true", help="the varlen rows alone")
+    parser.add_argument("--backward", action="store_true", help="the varlen backward rows")
     args = parser.parse_args()
     ab = [n for n in args.ab.split(",") if n]
     torch.manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
     varlen, softcap = [], []
     dtypes = ("bf16",) if args.quick else ("bf16", "fp16")
+    if args.backward:
+        for dtype in dtypes:
+            for d_head in (128, 64, 256):
+                for causal in (False, True):
+                    backward_rows(varlen, dtype, d_head, causal, d_head + causal)
+        if args.equal:
+            backward_rows(varlen, "bf16", 128, False, 0, lengths=[4096] * 16)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "backward": varlen}, f, indent=1)
+        return
     for dtype in dtypes:
         for d_head in (128, 64, 256):
             for causal in (False, True):

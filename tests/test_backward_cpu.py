@@ -21,6 +21,8 @@ error fails it); the CPU tests below trace the autograd formula and the fakes di
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -136,21 +138,26 @@ def test_hopper_set_and_configs():
     256), dS^T twice (once at d_head 64), P^T twice at d_head 256, a dQ part per warpgroup,
     LSE and D per stage, the barriers, 1024 bytes of alignment); B_r 128 only at d_head 64."""
     hopper = HOPPER
-    assert len(hopper) == 12 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
-    assert {(c.dtype, c.d_head, c.softcap) for c in hopper} == {
-        (dt, d, sc) for dt in ("fp16", "bf16") for d in (64, 128, 256) for sc in (False, True)}
+    assert len(hopper) == 24 and all(isinstance(c, Sm90BwdConfig) for c in hopper)
+    assert {(c.dtype, c.d_head, c.softcap, c.varlen) for c in hopper} == {
+        (dt, d, sc, vl) for dt in ("fp16", "bf16") for d in (64, 128, 256)
+        for sc in (False, True) for vl in (False, True)}
     assert {(c.d_head, c.block_c, c.block_r) for c in hopper} == {
         (64, 128, 128), (128, 128, 64), (256, 64, 64)}
-    assert [c.split_d for c in hopper].count(True) == 4
+    assert [c.split_d for c in hopper].count(True) == 8
+    # the varlen kernels (flag j) are the fixed-length rows' tiles, after them
+    assert [c.varlen for c in hopper] == [False] * 12 + [True] * 12
+    assert [dataclasses.replace(c, varlen=False) for c in hopper[12:]] == list(hopper[:12])
     r64 = bwd_sm90.SETS["r64"]
     assert {(c.d_head, c.block_r) for c in r64} == {(64, 64)}
     assert set(r64) <= set(ALL) and len(r64) == 4
     assert set(hopper) <= set(ALL)
     default = resolve("bwd:default")
-    assert default[-12:] == hopper and not set(hopper) & set(bwd_sm80.SETS["variants"])
+    assert default[-24:] == hopper and not set(hopper) & set(bwd_sm80.SETS["variants"])
     assert default == bwd_sm80.DEFAULT + hopper
-    assert set(hopper) & set(resolve("bwd:ci")) == {Sm90BwdConfig("bf16", 128, 64, 128)}
-    assert resolve("bwd_sm90:default,bwd:default") == hopper + default[:-12]
+    assert set(hopper) & set(resolve("bwd:ci")) == {Sm90BwdConfig("bf16", 128, 64, 128),
+                                                     Sm90BwdConfig("bf16", 128, 64, 128, True)}
+    assert resolve("bwd_sm90:default,bwd:default") == hopper + default[:-24]
     cfg = parse("bwd_sm90_bf16_d128_r64_c128_ft")
     assert cfg == Sm90BwdConfig("bf16", 128, 64, 128, softcap=True)
     assert (cfg.family, cfg.KIND, cfg.ARCH, cfg.block_c, cfg.block_r, cfg.threads,
@@ -164,7 +171,11 @@ def test_hopper_set_and_configs():
     assert Sm90BwdConfig("bf16", 256, 64, 64).smem_bytes == 231552
     assert cfg.occupancy(90, 168)["ctas"] == 1  # 384 threads x 168 registers
     assert bwd_sm90.default_tile("bf16", 128) == Sm90BwdConfig("bf16", 128, 64, 128)
-    assert bwd_sm90.default_tile("fp16", 64, True) == Sm90BwdConfig("fp16", 64, 128, 128, True)
+    assert bwd_sm90.default_tile("fp16", 64, True) == Sm90BwdConfig("fp16", 64, 128, 128,
+                                                                     softcap=True)
+    varlen = parse("bwd_sm90_fp16_d64_r128_c128_fjt")
+    assert varlen == bwd_sm90.varlen_tile("fp16", 64, True) and varlen.varlen and varlen.softcap
+    assert not varlen.serves(Call("fp16", 64, softcap=True))
     assert isinstance(parse_kernel("bwd_sm80_preprocess_bf16"), HelperKernel)
     # resolve names the sets when a name of either kind does not parse
     with pytest.raises(ConfigError, match="or name a set: ci, default"):
@@ -178,7 +189,7 @@ def test_hopper_set_and_configs():
     ("bwd_sm90_bf16_d128_r64_c256_f", r"B_c must be one of \(64, 128\), got 256"),
     ("bwd_sm90_bf16_d128_r128_c128_f", "B_r=128 needs d_head=64"),
     ("bwd_sm90_bf16_d64_r256_c128_f", r"B_r must be one of \(64, 128\), got 256"),
-    ("bwd_sm90_bf16_d128_r64_c128_fb", "flags 'b' must be a subset of 't'"),
+    ("bwd_sm90_bf16_d128_r64_c128_fb", "flags 'b' must be a subset of 'jt'"),
     ("bwd_sm90_bf16_d128_r64_c128_ftt", "must be a subset"),
     ("bwd_sm90_bf16_d128_c128_f", "cannot parse bwd_sm90 kernel name"),
     ("bwd_sm90_bf16_d128_r64_c128_w8_f", "cannot parse bwd_sm90 kernel name"),
@@ -324,8 +335,8 @@ def test_codegen_of_a_hopper_config(tmp_path):
     text = paths[1].read_text()
     assert ARCH_MARKER in text[:4096] and "torch" not in text
     assert '#include "sm90/backward_launch.cuh"' in text
-    assert (f"using Cfg_{hopper.name} = "
-            "sm90::BwdConfig<__nv_bfloat16, 128, 64, 128, /*softcap=*/false>;") in text
+    assert (f"using Cfg_{hopper.name} = sm90::BwdConfig<__nv_bfloat16, 128, 64, 128, "
+            "/*varlen=*/false, /*softcap=*/false>;") in text
     assert f'sm90::make_bwd_entry<Cfg_{hopper.name}>("{hopper.name}")' in text
     assert f"extern const BwdKernelEntry entry_{hopper.name} =" in text
     other = paths[2].read_text()
@@ -338,7 +349,8 @@ def test_codegen_of_a_hopper_config(tmp_path):
     assert arch_override(args, str(paths[1])) == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
     assert arch_override(args, str(paths[2])) == args
     fp16 = kernel_source(Sm90BwdConfig("fp16", 64, 128, 128, softcap=True))
-    assert "sm90::BwdConfig<__half, 64, 128, 128, /*softcap=*/true>;" in fp16
+    assert ("sm90::BwdConfig<__half, 64, 128, 128, /*varlen=*/false, /*softcap=*/true>;"
+            in fp16)
     for name in Sm90BwdConfig.FLAGS:
         flipped = hopper.replace(**{name: not getattr(hopper, name)})
         assert kernel_source(flipped) != kernel_source(hopper)
@@ -568,14 +580,15 @@ def test_backward_dispatch_rows_cover_every_variant():
     rows = backward.dispatch_rows(resolve("bwd:default"))
     assert len(rows) == 2 * 2 * len(D_HEADS)
     for dtype, d, bucket, mask, local, softcap, kernel, fallback, varlen in rows:
-        assert varlen == ""  # varlen calls run the sm80 family's backward
         assert (bucket, mask, local) == (64, False, False)
         call = Call(dtype, d, softcap=softcap)
+        # varlen calls: the Hopper kernel of the row's tile with flag j
+        assert varlen == dataclasses.replace(parse(kernel), varlen=True).name
         assert kernel == bwd_sm90.select(call, resolve("bwd:default")).name
         assert fallback == bwd_sm80.select(call, resolve("bwd:default")).name
         assert parse(kernel).serves(call) and parse(fallback).serves(call)
     sm80_only = backward.dispatch_rows(resolve("bwd_sm80:default"))
-    assert all(r[6] == r[7] and r[6].startswith("bwd_sm80_") for r in sm80_only)
+    assert all(r[6] == r[7] and r[6].startswith("bwd_sm80_") and r[8] == "" for r in sm80_only)
     hopper_only = backward.dispatch_rows(resolve("bwd_sm90:default"))
     assert all(r[7] == "" for r in hopper_only)
     d128 = backward.dispatch_rows([bwd_sm80.default_tile("bf16", 128)])

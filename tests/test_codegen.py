@@ -165,7 +165,7 @@ def test_template_args_types():
     assert args == ["__nv_bfloat16", "64", "128", "64", "8", "/*prefetch=*/false",
                     "/*softcap=*/true"]
     args = template_args(parse("bwd_sm90_fp16_d64_r128_c128_ft")).split(", ")
-    assert args == ["__half", "64", "128", "128", "/*softcap=*/true"]
+    assert args == ["__half", "64", "128", "128", "/*varlen=*/false", "/*softcap=*/true"]
     assert isinstance(parse(Sm80FwdConfig.EXAMPLE), Sm80FwdConfig)
 
 

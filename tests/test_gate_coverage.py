@@ -32,10 +32,13 @@ BWD_HELPERS = [h.name for h in helpers(bwd_sm80.DEFAULT)]
 # (which serves the rest), and both kinds' helpers (the Hopper one's dQ conversion too)
 BWD_HOPPER = [c.name for c in resolve("bwd:default")]
 BWD_HOPPER_HELPERS = [h.name for h in helpers(resolve("bwd:default"))]
+# A build with the fixed-length Hopper backward alone (no varlen kernels, flag j): varlen calls
+# run the sm80 family on sm_90 there.
+BWD_HOPPER_FIXED = [c.name for c in resolve("bwd:default") if not getattr(c, "varlen", False)]
 # the default set behind a d_head 64 kernel of another tile (B_r 64, the old ci set's) that
 # comes first: the operator picks its row's kernel (the default's), so the other is shadowed
 SHADOWED = [c.name for c in resolve(current_name("bwd_bf16_d64_c128_r64_w8_fb")
-                                    + ",bwd:default")]
+                                    + ",bwd_sm80:default")]
 
 
 def test_the_helpers_of_each_build():
@@ -246,15 +249,18 @@ def test_every_default_backward_kernel_kind_and_helper_is_run_by_a_gate_case():
 
 
 def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90():
-    """On the runner's GPU (sm_90) with the `default` set: every Hopper kernel and every sm80
-    kernel, dtype aside, is the pick of a backward gate case (the sm80 family's d_head 64 and
-    128 kernels through the varlen cases), and so are both families' helpers (a Hopper kernel
-    runs with the tile-order dQ conversion, an sm80 one with the row-order one)."""
+    """On the runner's GPU (sm_90) with the `default` set: every Hopper kernel, dtype aside, is
+    the pick of a backward gate case (the varlen kernels, flag j, through the varlen cases), and
+    so are the helpers that run there (a Hopper kernel runs with the tile-order dQ conversion);
+    the sm80 family's kernels and its row-order conversion run on sm_90 for no gate case (both
+    Hopper kinds shadow them: the gate measures them on another GPU)."""
     run = {c.name: coverage.kernels_run(c, [], BWD_HOPPER, sm90=True) for c in BWD_GATE_CASES}
     ran = {k for kernels in run.values() for k in kernels}
+    hopper = [k for k in BWD_HOPPER if k.startswith("bwd_sm90_")]
     assert {coverage.kind(k) for k in ran if k in BWD_HOPPER} == {
-        coverage.kind(k) for k in BWD_HOPPER}
-    assert set(BWD_HOPPER_HELPERS) <= ran
+        coverage.kind(k) for k in hopper}
+    assert set(BWD_HOPPER_HELPERS) - ran == {f"bwd_sm80_convert_dq_{dt}"
+                                             for dt in ("fp16", "bf16")}
     for kernels in run.values():
         main, *helpers = [k for k in kernels if k.startswith("bwd_")]
         kind, dtype = main[:8], main.split("_")[2]
@@ -338,24 +344,27 @@ def test_selection_maps_changed_backward_kernels_to_backward_cases(rows):
 
 
 def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
-    """With the Hopper backward built, on an sm_90 GPU a fixed-length gate case, deterministic
-    or not, runs the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128,
-    256); the varlen cases stay on the sm80 family; on another GPU, and on sm_90 in a build
-    without them, every case runs what it ran before."""
+    """With the Hopper backward built, on an sm_90 GPU a gate case, deterministic or not, runs
+    the Hopper kernel of its dtype, softcap and d_head variant (d_head 64, 128, 256), the varlen
+    cases the varlen one (flag j); on another GPU, and on sm_90 in a build without them, every
+    case runs what it ran before."""
     for case in BWD_GATE_CASES:
         before = coverage.bwd_kernel(case, BWD_DEFAULT, sm90=True)
         assert coverage.bwd_kernel(case, BWD_HOPPER, sm90=False) == before
         assert coverage.bwd_kernel(case, BWD_DEFAULT, sm90=False) == before
         on_hopper = coverage.bwd_kernel(case, BWD_HOPPER, sm90=True)
-        if case.varlen:
-            assert on_hopper == before, case.name
-        else:
-            cfg = parse(on_hopper)
-            assert isinstance(cfg, Sm90BwdConfig), case.name
-            assert (cfg.dtype, cfg.softcap, cfg.d_head) == (case.dtype, case.softcap > 0,
-                                                             case.d_head)
+        cfg = parse(on_hopper)
+        assert isinstance(cfg, Sm90BwdConfig), case.name
+        assert (cfg.dtype, cfg.softcap, cfg.d_head, cfg.varlen) == (
+            case.dtype, case.softcap > 0, case.d_head, case.varlen)
     varlen = [c for c in BWD_GATE_CASES if c.varlen]
     assert [coverage.bwd_kernel(c, BWD_HOPPER, sm90=True) for c in varlen] == [
+        "bwd_sm90_bf16_d128_r64_c128_fj", "bwd_sm90_fp16_d64_r128_c128_fj",
+        "bwd_sm90_bf16_d128_r64_c128_fjt", "bwd_sm90_fp16_d64_r128_c128_fjt",
+        "bwd_sm90_bf16_d256_r64_c64_fj", "bwd_sm90_bf16_d256_r64_c64_fjt"]
+    # a build with the fixed-length Hopper kernels alone: varlen cases on the sm80 family
+    fixed_only = [k for k in BWD_HOPPER if not (k.startswith("bwd_sm90_") and parse(k).varlen)]
+    assert [coverage.bwd_kernel(c, fixed_only, sm90=True) for c in varlen] == [
         "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_fp16_d64_r128_c128_w8_fh",
         "bwd_sm80_bf16_d128_r64_c128_w8_fht", "bwd_sm80_fp16_d64_r128_c128_w8_fht",
         "bwd_sm80_bf16_d256_r64_c64_w8_f", "bwd_sm80_bf16_d256_r64_c64_w8_ft"]
@@ -371,59 +380,71 @@ def test_backward_gate_cases_run_the_hopper_kernel_on_sm90_where_built():
         "bwd_sm90_bf16_d128_r64_c128_f", "bwd_sm80_preprocess_bf16", "bwd_sm90_convert_dq_bf16"]
     assert coverage.kernels_run(step, [], BWD_HOPPER, sm90=False) == [
         "bwd_sm80_bf16_d128_r64_c128_w8_fh", "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16"]
-    # the rule of coverage.bwd_hopper, which the operator applies in C++: varlen calls never
-    # run the Hopper backward, deterministic fixed-length ones do, and nothing does off sm_90
-    assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True, kind="bwd"), True)
+    # the rule of coverage.bwd_hopper, which the operator applies in C++: varlen calls run the
+    # Hopper backward (its varlen kernels), deterministic ones too, and nothing does off sm_90
+    assert coverage.bwd_hopper(Case("bf16", 128, 4, 4096, varlen=True, kind="bwd"), True)
     assert coverage.bwd_hopper(Case("bf16", 128, 4, 4096, deterministic=True, kind="bwd"), True)
     assert not coverage.bwd_hopper(Case("bf16", 128, 4, 4096, kind="bwd"), sm90=False)
 
 
 def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
-    """case_for_bwd_kernel in a build with the Hopper backward: on sm_90 a Hopper kernel gets
-    the plain causal case and an sm80-family kernel it shadows the same case as a varlen batch
-    (what still runs it there); off sm_90 a Hopper kernel gets none and an sm80 one the plain
-    case; a helper gets a case either way but the Hopper dQ conversion, which runs on sm_90
-    alone (after a Hopper kernel)."""
+    """case_for_bwd_kernel in a build with the fixed-length Hopper backward: on sm_90 a Hopper
+    kernel gets the plain causal case and an sm80-family kernel it shadows the same case as a
+    varlen batch (what still runs it there); off sm_90 a Hopper kernel gets none and an sm80 one
+    the plain case; a helper gets a case either way but the Hopper dQ conversion, which runs on
+    sm_90 alone (after a Hopper kernel). With the varlen kernels too (flag j): they get the
+    varlen case, and the sm80 family none on sm_90."""
     hopper, sm80 = "bwd_sm90_fp16_d128_r64_c128_ft", "bwd_sm80_fp16_d128_r64_c128_w8_fht"
-    case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=True)
+    case = coverage.case_for_bwd_kernel(hopper, BWD_HOPPER_FIXED, sm90=True)
     assert case == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
                         kind="bwd")
-    assert coverage.case_for_bwd_kernel(hopper, BWD_HOPPER, sm90=False) is None
-    shadowed = coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=True)
+    assert coverage.case_for_bwd_kernel(hopper, BWD_HOPPER_FIXED, sm90=False) is None
+    shadowed = coverage.case_for_bwd_kernel(sm80, BWD_HOPPER_FIXED, sm90=True)
     assert shadowed == Case("fp16", 128, 4, 4096, causal=True, softcap=coverage.CASE_SOFTCAP,
                             kind="bwd", varlen=True)
     assert shadowed.name == "fp16_d128_b4_s4096_cap30_causal_varlen_bwd"
-    assert coverage.case_for_bwd_kernel(sm80, BWD_HOPPER, sm90=False) == case
+    assert coverage.case_for_bwd_kernel(sm80, BWD_HOPPER_FIXED, sm90=False) == case
     # deterministic dQ no longer reaches the sm80 family on sm_90: it runs the Hopper kernel
-    assert coverage.bwd_kernel(replace(case, deterministic=True), BWD_HOPPER, True) == hopper
+    assert coverage.bwd_kernel(replace(case, deterministic=True), BWD_HOPPER_FIXED, True) == hopper
     # d_head 256: shadowed by the Hopper family's split-d kernel on sm_90, a varlen case
-    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d256_r64_c64_w8_f", BWD_HOPPER,
+    assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d256_r64_c64_w8_f", BWD_HOPPER_FIXED,
                                         sm90=True) == Case("bf16", 256, 4, 4096, causal=True,
                                                            kind="bwd", varlen=True)
-    for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
+    for kernel in BWD_HOPPER_FIXED + BWD_HOPPER_HELPERS:
         for sm90 in (True, False):
-            made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90)
+            made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER_FIXED, sm90)
             if made is None:
                 assert kernel.startswith("bwd_sm90_") and not sm90, kernel
                 continue
-            assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, sm90), (kernel, sm90)
+            assert kernel in coverage.kernels_run(made, [], BWD_HOPPER_FIXED, sm90), (kernel, sm90)
             assert not made.deterministic, kernel
-    tiles = coverage.case_for_bwd_kernel("bwd_sm90_convert_dq_fp16", BWD_HOPPER, sm90=True)
-    assert coverage.bwd_kernel(tiles, BWD_HOPPER, sm90=True) == "bwd_sm90_fp16_d128_r64_c128_f"
+    tiles = coverage.case_for_bwd_kernel("bwd_sm90_convert_dq_fp16", BWD_HOPPER_FIXED, sm90=True)
+    assert coverage.bwd_kernel(tiles, BWD_HOPPER_FIXED, True) == "bwd_sm90_fp16_d128_r64_c128_f"
     assert not tiles.varlen
     # the sm80 family's row-order dQ conversion: after its d_head 128 kernel, varlen on sm_90
-    rows = coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER, sm90=True)
-    assert coverage.bwd_kernel(rows, BWD_HOPPER, sm90=True) == "bwd_sm80_fp16_d128_r64_c128_w8_fh"
+    rows = coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER_FIXED, sm90=True)
+    assert coverage.bwd_kernel(rows, BWD_HOPPER_FIXED, True) == "bwd_sm80_fp16_d128_r64_c128_w8_fh"
     assert rows == Case("fp16", 128, 4, 4096, causal=True, varlen=True, kind="bwd")
-    assert not coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER,
+    assert not coverage.case_for_bwd_kernel("bwd_sm80_convert_dq_fp16", BWD_HOPPER_FIXED,
                                             sm90=False).varlen
+    # with the varlen kernels: a varlen Hopper kernel gets the varlen case, an sm80 one none
+    varlen = coverage.case_for_bwd_kernel("bwd_sm90_fp16_d128_r64_c128_fjt", BWD_HOPPER, True)
+    assert varlen == replace(case, varlen=True)
+    for kernel in BWD_HOPPER + BWD_HOPPER_HELPERS:
+        made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER, sm90=True)
+        if made is None:
+            assert kernel.startswith("bwd_sm80_") and "preprocess" not in kernel, kernel
+        else:
+            assert kernel in coverage.kernels_run(made, [], BWD_HOPPER, True), kernel
     # a build without the Hopper backward has no case for its dQ conversion
     assert coverage.case_for_bwd_kernel("bwd_sm90_convert_dq_fp16", BWD_DEFAULT,
                                         sm90=True) is None
 
 
 def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
-    """The SASS diff of a build with the Hopper backward on sm_90: a changed Hopper kernel no
+    """The SASS diff of a build with the fixed-length Hopper backward on sm_90 (with the varlen
+    kernels too, a changed sm80-family kernel is reported as run by no case there, at the end):
+    a changed Hopper kernel no
     gate case runs gets the case that runs it, one the gate runs is reported as measured, and a
     changed sm80-family kernel shadowed by a Hopper one is measured by a varlen gate case, or
     gets a varlen case made for it; each family's dQ conversion is measured by a case of its
@@ -437,16 +458,18 @@ def test_selection_maps_changed_hopper_backward_kernels_to_cases(rows):
         ("bwd_sm80_fp16_d128_r64_c128_w8_fh", 45),  # shadowed, no gate case: a varlen case is made
         ("bwd_sm90_convert_dq_bf16", 40),  # run after every bf16 Hopper kernel
         ("bwd_sm80_convert_dq_fp16", 30)]]  # after the sm80 family's fp16 kernels (varlen)
-    sel = sassdiff.select(changes, rows, BWD_HOPPER, True, GATE_CASES, cap=4)
+    sel = sassdiff.select(changes, rows, BWD_HOPPER_FIXED, True, GATE_CASES, cap=4)
     assert [a["case"] for a in sel.added] == ["fp16_d128_b4_s4096_causal_bwd",
                                               "fp16_d128_b4_s4096_causal_varlen_bwd"]
     for added, change in zip(sel.cases, (changes[0], changes[3])):
-        assert coverage.bwd_kernel(added, BWD_HOPPER, sm90=True) == change.kernel
+        assert coverage.bwd_kernel(added, BWD_HOPPER_FIXED, sm90=True) == change.kernel
     assert {c["kernel"]: c["case"] for c in sel.covered} == {
         "bwd_sm80_fp16_d64_r128_c128_w8_fh": "fp16_d64_b4_s4096_varlen_bwd",
         "bwd_sm90_bf16_d128_r64_c128_f": "bf16_d128_b4_s4096_causal_bwd",
         "bwd_sm90_convert_dq_bf16": "bf16_d128_b4_s4096_causal_bwd",
         "bwd_sm80_convert_dq_fp16": "fp16_d64_b4_s4096_varlen_bwd"}
+    sel = sassdiff.select(changes[2:4], rows, BWD_HOPPER, True, GATE_CASES, cap=4)
+    assert not sel.added and [s["kernel"] for s in sel.skipped] == [c.kernel for c in changes[2:4]]
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_r64_c128_f", "90") == "90a"
     assert sassdiff.arch_of_kernel("bwd_sm90_fp16_d128_r64_c128_f", "80") is None
     assert sassdiff.arch_of_kernel("bwd_sm80_preprocess_fp16", "90") == "90"

@@ -327,7 +327,8 @@ def test_backward_debug_log_names_the_kernel_and_why(require_extension, caplog):
     """At debug level an eager backward logs the kernel it runs (flash_attention::bwd_explain,
     as the forward logs its choice), and the reason when the Hopper family cannot run the call:
     on an sm_90 GPU with the Hopper backward built a fixed-length call names the Hopper kernel
-    and a varlen one the sm80 family's, because varlen batches run there."""
+    and a varlen one the Hopper varlen kernel (flag j), or the sm80 family's where the build has
+    none."""
     import logging
 
     from flash_attention.backward import built
@@ -355,9 +356,13 @@ def test_backward_debug_log_names_the_kernel_and_why(require_extension, caplog):
     cu = torch.tensor([0, 70, 200], dtype=torch.int32, device="cuda")
     qv, kv, vv = (t[0].detach().requires_grad_() for t in (q, k, v))
     varlen = logged(lambda: fa.attention_varlen(qv, kv, vv, cu, cu, 130, 130).sum().backward())
-    assert f"{sm80.name} (not the Hopper family: " in varlen, varlen
-    if on_sm90:
-        assert "varlen batches run on the sm80-family kernels" in varlen, varlen
+    hopper_varlen = bwd_sm90.select_varlen(Call("bf16", 128), built())
+    if on_sm90 and hopper_varlen is not None:
+        assert varlen.endswith(f": {hopper_varlen.name}"), varlen
+    else:
+        assert f"{sm80.name} (not the Hopper family: " in varlen, varlen
+        if on_sm90:
+            assert "varlen batches run on the sm80-family kernels" in varlen, varlen
 
 
 @pytest.mark.parametrize("d_head", [64, 128, 256])

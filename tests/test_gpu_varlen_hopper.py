@@ -1,6 +1,6 @@
-"""The Hopper varlen kernels (fwd_sm90 flag j) on an sm_90 GPU: every built one by name over
-packs with empty, length-1 and long sequences, tails of every size and many tiles per CTA;
-dispatch runs them for varlen calls; values past a sequence's end in the packed tensors
+"""The Hopper varlen kernels (fwd_sm90 and bwd_sm90 flag j) on an sm_90 GPU: every built one by
+name over packs with empty, length-1 and long sequences, tails of every size and many tiles per
+CTA; dispatch runs them for varlen calls; values past a sequence's end in the packed tensors
 (even inf and NaN) never reach another sequence; views as people pass them."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import torch
 
 import flash_attention as fa
 from flash_attention import api
-from flash_attention.kernels import fwd_sm90
+from flash_attention.kernels import Call, bwd_sm90, fwd_sm90
 
 from .gpu_support import check_against_reference
+from .test_gpu_backward import check_grads
 from .test_gpu_varlen import check_per_sequence, cu_seqlens, packed
 
 pytestmark = pytest.mark.gpu
@@ -127,3 +128,140 @@ def test_views_as_people_pass_them(require_sm90):
     assert ran.startswith("fwd_sm80_") and "expanded" in ran, ran
     out, lse = fa.attention_varlen(q, k, v, cu, cu, max(lq), max(lq), return_lse=True)
     check_per_sequence(out, lse, q, k, v, lq, lq, "expanded k, v")
+
+
+# ---- the backward (bwd_sm90 flag j) --------------------------------------------------------------
+
+
+def bwd_varlen_configs():
+    if not fa.is_built():
+        return []
+    from flash_attention.backward import built
+    return [c for c in built() if isinstance(c, bwd_sm90.Config) and c.varlen]
+
+
+BWD_VARLEN_CONFIGS = bwd_varlen_configs()
+
+
+def forward_for(q, k, v, cu_q, cu_k, lq, lk, causal=False, window=(-1, -1), softcap=0.0):
+    """out and lse of the dispatched forward (the backward's inputs)."""
+    return torch.ops.flash_attention.attention.default(
+        q, k, v, cu_q, cu_k, max(lq), max(lk), None, causal, window[0], window[1], softcap, True,
+        "")
+
+
+def run_bwd_kernel(cfg, dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, causal=False,
+                   window=(-1, -1), softcap=0.0, deterministic=False):
+    """The backward operator with a kernel named: dq, dk, dv."""
+    return torch.ops.flash_attention.bwd.default(
+        dout, q, k, v, out, lse, None, cu_q, cu_k, max(lq), max(lk), None, causal, window[0],
+        window[1], softcap, deterministic, cfg.name if cfg is not None else "")
+
+
+def check_grads_per_sequence(grads, q, k, v, dout, lq, lk, what, **features):
+    """Each sequence's gradients against the reference of its own slices (FlashAttention's
+    rule, test_gpu_backward.check_grads); a sequence without keys or queries gets 0."""
+    q0 = k0 = 0
+    for b, (nq, nk) in enumerate(zip(lq, lk, strict=True)):
+        sq, sk = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        seq = [grads[0][sq], grads[1][sk], grads[2][sk]]
+        if nq == 0 or nk == 0:
+            assert all(torch.count_nonzero(g) == 0 for g in seq), f"{what}: sequence {b}"
+        else:
+            check_grads([g[None] for g in seq], q[None, sq], k[None, sk], v[None, sk],
+                        dout[None, sq], what=f"{what}: sequence {b} ({nq} x {nk})", **features)
+        q0, k0 = q0 + nq, k0 + nk
+
+
+def bwd_options(cfg):
+    if cfg.softcap:
+        return [(False, (-1, -1), 1.5), (True, (-1, -1), 1.5)]
+    return [(False, (-1, -1), 0.0), *[(c, w, 0.0) for c, w in MASKS]]
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize("cfg", BWD_VARLEN_CONFIGS, ids=str)
+def test_hopper_varlen_backward_kernel_matches_reference(require_sm90, cfg, pack):
+    """Every built Hopper varlen backward kernel by name, GQA 6/2, d_head below its variant at
+    d_head 128 (96: columns past d_head), every mask; dK and dV (no atomics) bitwise equal on a
+    second run."""
+    lq, lk = PACKS[pack]
+    d_head = cfg.d_head if cfg.d_head != 128 else 96
+    for causal, window, softcap in bwd_options(cfg):
+        torch.manual_seed(hash((cfg.name, pack, causal, window)) % 2**31)
+        q, k, v, cu_q, cu_k = packed(lq, lk, 6, 2, d_head, DTYPES[cfg.dtype])
+        dout = torch.randn_like(q)
+        out, lse = forward_for(q, k, v, cu_q, cu_k, lq, lk, causal, window, softcap)
+        args = (dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, causal, window, softcap)
+        grads = run_bwd_kernel(cfg, *args)
+        features = {"causal": causal, "window_size": window, "softcap": softcap}
+        check_grads_per_sequence(grads, q, k, v, dout, lq, lk, f"{cfg} {pack} {features}",
+                                 **features)
+        again = run_bwd_kernel(cfg, *args)
+        for name, a, b in zip(("dk", "dv"), grads[1:], again[1:]):
+            assert torch.equal(a, b), f"{cfg} {pack}: {name} differs on a second run (race?)"
+
+
+@pytest.mark.parametrize("d_head", [64, 128, 256])
+def test_hopper_varlen_backward_deterministic(require_sm90, d_head):
+    """deterministic=True on the varlen kernel: bitwise-equal gradients over three runs, each
+    sequence right; causal, many KV blocks per sequence."""
+    (cfg,) = [c for c in BWD_VARLEN_CONFIGS if c.dtype == "bf16" and c.d_head == d_head
+              and not c.softcap] or [None]
+    if cfg is None:
+        pytest.skip(f"no bf16 d_head {d_head} Hopper varlen backward kernel in this build")
+    lq = lk = [700, 0, 1, 300, 129, 1000]
+    torch.manual_seed(3)
+    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 2, d_head, torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = forward_for(q, k, v, cu_q, cu_k, lq, lk, True)
+    runs = [run_bwd_kernel(cfg, dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, True,
+                           deterministic=True) for _ in range(3)]
+    for again in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], again):
+            assert torch.equal(a, b), f"{cfg}: {name} differs between deterministic runs"
+    check_grads_per_sequence(runs[0], q, k, v, dout, lq, lk, f"{cfg} deterministic",
+                             causal=True)
+
+
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"softcap": 2.0}],
+                         ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize("d_head", [64, 128, 256])
+def test_dispatch_runs_the_hopper_varlen_backward(require_sm90, d_head, features):
+    """Autograd of attention_varlen runs the Hopper varlen backward (bwd_explain says so) and
+    its gradients are right."""
+    from flash_attention.backward import built
+    want = bwd_sm90.select_varlen(Call("bf16", d_head, softcap=bool(features.get("softcap"))),
+                                  built())
+    if want is None:
+        pytest.skip(f"no Hopper varlen backward kernel for d_head {d_head} in this build")
+    lq = [700, 1, 0, 260, 129]
+    torch.manual_seed(4)
+    q, k, v, cu_q, cu_k = packed(lq, lq, 4, 2, d_head, torch.bfloat16)
+    dout = torch.randn_like(q)
+    ran = torch.ops.flash_attention.bwd_explain(dout, q, k, v, True, bool(features.get("softcap")))
+    assert ran == want.name, ran
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fa.attention_varlen(*leaves, cu_q, cu_k, max(lq), max(lq), **features).backward(dout)
+    check_grads_per_sequence([t.grad for t in leaves], q, k, v, dout, lq, lq,
+                             f"dispatched {ran}", **features)
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_backward_values_past_a_sequence_never_reach_it(require_sm90, poison):
+    """Sequence 0's tail blocks read the next sequences' rows of q, k, v and dout in the packed
+    tensors: they are zeroed (as TMA zero-fills past a tensor's end), so even inf and NaN there
+    leave sequence 0's gradients right."""
+    lq = lk = [100, 70, 50]
+    torch.manual_seed(5)
+    q, k, v, cu_q, cu_k = packed(lq, lk, 4, 4, 128, torch.bfloat16)
+    dout = torch.randn_like(q)
+    for causal in (False, True):
+        out, lse = forward_for(q, k, v, cu_q, cu_k, lq, lk, causal)
+        qp, kp, vp, dp, op = (t.clone() for t in (q, k, v, dout, out))
+        for t in (qp, kp, vp, dp, op):
+            t[100:] = poison  # sequences 1 and 2
+        dq, dk, dv = run_bwd_kernel(None, dp, qp, kp, vp, op, lse, cu_q, cu_k, lq, lk, causal)
+        check_grads([dq[None, :100], dk[None, :100], dv[None, :100]], q[None, :100],
+                    k[None, :100], v[None, :100], dout[None, :100],
+                    what=f"sequence 0 beside {poison} (causal={causal})", causal=causal)

@@ -83,11 +83,11 @@ def built() -> tuple[KernelConfig, ...]:
 def dispatch_rows(built: tuple[KernelConfig, ...]
                   ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str]]:
     """The backward's dispatch table as the extension takes it (the forward's row shape: dtype,
-    d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen kernel, the last
-    always "": varlen calls run the sm80 family's backward): per dtype, d_head variant
-    and softcap, bucket 64 and no mask (masks are run-time arguments of every backward kernel),
-    the kernel bwd_sm90.select picks where a Hopper kernel is built, else bwd_sm80's, and
-    bwd_sm80's as the fallback ("" where the build has none)."""
+    d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen kernel): per dtype,
+    d_head variant and softcap, bucket 64 and no mask (masks are run-time arguments of every
+    backward kernel), the kernel bwd_sm90.select picks where a Hopper kernel is built, else
+    bwd_sm80's, bwd_sm80's as the fallback, and bwd_sm90.select_varlen's kernel for varlen calls
+    ("" where the build has none: they run the kernel, or its fallback)."""
     rows = []
     for dtype in DTYPES:
         for softcap in (False, True):
@@ -95,9 +95,11 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                 call = Call(dtype, d_head, softcap=softcap)
                 fallback = bwd_sm80.select(call, built)
                 kernel = bwd_sm90.select(call, built) or fallback
+                varlen = bwd_sm90.select_varlen(call, built)
                 if kernel is not None:
                     rows.append((dtype, d_head, 64, False, False, softcap, kernel.name,
-                                 fallback.name if fallback is not None else "", ""))
+                                 fallback.name if fallback is not None else "",
+                                 varlen.name if varlen is not None else ""))
     return rows
 
 

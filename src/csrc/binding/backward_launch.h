@@ -99,19 +99,27 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor lse = lse_in.contiguous();
     const at::Tensor dlse = dlse_in ? dlse_in->contiguous() : at::Tensor();
 
-    // The Hopper kernel runs fixed-length calls whose tensors TMA can address on an sm_90 GPU
-    // (deterministic ones too); the rest run on the sm80 family.
-    const flash::BwdKernelEntry& e =
-        runnable(chosen, sm90_unfit(prop, c.varlen, {&q, &k, &v, &dout, &dk, &dv}), named);
+    // The Hopper kernel runs calls whose tensors TMA can address on an sm_90 GPU (deterministic
+    // ones too; varlen ones on the row's varlen kernel, flag j); the rest run on the sm80 family.
+    const flash::BwdKernelEntry* pick =
+        c.varlen && chosen.varlen != nullptr ? chosen.varlen : chosen.kernel;
+    FA_CHECK_VALUE(c.varlen || !pick->varlen_only, "backward kernel ", pick->name,
+                   " runs varlen (packed) batches only (config flag j): pass cu_seqlens_q/k");
+    const flash::BwdKernelEntry& e = runnable(
+        Choice<flash::BwdKernelEntry>{pick, chosen.fallback},
+        sm90_unfit(prop, c.varlen, {&q, &k, &v, &dout, &dk, &dv}, pick->varlen_only), named);
     FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);
 
     // Rows of the fp32 buffers per (batch, head): whole query blocks; varlen, every token of a
-    // head with a block of slack past the last (a sequence's last block may reach past it).
-    const int64_t Sq_pad = c.varlen
-                               ? (c.total_q + e.block_r - 1) / e.block_r * e.block_r + e.block_r
-                               : (s.seqlen_q + e.block_r - 1) / e.block_r * e.block_r;
+    // head with a block of slack past the last (a sequence's last block may reach past it), or
+    // on the Hopper family each sequence from a multiple of kBwdVarlenRowAlign rows.
+    const int64_t align = flash::kBwdVarlenRowAlign;
+    const int64_t Sq_pad = !c.varlen ? (s.seqlen_q + e.block_r - 1) / e.block_r * e.block_r
+                           : e.arch == 90
+                               ? (c.total_q + align * s.batch + align - 1) / align * align
+                               : (c.total_q + e.block_r - 1) / e.block_r * e.block_r + e.block_r;
     const int64_t B_rows = c.varlen ? 1 : s.batch;
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor dq_accum = at::empty({B_rows, s.heads, Sq_pad, e.d_head}, f32);
@@ -177,14 +185,15 @@ inline std::string explain_backward(const at::Tensor& dout, const at::Tensor& q,
         q.scalar_type() == at::kBFloat16, q.size(-1), 1, false, false, softcap);
     if (c.kernel == nullptr)
         return "no backward kernel in this build";
-    if (c.kernel->arch != 90)
-        return c.kernel->name;
+    const flash::BwdKernelEntry* pick = varlen && c.varlen != nullptr ? c.varlen : c.kernel;
+    if (pick->arch != 90)
+        return pick->name;
     const c10::MaybeOwned<at::Tensor> qa = addressable(q), ka = addressable(k), va = addressable(v),
                                       da = addressable(dout);
-    const char* why =
-        sm90_unfit(device_properties(q.device().index()), varlen, {&*qa, &*ka, &*va, &*da});
+    const char* why = sm90_unfit(device_properties(q.device().index()), varlen,
+                                 {&*qa, &*ka, &*va, &*da}, pick->varlen_only);
     if (why == nullptr)
-        return c.kernel->name;
+        return pick->name;
     if (c.fallback == nullptr)
         return message("no backward kernel in this build (not the Hopper family: ", why, ")");
     return message(c.fallback->name, " (not the Hopper family: ", why, ")");

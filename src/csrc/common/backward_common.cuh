@@ -14,10 +14,60 @@
 #include "launch_support.cuh"
 #include "numeric.cuh"
 #include "params.h"
+#include "varlen.cuh"
 
 namespace flash::bwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// Varlen calls of the Hopper family (kWgmmaTiles order): the per-row buffers (LSE * log2(e), D,
+// the dQ accumulator) hold sequence b from row varlen_row0(b) of each head's seqlen_q_pad rows,
+// a multiple of kVarlenRowAlign, so that its query blocks are whole blocks of that order; its
+// rows past the end up to the next multiple hold an LSE of +inf and a D of 0. The start is
+// (q_start + kVarlenRowAlign b) rounded down: sequence b + 1 starts at or after sequence b's
+// rounded end, and every sequence ends below total_q + kVarlenRowAlign batch (with offsets
+// clamped to [0, total_q], even unchecked ones do), the rows the binding allocates.
+constexpr int kVarlenRowAlign = kBwdVarlenRowAlign;
+__host__ __device__ __forceinline__ int64_t varlen_row0(int64_t q_start, int64_t b) {
+    return (q_start + kVarlenRowAlign * b) / kVarlenRowAlign * kVarlenRowAlign;
+}
+__host__ __device__ __forceinline__ int varlen_rows(int seqlen_q) {
+    return (seqlen_q + kVarlenRowAlign - 1) / kVarlenRowAlign * kVarlenRowAlign;
+}
+
+// Where the preprocess and the conversion find row `row` of (sequence or batch `batch`, head):
+// its index in the per-row buffers (times d_pad in the dQ accumulator), its batch and row in the
+// q-shaped tensors and its index in the LSE; `live` (row < its sequence's length) and `in_pad`
+// (a row of the buffers). kVarlenRows: the layout above, `batch` a sequence; else batch x heads
+// x seqlen_q_pad rows (a varlen batch one sequence of total_q rows: launch_passes).
+struct RowPlace {
+    int64_t buffer, batch, row, lse;
+    int seqlen_q;
+    bool live, in_pad;
+};
+template <bool kVarlenRows>
+__device__ __forceinline__ RowPlace row_place(const BwdParams& p, int64_t batch, int64_t head,
+                                              int row) {
+    RowPlace r;
+    if constexpr (kVarlenRows) {
+        const SeqSpan sp = seq_span_cut(p, static_cast<int>(batch));
+        r.seqlen_q = sp.seqlen_q;
+        r.buffer = head * p.seqlen_q_pad + varlen_row0(sp.q_start, batch) + row;
+        r.batch = 0;
+        r.row = sp.q_start + row;
+        r.lse = head * p.total_q + sp.q_start + row;
+        r.in_pad = row < varlen_rows(sp.seqlen_q);
+    } else {
+        r.seqlen_q = p.seqlen_q;
+        r.buffer = (batch * p.heads + head) * p.seqlen_q_pad + row;
+        r.batch = batch;
+        r.row = row;
+        r.lse = (batch * p.heads + head) * p.seqlen_q + row;
+        r.in_pad = row < p.seqlen_q_pad;
+    }
+    r.live = row < r.seqlen_q;
+    return r;
+}
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
@@ -199,25 +249,25 @@ __host__ __device__ __forceinline__ int preprocess_lanes(int d_pad) {
 // rowsum(dO * O) - dLSE and LSE * log2(e) (0 and +inf past seqlen_q; +inf for an LSE of -inf),
 // and the row's dQ accumulator zeroed. Lane l of a row reads its 16-byte chunk l. (One warp per
 // row left 24 of 32 lanes idle at d_head 64 and ran at 1.9 TB/s on an H100.)
-template <typename Elem>
+template <typename Elem, bool kVarlenRows = false>
 static __global__ void __launch_bounds__(128)
     bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     const int lanes = preprocess_lanes(p.d_pad);
     const int lane = threadIdx.x % 32, sub = lane % lanes;
     const int row = (blockIdx.x * 4 + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
     const int64_t head = blockIdx.y, batch = blockIdx.z;
-    const bool in_pad = row < p.seqlen_q_pad, live = row < p.seqlen_q;
-    if (in_pad) {
-        float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+    const RowPlace at = row_place<kVarlenRows>(p, batch, head, row);
+    if (at.in_pad) {
+        float* acc = p.dq_accum + at.buffer * p.d_pad;
         for (int c = sub * 4; c < p.d_pad; c += lanes * 4)
             *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float sum = 0.f;
-    if (live && sub * 8 < p.d_head) {
-        const Elem* o = static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
-                        head * p.o_head_stride + row * p.o_row_stride + sub * 8;
-        const Elem* d = static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
-                        head * p.do_head_stride + row * p.do_row_stride + sub * 8;
+    if (at.live && sub * 8 < p.d_head) {
+        const Elem* o = static_cast<const Elem*>(p.o) + at.batch * p.o_batch_stride +
+                        head * p.o_head_stride + at.row * p.o_row_stride + sub * 8;
+        const Elem* d = static_cast<const Elem*>(p.dout) + at.batch * p.do_batch_stride +
+                        head * p.do_head_stride + at.row * p.do_row_stride + sub * 8;
         const uint4 ov = *reinterpret_cast<const uint4*>(o);
         const uint4 dv = *reinterpret_cast<const uint4*>(d);
         const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
@@ -229,18 +279,16 @@ static __global__ void __launch_bounds__(128)
     }
     for (int s = lanes / 2; s > 0; s /= 2)  // within the row's aligned group of lanes
         sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (!in_pad || sub != 0)
+    if (!at.in_pad || sub != 0)
         return;
-    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
-    if (!live) {
-        p.d_rows[at] = 0.f;
-        p.lse_log2[at] = INFINITY;
+    if (!at.live) {
+        p.d_rows[at.buffer] = 0.f;
+        p.lse_log2[at.buffer] = INFINITY;
         return;
     }
-    const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
-    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
-    const float lse = p.lse[in];
-    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    p.d_rows[at.buffer] = sum - (p.dlse != nullptr ? p.dlse[at.lse] : 0.f);
+    const float lse = p.lse[at.lse];
+    p.lse_log2[at.buffer] = lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
 // ---- dQ conversion ----------------------------------------------------------------------------
@@ -260,19 +308,19 @@ enum class DqLayout { kRows, kWgmmaTiles, kLaneTiles };
 // one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
 // 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
 // the same rows, so that a warp's stores are whole row segments.
-template <typename Elem>
+template <typename Elem, bool kVarlenRows = false>
 __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx,
                                                      bool lane_major) {
     const int tiles = p.d_pad / 8;
     const int n = static_cast<int>(idx % tiles);
     const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
-    const int64_t block = idx / (32 * tiles);
-    const int64_t head = blockIdx.y, batch = blockIdx.z;
-    const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
-    if (row >= p.seqlen_q || n * 8 >= p.d_head)
+    const int block = static_cast<int>(idx / (32 * tiles));
+    const int64_t head = blockIdx.y;
+    const RowPlace blk0 = row_place<kVarlenRows>(p, blockIdx.z, head, block * 64);
+    const int in_block = (pair / 8) * 16 + pair % 8;
+    if (block * 64 + in_block >= blk0.seqlen_q || n * 8 >= p.d_head)
         return;
-    const float* blk =
-        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad;
+    const float* blk = p.dq_accum + blk0.buffer * p.d_pad;
     const float s = p.softmax_scale;
     uint32_t lo[4], hi[4];
     if (lane_major) {  // float j of lanes 4 r .. + 3: 4 contiguous floats per j
@@ -297,10 +345,10 @@ __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t
             hi[c] = pack2<Elem>(a.z * s, a.w * s);
         }
     }
-    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-               row * p.dq_row_stride + n * 8;
+    Elem* dq = static_cast<Elem*>(p.dq) + blk0.batch * p.dq_batch_stride + head * p.dq_head_stride +
+               (blk0.row + in_block) * p.dq_row_stride + n * 8;
     *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    if (row + 8 < p.seqlen_q)
+    if (block * 64 + in_block + 8 < blk0.seqlen_q)
         *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
             make_uint4(hi[0], hi[1], hi[2], hi[3]);
 }
@@ -344,11 +392,11 @@ static __global__ void __launch_bounds__(256)
 }
 
 // The Hopper family's conversion: dQ = scale * accumulator (kWgmmaTiles order) in the input
-// dtype.
-template <typename Elem>
+// dtype (kVarlenRows: the varlen layout, blockIdx.z a sequence).
+template <typename Elem, bool kVarlenRows = false>
 static __global__ void __launch_bounds__(256)
     bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
+    convert_dq_tile_pair<Elem, kVarlenRows>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
 }
 
 // ---- the passes of a backward call -------------------------------------------------------------
@@ -356,29 +404,41 @@ static __global__ void __launch_bounds__(256)
 // The preprocess, the family's main kernel (`launch_main()`, a cudaError_t), then the dQ
 // conversion on one stream: kWgmmaTiles, the Hopper family's (bwd_convert_dq_tiles_kernel);
 // kRows, the sm80 family's (bwd_convert_dq_kernel: rows, or the tile order where p.dq_tiles).
-// The preprocess and the conversion work per query row: a varlen batch is one sequence of
-// total_q rows to them (rows only).
+// The sm80 family's passes work per query row: a varlen batch is one sequence of total_q rows
+// to them. The Hopper family's varlen calls use the varlen layout (kVarlenRowAlign): a grid
+// row per sequence, over the longest one's rows.
 template <typename Elem, DqLayout kLayout, class LaunchMain>
 cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const bool padded = varlen && kLayout == DqLayout::kWgmmaTiles;
     BwdParams rows = p;
-    if (p.cu_seqlens_q != nullptr) {
+    if (varlen && !padded) {
         rows.batch = 1;
         rows.seqlen_q = p.total_q;
     }
+    // Rows of the buffers per grid row: a sequence's with the varlen layout, else all of them.
+    const int64_t grid_rows = padded ? varlen_rows(p.seqlen_q) : rows.seqlen_q_pad;
     const int pre_rows = 4 * (32 / preprocess_lanes(p.d_pad));  // per CTA
-    const dim3 pre_grid((rows.seqlen_q_pad + pre_rows - 1) / pre_rows, rows.heads, rows.batch);
-    if (cudaError_t err =
-            launch_checked<&bwd_preprocess_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
-        err != cudaSuccess)
+    const dim3 pre_grid(static_cast<unsigned>((grid_rows + pre_rows - 1) / pre_rows), rows.heads,
+                        rows.batch);
+    cudaError_t err =
+        padded
+            ? launch_checked<&bwd_preprocess_kernel<Elem, true>>(pre_grid, 128, 0, stream, rows)
+            : launch_checked<&bwd_preprocess_kernel<Elem, false>>(pre_grid, 128, 0, stream, rows);
+    if (err != cudaSuccess)
         return err;
-    if (cudaError_t err = launch_main(); err != cudaSuccess)
+    if ((err = launch_main()) != cudaSuccess)
         return err;
     const bool tiles = kLayout == DqLayout::kWgmmaTiles || p.dq_tiles;
-    const int64_t threads =
-        tiles ? tile_convert_threads(rows) : int64_t(rows.seqlen_q) * (p.d_head / 8);
+    const int64_t threads = !tiles   ? int64_t(rows.seqlen_q) * (p.d_head / 8)
+                            : padded ? (grid_rows / 64) * 32 * (p.d_pad / 8)
+                                     : tile_convert_threads(rows);
     const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
     if constexpr (kLayout == DqLayout::kWgmmaTiles)
-        return launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+        return padded ? launch_checked<&bwd_convert_dq_tiles_kernel<Elem, true>>(cvt_grid, 256, 0,
+                                                                                 stream, rows)
+                      : launch_checked<&bwd_convert_dq_tiles_kernel<Elem, false>>(cvt_grid, 256, 0,
+                                                                                  stream, rows);
     else
         return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
 }

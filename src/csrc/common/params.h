@@ -64,6 +64,10 @@ struct FwdParams : AttentionParams {
 
 // The backward kernels (preprocess, main, dQ conversion): the forward's call, its gradients and
 // the operator's own fp32 buffers (lse_log2, d_rows, dq_accum: contiguous).
+// Varlen calls of the Hopper backward: the per-row buffers hold each sequence from a multiple of
+// this many rows (flash::bwd::varlen_row0 in backward_common.cuh).
+constexpr int kBwdVarlenRowAlign = 128;
+
 struct BwdParams : AttentionParams {
     const void* dout;  // dL/dout, like q
     void* dq;          // like q
@@ -101,8 +105,11 @@ struct BwdParams : AttentionParams {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
     int kv_heads;
-    int seqlen_q_pad;  // rows of dq_accum per head (a multiple of the main kernel's B_r)
-    int d_pad;         // columns of dq_accum: the kernel's d_head variant
+    // Rows of dq_accum per head (a multiple of the main kernel's B_r; varlen calls of the
+    // Hopper family: each sequence from a multiple of kBwdVarlenRowAlign, so at least total_q
+    // + kBwdVarlenRowAlign x batch).
+    int seqlen_q_pad;
+    int d_pad;  // columns of dq_accum: the kernel's d_head variant
 
     float softmax_scale;  // dq, dk = softmax_scale * (dS K, dS^T Q)
 };

@@ -34,4 +34,18 @@ __device__ __forceinline__ Span seq_span(const Params& p, int batch) {
     return Span{q0, k0, q1 > q0 ? q1 - q0 : 0, k1 > k0 ? k1 - k0 : 0};
 }
 
+// seq_span with the lengths cut to Params::seqlen_q/k (varlen: max_seqlen_q/k, from which the
+// backward's grid and buffers are sized). A longer sequence is invalid input, refused on the host
+// except during CUDA graph capture, when cu_seqlens cannot be read; cut, it is its first
+// max_seqlen_q rows and max_seqlen_k keys (masks aligned to those): no access outside any buffer
+// and no wait for a KV block the grid does not have, but its other rows get dq = 0 and its other
+// keys no dk or dv.
+template <class Span = SeqSpan, class Params>
+__device__ __forceinline__ Span seq_span_cut(const Params& p, int batch) {
+    Span s = seq_span<Span>(p, batch);
+    s.seqlen_q = s.seqlen_q < p.seqlen_q ? s.seqlen_q : p.seqlen_q;
+    s.seqlen_k = s.seqlen_k < p.seqlen_k ? s.seqlen_k : p.seqlen_k;
+    return s;
+}
+
 }  // namespace flash

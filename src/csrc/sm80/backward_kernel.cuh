@@ -46,19 +46,13 @@ struct BwdSpan {
 // first barrier of bwd_kernel.
 __shared__ BwdSpan bwd_cta_span;
 
-// The span of sequence `batch`, its lengths cut to BwdParams::seqlen_q/k (varlen: max_seqlen_q/k,
-// from which the grid, ceil(seqlen_k / B_c) KV blocks, and the deterministic order's turn
-// counters, ceil(seqlen_q / B_r) per head, are sized). A longer sequence is invalid input,
-// refused on the host (binding/validation.h) except during CUDA graph capture, when cu_seqlens
-// cannot be read; uncut, it would index past its turn counters and wait for the turn of a KV
-// block the grid does not have (a hang). Cut, it is its first max_seqlen_q rows and max_seqlen_k
-// keys (masks aligned to those): no hang and no access outside any buffer, but its other rows
-// get dq = 0 and its other keys no dk or dv (left unwritten).
+// The span of sequence `batch`, its lengths cut to BwdParams::seqlen_q/k (seq_span_cut: the
+// grid, ceil(seqlen_k / B_c) KV blocks, and the deterministic order's turn counters,
+// ceil(seqlen_q / B_r) per head, are sized from max_seqlen_q/k; uncut, a longer sequence would
+// index past its turn counters and wait for the turn of a KV block the grid does not have, a
+// hang). Its keys past the cut get no dk or dv (left unwritten).
 __device__ __forceinline__ BwdSpan clamped_span(const BwdParams& p, int batch) {
-    BwdSpan s = seq_span<BwdSpan>(p, batch);
-    s.seqlen_q = s.seqlen_q < p.seqlen_q ? s.seqlen_q : p.seqlen_q;
-    s.seqlen_k = s.seqlen_k < p.seqlen_k ? s.seqlen_k : p.seqlen_k;
-    return s;
+    return seq_span_cut<BwdSpan>(p, batch);
 }
 
 // Two fp32 values from shared memory (addr 8-byte aligned). volatile: the address of a stage

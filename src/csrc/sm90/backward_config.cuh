@@ -35,11 +35,17 @@
 
 namespace flash::sm90 {
 
-template <typename Elem_, int kDHead_, int kBr_, int kBc_, bool kSoftcap_>
+template <typename Elem_, int kDHead_, int kBr_, int kBc_, bool kVarlen_, bool kSoftcap_>
 struct BwdConfig {
     using Elem = Elem_;
 
-    static constexpr int kDHead = kDHead_;       // 64, 128 or 256; serves multiples of 8 up to it
+    static constexpr int kDHead = kDHead_;  // 64, 128 or 256; serves multiples of 8 up to it
+    // Varlen (packed) batches alone: a CTA finds its sequence through cu_seqlens, the TMA maps
+    // span the packed rows, the rows of a block past its sequence's end (the next sequence's)
+    // are zeroed in shared memory, the per-row buffers hold each sequence from a multiple of
+    // bwd::kVarlenRowAlign (backward_common.cuh), and dK/dV rows that end inside the tensor are
+    // copied out of the staging buffer.
+    static constexpr bool kVarlen = kVarlen_;
     static constexpr bool kSoftcap = kSoftcap_;  // scores -> softcap * tanh(scores / softcap)
     static constexpr bool kMask = true;  // masks are run-time arguments of every backward kernel
     static constexpr int kConsumerWGs = 2;

@@ -1,7 +1,8 @@
 // Host-side launcher of one Hopper backward config and its registry entry: the TMA tensor maps
 // of Q, K, V, dO (loads) and dK, dV (stores), then the preprocess, the main kernel and the dQ
-// conversion. Plain CUDA (no torch). The binding calls it only for fixed-length calls that
-// sm90_unfit() (binding/tma_fit.h) accepts; errors are returned, never swallowed.
+// conversion. Plain CUDA (no torch). The binding calls it only for calls that sm90_unfit()
+// (binding/tma_fit.h) accepts, varlen ones only on a kVarlen kernel; errors are returned, never
+// swallowed.
 #pragma once
 
 #include <cstdint>
@@ -19,26 +20,33 @@ namespace flash::sm90 {
 template <class Cfg>
 cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     using Elem = typename Cfg::Elem;
-    // Varlen runs on the sm80 family; the kernel strides the dQ accumulator by its d_head.
-    if (p.cu_seqlens_q != nullptr || p.d_pad != Cfg::kDHead)
+    // A kVarlen kernel runs varlen calls, the others none; the kernel strides the dQ
+    // accumulator by its d_head.
+    if ((p.cu_seqlens_q != nullptr) != Cfg::kVarlen || p.d_pad != Cfg::kDHead)
         return cudaErrorInvalidValue;
     BwdKernelParams prm{};
     prm.p = p;
+    // Varlen: one batch of every packed row (a CTA adds its sequence's first row).
+    const int rows_q = Cfg::kVarlen ? p.total_q : p.seqlen_q;
+    const int rows_k = Cfg::kVarlen ? p.total_k : p.seqlen_k;
+    const int batch = Cfg::kVarlen ? 1 : p.batch;
     const bool ok =
-        encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, p.seqlen_q, p.heads, p.batch, p.q_row_stride,
+        encode_bshd<Elem>(&prm.tma_q, p.q, p.d_head, rows_q, p.heads, batch, p.q_row_stride,
                           p.q_head_stride, p.q_batch_stride, Cfg::kBr) &&
-        encode_bshd<Elem>(&prm.tma_do, p.dout, p.d_head, p.seqlen_q, p.heads, p.batch,
-                          p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBr) &&
-        encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
-                          p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBc) &&
-        encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
-                          p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBc) &&
-        encode_bshd<Elem>(&prm.tma_dk, p.dk, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
-                          p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, 64) &&
-        encode_bshd<Elem>(&prm.tma_dv, p.dv, p.d_head, p.seqlen_k, p.kv_heads, p.batch,
-                          p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, 64);
+        encode_bshd<Elem>(&prm.tma_do, p.dout, p.d_head, rows_q, p.heads, batch, p.do_row_stride,
+                          p.do_head_stride, p.do_batch_stride, Cfg::kBr) &&
+        encode_bshd<Elem>(&prm.tma_k, p.k, p.d_head, rows_k, p.kv_heads, batch, p.k_row_stride,
+                          p.k_head_stride, p.k_batch_stride, Cfg::kBc) &&
+        encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, rows_k, p.kv_heads, batch, p.v_row_stride,
+                          p.v_head_stride, p.v_batch_stride, Cfg::kBc) &&
+        encode_bshd<Elem>(&prm.tma_dk, p.dk, p.d_head, rows_k, p.kv_heads, batch, p.dk_row_stride,
+                          p.dk_head_stride, p.dk_batch_stride, 64) &&
+        encode_bshd<Elem>(&prm.tma_dv, p.dv, p.d_head, rows_k, p.kv_heads, batch, p.dv_row_stride,
+                          p.dv_head_stride, p.dv_batch_stride, 64);
     if (!ok)
         return cudaErrorInvalidValue;
+    // Varlen: KV blocks of the longest sequence (BwdParams::seqlen_k is max_seqlen_k), a grid
+    // row per sequence.
     const dim3 grid((p.seqlen_k + Cfg::kBc - 1) / Cfg::kBc, p.kv_heads, p.batch);
     // The deterministic order adds the last KV block first (BackwardTile::dq_turn): it runs
     // first, so no CTA waits for one not yet launched. With no mask where it is safe, the
@@ -61,7 +69,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
 
 template <class Cfg>
 constexpr BwdKernelEntry make_bwd_entry(const char* name) {
-    return kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/90);
+    return kernel_entry<Cfg>(name, &launch_bwd<Cfg>, /*arch=*/90, /*tile_counter=*/false,
+                             /*varlen_only=*/Cfg::kVarlen);
 }
 
 }  // namespace flash::sm90

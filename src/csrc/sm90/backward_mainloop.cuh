@@ -43,9 +43,9 @@ struct BackwardLoader : TmaLoader<Cfg> {
         if (w.n == 0)
             return;
         this->template load_tile<Cfg::kBc, false>(sm.k(), &prm.tma_k, sm.kv_full(), w.kv_block,
-                                                  w.kv_head, w.batch);
+                                                  w.kv_head, w.map_batch(), w.k_start());
         this->template load_tile<Cfg::kBc, false>(sm.v(), &prm.tma_v, sm.kv_full(), w.kv_block,
-                                                  w.kv_head, w.batch);
+                                                  w.kv_head, w.map_batch(), w.k_start());
         auto x = w.first(p.heads_per_kv);
         for (int t = 0; t < w.n; ++t, w.advance(x)) {
             const int s = t % Cfg::kStages, use = t / Cfg::kStages;
@@ -53,14 +53,14 @@ struct BackwardLoader : TmaLoader<Cfg> {
             const typename BackwardTile<Cfg>::Pair b{x.head, w.block_at(prm, x.i)};
             wait_buffer_free(sm.q_empty(s), use);
             this->template load_tile<Cfg::kBr, false>(sm.q(s), &prm.tma_q, sm.q_full(s), b.i,
-                                                      b.head, w.batch);
+                                                      b.head, w.map_batch(), w.q_start());
             const int64_t vec = w.padded_row(p, b);
             mbar_arrive_expect_tx(sm.q_full(s), 2 * Cfg::kVecBytes);
             bulk_load(sm.lse(s), p.lse_log2 + vec, Cfg::kVecBytes, sm.q_full(s));
             bulk_load(sm.d(s), p.d_rows + vec, Cfg::kVecBytes, sm.q_full(s));
             wait_buffer_free(sm.do_empty(sd), use_d);
             this->template load_tile<Cfg::kBr, false>(sm.dout(sd), &prm.tma_do, sm.do_full(sd), b.i,
-                                                      b.head, w.batch);
+                                                      b.head, w.map_batch(), w.q_start());
         }
     }
 };
@@ -213,10 +213,11 @@ struct BackwardConsumer {
                 int64_t(w.k_row0) - (int64_t(i) * Cfg::kBr + q_col0() + 2 * (lane % 4)) - w.win.off;
             const int r = key_of(0);
             k_lo = r + (w.win.right < 0 ? -kMaskBig : clamp_mask_bound(b - w.win.right));
-            k_hi = w.k_row0 + r < p.seqlen_k
+            const int seqlen_k = w.seqlen_k(p);
+            k_hi = w.k_row0 + r < seqlen_k
                        ? r + (w.win.left < 0 ? kMaskBig : clamp_mask_bound(b + w.win.left))
                        : -kMaskBig;
-            row8_dead = w.k_row0 + r + 8 >= p.seqlen_k;
+            row8_dead = w.k_row0 + r + 8 >= seqlen_k;
         }
 #pragma unroll
         for (int t = 0; t < kNS; ++t) {
@@ -306,6 +307,15 @@ struct BackwardConsumer {
 
     // ---- the loop ------------------------------------------------------------------------------
 
+    // kVarlen, after this warpgroup zeroed rows of a tile (zero_rows): the wgmma (async proxy)
+    // reads the zeros once every thread of the warpgroup wrote them. Both warpgroups write the
+    // same zeros, each before its own GEMMs read them; a stage is refilled only after both
+    // released it.
+    __device__ __forceinline__ void tail_zeroed() const {
+        fence_proxy_async_smem();
+        named_sync(kBwdTailBarrier + wg, 128);
+    }
+
     __device__ __forceinline__ void release(uint64_t* bar) const {
         __syncwarp();
         if (lane == 0)
@@ -320,6 +330,14 @@ struct BackwardConsumer {
                 dV[t][e] = dK[t][e] = 0.f;
         if (w.n > 0) {
             mbar_wait(sm.kv_full(), 0);  // K and V have landed
+            if constexpr (Cfg::kVarlen) {
+                const int keep = w.seqlen_k(prm.p) - w.k_row0;  // keys of the sequence
+                if (keep < Cfg::kBc) {
+                    zero_rows<Cfg::kBc, Cfg::kPanels>(sm.k(), keep);
+                    zero_rows<Cfg::kBc, Cfg::kPanels>(sm.v(), keep);
+                    tail_zeroed();
+                }
+            }
             auto x = w.first(prm.p.heads_per_kv);
             for (int t = 0; t < w.n; ++t, w.advance(x))
                 // x.i, the place in the head's cycle, serves as the block: with the rotated order
@@ -343,10 +361,23 @@ struct BackwardConsumer {
     // A block's S^T = K Q^T and dP^T = V dO^T issued (a commit group each), each once its
     // operands have landed (Q stage s, dO stage sd); with kLoadCols LSE and D are loaded into
     // lse and dd between the two.
+    // kVarlen: a block that reaches past its sequence's last query row first has the rows past
+    // it (the next sequence's Q and dO) zeroed, as TMA zero-fills those of a fixed-length call
+    // past the tensor: their LSE is +inf and D 0 (the varlen layout), so P and dS are 0 there.
     template <bool kLoadCols>
     __device__ __forceinline__ void issue_scores(float (&S)[kNS][4], float (&dP)[kNS][4], Cols& lse,
                                                  Cols& dd, int s, uint32_t phase, int sd,
-                                                 uint32_t phase_d) const {
+                                                 uint32_t phase_d, int i) const {
+        if constexpr (Cfg::kVarlen) {
+            const int keep = w.seqlen_q(prm.p) - i * Cfg::kBr;  // rows of the sequence
+            if (keep < Cfg::kBr) {
+                mbar_wait(sm.q_full(s), phase);
+                mbar_wait(sm.do_full(sd), phase_d);
+                zero_rows<Cfg::kBr, Cfg::kPanels>(sm.q(s), keep);
+                zero_rows<Cfg::kBr, Cfg::kPanels>(sm.dout(sd), keep);
+                tail_zeroed();
+            }
+        }
         mbar_wait(sm.q_full(s), phase);  // Q, LSE and D have landed
         wgmma_fence();
         issue_kq(S, sm.k(), sm.q(s));
@@ -372,7 +403,7 @@ struct BackwardConsumer {
         // LSE and D at this thread's query columns, loaded while the GEMMs run (without
         // softcap, each just before its pass: registers are short at d_head 128).
         Cols lse, dd;
-        issue_scores<Cfg::kSoftcap>(S, dP, lse, dd, s, phase, s, phase);
+        issue_scores<Cfg::kSoftcap>(S, dP, lse, dd, s, phase, s, phase, i);
         if constexpr (Cfg::kSoftcap) {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
@@ -448,7 +479,7 @@ struct BackwardConsumer {
         uint32_t Pf[kStepsS][4], dSf[kStepsS][4];
 
         Cols lse, dd;
-        issue_scores<true>(S, dP, lse, dd, s, phase, sd, phase_d);
+        issue_scores<true>(S, dP, lse, dd, s, phase, sd, phase_d, i);
         if constexpr (Cfg::kSoftcap) {
             wgmma_wait<0>();  // S^T and dP^T are in registers
             fence_regs(S);
@@ -558,17 +589,40 @@ struct BackwardConsumer {
     }
 
     // dK (scaled) and dV through the staging buffers and TMA stores (rows past seqlen_k and
-    // columns past d_head are not written).
+    // columns past d_head are not written). kVarlen: at the sequence's first rows in the packed
+    // tensors; a warpgroup whose rows end inside the sequence's last 64 copies them out of the
+    // staging buffer itself (a TMA store would write the next sequence's rows), and a KV block
+    // past the sequence's end writes nothing.
     __device__ __forceinline__ void write_dk_dv() {
-        const float scale = prm.p.softmax_scale;
+        const BwdParams& p = prm.p;
+        const float scale = p.softmax_scale;
 #pragma unroll
         for (int t = 0; t < kNO; ++t)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 dK[t][e] *= scale;
         const Epilogue<Cfg, Cfg::kBc, Cfg::kSplitD> epilogue{wg, warp, lane};
-        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, w.k_row0, w.kv_head, w.batch);
-        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, w.k_row0, w.kv_head, w.batch);
+        const int row0 = w.k_start() + w.k_row0;
+        if constexpr (Cfg::kVarlen) {
+            const int wg_row = Cfg::kSplitD ? 0 : 64 * wg;  // the warpgroup's first row
+            const int rows = w.seqlen_k(p) - w.k_row0 - wg_row;
+            if (rows < 64) {
+                const int64_t at = int64_t(row0 + wg_row);
+                epilogue.stage(dV, sm.dv_staging());
+                epilogue.copy_rows(
+                    sm.dv_staging(),
+                    static_cast<Elem*>(p.dv) + w.kv_head * p.dv_head_stride + at * p.dv_row_stride,
+                    p.dv_row_stride, rows, p.d_head);
+                epilogue.stage(dK, sm.dk_staging());
+                epilogue.copy_rows(
+                    sm.dk_staging(),
+                    static_cast<Elem*>(p.dk) + w.kv_head * p.dk_head_stride + at * p.dk_row_stride,
+                    p.dk_row_stride, rows, p.d_head);
+                return;
+            }
+        }
+        epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, row0, w.kv_head, w.map_batch());
+        epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, row0, w.kv_head, w.map_batch());
     }
 };
 

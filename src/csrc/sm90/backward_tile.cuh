@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/backward_common.cuh"
 #include "../common/params.h"
+#include "../common/varlen.cuh"
 #include "backward_config.cuh"
 #include "fast_div.cuh"
 #include "ptx.cuh"
@@ -106,9 +108,23 @@ struct BwdSmem {
 // pairs, head-major (each head's blocks in the order block_at gives). Blocks unmasked.x ..
 // unmasked.y need no mask. The KV block is blockIdx.x
 // (causal: the longest query range first), or with the deterministic order (dq_semaphore) the
-// last KV block first, as dq_turn adds them.
+// last KV block first, as dq_turn adds them. kVarlen: batch is a sequence (its place in the
+// packed tensors and its lengths, cut to max_seqlen_q/k as seq_span_cut says, in `span`); a KV
+// block past its end has no work and no rows.
+struct BwdSpan32 {
+    int q_start, k_start, seqlen_q, seqlen_k;
+};
+// The tile's sequence (kVarlen), a base so that fixed-length tiles hold nothing of it (an empty
+// base), initialised before the fields that read it.
+template <bool kVarlen>
+struct BwdTileSpan {};
+template <>
+struct BwdTileSpan<true> {
+    BwdSpan32 span;
+};
+
 template <class Cfg>
-struct BackwardTile {
+struct BackwardTile : BwdTileSpan<Cfg::kVarlen> {
     int kv_block, kv_head, batch, k_row0;
     int i_first, n_q, n;
     int2 unmasked;
@@ -117,20 +133,54 @@ struct BackwardTile {
     __device__ __forceinline__ explicit BackwardTile(const BwdKernelParams& prm)
         : BackwardTile(prm.p, prm.kv_block0 + prm.kv_block_step * int(blockIdx.x)) {}
     __device__ __forceinline__ BackwardTile(const BwdParams& p, int kv_block_)
-        : kv_block(kv_block_),
+        : BwdTileSpan<Cfg::kVarlen>(span_of(p)),
+          kv_block(kv_block_),
           kv_head(blockIdx.y),
           batch(blockIdx.z),
           k_row0(kv_block * Cfg::kBc),
-          win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right} {
-        const int k_last = (k_row0 + Cfg::kBc < p.seqlen_k ? k_row0 + Cfg::kBc : p.seqlen_k) - 1;
+          win{seqlen_k(p) - seqlen_q(p), p.window_left, p.window_right} {
+        const int sq = seqlen_q(p), sk = seqlen_k(p);
+        const int k_last = (k_row0 + Cfg::kBc < sk ? k_row0 + Cfg::kBc : sk) - 1;
         int64_t q_lo, q_hi;
-        win.rows(k_row0, k_last, p.seqlen_q, q_lo, q_hi);
+        win.rows(k_row0, k_last, sq, q_lo, q_hi);
+        if (Cfg::kVarlen && k_row0 >= sk)
+            q_hi = -1;  // past the sequence's keys
         i_first = q_hi >= q_lo ? static_cast<int>(q_lo / Cfg::kBr) : 0;
         n_q = q_hi >= q_lo ? static_cast<int>(q_hi / Cfg::kBr) - i_first + 1 : 0;
         n = n_q * p.heads_per_kv;
-        unmasked =
-            bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, p.seqlen_q, p.seqlen_k, win);
+        unmasked = bwd::unmasked_query_blocks<Cfg::kBr, Cfg::kBc>(k_row0, sq, sk, win);
     }
+    __device__ __forceinline__ static BwdTileSpan<Cfg::kVarlen> span_of(const BwdParams& p) {
+        if constexpr (Cfg::kVarlen)
+            return {seq_span_cut<BwdSpan32>(p, int(blockIdx.z))};
+        else
+            return {};
+    }
+
+    // The tile's sequence: its lengths, and its first rows in q/dO and k/v (kVarlen; else the
+    // call's, read from BwdParams so that fixed-length kernels keep no copy).
+    __device__ __forceinline__ int seqlen_q(const BwdParams& p) const {
+        if constexpr (Cfg::kVarlen)
+            return this->span.seqlen_q;
+        return p.seqlen_q;
+    }
+    __device__ __forceinline__ int seqlen_k(const BwdParams& p) const {
+        if constexpr (Cfg::kVarlen)
+            return this->span.seqlen_k;
+        return p.seqlen_k;
+    }
+    __device__ __forceinline__ int q_start() const {
+        if constexpr (Cfg::kVarlen)
+            return this->span.q_start;
+        return 0;
+    }
+    __device__ __forceinline__ int k_start() const {
+        if constexpr (Cfg::kVarlen)
+            return this->span.k_start;
+        return 0;
+    }
+    // The batch coordinate of the TMA maps: varlen maps hold every sequence in one batch.
+    __device__ __forceinline__ int map_batch() const { return Cfg::kVarlen ? 0 : batch; }
 
     // (query head, query block) of pair t, stepped without divisions by the caller.
     struct Pair {
@@ -141,7 +191,11 @@ struct BackwardTile {
     }
     // The first row of pair x in the preprocess's padded per-row buffers (LSE * log2(e), D, and
     // the dQ accumulator, d_head floats per row): whole blocks, seqlen_q_pad rows per head.
+    // kVarlen: the sequence's rows from bwd::varlen_row0 of each head's.
     __device__ __forceinline__ int64_t padded_row(const BwdParams& p, Pair x) const {
+        if constexpr (Cfg::kVarlen)
+            return int64_t(x.head) * p.seqlen_q_pad + bwd::varlen_row0(this->span.q_start, batch) +
+                   int64_t(x.i) * Cfg::kBr;
         return (int64_t(batch) * p.heads + x.head) * p.seqlen_q_pad + int64_t(x.i) * Cfg::kBr;
     }
     // The query block of the i-th place of a head's cycle (i_first .. i_first + n_q - 1): i, or
@@ -156,14 +210,21 @@ struct BackwardTile {
     // the number of KV blocks whose dQ additions to it come before this CTA's. Worked out from
     // the kernel's parameters, not the tile's fields: the writer warp runs it within the
     // producer's 24 registers.
+    // kVarlen: the sequence's lengths read again (loads that hit in cache).
     __device__ __forceinline__ static int* dq_turn(const BwdKernelParams& prm, Pair x, int& turn) {
         const BwdParams& p = prm.p;
-        const bwd::Window win{p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        int sq = p.seqlen_q, sk = p.seqlen_k;
+        if constexpr (Cfg::kVarlen) {
+            const BwdSpan32 sp = seq_span_cut<BwdSpan32>(p, int(blockIdx.z));
+            sq = sp.seqlen_q;
+            sk = sp.seqlen_k;
+        }
+        const bwd::Window win{sk - sq, p.window_left, p.window_right};
         const int kv_block = prm.kv_block0 + prm.kv_block_step * int(blockIdx.x);
         if (prm.rotation_step > 0)
             turn = bwd::rotated_dq_turn(prm.rotation.div(x.i), kv_block, prm.rotated_kv_blocks);
         else
-            turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, p.seqlen_q, p.seqlen_k, x.i, kv_block);
+            turn = bwd::dq_turn<Cfg::kBr, Cfg::kBc>(win, sq, sk, x.i, kv_block);
         return bwd::dq_turn_counter<Cfg::kBr>(p, blockIdx.z, x.head, x.i);
     }
     __device__ __forceinline__ void advance(Pair& x) const {

@@ -56,19 +56,20 @@ struct Epilogue {
     }
 
     // Instead of issue_tma(), once stage() has filled the buffer: the warpgroup's threads copy
-    // its rows r < rows (of its 64) and columns < cols out to `out` (16-byte copies from shared
-    // memory), row r at out + r * row_stride (elements), out pointing at the warpgroup's first
-    // row. For rows that end inside the tensor: a varlen sequence's last rows (a TMA store,
-    // clipped only at the tensor's end, would write the next sequence's). Not for the split
-    // columns of the backward.
+    // its rows r < rows (of its 64) and columns < cols (of its panels) out to `out` (16-byte
+    // copies from shared memory), row r at out + r * row_stride (elements), out pointing at
+    // column 0 of the warpgroup's first row. For rows that end inside the tensor: a varlen
+    // sequence's last rows (a TMA store, clipped only at the tensor's end, would write the next
+    // sequence's).
     __device__ __forceinline__ void copy_rows(unsigned char* buffer, Elem* out, int64_t row_stride,
                                               int rows, int cols) const {
-        static_assert(!kSplitCols, "whole rows of one warpgroup");
+        const int row_wg = kSplitCols ? 0 : wg;                 // the warpgroup's 64 rows
+        const int panel0 = kSplitCols ? wg * kStorePanels : 0;  // and its first panel
         // Element (r, 8 k .. 8 k + 7) of panel c lies in chunk k ^ (r & 7) of its 128-byte row.
-        const uint32_t base = smem_u32(buffer) + wg * 64 * 128;
+        const uint32_t base = smem_u32(buffer) + row_wg * 64 * 128;
         constexpr int kChunks = kStorePanels * 8;  // 16-byte chunks per row
         for (int i = threadIdx.x % 128; i < 64 * kChunks; i += 128) {
-            const int r = i / kChunks, c = (i % kChunks) / 8, k = i % 8;
+            const int r = i / kChunks, c = panel0 + (i % kChunks) / 8, k = i % 8;
             if (r < rows && c * 64 + k * 8 < cols)
                 *reinterpret_cast<uint4*>(out + r * row_stride + c * 64 + k * 8) =
                     ld_shared16(base + c * kTileRows * 128 + r * 128 + ((k ^ (r & 7)) * 16));

@@ -236,15 +236,7 @@ struct ForwardConsumer {
             if (!w.kv_tail(j, seqlen_k))
                 return;
             const int keep = seqlen_k - j * Cfg::kBc;  // rows of the sequence, 1 .. B_c - 1
-            // Thread t: 16-byte chunk t % 8 of rows t / 8 + 16 r, every panel.
-            const int t = threadIdx.x % 128;
-            const uint32_t chunk = smem_u32(sm.v(s)) + (t / 8) * 128 + (t % 8) * 16;
-#pragma unroll
-            for (int r = 0; r < Cfg::kBc; r += 16)
-                if (t / 8 + r >= keep)
-#pragma unroll
-                    for (int c = 0; c < Cfg::kPanels; ++c)
-                        st_shared_zero16(chunk + (c * Cfg::kBc + r) * 128);
+            zero_rows<Cfg::kBc, Cfg::kPanels>(sm.v(s), keep);
             fence_proxy_async_smem();             // the wgmma (async proxy) reads the zeros
             named_sync(kVTailBarrier + wg, 128);  // ... every thread of the warpgroup wrote
         }

@@ -13,6 +13,10 @@ enum NamedBarrier : int {
     // Varlen forward: the 128 threads of consumer warpgroup g have zeroed the V rows past their
     // sequence's last key (ForwardConsumer::clear_v_tail).
     kVTailBarrier = 13,  // and 14 (15 with a third warpgroup)
+    // Varlen backward: the 128 threads of consumer warpgroup g have zeroed the rows of a tile
+    // past their sequence's end (BackwardConsumer::tail_zeroed). The forward's ids: no kernel
+    // has both roles.
+    kBwdTailBarrier = 13,  // and 14
     // Backward: both consumer warpgroups (2 x 128 threads) have stored their dS^T of a block
     // (and at the end: are done with every stage).
     kBwdDsBarrier = 6,

@@ -51,4 +51,21 @@ struct TmaLoader {
     }
 };
 
+// Rows keep .. kRows - 1 of a tile as load_tile() lays it out (kPanels 64-column panels of
+// kRows x 128 bytes) zeroed by the 128 threads of a warpgroup: whole 128-byte rows of every
+// panel (the swizzle permutes chunks within a row). Thread t: chunk t % 8 of rows t / 8 + 16 r.
+// The caller orders the zeros before the async proxy's reads (fence_proxy_async_smem and a
+// barrier of the warpgroup).
+template <int kRows, int kPanels>
+__device__ __forceinline__ void zero_rows(unsigned char* tile, int keep) {
+    const int t = threadIdx.x % 128;
+    const uint32_t chunk = smem_u32(tile) + (t / 8) * 128 + (t % 8) * 16;
+#pragma unroll
+    for (int r = 0; r < kRows; r += 16)
+        if (t / 8 + r >= keep)
+#pragma unroll
+            for (int c = 0; c < kPanels; ++c)
+                st_shared_zero16(chunk + (c * kRows + r) * 128);
+}
+
 }  // namespace flash::sm90

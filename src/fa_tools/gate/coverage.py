@@ -14,8 +14,10 @@ bwd_sm90 mirrors it), with the preprocess and the dQ conversion of its kind and 
 (helpers.helpers_of: bwd_sm80_convert_dq_<dtype> after a bwd_sm80 kernel,
 bwd_sm90_convert_dq_<dtype> after a Hopper one). On an sm_90 GPU a fixed-length call
 (deterministic or not) takes it among the Hopper backward kernels (bwd_sm90) where one is built,
-else among bwd_sm80; a varlen call, and every call on another GPU, runs bwd_sm80. (Here too the
-gate's contiguous inputs always suit TMA.)
+a varlen call the row's Hopper varlen kernel (flag j) where one is built, else each among
+bwd_sm80; every call on another GPU runs bwd_sm80. (Here too the gate's contiguous inputs always
+suit TMA.) So a build with both Hopper kinds runs no sm80-family backward kernel on sm_90: the
+gate measures those on another GPU only.
 
 A decode step (flash_attn_with_kvcache) runs the decode table's kernel for its dtype and d_head
 (flash_attention.kernels.dec_sm80: one kernel per row serves every mask, page size and split
@@ -140,9 +142,9 @@ def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None
 
 def bwd_hopper(case: Case, sm90: bool) -> bool:
     """Whether the backward operator may run the case's calls on a Hopper backward kernel: on
-    an sm_90 GPU (sm90=True) and fixed-length, with deterministic dQ or not (the gate's inputs
-    are contiguous, so TMA can address them)."""
-    return sm90 and not case.varlen
+    an sm_90 GPU (sm90=True), fixed-length or varlen (on the varlen kernels, flag j), with
+    deterministic dQ or not (the gate's inputs are contiguous, so TMA can address them)."""
+    return sm90
 
 
 def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None:
@@ -153,7 +155,8 @@ def bwd_kernel(case: Case, bwd_configs: Iterable[str], sm90: bool) -> str | None
 
     built = tuple(parse(c) for c in bwd_configs)
     call = Call(case.dtype, case.d_head, softcap=case.softcap > 0)
-    cfg = ((bwd_sm90.select(call, built) if bwd_hopper(case, sm90) else None)
+    hopper = bwd_sm90.select_varlen if case.varlen else bwd_sm90.select
+    cfg = ((hopper(call, built) if bwd_hopper(case, sm90) else None)
            or bwd_sm80.select(call, built))
     return None if cfg is None else cfg.name
 
@@ -184,13 +187,14 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
     """A backward case the operator runs `kernel` for on an sm_90 GPU (sm90=True) or another
     one (a main kernel, a preprocess or a dQ conversion): for a main kernel BWD_CASE_TOKENS
     tokens in sequences of BWD_CASE_SEQLEN at its own d_head, causal (both the masked edge
-    blocks and the full ones), softcap for a softcap kernel; on sm_90, for an sm80-family kernel
-    a Hopper one shadows, the same as a varlen batch (what still runs it there); for a
-    helper, the case of a main kernel it runs with (helpers.helpers_of: of its dtype,
-    and of its kind for a dQ conversion) without a softcap and with the d_head nearest 128.
-    None when the operator runs another kernel for every call the kernel could serve (a kernel
-    of a test set beside the default one, a Hopper kernel or the Hopper dQ conversion off
-    sm_90)."""
+    blocks and the full ones), softcap for a softcap kernel, as a varlen batch for a varlen
+    kernel (flag j) or for an sm80-family kernel a fixed-length Hopper one shadows on sm_90
+    (where no Hopper varlen kernel takes those); for a helper, the case of a main kernel it
+    runs with (helpers.helpers_of: of its dtype, and of its kind for a dQ conversion) without a
+    softcap and with the d_head nearest 128. None when the operator runs another kernel for
+    every call the kernel could serve (a kernel of a test set beside the default one, a Hopper
+    kernel or the Hopper dQ conversion off sm_90, an sm80-family kernel both Hopper kinds
+    shadow on sm_90)."""
     from flash_attention.kernels import HelperKernel, parse, parse_kernel
     from flash_attention.kernels.helpers import helpers_of
 

@@ -1,8 +1,8 @@
 """The Hopper backward (``bwd_sm90``): wgmma, TMA, a producer warpgroup and two consumer
-warpgroups; sm_90a code alone, for fixed-length calls whose tensors TMA can address (deterministic
-ones too; the rest run on ``bwd_sm80``). A :class:`Sm90BwdConfig` names one instantiation of
-``flash::sm90::BwdConfig`` (src/csrc/sm90/backward_config.cuh). Name:
-``bwd_sm90_bf16_d128_r64_c128_f``.
+warpgroups; sm_90a code alone, for calls whose tensors TMA can address (deterministic ones too;
+varlen ones on the kernels with flag j; the rest run on ``bwd_sm80``). A
+:class:`Sm90BwdConfig` names one instantiation of ``flash::sm90::BwdConfig``
+(src/csrc/sm90/backward_config.cuh). Name: ``bwd_sm90_bf16_d128_r64_c128_f``.
 
 Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
 """
@@ -18,6 +18,10 @@ from .base import DTYPES, Call, KernelConfig, Row, occupancy
 KIND = "bwd_sm90"
 D_HEADS = (64, 128, 256)
 FLAGS: dict[str, str] = {
+    "varlen": "varlen (packed) batches alone: a CTA finds its sequence through cu_seqlens, TMA "
+              "maps span the packed rows, rows of a tile past its sequence's end are zeroed in "
+              "shared memory, the per-row buffers hold each sequence from a multiple of 128 rows, "
+              "and dK/dV rows that end inside the tensor leave from the staging buffer",
     "softcap": "score soft-capping: softcap * tanh(s / softcap), its derivative in dS",
 }
 
@@ -33,6 +37,7 @@ class Sm90BwdConfig(KernelConfig):
     d_head: int
     block_r: int
     block_c: int
+    varlen: bool = False
     softcap: bool = False
 
     KIND = KIND
@@ -94,9 +99,10 @@ class Sm90BwdConfig(KernelConfig):
                          arch)
 
     def serves(self, call: Call) -> bool:
-        """As Sm80BwdConfig.serves."""
+        """As Sm80BwdConfig.serves, for fixed-length calls (a varlen kernel, flag j, serves the
+        same calls packed: VARLEN_ROWS)."""
         return (self.dtype == call.dtype and self.d_head >= call.d_head
-                and self.softcap == call.softcap)
+                and self.softcap == call.softcap and not self.varlen)
 
     def describe(self) -> str:
         return (f"{self.name}: Hopper backward, {self.dtype}, d_head={self.d_head}, "
@@ -120,9 +126,21 @@ ROWS: tuple[Row, ...] = (
 )
 
 
+# Varlen calls (cu_seqlens) run their row's tile with flag j.
+VARLEN_ROWS: tuple[Row, ...] = tuple(
+    Row(r.key.replace("bwd sm90", "bwd sm90 varlen"), r.calls, r.d_heads, r.max_seq,
+        r.kernel + "j", "the fixed-length row's tile over packed sequences")
+    for r in ROWS)
+
+
 def table_rows(call: Call) -> list[tuple[int | None, str]]:
     """(None, kernel name) of the row for the call's d_head."""
     return base.table_rows(KIND, ROWS, call, D_HEADS)
+
+
+def varlen_table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(None, kernel name) of the varlen row for the call's d_head."""
+    return base.table_rows(KIND, VARLEN_ROWS, call, D_HEADS)
 
 
 def default_tile(dtype: str, d_head: int, softcap: bool = False) -> Sm90BwdConfig:
@@ -139,13 +157,31 @@ def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
     return base.select_by_rows(mine, table_rows(call), call)
 
 
+def select_varlen(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+                  ) -> Sm90BwdConfig | None:
+    """The Hopper backward kernel for a varlen call among the built ones (its varlen row's
+    kernel), or None: the bwd_sm80 choice runs."""
+    names = {c.name for c in built}
+    for _, name in varlen_table_rows(call):
+        if name in names:
+            return parse(name)
+    return None
+
+
+def varlen_tile(dtype: str, d_head: int, softcap: bool = False) -> Sm90BwdConfig:
+    """The varlen row's kernel of a Hopper d_head variant."""
+    (_, name), = varlen_table_rows(Call(dtype, d_head, softcap=softcap))
+    return parse(name)
+
+
 # ---- sets --------------------------------------------------------------------------------------
 
 DEFAULT: tuple[Sm90BwdConfig, ...] = tuple(
-    default_tile(dtype, d, softcap)
+    tile(dtype, d, softcap)
+    for tile in (default_tile, varlen_tile)
     for dtype, d, softcap in itertools.product(DTYPES, D_HEADS, (False, True)))
 SETS: dict[str, tuple[KernelConfig, ...]] = {
-    "ci": (default_tile("bf16", 128),),
+    "ci": (default_tile("bf16", 128), varlen_tile("bf16", 128)),
     "default": DEFAULT,
     # the d_head 64 kernels at B_r = 64, for side-by-side timing (studies/backward_bench.py)
     "r64": tuple(Sm90BwdConfig(dtype, 64, 64, 128, softcap=softcap)

@@ -107,6 +107,8 @@ def old_name(name: str) -> str | None:
             flags = "".join(letters[ch] for ch in m["f"])
             return f"bwd_{m['dt']}_d{m['d']}_c{m['c']}_r{m['r']}_w{m['w']}_f{flags}"
         if kind == "bwd_sm90":
+            if "j" in m["f"]:  # varlen (flag j) came after the old scheme
+                return None
             return f"bwd_sm90_{m['dt']}_d{m['d']}_c{m['c']}_r{m['r']}_f{m['f']}"
         return "_".join(["bwd", {v: k for k, v in _AUX.items()}[m["helper"]], m["dt"]])
     return name.strip() if old_form(name) else None
