@@ -77,7 +77,7 @@ CATEGORIES = ["total", "tensor_mma", "ldmatrix", "async_copy", "shared_load", "s
 # the Hopper forward's and backward's main kernels (their helpers, the sm_90a-only
 # bwd_sm90_convert_dq_* too, have none of the Hopper-only figures)
 HOPPER_PREFIXES = ("fwd_sm90_", "bwd_sm90_")
-_HELPER = re.compile(r"bwd_sm\d+_(preprocess|convert_dq)_(fp16|bf16)")
+_HELPER = re.compile(r"bwd_sm\d+_(preprocess|convert_dq)(_varlen)?_(fp16|bf16)")
 
 
 def is_hopper_kernel(name: str) -> bool:

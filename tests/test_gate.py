@@ -297,7 +297,7 @@ def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
     assert {f"bwd_{kind}_{dtype}" for kind in ("sm80_preprocess", "sm80_convert_dq",
                                                "sm90_convert_dq")
             for dtype in ("fp16", "bf16")} <= set(scope)
-    assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 12 + 6  # sm80, Hopper, helpers
+    assert len([k for k in scope if k.startswith("bwd_")]) == 12 + 24 + 10  # sm80, Hopper, helpers
     bwd = "bwd_sm80_fp16_d256_r64_c64_w8_ft"
     pinned = {"kernels": {bwd: _metrics(spill_bytes=8)[K]}}
     (f,) = [f for f in ratchet.compare(pinned, {bwd: _metrics(spill_bytes=8)[K]}, policy)
@@ -311,7 +311,9 @@ def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
     assert every[:len(resolve("ci"))] == [c.name for c in resolve("ci")]
     assert every[len(resolve("ci")):] == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
                                           "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16",
-                                          "bwd_sm90_convert_dq_bf16", "dec_sm80_combine_bf16"]
+                                          "bwd_sm90_convert_dq_bf16",
+                                          "bwd_sm90_preprocess_varlen_bf16",
+                                          "bwd_sm90_convert_dq_varlen_bf16", "dec_sm80_combine_bf16"]
 
 
 def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
@@ -1148,7 +1150,7 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
     base.src_dir, head.src_dir = "base", "head"
     helpers = [h.name for h in helpers_of_build(resolve("bwd:default"))]  # both kinds
     code = {k: [b"\0" * 16] * 10 for k in head.configs + head.bwd_configs + helpers}
-    changed = dict(code, bwd_sm80_fp16_d256_r64_c64_w8_ft=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
+    changed = dict(code, bwd_sm90_fp16_d256_r64_c64_fjt=[b"\1" * 16] * 4 + [b"\0" * 16] * 6,
                    bwd_sm80_preprocess_bf16=[b"\1" * 16] * 10)
     monkeypatch.setattr(perf, "_binary", lambda src: src)
     monkeypatch.setattr(sassdiff, "kernel_code",
@@ -1159,10 +1161,10 @@ def test_gate_run_adds_backward_cases_for_changed_backward_kernels(tmp_path, mon
                                  cases=[BWD], arch="90")
     assert verdict == gate.PASS, md
     (extra,) = [r for r in doc["results"] if r["why"]]
-    # (the sm80 family's d_head 256 kernel: on sm_90 the Hopper one takes the fixed-length calls)
+    # (the Hopper varlen d_head 256 softcap kernel: no gate case runs it in fp16)
     assert extra["case"] == "fp16_d256_b4_s4096_cap30_causal_varlen_bwd"
-    assert extra["kernel"].startswith("bwd_sm80_fp16_d256_r64_c64_w8_ft + ")
-    assert "kernel bwd_sm80_fp16_d256_r64_c64_w8_ft: SASS differs (4 instructions changed" in md
+    assert extra["kernel"].startswith("bwd_sm90_fp16_d256_r64_c64_fjt + ")
+    assert "kernel bwd_sm90_fp16_d256_r64_c64_fjt: SASS differs (4 instructions changed" in md
     assert ("kernel bwd_sm80_preprocess_bf16: SASS differs (10 instructions changed: +10 -10 "
             f"of 10); measured by {BWD.name}") in md
     assert doc["meta"]["accept_unused"] == [{"case": "fp16_d64_b4_s4096_cap30_causal_bwd",

@@ -35,6 +35,7 @@ BWD_HOPPER_HELPERS = [h.name for h in helpers(resolve("bwd:default"))]
 # A build with the fixed-length Hopper backward alone (no varlen kernels, flag j): varlen calls
 # run the sm80 family on sm_90 there.
 BWD_HOPPER_FIXED = [c.name for c in resolve("bwd:default") if not getattr(c, "varlen", False)]
+BWD_HOPPER_FIXED_HELPERS = [h.name for h in helpers([parse(k) for k in BWD_HOPPER_FIXED])]
 # the default set behind a d_head 64 kernel of another tile (B_r 64, the old ci set's) that
 # comes first: the operator picks its row's kernel (the default's), so the other is shadowed
 SHADOWED = [c.name for c in resolve(current_name("bwd_bf16_d64_c128_r64_w8_fb")
@@ -44,9 +45,10 @@ SHADOWED = [c.name for c in resolve(current_name("bwd_bf16_d64_c128_r64_w8_fb")
 def test_the_helpers_of_each_build():
     assert BWD_HELPERS == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
                            "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16"]
-    assert BWD_HOPPER_HELPERS == [
-        "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16", "bwd_sm90_convert_dq_fp16",
-        "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16", "bwd_sm90_convert_dq_bf16"]
+    assert [
+        f"bwd_{job}_{dt}" for dt in ("fp16", "bf16")
+        for job in ("sm80_preprocess", "sm80_convert_dq", "sm90_convert_dq",
+                    "sm90_preprocess_varlen", "sm90_convert_dq_varlen")] == BWD_HOPPER_HELPERS
 
 
 @pytest.fixture
@@ -264,9 +266,13 @@ def test_every_backward_kernel_of_the_gate_build_is_run_by_a_gate_case_on_sm90()
     for kernels in run.values():
         main, *helpers = [k for k in kernels if k.startswith("bwd_")]
         kind, dtype = main[:8], main.split("_")[2]
-        conversion = f"{parse(main).family}_convert_dq"
         assert kind in ("bwd_sm80", "bwd_sm90"), kernels
-        assert helpers == [f"bwd_sm80_preprocess_{dtype}", f"bwd_{conversion}_{dtype}"], kernels
+        if getattr(parse(main), "varlen", False):  # the varlen layout's pair
+            assert helpers == [f"bwd_sm90_preprocess_varlen_{dtype}",
+                               f"bwd_sm90_convert_dq_varlen_{dtype}"], kernels
+        else:
+            conversion = f"{parse(main).family}_convert_dq"
+            assert helpers == [f"bwd_sm80_preprocess_{dtype}", f"bwd_{conversion}_{dtype}"], kernels
 
 
 def test_a_training_step_runs_the_forward_and_the_backward(rows):
@@ -410,7 +416,7 @@ def test_a_backward_case_made_for_a_hopper_build_runs_its_kernel():
     assert coverage.case_for_bwd_kernel("bwd_sm80_bf16_d256_r64_c64_w8_f", BWD_HOPPER_FIXED,
                                         sm90=True) == Case("bf16", 256, 4, 4096, causal=True,
                                                            kind="bwd", varlen=True)
-    for kernel in BWD_HOPPER_FIXED + BWD_HOPPER_HELPERS:
+    for kernel in BWD_HOPPER_FIXED + BWD_HOPPER_FIXED_HELPERS:
         for sm90 in (True, False):
             made = coverage.case_for_bwd_kernel(kernel, BWD_HOPPER_FIXED, sm90)
             if made is None:

@@ -5,15 +5,17 @@ CTA; dispatch runs them for varlen calls; values past a sequence's end in the pa
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 import flash_attention as fa
 from flash_attention import api
-from flash_attention.kernels import Call, bwd_sm90, fwd_sm90
+from flash_attention.kernels import Call, bwd_sm80, bwd_sm90, fwd_sm90
 
 from .gpu_support import check_against_reference
-from .test_gpu_backward import check_grads
+from .test_gpu_backward import GRAD_FLOOR, check_grads, reference_grads
 from .test_gpu_varlen import check_per_sequence, cu_seqlens, packed
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +58,11 @@ PACKS = {
 MASKS = [(True, (-1, -1)), (False, (64, 17)), (True, (100, -1))]
 
 
+def seed_of(*parts) -> int:
+    """A seed from a case's parameters, the same in every process (hash() of a str is not)."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def options(cfg):
     opts = [(causal, window) for causal, window in MASKS] if cfg.mask else [(False, (-1, -1))]
     return [(c, w, 1.5 if cfg.softcap else 0.0) for c, w in opts]
@@ -67,7 +74,7 @@ def test_hopper_varlen_kernel_matches_reference(require_sm90, cfg, pack):
     lq, lk = PACKS[pack]
     d_head = cfg.d_head if cfg.d_head != 128 else 96  # d_head 96 runs the d128 kernels
     for causal, window, softcap in options(cfg):
-        torch.manual_seed(hash((cfg.name, pack, causal, window)) % 2**31)
+        torch.manual_seed(seed_of(cfg, pack, causal, window))
         q, k, v, cu_q, cu_k = packed(lq, lk, 6, 2, d_head, DTYPES[cfg.dtype])
         out, lse = run_kernel(cfg, q, k, v, cu_q, cu_k, lq, lk, causal, window, softcap)
         features = {"causal": causal, "window_size": window, "softcap": softcap}
@@ -173,6 +180,28 @@ def check_grads_per_sequence(grads, q, k, v, dout, lq, lk, what, **features):
         q0, k0 = q0 + nq, k0 + nk
 
 
+def sequence_errors(grads, q, k, v, dout, lq, lk, **features):
+    """{(sequence, name): (max error, FlashAttention's bound)} of each sequence with keys and
+    queries (test_gpu_backward.check_grads's rule: 2 x the low-precision reference's error +
+    GRAD_FLOOR), and the sequences without either, whose gradients must be 0."""
+    out, empty, q0, k0 = {}, [], 0, 0
+    for b, (nq, nk) in enumerate(zip(lq, lk, strict=True)):
+        sq, sk = slice(q0, q0 + nq), slice(k0, k0 + nk)
+        q0, k0 = q0 + nq, k0 + nk
+        if nq == 0 or nk == 0:
+            empty.append((b, [grads[0][sq], grads[1][sk], grads[2][sk]]))
+            continue
+        args = (q[None, sq], k[None, sk], v[None, sk], dout[None, sq])
+        ref = reference_grads(*args, True, **features)
+        low = reference_grads(*args, False, **features)
+        for i, name in enumerate(("dq", "dk", "dv")):
+            g = grads[i][sk if i else sq][None]
+            assert torch.isfinite(g).all(), f"sequence {b}: {name} has NaN/inf"
+            out[b, name] = ((g.float() - ref[i]).abs().max().item(),
+                            2 * (low[i].float() - ref[i]).abs().max().item() + GRAD_FLOOR)
+    return out, empty
+
+
 def bwd_options(cfg):
     if cfg.softcap:
         return [(False, (-1, -1), 1.5), (True, (-1, -1), 1.5)]
@@ -183,20 +212,37 @@ def bwd_options(cfg):
 @pytest.mark.parametrize("cfg", BWD_VARLEN_CONFIGS, ids=str)
 def test_hopper_varlen_backward_kernel_matches_reference(require_sm90, cfg, pack):
     """Every built Hopper varlen backward kernel by name, GQA 6/2, d_head below its variant at
-    d_head 128 (96: columns past d_head), every mask; dK and dV (no atomics) bitwise equal on a
-    second run."""
+    d_head 128 (96: columns past d_head), every mask: each sequence meets FlashAttention's rule,
+    or where it does not, its error is the sm80 family's on the same call (within 5%): with far
+    more queries than keys (630 x 2 under a causal mask) a row's dS is of the order of D's
+    rounding (D = rowsum(dO O) from the rounded O, the preprocess both families share), which
+    can put both families' dQ past 2 x the low-precision reference's error
+    (studies/varlen_bwd_degenerate.py). dK and dV (no atomics) bitwise equal on a second run."""
+    from flash_attention.backward import built
     lq, lk = PACKS[pack]
     d_head = cfg.d_head if cfg.d_head != 128 else 96
+    sm80 = bwd_sm80.select(Call(cfg.dtype, d_head, softcap=cfg.softcap), built())
     for causal, window, softcap in bwd_options(cfg):
-        torch.manual_seed(hash((cfg.name, pack, causal, window)) % 2**31)
+        torch.manual_seed(seed_of(cfg, pack, causal, window))
         q, k, v, cu_q, cu_k = packed(lq, lk, 6, 2, d_head, DTYPES[cfg.dtype])
         dout = torch.randn_like(q)
         out, lse = forward_for(q, k, v, cu_q, cu_k, lq, lk, causal, window, softcap)
         args = (dout, q, k, v, out, lse, cu_q, cu_k, lq, lk, causal, window, softcap)
         grads = run_bwd_kernel(cfg, *args)
         features = {"causal": causal, "window_size": window, "softcap": softcap}
-        check_grads_per_sequence(grads, q, k, v, dout, lq, lk, f"{cfg} {pack} {features}",
-                                 **features)
+        what = f"{cfg} {pack} {features}"
+        errors, empty = sequence_errors(grads, q, k, v, dout, lq, lk, **features)
+        for b, seq in empty:
+            assert all(torch.count_nonzero(g) == 0 for g in seq), f"{what}: sequence {b}"
+        over = {key: e for key, (e, bound) in errors.items() if e > bound}
+        if over:
+            assert sm80 is not None, f"{what}: over the rule at {over}, no sm80 kernel to compare"
+            peer, _ = sequence_errors(run_bwd_kernel(sm80, *args), q, k, v, dout, lq, lk,
+                                      **features)
+            for key, e in over.items():
+                assert e <= 1.05 * peer[key][0] + GRAD_FLOOR / 10, (
+                    f"{what}: sequence {key[0]} {key[1]} error {e:.3e} > bound "
+                    f"{errors[key][1]:.3e} and > the sm80 family's {peer[key][0]:.3e}")
         again = run_bwd_kernel(cfg, *args)
         for name, a, b in zip(("dk", "dv"), grads[1:], again[1:]):
             assert torch.equal(a, b), f"{cfg} {pack}: {name} differs on a second run (race?)"

@@ -35,40 +35,6 @@ __host__ __device__ __forceinline__ int varlen_rows(int seqlen_q) {
     return (seqlen_q + kVarlenRowAlign - 1) / kVarlenRowAlign * kVarlenRowAlign;
 }
 
-// Where the preprocess and the conversion find row `row` of (sequence or batch `batch`, head):
-// its index in the per-row buffers (times d_pad in the dQ accumulator), its batch and row in the
-// q-shaped tensors and its index in the LSE; `live` (row < its sequence's length) and `in_pad`
-// (a row of the buffers). kVarlenRows: the layout above, `batch` a sequence; else batch x heads
-// x seqlen_q_pad rows (a varlen batch one sequence of total_q rows: launch_passes).
-struct RowPlace {
-    int64_t buffer, batch, row, lse;
-    int seqlen_q;
-    bool live, in_pad;
-};
-template <bool kVarlenRows>
-__device__ __forceinline__ RowPlace row_place(const BwdParams& p, int64_t batch, int64_t head,
-                                              int row) {
-    RowPlace r;
-    if constexpr (kVarlenRows) {
-        const SeqSpan sp = seq_span_cut(p, static_cast<int>(batch));
-        r.seqlen_q = sp.seqlen_q;
-        r.buffer = head * p.seqlen_q_pad + varlen_row0(sp.q_start, batch) + row;
-        r.batch = 0;
-        r.row = sp.q_start + row;
-        r.lse = head * p.total_q + sp.q_start + row;
-        r.in_pad = row < varlen_rows(sp.seqlen_q);
-    } else {
-        r.seqlen_q = p.seqlen_q;
-        r.buffer = (batch * p.heads + head) * p.seqlen_q_pad + row;
-        r.batch = batch;
-        r.row = row;
-        r.lse = (batch * p.heads + head) * p.seqlen_q + row;
-        r.in_pad = row < p.seqlen_q_pad;
-    }
-    r.live = row < r.seqlen_q;
-    return r;
-}
-
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -245,31 +211,21 @@ __host__ __device__ __forceinline__ int preprocess_lanes(int d_pad) {
     return lanes;
 }
 
-// Four warps of 32 / preprocess_lanes(d_pad) query rows each (rows < seqlen_q_pad): D =
-// rowsum(dO * O) - dLSE and LSE * log2(e) (0 and +inf past seqlen_q; +inf for an LSE of -inf),
-// and the row's dQ accumulator zeroed. Lane l of a row reads its 16-byte chunk l. (One warp per
-// row left 24 of 32 lanes idle at d_head 64 and ran at 1.9 TB/s on an H100.)
-template <typename Elem, bool kVarlenRows = false>
-static __global__ void __launch_bounds__(128)
-    bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
-    const int lanes = preprocess_lanes(p.d_pad);
-    const int lane = threadIdx.x % 32, sub = lane % lanes;
-    const int row = (blockIdx.x * 4 + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
-    const int64_t head = blockIdx.y, batch = blockIdx.z;
-    const RowPlace at = row_place<kVarlenRows>(p, batch, head, row);
-    if (at.in_pad) {
-        float* acc = p.dq_accum + at.buffer * p.d_pad;
-        for (int c = sub * 4; c < p.d_pad; c += lanes * 4)
-            *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+template <typename Elem>
+struct RowPair {
+    const Elem *o, *dout;
+};
+
+// Lane `sub` of a row's group of lanes: its part of rowsum(dO * O) over its 16-byte chunk of
+// the row (0 for a lane past d_head or a row not live); rows() gives the row's O and dO (called
+// only for a live row, so that its addresses are worked out there).
+template <typename Elem, class Rows>
+__device__ __forceinline__ float row_dot_part(Rows&& rows, int sub, int d_head, bool live) {
     float sum = 0.f;
-    if (at.live && sub * 8 < p.d_head) {
-        const Elem* o = static_cast<const Elem*>(p.o) + at.batch * p.o_batch_stride +
-                        head * p.o_head_stride + at.row * p.o_row_stride + sub * 8;
-        const Elem* d = static_cast<const Elem*>(p.dout) + at.batch * p.do_batch_stride +
-                        head * p.do_head_stride + at.row * p.do_row_stride + sub * 8;
-        const uint4 ov = *reinterpret_cast<const uint4*>(o);
-        const uint4 dv = *reinterpret_cast<const uint4*>(d);
+    if (live && sub * 8 < d_head) {
+        const RowPair<Elem> r = rows();
+        const uint4 ov = *reinterpret_cast<const uint4*>(r.o + sub * 8);
+        const uint4 dv = *reinterpret_cast<const uint4*>(r.dout + sub * 8);
         const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -277,18 +233,90 @@ static __global__ void __launch_bounds__(128)
             sum += a.x * b.x + a.y * b.y;
         }
     }
+    return sum;
+}
+
+// Four warps of 32 / preprocess_lanes(d_pad) query rows each (rows < seqlen_q_pad): D =
+// rowsum(dO * O) - dLSE and LSE * log2(e) (0 and +inf past seqlen_q; +inf for an LSE of -inf),
+// and the row's dQ accumulator zeroed. Lane l of a row reads its 16-byte chunk l. (One warp per
+// row left 24 of 32 lanes idle at d_head 64 and ran at 1.9 TB/s on an H100.)
+template <typename Elem>
+static __global__ void __launch_bounds__(128)
+    bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    const int lanes = preprocess_lanes(p.d_pad);
+    const int lane = threadIdx.x % 32, sub = lane % lanes;
+    const int row = (blockIdx.x * 4 + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    const bool in_pad = row < p.seqlen_q_pad, live = row < p.seqlen_q;
+    if (in_pad) {
+        float* acc = p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + row) * p.d_pad;
+        for (int c = sub * 4; c < p.d_pad; c += lanes * 4)
+            *reinterpret_cast<float4*>(acc + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float sum = row_dot_part<Elem>(
+        [&] {
+            return RowPair<Elem>{static_cast<const Elem*>(p.o) + batch * p.o_batch_stride +
+                                     head * p.o_head_stride + row * p.o_row_stride,
+                                 static_cast<const Elem*>(p.dout) + batch * p.do_batch_stride +
+                                     head * p.do_head_stride + row * p.do_row_stride};
+        },
+        sub, p.d_head, live);
     for (int s = lanes / 2; s > 0; s /= 2)  // within the row's aligned group of lanes
         sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (!at.in_pad || sub != 0)
+    if (!in_pad || sub != 0)
         return;
-    if (!at.live) {
-        p.d_rows[at.buffer] = 0.f;
-        p.lse_log2[at.buffer] = INFINITY;
+    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
+    if (!live) {
+        p.d_rows[at] = 0.f;
+        p.lse_log2[at] = INFINITY;
         return;
     }
-    p.d_rows[at.buffer] = sum - (p.dlse != nullptr ? p.dlse[at.lse] : 0.f);
-    const float lse = p.lse[at.lse];
-    p.lse_log2[at.buffer] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
+    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+    const float lse = p.lse[in];
+    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+// The same in the varlen layout (the Hopper varlen kernels): blockIdx.z a sequence (cut as
+// seq_span_cut says), its rows up to varlen_rows() of its length from varlen_row0() of each
+// head's buffer rows, its tokens at its q_start in the packed tensors and the (heads, total_q)
+// LSE.
+template <typename Elem>
+static __global__ void __launch_bounds__(128)
+    bwd_preprocess_varlen_kernel(const __grid_constant__ BwdParams p) {
+    const int lanes = preprocess_lanes(p.d_pad);
+    const int lane = threadIdx.x % 32, sub = lane % lanes;
+    const int row = (blockIdx.x * 4 + threadIdx.x / 32) * (32 / lanes) + lane / lanes;
+    const int64_t head = blockIdx.y;
+    const SeqSpan sp = seq_span_cut(p, static_cast<int>(blockIdx.z));
+    const bool in_pad = row < varlen_rows(sp.seqlen_q), live = row < sp.seqlen_q;
+    const int64_t at = head * p.seqlen_q_pad + varlen_row0(sp.q_start, blockIdx.z) + row;
+    const int64_t token = sp.q_start + row;
+    if (in_pad)
+        for (int c = sub * 4; c < p.d_pad; c += lanes * 4)
+            *reinterpret_cast<float4*>(p.dq_accum + at * p.d_pad + c) =
+                make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = row_dot_part<Elem>(
+        [&] {
+            return RowPair<Elem>{
+                static_cast<const Elem*>(p.o) + head * p.o_head_stride + token * p.o_row_stride,
+                static_cast<const Elem*>(p.dout) + head * p.do_head_stride +
+                    token * p.do_row_stride};
+        },
+        sub, p.d_head, live);
+    for (int s = lanes / 2; s > 0; s /= 2)
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (!in_pad || sub != 0)
+        return;
+    if (!live) {
+        p.d_rows[at] = 0.f;
+        p.lse_log2[at] = INFINITY;
+        return;
+    }
+    const int64_t in = head * p.total_q + token;
+    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+    const float lse = p.lse[in];
+    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
 }
 
 // ---- dQ conversion ----------------------------------------------------------------------------
@@ -304,25 +332,12 @@ static __global__ void __launch_bounds__(128)
 // 32 j + lane, so that a warp's scalar reduction of float j covers 128 contiguous bytes.
 enum class DqLayout { kRows, kWgmmaTiles, kLaneTiles };
 
-// The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
-// one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
-// 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
-// the same rows, so that a warp's stores are whole row segments.
-template <typename Elem, bool kVarlenRows = false>
-__device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx,
-                                                     bool lane_major) {
-    const int tiles = p.d_pad / 8;
-    const int n = static_cast<int>(idx % tiles);
-    const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
-    const int block = static_cast<int>(idx / (32 * tiles));
-    const int64_t head = blockIdx.y;
-    const RowPlace blk0 = row_place<kVarlenRows>(p, blockIdx.z, head, block * 64);
-    const int in_block = (pair / 8) * 16 + pair % 8;
-    if (block * 64 + in_block >= blk0.seqlen_q || n * 8 >= p.d_head)
-        return;
-    const float* blk = p.dq_accum + blk0.buffer * p.d_pad;
-    const float s = p.softmax_scale;
-    uint32_t lo[4], hi[4];
+// The four float4 of the row pair (16 w + r, + 8) of n8 tile n in a 64-row block `blk` of the
+// tile order (threads 32 w + 4 r .. + 3; lane_major: kLaneTiles), scaled by s and packed:
+// lo the row's 8 columns, hi the row + 8's.
+template <typename Elem>
+__device__ __forceinline__ void tile_pair_values(const float* blk, int n, int pair, bool lane_major,
+                                                 float s, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
     if (lane_major) {  // float j of lanes 4 r .. + 3: 4 contiguous floats per j
         const float4* acc =
             reinterpret_cast<const float4*>(blk + n * 512 + (pair / 8) * 128 + (pair % 8) * 4);
@@ -345,10 +360,31 @@ __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t
             hi[c] = pack2<Elem>(a.z * s, a.w * s);
         }
     }
-    Elem* dq = static_cast<Elem*>(p.dq) + blk0.batch * p.dq_batch_stride + head * p.dq_head_stride +
-               (blk0.row + in_block) * p.dq_row_stride + n * 8;
+}
+
+// The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
+// one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
+// 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
+// the same rows, so that a warp's stores are whole row segments.
+template <typename Elem>
+__device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx,
+                                                     bool lane_major) {
+    const int tiles = p.d_pad / 8;
+    const int n = static_cast<int>(idx % tiles);
+    const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
+    const int64_t block = idx / (32 * tiles);
+    const int64_t head = blockIdx.y, batch = blockIdx.z;
+    const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
+    if (row >= p.seqlen_q || n * 8 >= p.d_head)
+        return;
+    const float* blk =
+        p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad;
+    uint32_t lo[4], hi[4];
+    tile_pair_values<Elem>(blk, n, pair, lane_major, p.softmax_scale, lo, hi);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + n * 8;
     *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    if (block * 64 + in_block + 8 < blk0.seqlen_q)
+    if (row + 8 < p.seqlen_q)
         *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
             make_uint4(hi[0], hi[1], hi[2], hi[3]);
 }
@@ -392,11 +428,50 @@ static __global__ void __launch_bounds__(256)
 }
 
 // The Hopper family's conversion: dQ = scale * accumulator (kWgmmaTiles order) in the input
-// dtype (kVarlenRows: the varlen layout, blockIdx.z a sequence).
-template <typename Elem, bool kVarlenRows = false>
+// dtype.
+template <typename Elem>
 static __global__ void __launch_bounds__(256)
     bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_tile_pair<Elem, kVarlenRows>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
+    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
+}
+
+// The same in the varlen layout (the Hopper varlen kernels), blockIdx.z a sequence: its block of
+// 64 rows k from row varlen_row0() + 64 k of each head's buffer rows, its tokens at its q_start.
+// The grid covers max_seqlen_q rows; a longer sequence (cu_seqlens rewritten during CUDA graph
+// capture: seq_span_cut) is covered by looping, its rows past the cut set to 0 as the sm80
+// family's conversion sets them.
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_varlen_kernel(const __grid_constant__ BwdParams p) {
+    const int64_t head = blockIdx.y;
+    const int b = static_cast<int>(blockIdx.z);
+    const SeqSpan sp = seq_span(p, b);
+    const int cut = sp.seqlen_q < p.seqlen_q ? sp.seqlen_q : p.seqlen_q;
+    const int tiles = p.d_pad / 8;
+    const int64_t blocks = (sp.seqlen_q + 63) / 64;
+    const float* base = p.dq_accum + (head * p.seqlen_q_pad + varlen_row0(sp.q_start, b)) * p.d_pad;
+    for (int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x; idx / (32 * tiles) < blocks;
+         idx += int64_t(gridDim.x) * 256) {
+        const int n = static_cast<int>(idx % tiles);
+        const int pair = static_cast<int>(idx / tiles % 32);  // 8 w + r
+        const int64_t block = idx / (32 * tiles);
+        const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
+        if (row >= sp.seqlen_q || n * 8 >= p.d_head)
+            continue;
+        uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+        if (row < cut)
+            tile_pair_values<Elem>(base + block * 64 * p.d_pad, n, pair, false, p.softmax_scale, lo,
+                                   hi);
+        Elem* dq = static_cast<Elem*>(p.dq) + head * p.dq_head_stride +
+                   (sp.q_start + row) * p.dq_row_stride + n * 8;
+        *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        if (row + 8 < sp.seqlen_q) {
+            if (row + 8 >= cut)
+                hi[0] = hi[1] = hi[2] = hi[3] = 0;
+            *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
+                make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        }
+    }
 }
 
 // ---- the passes of a backward call -------------------------------------------------------------
@@ -405,40 +480,40 @@ static __global__ void __launch_bounds__(256)
 // conversion on one stream: kWgmmaTiles, the Hopper family's (bwd_convert_dq_tiles_kernel);
 // kRows, the sm80 family's (bwd_convert_dq_kernel: rows, or the tile order where p.dq_tiles).
 // The sm80 family's passes work per query row: a varlen batch is one sequence of total_q rows
-// to them. The Hopper family's varlen calls use the varlen layout (kVarlenRowAlign): a grid
-// row per sequence, over the longest one's rows.
-template <typename Elem, DqLayout kLayout, class LaunchMain>
+// to them. kVarlenRows (the Hopper varlen kernels): the varlen layout (kVarlenRowAlign), a grid
+// row per sequence over the longest one's rows (bwd_preprocess_varlen_kernel,
+// bwd_convert_dq_varlen_kernel).
+template <typename Elem, DqLayout kLayout, bool kVarlenRows = false, class LaunchMain>
 cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& launch_main) {
-    const bool varlen = p.cu_seqlens_q != nullptr;
-    const bool padded = varlen && kLayout == DqLayout::kWgmmaTiles;
+    static_assert(!kVarlenRows || kLayout == DqLayout::kWgmmaTiles, "the varlen layout is tiles");
     BwdParams rows = p;
-    if (varlen && !padded) {
+    if (p.cu_seqlens_q != nullptr && !kVarlenRows) {
         rows.batch = 1;
         rows.seqlen_q = p.total_q;
     }
     // Rows of the buffers per grid row: a sequence's with the varlen layout, else all of them.
-    const int64_t grid_rows = padded ? varlen_rows(p.seqlen_q) : rows.seqlen_q_pad;
+    const int64_t grid_rows = kVarlenRows ? varlen_rows(p.seqlen_q) : rows.seqlen_q_pad;
     const int pre_rows = 4 * (32 / preprocess_lanes(p.d_pad));  // per CTA
     const dim3 pre_grid(static_cast<unsigned>((grid_rows + pre_rows - 1) / pre_rows), rows.heads,
                         rows.batch);
-    cudaError_t err =
-        padded
-            ? launch_checked<&bwd_preprocess_kernel<Elem, true>>(pre_grid, 128, 0, stream, rows)
-            : launch_checked<&bwd_preprocess_kernel<Elem, false>>(pre_grid, 128, 0, stream, rows);
+    cudaError_t err;
+    if constexpr (kVarlenRows)
+        err = launch_checked<&bwd_preprocess_varlen_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
+    else
+        err = launch_checked<&bwd_preprocess_kernel<Elem>>(pre_grid, 128, 0, stream, rows);
     if (err != cudaSuccess)
         return err;
     if ((err = launch_main()) != cudaSuccess)
         return err;
     const bool tiles = kLayout == DqLayout::kWgmmaTiles || p.dq_tiles;
-    const int64_t threads = !tiles   ? int64_t(rows.seqlen_q) * (p.d_head / 8)
-                            : padded ? (grid_rows / 64) * 32 * (p.d_pad / 8)
-                                     : tile_convert_threads(rows);
+    const int64_t threads = !tiles        ? int64_t(rows.seqlen_q) * (p.d_head / 8)
+                            : kVarlenRows ? (grid_rows / 64) * 32 * (p.d_pad / 8)
+                                          : tile_convert_threads(rows);
     const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
-    if constexpr (kLayout == DqLayout::kWgmmaTiles)
-        return padded ? launch_checked<&bwd_convert_dq_tiles_kernel<Elem, true>>(cvt_grid, 256, 0,
-                                                                                 stream, rows)
-                      : launch_checked<&bwd_convert_dq_tiles_kernel<Elem, false>>(cvt_grid, 256, 0,
-                                                                                  stream, rows);
+    if constexpr (kVarlenRows)
+        return launch_checked<&bwd_convert_dq_varlen_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+    else if constexpr (kLayout == DqLayout::kWgmmaTiles)
+        return launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
     else
         return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
 }

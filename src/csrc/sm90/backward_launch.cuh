@@ -62,7 +62,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     prm.rotation_step = rotate ? prm.rotation.d : 0;
     prm.kv_block0 = p.dq_semaphore != nullptr && !rotate ? int(grid.x) - 1 : 0;
     prm.kv_block_step = p.dq_semaphore != nullptr && !rotate ? -1 : 1;
-    return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles>(p, stream, [&] {
+    return bwd::launch_passes<Elem, bwd::DqLayout::kWgmmaTiles, Cfg::kVarlen>(p, stream, [&] {
         return launch_checked<&bwd_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, prm);
     });
 }

@@ -91,14 +91,15 @@ def run(dtypes: list[str], d_heads: list[int], shapes: list[tuple[int, int]], he
 def backward_kernels(configs: str | None, dtype: str, d_head: int) -> list[str]:
     """The backward kernels a --pass bwd row times for (dtype, d_head): of `configs` (a kernel
     selection, flash_attention.kernels.resolve: its backward kernels), those of the dtype whose
-    d_head variant is the one a call of d_head runs on, without a softcap, in order; "" (the
-    operator's choice) when configs is None."""
+    d_head variant is the one a call of d_head runs on, without a softcap, in order (its rows
+    are fixed-length calls: a varlen kernel, flag j, is left out); "" (the operator's choice)
+    when configs is None."""
     from flash_attention.kernels import resolve
 
     if not configs:
         return [""]
     wanted = [c for c in resolve(configs) if c.direction == "bwd" and c.dtype == dtype
-              and not c.softcap and c.d_head >= d_head]
+              and not c.softcap and not getattr(c, "varlen", False) and c.d_head >= d_head]
     variant = {c.KIND: min(x.d_head for x in wanted if x.KIND == c.KIND) for c in wanted}
     return [c.name for c in wanted if c.d_head == variant[c.KIND]]
 
