@@ -26,9 +26,9 @@ from .base import DTYPES, ConfigError, KernelConfig, occupancy
 # a helper of Hopper units alone (sm_90a code, as their main kernels), else sm80 (every arch of
 # the build; the preprocess, which Hopper units hold too, among them).
 JOBS: dict[tuple[str, str], int] = {("sm80", "preprocess"): 128, ("sm80", "convert_dq"): 256,
-                                    ("sm90", "convert_dq"): 256, ("sm80", "combine"): 128,
+                                    ("sm90", "convert_dq"): 256,
                                     ("sm90", "preprocess_varlen"): 128,
-                                    ("sm90", "convert_dq_varlen"): 256}
+                                    ("sm90", "convert_dq_varlen"): 256, ("sm80", "combine"): 128}
 # the direction of each job: whose launches run it
 DIRECTION_OF_JOB = {"preprocess": "bwd", "convert_dq": "bwd", "combine": "dec",
                     "preprocess_varlen": "bwd", "convert_dq_varlen": "bwd"}
