@@ -236,6 +236,28 @@ __device__ __forceinline__ float row_dot_part(Rows&& rows, int sub, int d_head, 
     return sum;
 }
 
+// A row's D and LSE * log2(e) from its lanes' parts of rowsum(dO * O) (`sum`, summed here over
+// the row's group of lanes), by its lane 0 when the row is in the buffers: 0 and +inf past the
+// sequence, +inf for an LSE of -inf. at(): the row's index in the buffers; in(): in the LSE.
+template <class At, class In>
+__device__ __forceinline__ void row_stats(const BwdParams& p, float sum, int lanes, int sub,
+                                          bool in_pad, bool live, At&& at_of, In&& in_of) {
+    for (int s = lanes / 2; s > 0; s /= 2)  // within the row's aligned group of lanes
+        sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    if (!in_pad || sub != 0)
+        return;
+    const int64_t at = at_of();
+    if (!live) {
+        p.d_rows[at] = 0.f;
+        p.lse_log2[at] = INFINITY;
+        return;
+    }
+    const int64_t in = in_of();
+    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
+    const float lse = p.lse[in];
+    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
 // Four warps of 32 / preprocess_lanes(d_pad) query rows each (rows < seqlen_q_pad): D =
 // rowsum(dO * O) - dLSE and LSE * log2(e) (0 and +inf past seqlen_q; +inf for an LSE of -inf),
 // and the row's dQ accumulator zeroed. Lane l of a row reads its 16-byte chunk l. (One warp per
@@ -261,20 +283,10 @@ static __global__ void __launch_bounds__(128)
                                      head * p.do_head_stride + row * p.do_row_stride};
         },
         sub, p.d_head, live);
-    for (int s = lanes / 2; s > 0; s /= 2)  // within the row's aligned group of lanes
-        sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (!in_pad || sub != 0)
-        return;
-    const int64_t at = (batch * p.heads + head) * p.seqlen_q_pad + row;
-    if (!live) {
-        p.d_rows[at] = 0.f;
-        p.lse_log2[at] = INFINITY;
-        return;
-    }
-    const int64_t in = (batch * p.heads + head) * p.seqlen_q + row;
-    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
-    const float lse = p.lse[in];
-    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    row_stats(
+        p, sum, lanes, sub, in_pad, live,
+        [&] { return (batch * p.heads + head) * p.seqlen_q_pad + row; },
+        [&] { return (batch * p.heads + head) * p.seqlen_q + row; });
 }
 
 // The same in the varlen layout (the Hopper varlen kernels): blockIdx.z a sequence (cut as
@@ -304,19 +316,9 @@ static __global__ void __launch_bounds__(128)
                     token * p.do_row_stride};
         },
         sub, p.d_head, live);
-    for (int s = lanes / 2; s > 0; s /= 2)
-        sum += __shfl_xor_sync(0xffffffffu, sum, s);
-    if (!in_pad || sub != 0)
-        return;
-    if (!live) {
-        p.d_rows[at] = 0.f;
-        p.lse_log2[at] = INFINITY;
-        return;
-    }
-    const int64_t in = head * p.total_q + token;
-    p.d_rows[at] = sum - (p.dlse != nullptr ? p.dlse[in] : 0.f);
-    const float lse = p.lse[in];
-    p.lse_log2[at] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    row_stats(
+        p, sum, lanes, sub, in_pad, live, [&] { return at; },
+        [&] { return head * p.total_q + token; });
 }
 
 // ---- dQ conversion ----------------------------------------------------------------------------
