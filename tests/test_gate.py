@@ -309,11 +309,10 @@ def test_ratchet_scope_and_zero_spill_rule_cover_the_backward():
     # and decode ones
     every = ratchet.scope_kernels({"static": {**POLICY["static"], "kernels": "ci"}})
     assert every[:len(resolve("ci"))] == [c.name for c in resolve("ci")]
-    assert every[len(resolve("ci")):] == ["bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16",
-                                          "bwd_sm80_preprocess_bf16", "bwd_sm80_convert_dq_bf16",
-                                          "bwd_sm90_convert_dq_bf16",
-                                          "bwd_sm90_preprocess_varlen_bf16",
-                                          "bwd_sm90_convert_dq_varlen_bf16", "dec_sm80_combine_bf16"]
+    assert every[len(resolve("ci")):] == [
+        "bwd_sm80_preprocess_fp16", "bwd_sm80_convert_dq_fp16", "bwd_sm80_preprocess_bf16",
+        "bwd_sm80_convert_dq_bf16", "bwd_sm90_convert_dq_bf16", "bwd_sm90_preprocess_varlen_bf16",
+        "bwd_sm90_convert_dq_varlen_bf16", "dec_sm80_combine_bf16"]
 
 
 def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):

@@ -410,9 +410,12 @@ def test_hopper_backward_dq_conversion_names():
 
 
 # The Hopper backward's symbol as nvcc 13.0 names it (ptxas -v of the generated unit):
-# flash::sm90::bwd_kernel<flash::sm90::BwdConfig<Elem, d_head, B_r, B_c, softcap>>
-BWD_SM90 = ("_ZN5flash4sm9010bwd_kernelINS0_9BwdConfigI13__nv_bfloat16Li128ELi64ELi128ELb0EEEEEvNS0"
-            "_15BwdKernelParamsE")
+# flash::sm90::bwd_kernel<flash::sm90::BwdConfig<Elem, d_head, B_r, B_c, varlen, softcap>>
+BWD_SM90 = ("_ZN5flash4sm9010bwd_kernelINS0_9BwdConfigI13__nv_bfloat16Li128ELi64ELi128ELb0ELb0E"
+            "EEEEvNS0_15BwdKernelParamsE")
+# ... before flag j (varlen): flash::sm90::BwdConfig<Elem, d_head, B_r, B_c, softcap>
+PRE_VARLEN_BWD_SM90 = ("_ZN5flash4sm9010bwd_kernelINS0_9BwdConfigI13__nv_bfloat16Li128ELi64E"
+                       "Li128ELb0EEEEEvNS0_15BwdKernelParamsE")
 # ... before the one name scheme: B_c fixed by d_head, the template's arguments Elem, d_head,
 # softcap and B_r (absent in builds before B_r was one: read as 64).
 OLD_BWD_SM90 = ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI13__nv_bfloat16Li128ELb0ELi64E"
@@ -424,10 +427,13 @@ def test_hopper_backward_kernel_names():
     from flash_attention.kernels.bwd_sm90 import Sm90BwdConfig
 
     assert short_of(BWD_SM90) == short_of(OLD_BWD_SM90) == "bwd_sm90_bf16_d128_r64_c128_f"
+    assert short_of(PRE_VARLEN_BWD_SM90) == "bwd_sm90_bf16_d128_r64_c128_f"
     assert config_of(BWD_SM90) == Sm90BwdConfig("bf16", 128, 64, 128)
-    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELi64ELi128ELb0E",
-                                    "6__halfLi64ELi128ELi128ELb1E")
+    fp16_d64_cap = BWD_SM90.replace("13__nv_bfloat16Li128ELi64ELi128ELb0ELb0E",
+                                    "6__halfLi64ELi128ELi128ELb0ELb1E")
     assert short_of(fp16_d64_cap) == "bwd_sm90_fp16_d64_r128_c128_ft"
+    varlen = BWD_SM90.replace("Li128ELb0ELb0E", "Li128ELb1ELb0E")
+    assert short_of(varlen) == "bwd_sm90_bf16_d128_r64_c128_fj"
     assert short_of(BWD_SM90.replace("Lb0E", "Lb0ELb1E")) is None  # a flag more: not ours
     assert short_of(BWD_SM90.replace("Li64ELi128E", "Li64ELi64E")) is None  # B_c 64 at d 128
     assert short_of(BWD_SM90.replace("4sm9010bwd", "4sm9110bwd")) is None
@@ -603,8 +609,7 @@ def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
         done = list(pool.map(compile_one, bwd_sm90.DEFAULT))
     for cfg, records in done:
         assert {(r.kernel, r.arch) for r in records} == {
-            (cfg.name, "90a"), (f"bwd_sm80_preprocess_{cfg.dtype}", "90a"),
-            (f"bwd_sm90_convert_dq_{cfg.dtype}", "90a")}
+            (cfg.name, "90a"), *((h.name, "90a") for h in helpers_of(cfg))}
         bad = [(r.kernel, r.spill_stores, r.stack_frame, r.wgmma_serialized) for r in records
                if r.spill_stores or r.spill_loads or r.stack_frame or r.wgmma_serialized]
         assert not bad, f"{cfg.name}: {bad}"

@@ -61,7 +61,7 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
     """Config fields from template arguments; an old build's derived arguments (the Hopper
     forward's consumer warpgroups, the Hopper backward's B_c) turned into fields."""
     old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
-    if kind == "fwd_sm90" and "varlen" in names and len(values) == len(names) - 1:
+    if kind in ("fwd_sm90", "bwd_sm90") and "varlen" in names and len(values) == len(names) - 1:
         names = tuple(n for n in names if n != "varlen")  # a build from before flag j
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
