@@ -89,20 +89,21 @@ def dispatch_rows(
     runs the row's varlen calls. ``local`` rows (a window bounded on the left) differ from the
     masked ones only in their Hopper kernels."""
     rows = []
+    kinds = [(mask, softcap, local) for mask, softcap in dispatch.FEATURES
+             for local in ((False, True) if mask else (False,))]
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built):
+        # the varlen kernel of a kind, whatever the bucket (a pack holds many lengths)
+        varlen = {k: dispatch.select_sm90_varlen(dtype, d_head, built, *k) for k in kinds}
         for bucket in dispatch.BUCKETS:
-            for mask, softcap in dispatch.FEATURES:
+            for mask, softcap, local in kinds:
                 try:
                     cfg = dispatch.select(dtype, d_head, bucket, built, mask, softcap)
                 except ConfigError:
                     continue
-                for local in (False, True) if mask else (False,):
-                    fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap,
-                                                local)
-                    varlen = dispatch.select_sm90_varlen(dtype, d_head, built, mask, softcap,
-                                                         local)
-                    rows.append((dtype, d_head, bucket, mask, local, softcap,
-                                 (fast or cfg).name, cfg.name, varlen.name if varlen else ""))
+                fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap, local)
+                packed = varlen[mask, softcap, local]
+                rows.append((dtype, d_head, bucket, mask, local, softcap, (fast or cfg).name,
+                             cfg.name, packed.name if packed else ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 
