@@ -2,11 +2,12 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test fp8 hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
+#   fp8       the FP8 forward (issue 46): tests, sanitizers, studies/fp8_bench.py (FP8_BENCH_ARGS)
 #   hopper-varlen  the Hopper varlen and softcap forwards (issue 45): tests and sanitizers;
 #             hopper-varlen-bench: studies/hopper_varlen_bench.py (HV_BENCH_ARGS)
 #   hopper-varlen-bwd  the Hopper varlen backward (bwd_sm90 flag j): its tests, the varlen
@@ -114,6 +115,21 @@ if step decode; then
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"
+fi
+if step fp8; then
+    # Issue 46's FP8 forward: its tests (every e4m3 kernel by name, dispatch, flash_attn_func's
+    # descales, views, bad input), memcheck and racecheck on two shapes (the producer's V
+    # transpose in shared memory), then studies/fp8_bench.py (FP8_BENCH_ARGS).
+    run fp8_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_fp8.py tests/test_fp8_cpu.py
+    run fp8_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py \
+        -k "by_name and (2x113x203 or 1x1x300)"
+    run fp8_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k "by_name and 2x113x203"
+    # shellcheck disable=SC2086  # FP8_BENCH_ARGS: the bench's options, split on spaces
+    run fp8_bench timeout 400 python3 studies/fp8_bench.py ${FP8_BENCH_ARGS:-} \
+        --out "$LOG_DIR/fp8.json"
 fi
 if step hopper-varlen; then
     # Issue 45's Hopper varlen and softcap forwards: their tests (every varlen kernel by name,

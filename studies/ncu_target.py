@@ -6,7 +6,8 @@ the last launch of the kernel it matches.
         [--backward]                             (the backward of one forward, through autograd;
                                                   with --config bwd_...: that backward kernel
                                                   (bwd_sm80_... or bwd_sm90_...) by name, on the
-                                                  forward's out and LSE)"""
+                                                  forward's out and LSE)
+    dtype e4m3: the FP8 forward (flash_attention.fp8) on the bf16 inputs quantised per head."""
 
 import argparse
 
@@ -25,9 +26,18 @@ ap.add_argument("--backward", action="store_true")
 args = ap.parse_args()
 dtype, d, b, s, h = (args.shape[:5] + ["bf16", "128", "16", "4096", "16"][len(args.shape[:5]):])
 causal = len(args.shape) > 5 and args.shape[5] == "causal"
-dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.bfloat16}[dtype]
 q, k, v = (torch.randn(int(b), int(s), int(h), int(d), device="cuda", dtype=dt) for _ in range(3))
-if args.backward and args.config:
+if dtype == "e4m3":
+    from flash_attention import fp8
+
+    if args.who != "ours" or args.backward or args.window:
+        ap.error("e4m3 takes ours, without --backward or --window")
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+
+    def run():
+        fp8.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal, config=args.config)
+elif args.backward and args.config:
     # A backward kernel by name (e.g. the sm80 family's on an sm_90 GPU, where dispatch picks
     # the Hopper one), through the operator that autograd calls.
     if args.who != "ours" or args.window or not args.config.startswith("bwd_"):

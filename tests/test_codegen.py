@@ -155,7 +155,7 @@ def test_template_args_types():
     args = template_args(parse("fwd_sm80_fp16_d128_r64_c32_w4_fqkv")).split(", ")
     assert args[:5] == ["__half", "128", "64", "32", "4"]
     assert len(args) == 5 + len(FLAGS)
-    assert set(ELEM_TYPES) == {"fp16", "bf16"}
+    assert set(ELEM_TYPES) == {"fp16", "bf16", "e4m3"}
     # Every kind's template reads as its name: Elem, d_head, B_r, B_c, then warps or stages,
     # then the flags.
     args = template_args(parse("fwd_sm90_bf16_d64_r192_c96_s3_fwaln")).split(", ")

@@ -152,7 +152,7 @@ def test_sets_sizes_and_content():
     sm90 = list(fwd_sm90.CI)
     assert resolve("fwd:ci") == (*sm80, *sm90)
     assert {c.family for c in sm80} == {"sm80"} and {c.family for c in sm90} == {"sm90"}
-    assert 1 <= len(sm80) <= 6 and len(sm90) == 5  # CI builds five Hopper kernels for sm_90a
+    assert 1 <= len(sm80) <= 6 and len(sm90) == 6  # CI builds six Hopper kernels for sm_90a
     for name in FLAGS:  # every flag is switched off by at least one CI config
         assert any(not getattr(c, name) for c in sm80), name
         assert any(getattr(c, name) for c in sm80), name
@@ -169,12 +169,14 @@ def test_sets_sizes_and_content():
     assert sm90[3].consumer_wgs == 3 and sm90[3].block_r == 192 and sm90[3].tile_overlap
 
     assert sm90[4].varlen and sm90[4].softcap and sm90[4].mask and sm90[4].pingpong
+    assert sm90[5].fp8 and sm90[5].mask  # the FP8 forward (the producer transposes V)
     for name in fwd_sm90.FLAGS:  # every Hopper flag is on in one of them
         assert any(getattr(c, name) for c in sm90), name
     # The default sets are the kernels of the default tables' rows, each once.
     assert {c.name for c in DEFAULT} == _row_names(fwd_sm80)
     assert {c.name for c in fwd_sm90.DEFAULT} == (
-        _row_names(fwd_sm90) | _row_names(fwd_sm90, rows=fwd_sm90.VARLEN_ROWS))
+        _row_names(fwd_sm90) | _row_names(fwd_sm90, rows=fwd_sm90.VARLEN_ROWS)
+        | _row_names(fwd_sm90, dtypes=("e4m3",), rows=fwd_sm90.FP8_ROWS))
     for configs in (DEFAULT, fwd_sm90.DEFAULT):
         assert len(configs) == len(set(configs))
     assert resolve("fwd:default") == (*DEFAULT, *fwd_sm90.DEFAULT)

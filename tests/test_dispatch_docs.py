@@ -1,5 +1,6 @@
 """docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80,
-fwd_sm90 and dec_sm80, and fwd_sm90's VARLEN_ROWS): one docs row per code row, by key and back;
+fwd_sm90 and dec_sm80, and fwd_sm90's VARLEN_ROWS and FP8_ROWS): one docs row per code row, by
+key and back;
 the docs row's first five columns are the code row's (calls, d_head, seqlen_q, kernel), so a
 changed decision fails here until its measurements are written down; every results file a row
 names exists. And the rows themselves: one open-ended row per (calls, d_head), every kernel a
@@ -7,6 +8,7 @@ valid config that serves its calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from pathlib import Path
@@ -20,10 +22,12 @@ from flash_attention.kernels.base import Row, rows_for
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADER = "| Row | Calls | d_head | seqlen_q | Kernel | Measurements | Results |"
 ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS, "dec": dec_sm80.ROWS,
-        "varlen": fwd_sm90.VARLEN_ROWS}
+        "varlen": fwd_sm90.VARLEN_ROWS, "fp8": fwd_sm90.FP8_ROWS}
 MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90, "dec": dec_sm80,
            "varlen": SimpleNamespace(table_rows=fwd_sm90.varlen_table_rows,
-                                     Config=fwd_sm90.Config)}
+                                     Config=fwd_sm90.Config),
+           "fp8": SimpleNamespace(table_rows=lambda call: fwd_sm90.table_rows(
+               dataclasses.replace(call, dtype=fwd_sm90.FP8)), Config=fwd_sm90.Config)}
 CODE_ROWS = [row for rows in ROWS.values() for row in rows]
 
 

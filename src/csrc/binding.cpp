@@ -4,6 +4,9 @@
 //       kernel) -> (out, lse)         the whole call, fixed-length or varlen (the fast path)
 //   flash_attention::fwd(q, k, v, out!, lse!?, kernel, softmax_scale, window_left,
 //       window_right, softcap) -> ()  into a given out
+//   flash_attention::attention_fp8(q, k, v, q_descale?, k_descale?, v_descale?, softmax_scale?,
+//       causal, window_left, window_right, softcap, return_lse, kernel) -> (out, lse)
+//                                     float8_e4m3fn q, k, v (Hopper), out bf16; forward only
 // (CUDA kernels here; fake implementations for tracing in flash_attention/ops.py) and the
 // module functions flash_attention reads: the kernels of this build, the dispatch table it
 // computes once per process, what a call would run and copy, and the KV-cache status word. The
@@ -44,7 +47,9 @@ py::list list_kernels(const std::string& direction) {
     const auto add = [&out](const auto& e) {
         py::dict d;
         d["name"] = e.name;
-        d["dtype"] = e.dtype == flash::DType::kFp16 ? "fp16" : "bf16";
+        d["dtype"] = e.dtype == flash::DType::kFp16   ? "fp16"
+                     : e.dtype == flash::DType::kBf16 ? "bf16"
+                                                      : "e4m3";
         d["d_head"] = e.d_head;
         d["block_r"] = e.block_r;
         d["block_c"] = e.block_c;
@@ -111,6 +116,34 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     return {out, lse};
 }
 
+// flash_attention::attention_fp8: a fixed-length float8_e4m3fn call (q, k, v) on a Hopper FP8
+// kernel with per-(batch, KV head) fp32 descales; out is bf16, lse as attention's.
+std::tuple<at::Tensor, at::Tensor> attention_fp8_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool return_lse,
+    c10::string_view kernel) {
+    check_rank(q, "q", 4, "(batch, seq, heads, d_head)");
+    check_rank(k, "k", 4, "(batch, seq, kv_heads, d_head)");
+    const int64_t D = q.size(-1);
+    const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D > 0 ? D : 1));
+    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                   "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
+                   window_right, ")");
+    const auto [left, right] =
+        canonical_window(causal, window_left, window_right, q.size(1), k.size(1));
+    at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kBFloat16));
+    at::Tensor lse = at::empty(return_lse ? std::vector<int64_t>{q.size(0), q.size(2), q.size(1)}
+                                          : std::vector<int64_t>{0},
+                               q.options().dtype(at::kFloat));
+    const Descales descales{q_descale, k_descale, v_descale};
+    run_forward(q, k, v, out, /*out_is_fresh=*/true,
+                return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, Varlen{}, kernel, scale,
+                left, right, softcap, &descales);
+    return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flash_attention, m) {
@@ -122,11 +155,16 @@ TORCH_LIBRARY(flash_attention, m) {
         "int max_seqlen_q, int max_seqlen_k, float? softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, bool return_lse, str kernel) "
         "-> (Tensor, Tensor)");
+    m.def(
+        "attention_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, "
+        "Tensor? v_descale, float? softmax_scale, bool causal, int window_left, int window_right, "
+        "float softcap, bool return_lse, str kernel) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
     m.impl("fwd", &fwd_cuda);
     m.impl("attention", &attention_cuda);
+    m.impl("attention_fp8", &attention_fp8_cuda);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -10,7 +10,8 @@
 
 namespace flash {
 
-enum class DType : int { kFp16 = 0, kBf16 = 1 };
+// Of q, k and v (kE4m3: torch.float8_e4m3fn, the Hopper forward's FP8 kernels, output bf16).
+enum class DType : int { kFp16 = 0, kBf16 = 1, kE4m3 = 2 };
 
 template <class Params>
 struct KernelEntry {

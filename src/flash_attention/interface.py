@@ -45,11 +45,26 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """q: (batch, seqlen_q, heads, d_head); k, v: (batch, seqlen_k, kv_heads, d_head).
     Returns out (batch, seqlen_q, heads, d_head), or with return_attn_probs
-    (out, softmax_lse (batch, heads, seqlen_q) fp32, None)."""
+    (out, softmax_lse (batch, heads, seqlen_q) fp32, None). float8_e4m3fn q, k, v (Hopper)
+    take FlashAttention 3's q_descale, k_descale, v_descale (fp32 (batch, kv_heads)) and
+    return bf16 (flash_attention.fp8)."""
     _check_unsupported(dropout_p, alibi_slopes)
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        from .fp8 import attention_fp8
+
+        res = attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                            window_size=window_size, softcap=softcap,
+                            softmax_scale=softmax_scale, return_lse=return_attn_probs)
+        return (*res, None) if return_attn_probs else res
+    if any(d is not None for d in (q_descale, k_descale, v_descale)):
+        raise ValueError("q_descale, k_descale and v_descale are for float8_e4m3fn q, k, v; got "
+                         f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
     if return_attn_probs:
         out, lse = attention(q, k, v, causal=causal, window_size=window_size,
                              softcap=softcap, softmax_scale=softmax_scale, return_lse=True,

@@ -21,13 +21,14 @@ their fake (meta) implementations, which run the Python checks, so ``torch.compi
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
 
 from . import dispatch
 from ._extension import ExtensionNotBuilt, extension
-from .kernels import ConfigError, KernelConfig, parse
+from .kernels import ConfigError, KernelConfig, base, fwd_sm90, parse
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ def load() -> bool:
     BUILT_NAMES = frozenset(c.name for c in BUILT)
     torch.library.register_fake("flash_attention::fwd")(_fwd_fake)
     torch.library.register_fake("flash_attention::attention")(_attention_fake)
+    from . import fp8  # the FP8 operator's fake
+    torch.library.register_fake("flash_attention::attention_fp8")(fp8.attention_fp8_fake)
     from . import backward  # the backward operator's fake and attention's autograd
 
     backward.register()
@@ -91,7 +94,8 @@ def dispatch_rows(
     rows = []
     kinds = [(mask, softcap, local) for mask, softcap in dispatch.FEATURES
              for local in ((False, True) if mask else (False,))]
-    for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built):
+    for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built
+                                       if c.dtype != fwd_sm90.FP8):
         # the varlen kernel of a kind, whatever the bucket (a pack holds many lengths)
         varlen = {k: dispatch.select_sm90_varlen(dtype, d_head, built, *k) for k in kinds}
         for bucket in dispatch.BUCKETS:
@@ -104,6 +108,14 @@ def dispatch_rows(
                 packed = varlen[mask, softcap, local]
                 rows.append((dtype, d_head, bucket, mask, local, softcap, (fast or cfg).name,
                              cfg.name, packed.name if packed else ""))
+    # FP8 calls: a Hopper kernel with no fallback (the sm80 family has no FP8 kernels), at every
+    # d_head variant one serves (96 runs the 128 kernel).
+    fp8 = [c for c in built if c.dtype == fwd_sm90.FP8]
+    for d_head, bucket, (mask, softcap, local) in itertools.product(
+            base.D_HEADS if fp8 else (), dispatch.BUCKETS, kinds):
+        fast = dispatch.select_sm90(fwd_sm90.FP8, d_head, bucket, fp8, mask, softcap, local)
+        if fast is not None:
+            rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "", ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

@@ -6,6 +6,9 @@
 - :func:`kvcache_reference`: flash_attn_with_kvcache's semantics on a copy of the cache: new
   keys and values appended at each sequence's length (rotary on them and on q where given), a
   paged cache read through its block table, then attention over each sequence's keys.
+- :func:`attention_reference_fp8`: FP8 attention's reference: the e4m3 inputs dequantised
+  (times their descales) in fp32, and, as the peer of FP8's test rule, with P rounded to e4m3
+  (scaled by 2^8, as the kernels do) before P V.
 - :func:`emulate_blocks`: the kernel's algorithm block by block in Python: B_r query rows at a
   time, KV blocks of B_c in the config's order, online softmax in base 2 with running max m and
   sum l, P rounded to the input dtype before P V as the kernel does. With ``trace`` it records
@@ -71,6 +74,53 @@ def attention_reference(
     probs = torch.softmax(scores.masked_fill(empty[:, None], 0.0), dim=-1)
     probs = probs.masked_fill(empty[:, None], 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    return out, lse
+
+
+def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
+    """float8 x (B, S, H, D) times its descale (B, H_k) (None: 1) in fp32; heads H > H_k share
+    the descale of their KV head (h // (H / H_k))."""
+    xf = x.float()
+    if descale is None:
+        return xf
+    return xf * descale.float().repeat_interleave(x.shape[2] // descale.shape[1], dim=1)[
+        :, None, :, None]
+
+
+def attention_reference_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    round_p: bool = False,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out fp32, lse) of float8_e4m3fn q, k, v dequantised in fp32 (the FP8 accuracy reference);
+    with round_p, P = exp(s - rowmax) * 2^8 is rounded to e4m3 before P V (its row sum is not),
+    as the FP8 kernels do: the low-precision peer of the test rule."""
+    qf = dequantize_fp8(q, q_descale)
+    kf, vf = dequantize_fp8(k, k_descale), dequantize_fp8(v, v_descale)
+    if not round_p:
+        return attention_reference(qf, kf, vf, softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap)
+    _, seqlen_q, heads, d_head = q.shape
+    seqlen_k = k.shape[1]
+    kf, vf = _expand_kv(kf, heads), _expand_kv(vf, heads)
+    scores = _capped(torch.einsum("bqhd,bkhd->bhqk", qf, kf) * _scale(softmax_scale, d_head),
+                     softcap)
+    left, right = canonical_window(causal, window_size, seqlen_q, seqlen_k)
+    scores = scores.masked_fill(~visible(seqlen_q, seqlen_k, left, right, q.device), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - m.masked_fill(torch.isinf(m), 0.0)) * 256.0
+    l_sum = p.sum(dim=-1, keepdim=True)
+    p8 = p.to(torch.float8_e4m3fn).float()
+    out = torch.einsum("bhqk,bkhd->bqhd", p8 / l_sum.clamp_min(1e-30), vf)
     return out, lse
 
 

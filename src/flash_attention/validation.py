@@ -14,6 +14,7 @@ import torch
 from .kernels.base import D_HEADS, MAX_D_HEAD, variant_for
 
 TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_NAMES = {**TORCH_DTYPES, torch.float8_e4m3fn: "e4m3"}  # kernel name segments
 MAX_GRID_YZ = 65535  # batch and heads map to grid dimensions z and y
 MAX_SEQLEN = 2**31 - 1 - 256  # the operator's kMaxSeqlen
 
@@ -42,15 +43,20 @@ def _check_tensor(t: object, name: str) -> torch.Tensor:
     return t
 
 
-def check_inputs(q: object, k: object, v: object) -> Problem:
+def check_inputs(q: object, k: object, v: object,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> Problem:
+    """q, k, v of a fixed-length call (dtypes: those allowed, default fp16 and bf16)."""
     q = _check_tensor(q, "q")
     k = _check_tensor(k, "k")
     v = _check_tensor(v, "v")
+    dtypes = tuple(TORCH_DTYPES) if dtypes is None else dtypes
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in TORCH_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16"
-            )
+        if t.dtype not in dtypes:
+            hint = ("; float8_e4m3fn inputs take flash_attn_func(..., q_descale=, k_descale=, "
+                    "v_descale=) or flash_attention.fp8.attention_fp8"
+                    if t.dtype == torch.float8_e4m3fn else "")
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: "
+                            + ", ".join(map(str, dtypes)) + hint)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, seqlen_q, heads, d_head = q.shape
@@ -85,7 +91,7 @@ def check_inputs(q: object, k: object, v: object) -> Problem:
         raise ValueError(
             f"q, k and v are on {q.device}; flash_attention runs on CUDA tensors (use .cuda())"
         )
-    return Problem(batch, seqlen_q, seqlen_k, heads, kv_heads, d_head, TORCH_DTYPES[q.dtype],
+    return Problem(batch, seqlen_q, seqlen_k, heads, kv_heads, d_head, DTYPE_NAMES[q.dtype],
                    q.device)
 
 

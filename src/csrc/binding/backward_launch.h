@@ -182,7 +182,7 @@ inline std::string explain_backward(const at::Tensor& dout, const at::Tensor& q,
                                     bool softcap) {
     FA_CHECK_VALUE(q.is_cuda(), "bwd_explain needs CUDA tensors, got ", q.device());
     const Choice<flash::BwdKernelEntry> c = lookup<flash::BwdKernelEntry>(
-        q.scalar_type() == at::kBFloat16, q.size(-1), 1, false, false, softcap);
+        dtype_code(q.scalar_type()), q.size(-1), 1, false, false, softcap);
     if (c.kernel == nullptr)
         return "no backward kernel in this build";
     const flash::BwdKernelEntry* pick = varlen && c.varlen != nullptr ? c.varlen : c.kernel;

@@ -31,11 +31,22 @@ inline int64_t seq_bucket(int64_t seqlen_q) {
     return bucket;
 }
 
+// The dtype of a table row: 0 fp16, 1 bf16, 2 e4m3 (flash::DType); -1 for any other.
+inline int dtype_code(const std::string& dtype) {
+    return dtype == "fp16" ? 0 : dtype == "bf16" ? 1 : dtype == "e4m3" ? 2 : -1;
+}
+inline int dtype_code(at::ScalarType dtype) {
+    return dtype == at::kHalf             ? 0
+           : dtype == at::kBFloat16       ? 1
+           : dtype == at::kFloat8_e4m3fn ? 2
+                                          : -1;
+}
+
 // local: a sliding window bounded on the left (window_left != -1 after canonical_window); such
 // rows may name another Hopper kernel than the masked ones (flash_attention.dispatch).
-inline uint64_t choice_key(bool bf16, int64_t d_head, int64_t bucket, bool mask, bool local,
+inline uint64_t choice_key(int dtype, int64_t d_head, int64_t bucket, bool mask, bool local,
                            bool softcap) {
-    return (uint64_t(bf16) << 40) | (uint64_t(d_head) << 24) | (uint64_t(bucket) << 3) |
+    return (uint64_t(dtype) << 40) | (uint64_t(d_head) << 24) | (uint64_t(bucket) << 3) |
            (uint64_t(mask) << 2) | (uint64_t(local && mask) << 1) | uint64_t(softcap);
 }
 
@@ -85,8 +96,8 @@ void set_rows(const std::vector<DispatchRow>& rows) {
                  fallback, " is not an sm80-family kernel");
         FA_CHECK(c.varlen == nullptr || c.varlen->varlen_only, "dispatch table: varlen kernel ",
                  varlen, " does not take varlen calls alone");
-        FA_CHECK(dtype == "fp16" || dtype == "bf16", "dispatch table: dtype ", dtype);
-        choices[choice_key(dtype == "bf16", d_head, bucket, mask, local, softcap)] = c;
+        FA_CHECK(dtype_code(dtype) >= 0, "dispatch table: dtype ", dtype);
+        choices[choice_key(dtype_code(dtype), d_head, bucket, mask, local, softcap)] = c;
     }
     DispatchTable<Entry>& table = dispatch_table<Entry>();
     const std::lock_guard<std::mutex> lock(table.mutex);
@@ -113,14 +124,14 @@ inline int64_t d_head_variant(int64_t d_head) {
 
 // The table's choice for a call, {nullptr, nullptr} when it has none (keyed by variant).
 template <class Entry>
-Choice<Entry> lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
+Choice<Entry> lookup(int dtype, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
                      bool softcap) {
-    if (d_head <= 0 || d_head % 8 != 0)
+    if (d_head <= 0 || d_head % 8 != 0 || dtype < 0)
         return Choice<Entry>{nullptr, nullptr};
     DispatchTable<Entry>& table = dispatch_table<Entry>();
     const std::lock_guard<std::mutex> lock(table.mutex);
     const auto it = table.choices.find(
-        choice_key(bf16, d_head_variant(d_head), seq_bucket(seqlen_q), mask, local, softcap));
+        choice_key(dtype, d_head_variant(d_head), seq_bucket(seqlen_q), mask, local, softcap));
     return it == table.choices.end() ? Choice<Entry>{nullptr, nullptr} : it->second;
 }
 
@@ -128,7 +139,7 @@ Choice<Entry> lookup(bool bf16, int64_t d_head, int64_t seqlen_q, bool mask, boo
 inline std::string choice(const std::string& dtype, int64_t d_head, int64_t seqlen_q, bool mask,
                           bool softcap, bool local) {
     const flash::FwdKernelEntry* e =
-        lookup<flash::FwdKernelEntry>(dtype == "bf16", d_head, seqlen_q, mask, local, softcap)
+        lookup<flash::FwdKernelEntry>(dtype_code(dtype), d_head, seqlen_q, mask, local, softcap)
             .kernel;
     return e == nullptr ? "" : e->name;
 }
@@ -141,7 +152,7 @@ Choice<Entry> choose_kernel(c10::string_view name, at::ScalarType dtype, int64_t
                             const char* what) {
     if (name.empty()) {
         const Choice<Entry> chosen =
-            lookup<Entry>(dtype == at::kBFloat16, d_head, seqlen_q, mask, local, softcap);
+            lookup<Entry>(dtype_code(dtype), d_head, seqlen_q, mask, local, softcap);
         FA_CHECK(chosen.kernel != nullptr, "this build has no ", what, "kernel for ", dtype,
                  " with d_head=", d_head, mask ? " with masks" : "",
                  softcap ? " with a softcap" : "",

@@ -33,15 +33,28 @@ namespace flash::binding {
 // window_left/right: -1 unbounded (causal is -1, 0); they need a kernel with masks unless both
 // are -1. softcap: 0 off, else a kernel built for it. Any strides: what the kernels cannot
 // address goes through a copy (binding/input_layout.h); out_is_fresh: out was allocated by the
-// operator (contiguous, shares no memory), so its layout needs no test.
+// operator (contiguous, shares no memory), so its layout needs no test. fp8: q, k, v are
+// float8_e4m3fn (fixed-length, a Hopper FP8 kernel, out bf16) with `descale` (q, k, v; each
+// optional, fp32 (batch, kv_heads)).
+struct Descales {
+    std::optional<at::Tensor> q, k, v;
+};
 inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                         const at::Tensor& out, bool out_is_fresh,
                         const std::optional<at::Tensor>& lse, const Varlen& vl,
                         c10::string_view name, double softmax_scale, int64_t window_left,
-                        int64_t window_right, double softcap) {
+                        int64_t window_right, double softcap, const Descales* fp8 = nullptr) {
     const bool varlen = vl.cu_q != nullptr;
-    const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen);
+    FA_CHECK_VALUE(fp8 == nullptr || !varlen, "FP8 attention takes fixed-length batches only");
+    const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen, fp8 != nullptr);
     const CallShape s = call_shape(q_in, k_in, vl);
+    if (fp8 != nullptr) {
+        FA_CHECK_VALUE(s.d_head % 16 == 0, "FP8 attention needs d_head a multiple of 16 (rows of "
+                       "16-byte TMA copies), got ", s.d_head);
+        check_descale(fp8->q, "q_descale", s.batch, s.kv_heads, q_in.device());
+        check_descale(fp8->k, "k_descale", s.batch, s.kv_heads, q_in.device());
+        check_descale(fp8->v, "v_descale", s.batch, s.kv_heads, q_in.device());
+    }
     const int64_t B = s.batch, H = s.heads, Sq = s.seqlen_q, Sk = s.seqlen_k;
     const bool mask = window_left != -1 || window_right != -1;
     const Choice<flash::FwdKernelEntry> chosen = choose_kernel<flash::FwdKernelEntry>(
@@ -66,18 +79,27 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     FA_CHECK(prop.major >= 8,
              "FlashAttention kernels need compute capability 8.0 or newer, this GPU has ",
              prop.major, ".", prop.minor);
+    FA_CHECK(fp8 == nullptr || (prop.major == 9 && prop.minor == 0),
+             "FP8 attention runs on Hopper (sm_90) GPUs alone (FP8 wgmma); this GPU is sm_",
+             prop.major, prop.minor, ": pass fp16 or bf16 tensors");
 
-    // The tensors as the kernels address them: the caller's, or copies (input_layout.h).
-    const c10::MaybeOwned<at::Tensor> q_addr = addressable(q_in);
-    const c10::MaybeOwned<at::Tensor> k_addr = addressable(k_in);
-    const c10::MaybeOwned<at::Tensor> v_addr = addressable(v_in);
+    // The tensors as the kernels address them: the caller's, or copies (input_layout.h). FP8
+    // has no sm80-family fallback: what TMA cannot address (an expanded view) is copied too.
+    const auto address = [&](const at::Tensor& t) {
+        if (fp8 != nullptr && sm90_unfit(prop, false, {&t}) != nullptr)
+            return c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
+        return addressable(t);
+    };
+    const c10::MaybeOwned<at::Tensor> q_addr = address(q_in);
+    const c10::MaybeOwned<at::Tensor> k_addr = address(k_in);
+    const c10::MaybeOwned<at::Tensor> v_addr = address(v_in);
     const at::Tensor &q = *q_addr, &k = *k_addr, &v = *v_addr;
     const bool out_direct =
         out_is_fresh || (unaddressable(out) == nullptr && !spans_overlap(out, q_in) &&
                          !spans_overlap(out, k_in) && !spans_overlap(out, v_in));
     const c10::MaybeOwned<at::Tensor> out_addr =
         out_direct ? c10::MaybeOwned<at::Tensor>::borrowed(out)
-                   : c10::MaybeOwned<at::Tensor>::owned(at::empty(q_in.sizes(), q_in.options()));
+                   : c10::MaybeOwned<at::Tensor>::owned(at::empty(q_in.sizes(), out.options()));
     const at::Tensor& o = *out_addr;
 
     // A Hopper kernel runs only what TMA can address on an sm_90 GPU; else its row's fallback.
@@ -99,6 +121,16 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     flash::FwdParams p{};
     set_attention_params(p, q, k, v, o, lse ? lse->data_ptr<float>() : nullptr, vl, s,
                          softmax_scale, window_left, window_right, softcap);
+    if (fp8 != nullptr) {
+        const std::optional<at::Tensor>* d[3] = {&fp8->q, &fp8->k, &fp8->v};
+        for (int i = 0; i < 3; ++i) {
+            if (!*d[i])
+                continue;
+            p.descale[i] = (*d[i])->data_ptr<float>();
+            p.descale_batch_stride[i] = (*d[i])->stride(0);
+            p.descale_head_stride[i] = (*d[i])->stride(1);
+        }
+    }
     at::Tensor tile_counter;  // zeroed by the launcher on the stream; freed in stream order
     if (e.tile_counter) {
         tile_counter = at::empty({1}, q.options().dtype(at::kInt));
@@ -119,7 +151,7 @@ inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t D = q.size(-1);
     const bool mask = window_left != -1 || window_right != -1;
     const Choice<flash::FwdKernelEntry> c = lookup<flash::FwdKernelEntry>(
-        q.scalar_type() == at::kBFloat16, D, q.size(1), mask, window_left != -1, softcap);
+        dtype_code(q.scalar_type()), D, q.size(1), mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
     std::string copies;
@@ -143,7 +175,7 @@ inline std::string explain_varlen(const at::Tensor& q, const at::Tensor& k, cons
                                   bool softcap) {
     const bool mask = window_left != -1 || window_right != -1;
     const Choice<flash::FwdKernelEntry> c =
-        lookup<flash::FwdKernelEntry>(q.scalar_type() == at::kBFloat16, q.size(-1), max_seqlen_q,
+        lookup<flash::FwdKernelEntry>(dtype_code(q.scalar_type()), q.size(-1), max_seqlen_q,
                                       mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";

@@ -32,16 +32,23 @@ inline void check_rank(const at::Tensor& t, const char* name, int64_t rank, cons
 }
 
 // q (B, Sq, H, D) or varlen (total_q, H, D); the element type of q, k, v (and out).
+// fp8: the call may take torch.float8_e4m3fn tensors (the FP8 forward, attention_fp8).
 inline at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                bool varlen) {
+                                bool varlen, bool fp8 = false) {
     const int64_t rank = varlen ? 3 : 4;
     const char* dims = varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)";
     check_rank(q, "q", rank, dims);
     check_rank(k, "k", rank, dims);
     check_rank(v, "v", rank, dims);
     const auto dtype = q.scalar_type();
-    FA_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16, "q has dtype ", dtype,
-                  "; supported: torch.float16, torch.bfloat16");
+    FA_CHECK_TYPE(fp8 || dtype != at::kFloat8_e4m3fn,
+                  "float8_e4m3fn inputs run the forward alone (flash_attn_func with "
+                  "q_descale/k_descale/v_descale, or attention_fp8): no backward, varlen or "
+                  "KV cache path takes them");
+    FA_CHECK_TYPE(fp8 ? dtype == at::kFloat8_e4m3fn
+                      : dtype == at::kHalf || dtype == at::kBFloat16,
+                  "q has dtype ", dtype, "; supported: ",
+                  fp8 ? "torch.float8_e4m3fn" : "torch.float16, torch.bfloat16");
     FA_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
                   "q, k and v must share a dtype");
     FA_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
@@ -127,14 +134,18 @@ inline void check_call(const flash::FwdKernelEntry& c, const at::Tensor& q_in,
     const bool mask = window_left != -1 || window_right != -1;
     const auto device = q_in.device();
 
-    const auto want = c.dtype == flash::DType::kFp16 ? at::kHalf : at::kBFloat16;
+    const auto want = c.dtype == flash::DType::kFp16   ? at::kHalf
+                      : c.dtype == flash::DType::kBf16 ? at::kBFloat16
+                                                       : at::kFloat8_e4m3fn;
     FA_CHECK_TYPE(dtype == want, "kernel ", c.name, " needs ", want, " tensors");
+    // FP8 kernels write bf16.
+    const auto out_dtype = dtype == at::kFloat8_e4m3fn ? at::kBFloat16 : dtype;
     FA_CHECK_VALUE(D <= c.d_head, "kernel ", c.name, " serves d_head multiples of 8 up to ",
                    c.d_head, ", got ", D);
     check_rank(out, "out", rank, "like q");
     FA_CHECK_VALUE(out.sizes() == q_in.sizes(), "out must have the shape of q ", q_in.sizes(),
                    ", got ", out.sizes());
-    FA_CHECK_TYPE(out.scalar_type() == dtype, "out must have dtype ", dtype);
+    FA_CHECK_TYPE(out.scalar_type() == out_dtype, "out must have dtype ", out_dtype);
     FA_CHECK_VALUE(B <= 65535 && H <= 65535, "batch (", B, ") and heads (", H,
                    ") must each be at most 65535");
     // kMaxSeqlen leaves room for the largest tile past the last row in 32-bit row indices.
@@ -174,6 +185,19 @@ inline void check_call(const flash::FwdKernelEntry& c, const at::Tensor& q_in,
                        varlen ? "(heads, total_q)" : "(batch, heads, seqlen_q)",
                        " tensor on q's device");
     }
+}
+
+// An FP8 call's descale (q_descale, k_descale or v_descale): fp32, (batch, kv_heads) with any
+// strides (an expanded scalar for a per-tensor scale), on q's device.
+inline void check_descale(const std::optional<at::Tensor>& d, const char* name, int64_t batch,
+                          int64_t kv_heads, const at::Device& device) {
+    if (!d)
+        return;
+    FA_CHECK_VALUE(d->scalar_type() == at::kFloat && d->dim() == 2 && d->size(0) == batch &&
+                       d->size(1) == kv_heads && d->device() == device,
+                   name, " must be an fp32 (batch, kv_heads) = (", batch, ", ", kv_heads,
+                   ") tensor on q's device (a per-tensor scale: t.expand(batch, kv_heads)), got ",
+                   d->scalar_type(), " ", d->sizes(), " on ", d->device());
 }
 
 // cu_seqlens: int32, 1-D, contiguous, on q's device, batch + 1 entries.

@@ -73,7 +73,10 @@ constexpr KernelEntry<Params> kernel_entry(const char* name,
                                            bool varlen_only = false) {
     KernelEntry<Params> e{};
     e.name = name;
-    e.dtype = std::is_same_v<typename Cfg::Elem, __half> ? DType::kFp16 : DType::kBf16;
+    using Elem = typename Cfg::Elem;
+    e.dtype = std::is_same_v<Elem, __half>          ? DType::kFp16
+              : std::is_same_v<Elem, __nv_bfloat16> ? DType::kBf16
+                                                    : DType::kE4m3;
     e.d_head = Cfg::kDHead;
     e.block_r = Cfg::kBr;
     e.block_c = Cfg::kBc;

@@ -1,9 +1,10 @@
 // Numeric helpers both kernel families use: the shared-memory address of a pointer, packing
-// fp32 pairs into 16-bit pairs, and fast exp2 / reciprocal / log2 / tanh.
+// fp32 pairs into 16-bit pairs (and quads into FP8), and fast exp2 / reciprocal / log2 / tanh.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 
 namespace flash {
@@ -26,6 +27,14 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Four fp32 values -> one 32-bit register of four e4m3 bytes, a in the lowest (round to nearest,
+// saturated to +-448: cvt.rn.satfinite.e4m3x2.f32).
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+    return lo | (hi << 16);
 }
 
 // fp32 accumulators of n8 tiles (the mma.sync m16n8 / wgmma layout of a warp's 16 rows) ->

@@ -60,6 +60,11 @@ struct FwdParams : AttentionParams {
     // Kernels that schedule their tiles dynamically (FwdKernelEntry::tile_counter): an int of
     // device memory for this launch alone, which the launcher zeroes on the launch's stream.
     int* tile_counter;
+    // FP8 kernels: the fp32 descales of q, k and v (0, 1, 2) per (batch, KV head), element
+    // (b, h) at descale[i] + b * descale_batch_stride[i] + h * descale_head_stride[i] (strides
+    // 0 for a per-tensor scale); nullptr: 1.
+    const float* descale[3];
+    int64_t descale_batch_stride[3], descale_head_stride[3];
 };
 
 // The backward kernels (preprocess, main, dQ conversion): the forward's call, its gradients and

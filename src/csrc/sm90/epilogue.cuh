@@ -20,9 +20,9 @@ namespace flash::sm90 {
 // column, or with kSplitCols rows 0 .. 63 and the columns 8 kNO wg .. (its kNO n8 tiles).
 template <class Cfg, int kTileRows = Cfg::kBr, bool kSplitCols = false>
 struct Epilogue {
-    using Elem = typename Cfg::Elem;
+    using Elem = typename Cfg::OutElem;  // of the stored tile (16-bit)
     static constexpr int kNO = Cfg::kNTilesO;
-    static constexpr int kStorePanels = kSplitCols ? kNO / 8 : Cfg::kPanels;
+    static constexpr int kStorePanels = kSplitCols ? kNO / 8 : Cfg::kOutPanels;
     static_assert(!kSplitCols || (kNO % 8 == 0 && kTileRows == 64), "whole panels of 64 rows");
 
     const int wg, warp, lane;  // warpgroup among the consumers; warp among the consumer warps

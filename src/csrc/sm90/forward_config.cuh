@@ -6,6 +6,9 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
 
 namespace flash::sm90 {
 
@@ -14,7 +17,14 @@ template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kStages_, bool kW
           bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kVarlen_,
           bool kMask_, bool kSoftcap_>
 struct FwdConfig {
-    using Elem = Elem_;
+    using Elem = Elem_;  // of Q, K, V: fp16, bf16 or FP8 e4m3
+    // FP8 (e4m3) operands: k32 wgmma steps over the same 32 bytes as the 16-bit k16 ones, V
+    // transposed into K-major rows by the producer warpgroup (FP8 wgmma takes K-major B alone),
+    // P converted to e4m3 in registers, per-(batch, KV head) descales folded into the softmax
+    // scale (q, k) and O's normalisation (v); O is written as bf16.
+    static constexpr bool kFp8 = sizeof(Elem) == 1;
+    using OutElem = std::conditional_t<kFp8, __nv_bfloat16, Elem>;  // of O
+    static constexpr int kElemBytes = sizeof(Elem);
 
     static constexpr int kDHead = kDHead_;  // 64, 128 or 256; serves multiples of 8 up to it
     static constexpr int kBr = kBr_;        // B_r: query rows per CTA, 64 per consumer warpgroup
@@ -73,27 +83,46 @@ struct FwdConfig {
     // Registers after setmaxnreg: the producer keeps few, the consumers take what it gives up
     // (the CTA's launch allocation, 168 per thread at 384 threads, 128 at 512). The producer of
     // the dynamic schedule or of a cluster needs a few more than 24 (else it spills).
+    // FP8: the producer warpgroup transposes V, which takes more registers.
     static constexpr bool kBusyProducer = kDynamic || kCluster;
-    static constexpr int kProducerRegs = kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40) : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kBusyProducer ? 232 : 240) : 160;
+    static constexpr int kProducerRegs =
+        kFp8 ? 56 : kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40) : 24;
+    static constexpr int kConsumerRegs =
+        kConsumerWGs == 2 ? (kFp8 ? 224 : kBusyProducer ? 232 : 240) : 160;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
     static constexpr int kNTilesS = kBc / 8;
     static constexpr int kNTilesO = kDHead / 8;
 
-    // Shared memory: tiles of 64-column panels (128 bytes per row, the 128-byte swizzle's width),
-    // each panel rows x 128 bytes; Q (per buffer), then K and V per stage, O, then the mbarriers.
-    static constexpr int kPanels = kDHead / 64;
-    static constexpr int kQBytes = kBr * kDHead * 2;
-    static constexpr int kKVBytes = kBc * kDHead * 2;
-    static constexpr int kOBytes = kPersistent ? kBr * kDHead * 2 : 0;  // else O reuses sQ
+    // Shared memory: tiles of panels 128 bytes wide (the 128-byte swizzle's width: 64 columns of
+    // 16-bit elements, 128 of FP8), each panel rows x 128 bytes; Q (per buffer), then K and V per
+    // stage (FP8: V transposed, then the V tiles as TMA lands them), O, then the mbarriers. O is
+    // staged as OutElem in 64-column panels.
+    static constexpr int kPanelCols = 128 / kElemBytes;
+    static constexpr int kPanels = kDHead / kPanelCols;
+    static constexpr int kOutPanels = kDHead / 64;
+    static constexpr int kQBytes = kBr * kDHead * kElemBytes;
+    static constexpr int kKVBytes = kBc * kDHead * kElemBytes;
+    static constexpr int kVRawBytes = kFp8 ? kKVBytes : 0;  // per stage
+    // O's staging buffer: its own on a persistent grid or with FP8 (sQ is too small), else sQ.
+    static constexpr int kOBytes = kPersistent || (kFp8 && kTmaStore) ? kBr * kDHead * 2 : 0;
     static constexpr int kBarrierBytes = 1024;
     // + 1024: the dynamic smem base is rounded up to the 1024-byte swizzle period.
-    static constexpr int kSmemBytes =
-        kQBuffers * kQBytes + 2 * kStages * kKVBytes + kOBytes + kBarrierBytes + 1024;
+    static constexpr int kSmemBytes = kQBuffers * kQBytes + kStages * (2 * kKVBytes + kVRawBytes) +
+                                      kOBytes + kBarrierBytes + 1024;
+    // FP8: exp2 offset of P (P <= 2^8 < e4m3's 448), so that small probabilities keep bits.
+    static constexpr float kPShiftLog2 = kFp8 ? 8.f : 0.f;
 
-    static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
+    static_assert(sizeof(Elem) == 2 || std::is_same_v<Elem, __nv_fp8_e4m3>,
+                  "fp16, bf16 or e4m3 elements only");
+    static_assert(!kFp8 || ((kDHead == 128 || kDHead == 256) && kBc == 128 && kWarpSpec &&
+                            kBr == 128 && kStages >= 2 && !kDynamic && !kCluster &&
+                            !kTileOverlap && !kVarlen && !kLazyRescale),
+                  "FP8: d_head 128 or 256, B_c 128 (a transposed V row is one 128-byte panel), "
+                  "B_r 128 with the producer warpgroup (it transposes V), 2+ stages, a static "
+                  "schedule, no CTA pairs, tile overlap, varlen or lazy rescale (P would exceed "
+                  "e4m3's range)");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");
     static_assert(kBc == 64 || kBc == 96 || kBc == 128 || kBc == 176 || kBc == 192,
                   "B_c must be a wgmma N the kernels instantiate: 64, 96, 128, 176 or 192");

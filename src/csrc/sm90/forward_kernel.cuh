@@ -31,6 +31,38 @@
 
 namespace flash::sm90 {
 
+// FP8: thread 0 of the producer warpgroup issues the copies as the 16-bit producer does; after
+// those of block g every thread transposes block g - 1's V (fp8_v_transpose.cuh), so the copies
+// run a block ahead of the transposes. A static schedule: every thread walks the tiles.
+template <class Cfg, class Schedule>
+__device__ __forceinline__ void fp8_producer(const FwdKernelParams& params,
+                                             const ForwardLoader<Cfg>& loader,
+                                             const Schedule& schedule) {
+    const FwdParams& p = params.p;
+    const int pt = threadIdx.x - 32 * Cfg::kConsumerWarps;
+    int q_use = 0, g = 0;
+    for (int tile = schedule.first_tile; tile < schedule.tiles;
+         tile = schedule.next(p.tile_counter, tile)) {
+        const ForwardTile<Cfg> w(params, tile);
+        if (w.n_blocks > 0) {
+            if (pt == 0)
+                loader.load_q(w, q_use);
+            ++q_use;
+            for (int i = 0; i < w.n_blocks; ++i) {
+                if (pt == 0) {
+                    loader.load_k(w, i, g + i);
+                    loader.load_v(w, i, g + i);
+                }
+                if (g + i > 0)
+                    loader.transpose_v(g + i - 1, pt);
+            }
+            g += w.n_blocks;
+        }
+    }
+    if (g > 0)
+        loader.transpose_v(g - 1, pt);
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdKernelParams params) {
@@ -58,7 +90,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         __syncthreads();
 
     const bool producer = Cfg::kWarpSpec && warp >= Cfg::kConsumerWarps;
-    if (producer) {
+    if (producer && Cfg::kFp8) {
+        setmaxnreg_dec<Cfg::kProducerRegs>();
+        if constexpr (Cfg::kFp8)
+            fp8_producer<Cfg>(params, loader, schedule);
+    } else if (producer) {
         setmaxnreg_dec<Cfg::kProducerRegs>();
         if (warp == Cfg::kConsumerWarps && lane == 0) {
             int q_use = 0, g = 0;  // both sides count tiles with work and K/V blocks alike

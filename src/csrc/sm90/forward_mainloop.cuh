@@ -35,6 +35,7 @@
 #include "forward_smem_layout.cuh"
 #include "forward_softmax.cuh"
 #include "forward_tile.cuh"
+#include "fp8_v_transpose.cuh"
 #include "named_barriers.cuh"
 #include "ptx.cuh"
 #include "tma_loader.cuh"
@@ -67,12 +68,36 @@ struct ForwardLoader : TmaLoader<Cfg> {
                                                              w.kv_block(i), w.kv_head,
                                                              w.map_batch(), w.k_start());
     }
+    // FP8: into V raw, once the producer warps have transposed its previous tile (transpose_v).
     __device__ __forceinline__ void load_v(const ForwardTile<Cfg>& w, int i, int g) const {
         const int s = g % Cfg::kStages;
-        wait_buffer_free(sm.v_empty(s), g / Cfg::kStages);
-        this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.v(s), &prm.tma_v, sm.v_full(s),
-                                                             w.kv_block(i), w.kv_head,
-                                                             w.map_batch(), w.k_start());
+        if constexpr (Cfg::kFp8) {
+            wait_buffer_free(sm.v_raw_empty(s), g / Cfg::kStages);
+            this->template load_tile<Cfg::kBc, /*kShared=*/false>(
+                sm.v_raw(s), &prm.tma_v, sm.v_raw_full(s), w.kv_block(i), w.kv_head,
+                w.map_batch(), w.k_start());
+        } else {
+            wait_buffer_free(sm.v_empty(s), g / Cfg::kStages);
+            this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.v(s), &prm.tma_v,
+                                                                 sm.v_full(s), w.kv_block(i),
+                                                                 w.kv_head, w.map_batch(),
+                                                                 w.k_start());
+        }
+    }
+    // FP8, every thread pt (0 .. 127) of the producer warpgroup: pipeline block g's V, once TMA
+    // has landed it and the consumers have released the stage's transposed V, into that stage
+    // (fp8_v_transpose.cuh); then each warp releases V raw and arrives on v_full.
+    __device__ __forceinline__ void transpose_v(int g, int pt) const {
+        const int s = g % Cfg::kStages, use = g / Cfg::kStages;
+        mbar_wait(sm.v_raw_full(s), use & 1);
+        wait_buffer_free(sm.v_empty(s), use);
+        VTranspose<Cfg>::run(sm.v_raw(s), sm.v(s), pt);
+        fence_proxy_async_smem();  // the consumers' wgmma (async proxy) reads these stores
+        __syncwarp();
+        if (pt % 32 == 0) {
+            mbar_arrive(sm.v_raw_empty(s));
+            mbar_arrive(sm.v_full(s));
+        }
     }
 };
 
@@ -81,7 +106,9 @@ template <class Cfg>
 struct ForwardConsumer {
     using Elem = typename Cfg::Elem;
     static constexpr int kNS = Cfg::kNTilesS, kNO = Cfg::kNTilesO;
-    static constexpr int kStepsQK = Cfg::kDHead / 16, kStepsPV = Cfg::kBc / 16;
+    // k16 steps (k32 with FP8: the same 32 bytes of a row per step)
+    static constexpr int kStepsQK = Cfg::kDHead * Cfg::kElemBytes / 32;
+    static constexpr int kStepsPV = Cfg::kBc * Cfg::kElemBytes / 32;
 
     const FwdKernelParams& prm;
     const SmemLayout<Cfg>& sm;
@@ -111,6 +138,28 @@ struct ForwardConsumer {
     uint32_t Qf[Cfg::kQRegs ? kStepsQK : 1][4];  // kQRegs: the tile's Q as wgmma A fragments
     float corr[2];  // O's rescale factors for the previous block's softmax
     Softmax<Cfg> softmax;
+    // FP8: the tile's descales, q's times k's (folded into the scores' scale) and v's (into O's
+    // normalisation).
+    float qk_descale = 1.f, v_descale = 1.f;
+
+    __device__ __forceinline__ void load_descales(const ForwardTile<Cfg>& w) {
+        if constexpr (Cfg::kFp8) {
+            const FwdParams& p = prm.p;
+            float d[3];
+#pragma unroll
+            for (int i = 0; i < 3; ++i)
+                d[i] = p.descale[i] == nullptr
+                           ? 1.f
+                           : p.descale[i][w.batch * p.descale_batch_stride[i] +
+                                          w.kv_head * p.descale_head_stride[i]];
+            qk_descale = d[0] * d[1];
+            v_descale = d[2];
+        }
+    }
+    // The scores' scale into exp2 (with a softcap the descale goes inside the tanh).
+    __device__ __forceinline__ float scale_log2() const {
+        return Cfg::kFp8 && !Cfg::kSoftcap ? prm.p.scale_log2 * qk_descale : prm.p.scale_log2;
+    }
 
     // ---- GEMMs --------------------------------------------------------------------------------
 
@@ -148,18 +197,37 @@ struct ForwardConsumer {
     }
 
     // O += P V_i: B is V (kv rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
-    // panels B_c x 128 bytes apart (LBO); 16 kv rows per instruction.
+    // panels B_c x 128 bytes apart (LBO); 16 kv rows per instruction. FP8: V transposed (d rows
+    // of B_c keys, K-major as K in issue_qk), 32 keys per instruction.
     __device__ __forceinline__ void issue_pv(int s) {
         const uint32_t v0 = smem_u32(sm.v(s));
 #pragma unroll
         for (int kk = 0; kk < kStepsPV; ++kk) {
-            const uint64_t b = desc_sw128(v0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
-            Wgmma<Cfg::kDHead, Elem>::rs(O, P[kk], b, 1u);
+            if constexpr (Cfg::kFp8) {
+                Wgmma<Cfg::kDHead, Elem>::rs_k(O, P[kk], desc_sw128(v0 + kk * 32, 16, 1024), 1u);
+            } else {
+                const uint64_t b = desc_sw128(v0 + kk * 16 * 128, Cfg::kBc * 128, 1024);
+                Wgmma<Cfg::kDHead, Elem>::rs(O, P[kk], b, 1u);
+            }
         }
     }
 
-    // P (fp32 accumulators of S) -> 16-bit A fragments of P V.
-    __device__ __forceinline__ void convert_p() { to_a_fragments<Elem>(S, P); }
+    // P (fp32 accumulators of S) -> A fragments of P V: 16-bit, or FP8 in place (the k32
+    // fragment's register r holds 4 bytes of one row: n8 tiles 4kk + 2(r / 2) and + 1, row + 8
+    // for odd r; fp8_v_transpose.cuh orders V's keys to match).
+    __device__ __forceinline__ void convert_p() {
+        if constexpr (Cfg::kFp8) {
+#pragma unroll
+            for (int kk = 0; kk < kStepsPV; ++kk)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int t = 4 * kk + 2 * (r / 2), e = 2 * (r % 2);
+                    P[kk][r] = pack4_e4m3(S[t][e], S[t][e + 1], S[t + 1][e], S[t + 1][e + 1]);
+                }
+        } else {
+            to_a_fragments<Elem>(S, P);
+        }
+    }
 
     // ---- turns (ping-pong) and stage release --------------------------------------------------
 
@@ -201,11 +269,12 @@ struct ForwardConsumer {
         const int j = w.kv_block(i);
         const int seqlen_k = w.seqlen_k(p);
         if constexpr (Cfg::kSoftcap) {
+            const float softcap_scale = Cfg::kFp8 ? p.softcap_scale * qk_descale : p.softcap_scale;
 #pragma unroll
             for (int t = 0; t < kNS; ++t)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    S[t][e] = tanh_fast(S[t][e] * p.softcap_scale);
+                    S[t][e] = tanh_fast(S[t][e] * softcap_scale);
         }
         if (w.needs_mask(j, seqlen_k)) {
             float (&S3)[1][kNS][4] = reinterpret_cast<float (&)[1][kNS][4]>(S);
@@ -220,7 +289,7 @@ struct ForwardConsumer {
             else
                 mask.template apply<false, true>(S3, j * Cfg::kBc, seqlen_k, p);
         }
-        softmax.template scores<kFirst>(S, p.scale_log2, corr);
+        softmax.template scores<kFirst>(S, scale_log2(), corr);
     }
 
     // kVarlen, before P V of visit i from stage s: the block that holds the sequence's last key
@@ -270,6 +339,7 @@ struct ForwardConsumer {
     // A new tile: O cleared, the softmax state reset.
     __device__ __forceinline__ void start(const ForwardTile<Cfg>& w, int q_use, int g) {
         set_tile(w);
+        load_descales(w);
         g0 = g;
         qu = q_use;
         clear_o();
@@ -334,7 +404,9 @@ struct ForwardConsumer {
                            2 * 128);  // the turn warpgroup 1 passed last; nothing waits on it
         }
         float inv[2], lse[2];
-        softmax.totals(inv, lse, prm.p.scale_log2);
+        softmax.totals(inv, lse, scale_log2());
+        if constexpr (Cfg::kFp8)
+            inv[0] *= v_descale, inv[1] *= v_descale;
         Softmax<Cfg>::normalize(O, inv);
         write_output(tile(), lse);
     }
@@ -363,7 +435,7 @@ struct ForwardConsumer {
         issue_pv(sl);
         wgmma_commit();
         float inv[2], lse[2];
-        softmax.totals(inv, lse, prm.p.scale_log2);  // this tile's row sums are complete
+        softmax.totals(inv, lse, scale_log2());  // this tile's row sums are complete
         softmax.init();
         set_tile(next);
         g0 = g;
@@ -472,7 +544,8 @@ struct ForwardConsumer {
                 if (w.q_row0 + row_in_cta + 8 * h < seqlen_q)
                     lse_out[row_in_cta + 8 * h] = lse[h];
         }
-        Elem* o = static_cast<Elem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
+        using OutElem = typename Cfg::OutElem;
+        OutElem* o = static_cast<OutElem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
                   int64_t(w.head) * p.o_head_stride + int64_t(q_start) * p.o_row_stride;
         if constexpr (Cfg::kTmaStore) {
             const Epilogue<Cfg> epilogue{wg, warp, lane};
@@ -490,13 +563,13 @@ struct ForwardConsumer {
                 const int row = w.q_row0 + row_in_cta + 8 * h;
                 if (row >= seqlen_q)
                     continue;
-                Elem* o_row = o + int64_t(row) * p.o_row_stride;
+                OutElem* o_row = o + int64_t(row) * p.o_row_stride;
 #pragma unroll
                 for (int t = 0; t < kNO; ++t) {
                     const int col = t * 8 + (lane % 4) * 2;
                     if (col < p.d_head)
                         *reinterpret_cast<uint32_t*>(o_row + col) =
-                            pack2<Elem>(O[t][2 * h], O[t][2 * h + 1]);
+                            pack2<OutElem>(O[t][2 * h], O[t][2 * h + 1]);
                 }
             }
         }

@@ -43,8 +43,11 @@ struct Softmax {
                     mx = m[h];
                 row_moved |= mx != m[h];
             }
-            // A row with no finite score yet keeps offset 0: exp2(-inf) = 0, never NaN.
-            const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;
+            // A row with no finite score yet keeps offset 0: exp2(-inf) = 0, never NaN. FP8: P
+            // is 2^kPShiftLog2 times the probability (l too; totals() takes it out of the LSE).
+            float offset = mx == -INFINITY ? 0.f : mx * scale_log2;
+            if constexpr (Cfg::kFp8)
+                offset = mx == -INFINITY ? 0.f : offset - Cfg::kPShiftLog2;
             corr[h] = (kFirst || mx == -INFINITY) ? 1.f : fast_exp2((m[h] - mx) * scale_log2);
             m[h] = mx;
             float sum = 0.f;
@@ -85,8 +88,10 @@ struct Softmax {
             // MUFU approximations (about 2^-22 relative): the precise 1/x and log2f are ~100
             // dependent instructions with slow paths, on the tile change's critical path.
             inv[h] = sum > 0.f ? fast_rcp(sum) : 0.f;
-            lse[h] =
-                sum > 0.f ? (m[h] * scale_log2 + fast_log2(sum)) * 0.69314718055994531f : -INFINITY;
+            float log2_sum = fast_log2(sum);
+            if constexpr (Cfg::kFp8)
+                log2_sum -= Cfg::kPShiftLog2;
+            lse[h] = sum > 0.f ? (m[h] * scale_log2 + log2_sum) * 0.69314718055994531f : -INFINITY;
         }
     }
     // O /= l, with inv from totals().

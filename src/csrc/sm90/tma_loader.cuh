@@ -19,7 +19,8 @@ __device__ __forceinline__ void wait_buffer_free(uint64_t* empty, int use) {
         mbar_wait(empty, (use - 1) & 1);
 }
 
-// Producer: copies of whole tiles, kRows rows x Cfg::kPanels 64-column panels (panel c at
+// Producer: copies of whole tiles, kRows rows x Cfg::kPanels panels of 128 bytes a row
+// (Cfg::kPanelCols columns: 64 of 16-bit elements, 128 of FP8; panel c at
 // dst + c * kRows * 128 bytes), tile `block` being rows row_start + block * kRows .. of (head,
 // batch) of a 4-D tensor map (d_head, rows, heads, batch) (row_start: a varlen sequence's first
 // row in the packed tensor).
@@ -44,9 +45,9 @@ struct TmaLoader {
             unsigned char* panel = dst + c * kRows * 128 + (kShared ? rank * kPart * 128 : 0);
             if constexpr (kShared && Cfg::kCluster)
                 tma_load_4d_multicast(panel, map, full, uint16_t((1u << Cfg::kClusterCtas) - 1),
-                                      c * 64, row0, head, batch);
+                                      c * Cfg::kPanelCols, row0, head, batch);
             else
-                tma_load_4d(panel, map, full, c * 64, row0, head, batch);
+                tma_load_4d(panel, map, full, c * Cfg::kPanelCols, row0, head, batch);
         }
     }
 };

@@ -16,7 +16,7 @@ from flash_attention.kernels import KINDS, HelperKernel, KernelConfig, parse_ker
 from flash_attention.kernels.helpers import TEMPLATES as HELPER_TEMPLATES
 from flash_attention.kernels.helpers import helpers_of
 
-_ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16"}
+_ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16", "13__nv_fp8_e4m3": "e4m3"}
 assert set(_ELEM.values()) == set(ELEM_TYPES)
 
 # The mangled kernel template applied to each kind's config template, up to the config's
@@ -37,7 +37,8 @@ _OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI", "bwd_sm90",
      ("dtype", "d_head", "softcap", "block_r")),
 )
-_ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16)|Li(?P<int>\d+)E|Lb(?P<bool>[01])E")
+_ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16|13__nv_fp8_e4m3)|Li(?P<int>\d+)E"
+                  r"|Lb(?P<bool>[01])E")
 _HELPER = re.compile(r"_ZN5flash(?:3bwd|4sm80)\d+(?P<template>\w+?_kernel)"
                      r"I(?P<elem>6__half|13__nv_bfloat16)EEvNS_9(?:Bwd|Dec)ParamsE")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..kernels import KINDS, KernelConfig
 
-ELEM_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+ELEM_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3"}
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ issue (m64nNk16, fp32 accumulators, fp16 or bf16 operands), with A from shared m
 or from registers (O += P V, and S = Q K^T with Q held in registers), both operands MN-major
 from shared memory (the backward's dQ = dS K, dS stored transposed), and A K-major with B
 MN-major from shared memory (the d_head 256 backward's dV += P^T dO, P^T in shared memory).
+FP8 (e4m3) operands: m64nNk32, K-major alone (the instruction has no transpose), A from shared
+memory or registers (the FP8 forward's S = Q K^T and O += P V^T, V transposed in shared memory).
 The accumulator lists are too long to write by hand (up to 128 registers); the file is checked
 in and tests/test_codegen.py checks that it matches this generator.
 
@@ -17,6 +19,9 @@ import sys
 # backward's dQ column halves (32 at d_head 64).
 SHAPES_N = (32, 64, 96, 128, 176, 192, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
+# N of the FP8 instructions: B_c 128 for S = Q K^T, the d_head variants 128 and 256 for O += P V.
+FP8_SHAPES_N = (128, 256)
+FP8_TYPES = {"__nv_fp8_e4m3": "e4m3"}
 
 
 def _regs(first: int, count: int) -> str:
@@ -29,14 +34,16 @@ def _accum_operands(n: int) -> str:
 
 def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False,
              mn_major: bool = False, b_mn_major: bool = False) -> str:
-    ptx_t = TYPES[elem]
+    fp8 = elem in FP8_TYPES
+    ptx_t = FP8_TYPES[elem] if fp8 else TYPES[elem]
     acc = n // 2  # fp32 accumulators per thread: 64 x n over 128 threads
-    instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t}"
+    instr = f"wgmma.mma_async.sync.aligned.m64n{n}k{32 if fp8 else 16}.f32.{ptx_t}.{ptx_t}"
     if a_from_regs:
         a_ops = "{" + _regs(acc, 4) + "}"
         b_op, p_op = f"%{acc + 4}", f"%{acc + 5}"
-        # scale A, scale B, B transposed (V is MN-major: d contiguous; K is K-major)
-        tail = "1, 1, 0" if b_k_major else "1, 1, 1"
+        # scale A, scale B, B transposed (V is MN-major: d contiguous; K is K-major); FP8 has
+        # no transpose operand (both K-major)
+        tail = "1, 1" if fp8 else "1, 1, 0" if b_k_major else "1, 1, 1"
         inputs = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), '
                   '"r"(scale_d)')
         sig = "const uint32_t (&a)[4], uint64_t desc_b, uint32_t scale_d"
@@ -47,7 +54,8 @@ def _wrapper(n: int, elem: str, a_from_regs: bool, b_k_major: bool = False,
         # scale A, scale B, then A and B transposed: neither (Q and K are K-major), both
         # (ss_mn: dS^T and K hold M and N contiguous), or B alone (ss_bmn: P^T K-major, dO
         # MN-major)
-        tail = "1, 1, 1, 1" if mn_major else "1, 1, 0, 1" if b_mn_major else "1, 1, 0, 0"
+        tail = ("1, 1" if fp8 else "1, 1, 1, 1" if mn_major else "1, 1, 0, 1" if b_mn_major
+                else "1, 1, 0, 0")
         inputs = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = "uint64_t desc_a, uint64_t desc_b, uint32_t scale_d"
         name = "ss_mn" if mn_major else "ss_bmn" if b_mn_major else "ss"
@@ -74,11 +82,12 @@ def header() -> str:
         "// from shared memory (descriptors, K-major). rs: A from registers (the m16n8k16 A\n"
         "// fragment of each warp's 16 rows), B from shared memory MN-major; rs_k: the same with\n"
         "// B K-major; ss_mn: A and B from shared memory, both MN-major; ss_bmn: A K-major, B\n"
-        "// MN-major. scale_d = 0 overwrites d, 1 accumulates.\n"
+        "// MN-major. scale_d = 0 overwrites d, 1 accumulates. FP8 (e4m3): m64nNk32, ss and\n"
+        "// rs_k alone (K-major operands; the A fragment holds 4 bytes per register).\n"
         "// asm volatile: the compiler must not move these across the fences and waits around\n"
         "// them.\n"
         "// clang-format off\n#pragma once\n\n"
-        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n\n"
+        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n#include <cstdint>\n\n"
         "namespace flash::sm90 {\n\n"
         "template <int N, typename Elem>\nstruct Wgmma;\n"
     ]
@@ -91,6 +100,13 @@ def header() -> str:
                 + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "\n"
                 + _wrapper(n, elem, a_from_regs=False, mn_major=True) + "\n"
                 + _wrapper(n, elem, a_from_regs=False, b_mn_major=True) + "};\n"
+            )
+    for n in FP8_SHAPES_N:
+        for elem in FP8_TYPES:
+            parts.append(
+                f"\ntemplate <>\nstruct Wgmma<{n}, {elem}> {{\n"
+                + _wrapper(n, elem, a_from_regs=False) + "\n"
+                + _wrapper(n, elem, a_from_regs=True, b_k_major=True) + "};\n"
             )
     parts.append("\n}  // namespace flash::sm90\n")
     return "".join(parts)

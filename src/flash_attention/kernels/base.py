@@ -179,7 +179,7 @@ def _flag_order(flags: tuple[str, ...]) -> str:
 def _name_pattern(kind: str, segments: tuple[tuple[str, str], ...]) -> re.Pattern[str]:
     """The regular expression of a kind's names (KernelConfig.name), compiled once."""
     fields = "".join(rf"_{letter}(?P<{f}>\d+)" for letter, f in segments)
-    return re.compile(rf"{kind}_(?P<dtype>fp16|bf16){fields}_f(?P<flags>[a-z]*)")
+    return re.compile(rf"{kind}_(?P<dtype>fp16|bf16|e4m3){fields}_f(?P<flags>[a-z]*)")
 
 
 class KernelConfig:
@@ -243,7 +243,8 @@ class KernelConfig:
     @classmethod
     def name_format(cls) -> str:
         segments = "".join(f"_{letter}<{f}>" for letter, f in cls.SEGMENTS)
-        return f"{cls.KIND}_<fp16|bf16>{segments}_f<flags>"
+        dtypes = "fp16|bf16|e4m3" if cls.KIND == "fwd_sm90" else "fp16|bf16"
+        return f"{cls.KIND}_<{dtypes}>{segments}_f<flags>"
 
     @classmethod
     def parse(cls: type[_Config], text: str) -> _Config:

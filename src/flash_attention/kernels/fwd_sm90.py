@@ -4,6 +4,7 @@ fixed-length calls whose tensors TMA can address (the rest run on ``fwd_sm80``).
 (src/csrc/sm90/forward_config.cuh), whose static_asserts the rules here mirror. One flag per
 technique, so each step of the Hopper progression is a config. Name:
 ``fwd_sm90_bf16_d128_r128_c128_s2_fwpia`` (B_r = 64 per consumer warpgroup, B_c, K/V stages).
+dtype ``e4m3``: the FP8 forward (float8_e4m3fn q, k, v with descales, bf16 out; FP8_ROWS).
 
 Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
 """
@@ -27,6 +28,8 @@ from .base import (
 
 KIND = "fwd_sm90"
 D_HEADS = (64, 128, 256)
+FP8 = "e4m3"
+DTYPES_ALL = (*DTYPES, FP8)  # the 16-bit ones and FP8 e4m3 (Hopper alone)
 BLOCK_R = (64, 128, 192)  # 1 to 3 consumer warpgroups of 64 query rows
 BLOCK_C = (64, 96, 128, 176, 192)
 STAGES = (1, 2, 3, 4)
@@ -115,35 +118,46 @@ class Sm90FwdConfig(KernelConfig):
         return 32 * self.warps
 
     @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8
+
+    @property
     def elem_bytes(self) -> int:
-        return 2
+        return 1 if self.fp8 else 2
 
     @property
     def smem_bytes(self) -> int:
-        """Q (two buffers with tile_overlap), K and V stages, O (persistent), the mbarriers
-        (1 KB) and 1 KB to align the base to 1024."""
-        q_and_o = 1 + int(self.tile_overlap) + int(self.persistent)
-        rows = self.block_r * q_and_o + 2 * self.stages * self.block_c
-        return rows * self.d_head * 2 + 2048
+        """Q (two buffers with tile_overlap), K and V stages (FP8: and V as TMA lands it, before
+        the transpose), O (16-bit; persistent, or FP8 with tma_store), the mbarriers (1 KB) and 1
+        KB to align the base to 1024."""
+        eb = self.elem_bytes
+        q = self.block_r * (1 + int(self.tile_overlap)) * self.d_head * eb
+        kv = (3 if self.fp8 else 2) * self.stages * self.block_c * self.d_head * eb
+        o = self.block_r * self.d_head * 2 if self.persistent or (self.fp8 and self.tma_store) else 0
+        return q + kv + o + 2048
 
     @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
-        consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40."""
+        consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40; 16
+        fewer with FP8, whose producer transposes V with 56."""
+        if self.fp8:
+            return 224
         busy_producer = self.dynamic or self.cluster
         return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs == 2
                                                    else 0)
 
     @property
     def accum_regs(self) -> int:
-        """fp32 accumulators of O and S plus the 16-bit P fragments (and Q's with q_regs), per
-        consumer thread."""
-        q = self.d_head // 4 if self.q_regs else 0
-        return self.d_head // 2 + self.block_c // 2 + self.block_c // 4 + q
+        """fp32 accumulators of O and S plus the P fragments (16-bit, or FP8 at 4 a register),
+        and Q's with q_regs, per consumer thread."""
+        frag = 8 if self.fp8 else 4  # columns of P or Q per register and thread's quarter
+        q = self.d_head // frag if self.q_regs else 0
+        return self.d_head // 2 + self.block_c // 2 + self.block_c // frag + q
 
     def problems(self) -> list[str]:
         out = self.field_problems(
-            ("dtype", self.dtype, DTYPES), ("d_head", self.d_head, D_HEADS, " on sm90"),
+            ("dtype", self.dtype, DTYPES_ALL), ("d_head", self.d_head, D_HEADS, " on sm90"),
             ("B_r", self.block_r, BLOCK_R, " (64 per consumer warpgroup)"),
             ("B_c", self.block_c, BLOCK_C, " (a wgmma N)"),
             ("stages", self.stages, STAGES))
@@ -161,6 +175,18 @@ class Sm90FwdConfig(KernelConfig):
             out.append("tile_overlap needs the persistent grid")
         if self.varlen and self.cluster:
             out.append("varlen cannot take CTA pairs (a pair's blocks may lie in two sequences)")
+        if self.fp8:
+            if self.d_head not in (128, 256) or self.block_c != 128:
+                out.append("FP8 needs d_head 128 or 256 and B_c 128 (a transposed V row is one "
+                           "128-byte panel of keys)")
+            if not (self.warp_spec and self.block_r == 128 and self.stages >= 2):
+                out.append("FP8 needs warp_spec (the producer transposes V), B_r 128 and 2+ "
+                           "stages")
+            bad = [f for f in ("dynamic", "cluster", "tile_overlap", "varlen", "lazy_rescale")
+                   if getattr(self, f)]
+            if bad:
+                out.append(f"FP8 does not take {', '.join(bad)} (lazy_rescale: P would exceed "
+                           "e4m3's range)")
         regs = self.accum_regs + OVERHEAD_REGS
         if regs > self.consumer_regs:
             q = " and Q" if self.q_regs else ""
@@ -242,6 +268,16 @@ ROWS: tuple[Row, ...] = (
 )
 
 
+# FP8 (e4m3) calls: fixed-length, d_head 128 (96, 128) for now; every kind of call runs the
+# ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No fallback: the
+# sm80 family has no FP8 kernels.
+FP8_ROWS: tuple[Row, ...] = (
+    Row("sm90 fp8 d128", ("plain", "masked", "local", "softcap"), (96, 128), None,
+        "r128_c128_s3_fwpia", "ping-pong and overlap, O through a TMA store; 3 stages lead 2 "
+        "by 3-11%, Q in registers loses 1-2% from 4096"),
+)
+
+
 # Varlen calls (cu_seqlens) on sm_90 run the row of their kind and d_head variant here (its
 # kernel with the call's feature letters after flag j), not a row of their length: a pack holds
 # many lengths. Each kernel ran FlashAttention's rule over packs of 9-40 sequences on an H200
@@ -268,7 +304,10 @@ VARLEN_ROWS: tuple[Row, ...] = (
 
 
 def varlen_table_rows(call: Call) -> list[tuple[int | None, str]]:
-    """(None, kernel name) of the varlen row for the call's kind and d_head (empty: none)."""
+    """(None, kernel name) of the varlen row for the call's kind and d_head (empty: none; FP8
+    has no varlen kernel)."""
+    if call.dtype == FP8:
+        return []
     return base.table_rows(KIND, VARLEN_ROWS, call, D_HEADS)
 
 
@@ -285,8 +324,8 @@ def select_varlen(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfi
 
 def table_rows(call: Call) -> list[tuple[int | None, str]]:
     """(largest seqlen_q it serves or None, kernel name) of the rows for the call's kind and
-    d_head, shortest first."""
-    return base.table_rows(KIND, ROWS, call, D_HEADS)
+    d_head (FP8_ROWS for an e4m3 call), shortest first."""
+    return base.table_rows(KIND, FP8_ROWS if call.dtype == FP8 else ROWS, call, D_HEADS)
 
 
 def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
@@ -319,6 +358,7 @@ CI: tuple[Sm90FwdConfig, ...] = (
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwalxgz"),  # persistent, CTA pairs multicasting K/V
     P("fwd_sm90_bf16_d64_r192_c96_s3_fwaln"),  # 3 consumer warpgroups, tile hand-over
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwpiazjmt"),  # varlen, softcap, ping-pong
+    P("fwd_sm90_e4m3_d128_r128_c128_s3_fwpiam"),  # FP8: V transposed by the producer
 )
 
 # (mask, local, softcap) of each kind of call the default table serves.
@@ -328,7 +368,8 @@ _CALL_FEATURES = ((False, False, False), (True, False, False), (True, True, Fals
 # of the varlen table.
 _FIXED: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(
     P(name)
-    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES, base.D_HEADS, _CALL_FEATURES)
+    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES_ALL, base.D_HEADS,
+                                                              _CALL_FEATURES)
     for _, name in table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap))))
 DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(_FIXED + tuple(
     P(name)
@@ -372,6 +413,15 @@ def _tune_space() -> tuple[Sm90FwdConfig, ...]:
                 out.append(base.replace(q_regs=True, lazy_rescale=True))
             except ConfigError:
                 out.append(base.replace(lazy_rescale=True))
+    # FP8: d_head 128, B_c 128, two consumer warpgroups; with and without Q in registers (the
+    # lazy rescale is not an FP8 option).
+    for stages, (pingpong, overlap, persistent), q_regs in itertools.product(
+            (2, 3), combos, (False, True)):
+        try:
+            out.append(Sm90FwdConfig(FP8, 128, 128, 128, stages, pingpong=pingpong,
+                                     overlap=overlap, persistent=persistent, q_regs=q_regs))
+        except ConfigError:
+            continue
     return tuple(out)
 
 

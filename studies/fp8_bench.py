@@ -1,0 +1,107 @@
+"""Issue 46's FP8 forward targets on an sm_90 GPU, side by side in one process: fixed-length
+calls of 16 heads, d_head 128, about 64k tokens per call (batch = 65536 / seqlen), seqlen 1024 to
+16384, causal and not. Contenders: the FP8 forward (dispatched e4m3 kernel; --ab adds other
+built e4m3 kernels by name), the project's bf16 forward (dispatched) on the same values, and
+SDPA's cuDNN backend in bf16; cuDNN's FP8 attention where torch's SDPA takes float8 inputs
+(otherwise the line says why not). TFLOP/s: 4 L^2 d H per sequence, halved under a causal mask.
+
+Every contender is timed in ROUNDS rounds, interleaved (median of each round's 20 calls); a line
+gives the median over rounds and the rounds' range. Writes JSON to --out if given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics as st
+
+import torch
+import torch.nn.functional as F
+
+import flash_attention as fa
+from fa_tools.gpu.perfcases import time_cuda_ms
+from flash_attention import fp8
+
+ROUNDS = 3
+HEADS = 16
+D_HEAD = 128
+
+
+def rounds(contenders: dict) -> dict[str, list[float]]:
+    times = {name: [] for name in contenders}
+    for _ in range(ROUNDS):
+        for name, fn in contenders.items():
+            times[name].append(st.median(time_cuda_ms(fn, 20, 5)))
+    return times
+
+
+def row(seqlen: int, causal: bool, ab: list[str], results: list) -> None:
+    batch = max(1, 65536 // seqlen)
+    shape = (batch, seqlen, HEADS, D_HEAD)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+    contenders = {
+        "fp8 dispatched": lambda: fp8.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal),
+    }
+    for name in ab:  # the masked twin (flag m) in causal rows
+        name = name + "m" if causal and not name.endswith("m") else name
+        if name not in fp8.ops.BUILT_NAMES:
+            continue
+        contenders[f"fp8 {name}"] = (
+            lambda name=name: fp8.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal,
+                                                config=name))
+    contenders["bf16 dispatched"] = lambda: fa.attention(q, k, v, causal=causal)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def cudnn():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    contenders["sdpa cudnn bf16"] = cudnn
+    try:
+        q8t, k8t, v8t = (t.transpose(1, 2) for t in (q8, k8, v8))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q8t, k8t, v8t, is_causal=causal)
+
+        def cudnn_fp8():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q8t, k8t, v8t, is_causal=causal)
+
+        contenders["sdpa cudnn fp8"] = cudnn_fp8
+    except Exception as exc:
+        if seqlen == 1024 and not causal:
+            print(f"  sdpa cudnn fp8: not reachable ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:120]})")
+    fl = 4 * seqlen * seqlen * D_HEAD * HEADS * batch * (0.5 if causal else 1.0)
+    times = rounds(contenders)
+    base = st.median(times["bf16 dispatched"])
+    cud = st.median(times["sdpa cudnn bf16"])
+    print(f"b{batch} s{seqlen} causal={causal}:")
+    for name, ms in times.items():
+        med = st.median(ms)
+        tf = fl / med / 1e9
+        print(f"  {name:44s} {med:8.3f} ms [{min(ms):.3f}, {max(ms):.3f}] {tf:7.1f} TFLOP/s "
+              f"{base / med:5.2f}x bf16 {cud / med:5.2f}x cudnn-bf16")
+        results.append({"seqlen": seqlen, "batch": batch, "causal": causal, "contender": name,
+                        "ms": ms, "tflops": tf})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--ab", default="", help="other e4m3 kernels (comma-separated) to time")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    ab = [n for n in args.ab.split(",") if n]
+    results: list = []
+    for causal in (False, True):
+        for s in map(int, args.seqlens.split(",")):
+            row(s, causal, ab, results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
