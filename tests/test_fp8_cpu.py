@@ -71,3 +71,23 @@ def test_descales_need_fp8_inputs():
     b = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="for float8_e4m3fn"):
         flash_attn_func(b, b, b, q_descale=torch.ones(1, 2))
+
+
+def test_fp8_operator_traces_and_checks_without_a_gpu():
+    """Under FakeTensorMode (CUDA tensors, no GPU) the operator's fake runs the checks and gives
+    bf16 out and the LSE's shape, so torch.compile and export trace an FP8 call."""
+    pytest.importorskip("flash_attention._C")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        kv = torch.empty(2, 70, 2, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        d = torch.empty(2, 2, device="cuda")
+        out, lse = fp8.attention_fp8(q, kv, kv, d, d, d, causal=True, return_lse=True)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+        with pytest.raises(ValueError, match="v_descale must be an fp32"):
+            fp8.attention_fp8(q, kv, kv, d, d, torch.empty(2, 8, device="cuda"))
+        with pytest.raises(ValueError, match="multiple of 16"):
+            x = torch.empty(1, 8, 2, 72, dtype=torch.float8_e4m3fn, device="cuda")
+            fp8.attention_fp8(x, x, x)

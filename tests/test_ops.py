@@ -86,7 +86,7 @@ def test_fake_implementation_refuses_what_the_build_cannot_run(mode):
 
 def test_extension_dispatch_table_is_pythons_choice(require_extension):
     ext = ops.extension()
-    for dtype, d in {(c.dtype, c.d_head) for c in ops.BUILT}:
+    for dtype, d in {(c.dtype, c.d_head) for c in ops.BUILT if c.dtype != "e4m3"}:
         for seqlen in (1, 63, 64, 65, 1000, 4096, 5000, 16384, 10**6):
             for (mask, softcap), local in itertools.product(dispatch.FEATURES, (False, True)):
                 try:  # a Hopper kernel where one is built for the row, else the sm80 choice
@@ -98,6 +98,16 @@ def test_extension_dispatch_table_is_pythons_choice(require_extension):
                     want = ""
                 assert ext.choice(dtype, d, seqlen, mask, softcap, local) == want, (
                     dtype, d, seqlen, mask, local, softcap)
+
+
+def test_extension_fp8_table_is_pythons_choice(require_extension):
+    """FP8 rows: the Hopper e4m3 kernel of the row (no sm80 choice exists), '' where none."""
+    ext = ops.extension()
+    for d, seqlen in itertools.product((64, 96, 128, 256), (1, 1000, 10**6)):
+        for (mask, softcap), local in itertools.product(dispatch.FEATURES, (False, True)):
+            fast = dispatch.select_sm90("e4m3", d, seqlen, ops.BUILT, mask, softcap, local)
+            assert ext.choice("e4m3", d, seqlen, mask, softcap, local) == (
+                fast.name if fast else ""), (d, seqlen, mask, local, softcap)
 
 
 def test_operator_rejects_cpu_tensors(require_extension):

@@ -66,6 +66,8 @@ def attention_fp8(
     d_head), float8_e4m3fn on an sm_90 GPU, d_head a multiple of 16 up to 128 (the built
     kernels; 256 is not built yet). Masks, softcap and the LSE as flash_attention.attention;
     out is bf16. config names an FP8 kernel (fwd_sm90_e4m3_...)."""
+    if not ops.LOADED:
+        ops.require()  # the extension loaded, its operators (and this one's fake) registered
     kernel = config or ""
     left, right = window_size
     try:
@@ -117,5 +119,3 @@ def attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, 
                       dtype=torch.float32)
     return out, lse
 
-
-ops.load()  # registers the operators (and the fake above) when the extension is built

@@ -36,10 +36,10 @@ inline int dtype_code(const std::string& dtype) {
     return dtype == "fp16" ? 0 : dtype == "bf16" ? 1 : dtype == "e4m3" ? 2 : -1;
 }
 inline int dtype_code(at::ScalarType dtype) {
-    return dtype == at::kHalf             ? 0
-           : dtype == at::kBFloat16       ? 1
+    return dtype == at::kHalf            ? 0
+           : dtype == at::kBFloat16      ? 1
            : dtype == at::kFloat8_e4m3fn ? 2
-                                          : -1;
+                                         : -1;
 }
 
 // local: a sliding window bounded on the left (window_left != -1 after canonical_window); such

@@ -49,8 +49,10 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen, fp8 != nullptr);
     const CallShape s = call_shape(q_in, k_in, vl);
     if (fp8 != nullptr) {
-        FA_CHECK_VALUE(s.d_head % 16 == 0, "FP8 attention needs d_head a multiple of 16 (rows of "
-                       "16-byte TMA copies), got ", s.d_head);
+        FA_CHECK_VALUE(s.d_head % 16 == 0,
+                       "FP8 attention needs d_head a multiple of 16 (rows of "
+                       "16-byte TMA copies), got ",
+                       s.d_head);
         check_descale(fp8->q, "q_descale", s.batch, s.kv_heads, q_in.device());
         check_descale(fp8->k, "k_descale", s.batch, s.kv_heads, q_in.device());
         check_descale(fp8->v, "v_descale", s.batch, s.kv_heads, q_in.device());
@@ -174,9 +176,8 @@ inline std::string explain_varlen(const at::Tensor& q, const at::Tensor& k, cons
                                   int64_t max_seqlen_q, int64_t window_left, int64_t window_right,
                                   bool softcap) {
     const bool mask = window_left != -1 || window_right != -1;
-    const Choice<flash::FwdKernelEntry> c =
-        lookup<flash::FwdKernelEntry>(dtype_code(q.scalar_type()), q.size(-1), max_seqlen_q,
-                                      mask, window_left != -1, softcap);
+    const Choice<flash::FwdKernelEntry> c = lookup<flash::FwdKernelEntry>(
+        dtype_code(q.scalar_type()), q.size(-1), max_seqlen_q, mask, window_left != -1, softcap);
     if (c.kernel == nullptr)
         return "no kernel in the dispatch table";
     const flash::FwdKernelEntry* pick = c.varlen != nullptr ? c.varlen : c.kernel;

@@ -45,10 +45,9 @@ inline at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const 
                   "float8_e4m3fn inputs run the forward alone (flash_attn_func with "
                   "q_descale/k_descale/v_descale, or attention_fp8): no backward, varlen or "
                   "KV cache path takes them");
-    FA_CHECK_TYPE(fp8 ? dtype == at::kFloat8_e4m3fn
-                      : dtype == at::kHalf || dtype == at::kBFloat16,
-                  "q has dtype ", dtype, "; supported: ",
-                  fp8 ? "torch.float8_e4m3fn" : "torch.float16, torch.bfloat16");
+    FA_CHECK_TYPE(fp8 ? dtype == at::kFloat8_e4m3fn : dtype == at::kHalf || dtype == at::kBFloat16,
+                  "q has dtype ", dtype,
+                  "; supported: ", fp8 ? "torch.float8_e4m3fn" : "torch.float16, torch.bfloat16");
     FA_CHECK_TYPE(k.scalar_type() == dtype && v.scalar_type() == dtype,
                   "q, k and v must share a dtype");
     FA_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),

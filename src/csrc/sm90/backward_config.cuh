@@ -99,7 +99,7 @@ struct BwdConfig {
     static constexpr int kPanels = kDHead / 64;
     static constexpr int kPanelCols = 64;
     static constexpr int kOutPanels = kPanels;
-    using OutElem = Elem;  // of dK, dV
+    using OutElem = Elem;                        // of dK, dV
     static constexpr int kNTilesO = kDCols / 8;  // n8 tiles of a warpgroup's dK or dV row
 
     // Shared memory (1024-byte aligned tiles of 64-column panels, 128 bytes per row):

@@ -85,10 +85,13 @@ struct FwdConfig {
     // the dynamic schedule or of a cluster needs a few more than 24 (else it spills).
     // FP8: the producer warpgroup transposes V, which takes more registers.
     static constexpr bool kBusyProducer = kDynamic || kCluster;
-    static constexpr int kProducerRegs =
-        kFp8 ? 56 : kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40) : 24;
-    static constexpr int kConsumerRegs =
-        kConsumerWGs == 2 ? (kFp8 ? 224 : kBusyProducer ? 232 : 240) : 160;
+    static constexpr int kProducerRegs = kFp8            ? 56
+                                         : kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40)
+                                                         : 24;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kFp8            ? 224
+                                                              : kBusyProducer ? 232
+                                                                              : 240)
+                                                           : 160;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
@@ -117,8 +120,8 @@ struct FwdConfig {
     static_assert(sizeof(Elem) == 2 || std::is_same_v<Elem, __nv_fp8_e4m3>,
                   "fp16, bf16 or e4m3 elements only");
     static_assert(!kFp8 || ((kDHead == 128 || kDHead == 256) && kBc == 128 && kWarpSpec &&
-                            kBr == 128 && kStages >= 2 && !kDynamic && !kCluster &&
-                            !kTileOverlap && !kVarlen && !kLazyRescale),
+                            kBr == 128 && kStages >= 2 && !kDynamic && !kCluster && !kTileOverlap &&
+                            !kVarlen && !kLazyRescale),
                   "FP8: d_head 128 or 256, B_c 128 (a transposed V row is one 128-byte panel), "
                   "B_r 128 with the producer warpgroup (it transposes V), 2+ stages, a static "
                   "schedule, no CTA pairs, tile overlap, varlen or lazy rescale (P would exceed "

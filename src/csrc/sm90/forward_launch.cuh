@@ -37,8 +37,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
                           p.k_head_stride, p.k_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
         encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, rows_k, kv_heads, batch, p.v_row_stride,
                           p.v_head_stride, p.v_batch_stride, Cfg::kBc / Cfg::kClusterCtas) &&
-        encode_bshd<typename Cfg::OutElem>(&prm.tma_o, p.o, p.d_head, rows_q, p.heads, batch, p.o_row_stride,
-                          p.o_head_stride, p.o_batch_stride, 64);
+        encode_bshd<typename Cfg::OutElem>(&prm.tma_o, p.o, p.d_head, rows_q, p.heads, batch,
+                                           p.o_row_stride, p.o_head_stride, p.o_batch_stride, 64);
     if (!ok)
         return cudaErrorInvalidValue;
 

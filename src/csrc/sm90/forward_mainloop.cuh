@@ -74,14 +74,13 @@ struct ForwardLoader : TmaLoader<Cfg> {
         if constexpr (Cfg::kFp8) {
             wait_buffer_free(sm.v_raw_empty(s), g / Cfg::kStages);
             this->template load_tile<Cfg::kBc, /*kShared=*/false>(
-                sm.v_raw(s), &prm.tma_v, sm.v_raw_full(s), w.kv_block(i), w.kv_head,
-                w.map_batch(), w.k_start());
+                sm.v_raw(s), &prm.tma_v, sm.v_raw_full(s), w.kv_block(i), w.kv_head, w.map_batch(),
+                w.k_start());
         } else {
             wait_buffer_free(sm.v_empty(s), g / Cfg::kStages);
-            this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.v(s), &prm.tma_v,
-                                                                 sm.v_full(s), w.kv_block(i),
-                                                                 w.kv_head, w.map_batch(),
-                                                                 w.k_start());
+            this->template load_tile<Cfg::kBc, /*kShared=*/true>(sm.v(s), &prm.tma_v, sm.v_full(s),
+                                                                 w.kv_block(i), w.kv_head,
+                                                                 w.map_batch(), w.k_start());
         }
     }
     // FP8, every thread pt (0 .. 127) of the producer warpgroup: pipeline block g's V, once TMA
@@ -148,10 +147,9 @@ struct ForwardConsumer {
             float d[3];
 #pragma unroll
             for (int i = 0; i < 3; ++i)
-                d[i] = p.descale[i] == nullptr
-                           ? 1.f
-                           : p.descale[i][w.batch * p.descale_batch_stride[i] +
-                                          w.kv_head * p.descale_head_stride[i]];
+                d[i] = p.descale[i] == nullptr ? 1.f
+                                               : p.descale[i][w.batch * p.descale_batch_stride[i] +
+                                                              w.kv_head * p.descale_head_stride[i]];
             qk_descale = d[0] * d[1];
             v_descale = d[2];
         }
@@ -546,7 +544,7 @@ struct ForwardConsumer {
         }
         using OutElem = typename Cfg::OutElem;
         OutElem* o = static_cast<OutElem*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
-                  int64_t(w.head) * p.o_head_stride + int64_t(q_start) * p.o_row_stride;
+                     int64_t(w.head) * p.o_head_stride + int64_t(q_start) * p.o_row_stride;
         if constexpr (Cfg::kTmaStore) {
             const Epilogue<Cfg> epilogue{wg, warp, lane};
             const int rows = seqlen_q - w.q_row0 - 64 * wg;  // of this warpgroup's 64

@@ -39,31 +39,31 @@ struct VTranspose {
 #pragma unroll 1
         for (int qi = 0; qi < kQs; ++qi)
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const int q = warp * kQs + qi;
-            const int n0 = 16 * q + 4 * ((u + s) % 4);  // first of the unit's 4 columns
-            const int panel = n0 / 128, col = n0 % 128;
-            const uint32_t panel_base = src + panel * Cfg::kBc * 128 + col % 16;
-            uint32_t w[4];
+            for (int s = 0; s < 4; ++s) {
+                const int q = warp * kQs + qi;
+                const int n0 = 16 * q + 4 * ((u + s) % 4);  // first of the unit's 4 columns
+                const int panel = n0 / 128, col = n0 % 128;
+                const uint32_t panel_base = src + panel * Cfg::kBc * 128 + col % 16;
+                uint32_t w[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = key0 + (i & 1) + 8 * (i >> 1);
-                w[i] = ld_shared_u32(panel_base + key * 128 + (((col / 16) ^ (key % 8)) * 16));
-            }
-            // 4 x 4 byte transpose: out[j] = byte j of w[0], w[1], w[2], w[3].
-            const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140);
-            const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362);
-            const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140);
-            const uint32_t hi23 = __byte_perm(w[2], w[3], 0x7362);
-            const uint32_t out_w[4] = {
-                __byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+                for (int i = 0; i < 4; ++i) {
+                    const int key = key0 + (i & 1) + 8 * (i >> 1);
+                    w[i] = ld_shared_u32(panel_base + key * 128 + (((col / 16) ^ (key % 8)) * 16));
+                }
+                // 4 x 4 byte transpose: out[j] = byte j of w[0], w[1], w[2], w[3].
+                const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140);
+                const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362);
+                const uint32_t lo23 = __byte_perm(w[2], w[3], 0x5140);
+                const uint32_t hi23 = __byte_perm(w[2], w[3], 0x7362);
+                const uint32_t out_w[4] = {
+                    __byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                    __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int n = n0 + j;  // output row; columns 16u + 4t .. + 3
-                st_shared_u32(dst + n * 128 + ((u ^ (n % 8)) * 16) + 4 * t, out_w[j]);
+                for (int j = 0; j < 4; ++j) {
+                    const int n = n0 + j;  // output row; columns 16u + 4t .. + 3
+                    st_shared_u32(dst + n * 128 + ((u ^ (n % 8)) * 16) + 4 * t, out_w[j]);
+                }
             }
-        }
     }
 };
 

@@ -62,11 +62,13 @@ class Row:
 
 def dispatch_rows(configs: Iterable[str]) -> list[Row]:
     """The dispatch rows of a build holding these kernels (names), as the extension gets them
-    from flash_attention.ops.dispatch_rows (the tuning file included)."""
+    from flash_attention.ops.dispatch_rows (the tuning file included), but the FP8 (e4m3) rows:
+    the gate has no FP8 cases yet (its cases are 16-bit calls; the FP8 kernels are held by the
+    static ratchet and their own tests)."""
     from flash_attention.kernels import parse
     from flash_attention.ops import dispatch_rows as rows_of
 
-    return [Row(*r) for r in rows_of(tuple(parse(c) for c in configs))]
+    return [Row(*r) for r in rows_of(tuple(parse(c) for c in configs)) if r[0] != "e4m3"]
 
 
 def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:

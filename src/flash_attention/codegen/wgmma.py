@@ -87,7 +87,8 @@ def header() -> str:
         "// asm volatile: the compiler must not move these across the fences and waits around\n"
         "// them.\n"
         "// clang-format off\n#pragma once\n\n"
-        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n#include <cstdint>\n\n"
+        "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cuda_fp8.h>\n"
+        "#include <cstdint>\n\n"
         "namespace flash::sm90 {\n\n"
         "template <int N, typename Elem>\nstruct Wgmma;\n"
     ]

@@ -133,7 +133,8 @@ class Sm90FwdConfig(KernelConfig):
         eb = self.elem_bytes
         q = self.block_r * (1 + int(self.tile_overlap)) * self.d_head * eb
         kv = (3 if self.fp8 else 2) * self.stages * self.block_c * self.d_head * eb
-        o = self.block_r * self.d_head * 2 if self.persistent or (self.fp8 and self.tma_store) else 0
+        own_o = self.persistent or (self.fp8 and self.tma_store)
+        o = self.block_r * self.d_head * 2 if own_o else 0
         return q + kv + o + 2048
 
     @property
