@@ -1,9 +1,9 @@
 """Issue 46's FP8 forward targets on an sm_90 GPU, side by side in one process: fixed-length
-calls of 16 heads, d_head 128, about 64k tokens per call (batch = 65536 / seqlen), seqlen 1024 to
-16384, causal and not. Contenders: the FP8 forward (dispatched e4m3 kernel; --ab adds other
-built e4m3 kernels by name), the project's bf16 forward (dispatched) on the same values, and
-SDPA's cuDNN backend in bf16; cuDNN's FP8 attention where torch's SDPA takes float8 inputs
-(otherwise the line says why not). TFLOP/s: 4 L^2 d H per sequence, halved under a causal mask.
+calls of 16 heads, d_head 128 (--d-head), about 64k tokens per call (batch = 65536 / seqlen),
+seqlen 1024 to 16384, causal and not. Contenders: the FP8 forward (dispatched e4m3 kernel; --ab
+adds other built e4m3 kernels by name), the project's bf16 forward (dispatched) on the same
+values, and SDPA's cuDNN backend in bf16; cuDNN's FP8 attention where torch's SDPA takes float8
+inputs (otherwise the line says why not). TFLOP/s: 4 L^2 d H per sequence, halved when causal.
 
 Every contender is timed in ROUNDS rounds, interleaved (median of each round's 20 calls); a line
 gives the median over rounds and the rounds' range. Writes JSON to --out if given.
@@ -24,7 +24,7 @@ from flash_attention import fp8
 
 ROUNDS = 3
 HEADS = 16
-D_HEAD = 128
+D_HEAD = 128  # the default of --d-head
 
 
 def rounds(contenders: dict) -> dict[str, list[float]]:
@@ -35,9 +35,9 @@ def rounds(contenders: dict) -> dict[str, list[float]]:
     return times
 
 
-def row(seqlen: int, causal: bool, ab: list[str], results: list) -> None:
+def row(seqlen: int, causal: bool, ab: list[str], results: list, d_head: int) -> None:
     batch = max(1, 65536 // seqlen)
-    shape = (batch, seqlen, HEADS, D_HEAD)
+    shape = (batch, seqlen, HEADS, d_head)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
     contenders = {
@@ -72,7 +72,7 @@ def row(seqlen: int, causal: bool, ab: list[str], results: list) -> None:
         if seqlen == 1024 and not causal:
             print(f"  sdpa cudnn fp8: not reachable ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:120]})")
-    fl = 4 * seqlen * seqlen * D_HEAD * HEADS * batch * (0.5 if causal else 1.0)
+    fl = 4 * seqlen * seqlen * d_head * HEADS * batch * (0.5 if causal else 1.0)
     times = rounds(contenders)
     base = st.median(times["bf16 dispatched"])
     cud = st.median(times["sdpa cudnn bf16"])
@@ -82,7 +82,8 @@ def row(seqlen: int, causal: bool, ab: list[str], results: list) -> None:
         tf = fl / med / 1e9
         print(f"  {name:44s} {med:8.3f} ms [{min(ms):.3f}, {max(ms):.3f}] {tf:7.1f} TFLOP/s "
               f"{base / med:5.2f}x bf16 {cud / med:5.2f}x cudnn-bf16")
-        results.append({"seqlen": seqlen, "batch": batch, "causal": causal, "contender": name,
+        results.append({"seqlen": seqlen, "batch": batch, "d_head": d_head, "causal": causal,
+                        "contender": name,
                         "ms": ms, "tflops": tf})
 
 
@@ -90,14 +91,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--ab", default="", help="other e4m3 kernels (comma-separated) to time")
+    ap.add_argument("--d-head", type=int, default=D_HEAD)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, d_head {args.d_head}")
     ab = [n for n in args.ab.split(",") if n]
     results: list = []
     for causal in (False, True):
         for s in map(int, args.seqlens.split(",")):
-            row(s, causal, ab, results)
+            row(s, causal, ab, results, args.d_head)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)

@@ -49,7 +49,8 @@ def test_e4m3_config_rules():
 def test_e4m3_dispatch_rows():
     rows = ops.dispatch_rows(tuple(fwd_sm90.DEFAULT))
     fp8_rows = [r for r in rows if r[0] == "e4m3"]
-    assert {r[1] for r in fp8_rows} == {96, 128}  # d_head variants served by the d128 kernels
+    # d_head variants served by the d_head 128 and 256 kernels (none at 32 and 64)
+    assert {r[1] for r in fp8_rows} == {96, 128, 160, 192, 224, 256}
     for _, _, _, mask, _, softcap, kernel, fallback, varlen in fp8_rows:
         cfg = parse(kernel)
         assert cfg.fp8 and cfg.mask == mask and cfg.softcap == softcap

@@ -100,6 +100,9 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads, kv_heads, d_head)
     (1, 1, 300, 8, 1, 128),
     (1, 2048, 2048, 2, 1, 128),
     (3, 257, 129, 6, 3, 112),
+    (2, 113, 203, 4, 2, 256),
+    (1, 300, 517, 2, 1, 192),
+    (1, 1024, 1024, 2, 2, 256),
 ]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (64, 17)), (True, (100, -1))]
 
@@ -113,6 +116,8 @@ def _features_of(cfg):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fp8_kernel_by_name(require_sm90, cfg, shape):
     b, sq, sk, h, hk, d = shape
+    if fwd_sm90.variant_for(d) != cfg.d_head:
+        pytest.skip(f"d_head {d} runs on the d_head {fwd_sm90.variant_for(d)} kernels")
     q, k, v, qd, kd, vd = fp8_inputs(b, sq, sk, h, hk, d, seed=sq + sk + d)
     for causal, window, softcap in _features_of(cfg):
         out, lse = fp8.attention_fp8(q, k, v, qd, kd, vd, causal=causal, window_size=window,
@@ -135,6 +140,10 @@ def test_fp8_dispatch_and_flash_attn_func(require_sm90):
     ext = fa.api.ops.extension()
     assert ext.choice("e4m3", 128, 300, False, False).startswith("fwd_sm90_e4m3_d128")
     assert ext.choice("e4m3", 128, 300, True, False).endswith("m")
+    assert ext.choice("e4m3", 192, 300, False, True).startswith("fwd_sm90_e4m3_d256")
+    q, k, v, qd, kd, vd = fp8_inputs(1, 257, 300, 4, 2, 256, seed=8)
+    out = flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    check_fp8(out, None, q, k, v, qd, kd, vd, what="flash_attn_func d_head 256", causal=True)
 
 
 def test_fp8_descales_none_scalar_and_views(require_sm90):

@@ -63,8 +63,8 @@ def attention_fp8(
     config: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FP8 attention: q (batch, seqlen_q, heads, d_head), k, v (batch, seqlen_k, kv_heads,
-    d_head), float8_e4m3fn on an sm_90 GPU, d_head a multiple of 16 up to 128 (the built
-    kernels; 256 is not built yet). Masks, softcap and the LSE as flash_attention.attention;
+    d_head), float8_e4m3fn on an sm_90 GPU, d_head a multiple of 16 from 96 to 256 (the d_head
+    128 and 256 kernels). Masks, softcap and the LSE as flash_attention.attention;
     out is bf16. config names an FP8 kernel (fwd_sm90_e4m3_...)."""
     if not ops.LOADED:
         ops.require()  # the extension loaded, its operators (and this one's fake) registered

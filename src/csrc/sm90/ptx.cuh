@@ -211,6 +211,14 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t lbo_
            (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// The same with the 64-byte swizzle (layout type 2): rows of 64 bytes, 8-row groups of 512
+// bytes; tiles start on 512-byte boundaries (the FP8 forward's transposed V at B_c 64).
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t smem_addr, uint32_t lbo_bytes,
+                                              uint32_t sbo_bytes) {
+    return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) |
+           (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(2) << 62);
+}
+
 // Before the first wgmma of a batch: orders earlier register writes (accumulators, A fragments)
 // and shared-memory accesses before the async tensor-core reads.
 __device__ __forceinline__ void wgmma_fence() {

@@ -177,9 +177,9 @@ class Sm90FwdConfig(KernelConfig):
         if self.varlen and self.cluster:
             out.append("varlen cannot take CTA pairs (a pair's blocks may lie in two sequences)")
         if self.fp8:
-            if self.d_head not in (128, 256) or self.block_c != 128:
-                out.append("FP8 needs d_head 128 or 256 and B_c 128 (a transposed V row is one "
-                           "128-byte panel of keys)")
+            if self.d_head not in (128, 256) or self.block_c not in (64, 128):
+                out.append("FP8 needs d_head 128 or 256 and B_c 64 or 128 (a transposed V row "
+                           "is one 64- or 128-byte swizzled row of keys)")
             if not (self.warp_spec and self.block_r == 128 and self.stages >= 2):
                 out.append("FP8 needs warp_spec (the producer transposes V), B_r 128 and 2+ "
                            "stages")
@@ -269,13 +269,17 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-# FP8 (e4m3) calls: fixed-length, d_head 128 (96, 128) for now; every kind of call runs the
-# ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No fallback: the
-# sm80 family has no FP8 kernels.
+# FP8 (e4m3) calls: fixed-length, d_head 96-256 (no d_head 64 kernel yet); every kind of call
+# runs the ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No
+# fallback: the sm80 family has no FP8 kernels.
+_ALL_KINDS = ("plain", "masked", "local", "softcap")
 FP8_ROWS: tuple[Row, ...] = (
-    Row("sm90 fp8 d128", ("plain", "masked", "local", "softcap"), (96, 128), None,
+    Row("sm90 fp8 d128", _ALL_KINDS, (96, 128), None,
         "r128_c128_s3_fwpia", "ping-pong and overlap, O through a TMA store; 3 stages lead 2 "
         "by 3-11%, Q in registers loses 1-2% from 4096"),
+    Row("sm90 fp8 d256", _ALL_KINDS, (160, 192, 224, 256), None,
+        "r128_c64_s2_fwpia", "B_c 64 (O's 128 registers leave no room for 128), 2 stages (3 do "
+        "not fit beside O's buffer)"),
 )
 
 
@@ -414,12 +418,12 @@ def _tune_space() -> tuple[Sm90FwdConfig, ...]:
                 out.append(base.replace(q_regs=True, lazy_rescale=True))
             except ConfigError:
                 out.append(base.replace(lazy_rescale=True))
-    # FP8: d_head 128, B_c 128, two consumer warpgroups; with and without Q in registers (the
-    # lazy rescale is not an FP8 option).
-    for stages, (pingpong, overlap, persistent), q_regs in itertools.product(
-            (2, 3), combos, (False, True)):
+    # FP8: d_head 128 at B_c 128, 256 at B_c 64, two consumer warpgroups; with and without Q in
+    # registers (the lazy rescale is not an FP8 option).
+    for (d, bc), stages, (pingpong, overlap, persistent), q_regs in itertools.product(
+            ((128, 128), (256, 64)), (2, 3), combos, (False, True)):
         try:
-            out.append(Sm90FwdConfig(FP8, 128, 128, 128, stages, pingpong=pingpong,
+            out.append(Sm90FwdConfig(FP8, d, 128, bc, stages, pingpong=pingpong,
                                      overlap=overlap, persistent=persistent, q_regs=q_regs))
         except ConfigError:
             continue
