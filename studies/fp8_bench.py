@@ -19,20 +19,12 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention as fa
-from fa_tools.gpu.perfcases import time_cuda_ms
+from fa_tools.gpu.perfcases import interleaved_rounds
 from flash_attention import fp8
 
 ROUNDS = 3
 HEADS = 16
 D_HEAD = 128  # the default of --d-head
-
-
-def rounds(contenders: dict) -> dict[str, list[float]]:
-    times = {name: [] for name in contenders}
-    for _ in range(ROUNDS):
-        for name, fn in contenders.items():
-            times[name].append(st.median(time_cuda_ms(fn, 20, 5)))
-    return times
 
 
 def row(seqlen: int, causal: bool, ab: list[str], results: list, d_head: int) -> None:
@@ -73,7 +65,7 @@ def row(seqlen: int, causal: bool, ab: list[str], results: list, d_head: int) ->
             print(f"  sdpa cudnn fp8: not reachable ({type(exc).__name__}: "
                   f"{str(exc).splitlines()[0][:120]})")
     fl = 4 * seqlen * seqlen * d_head * HEADS * batch * (0.5 if causal else 1.0)
-    times = rounds(contenders)
+    times = interleaved_rounds(contenders, ROUNDS)
     base = st.median(times["bf16 dispatched"])
     cud = st.median(times["sdpa cudnn bf16"])
     print(f"b{batch} s{seqlen} causal={causal}:")

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_attention as fa
-from fa_tools.gpu.perfcases import time_cuda_ms
+from fa_tools.gpu.perfcases import interleaved_rounds
 from flash_attention import api, ops
 
 ROUNDS = 3
@@ -54,15 +54,6 @@ def pack_lengths(seed: int, tokens: int) -> list[int]:
 
 def flops(lengths, d_head, causal) -> float:
     return sum(4 * n * n * d_head * HEADS * (0.5 if causal else 1.0) for n in lengths)
-
-
-def rounds(contenders: dict) -> dict[str, list[float]]:
-    """Median ms of each contender per round, rounds interleaved."""
-    times = {name: [] for name in contenders}
-    for _ in range(ROUNDS):
-        for name, fn in contenders.items():
-            times[name].append(st.median(time_cuda_ms(fn, 20, 5)))
-    return times
 
 
 def summary(ms: list[float]) -> str:
@@ -153,7 +144,7 @@ def varlen_rows(results: list, dtype: str, d_head: int, causal: bool, seed: int,
         contenders["sdpa jagged"] = jagged
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         print(f"  sdpa jagged: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
-    times = rounds(contenders)
+    times = interleaved_rounds(contenders, ROUNDS)
     f_pack = flops(lengths, d_head, causal)
     f_fixed = flops([mean] * batch, d_head, causal)
     print(f"varlen {dtype} d{d_head} causal={causal}: {len(lengths)} sequences, {total} tokens, "
@@ -220,7 +211,7 @@ def backward_rows(results: list, dtype: str, d_head: int, causal: bool, seed: in
         contenders["sdpa cudnn padded"] = sdpa
     except RuntimeError as exc:
         print(f"  sdpa cudnn padded: not run ({str(exc).splitlines()[0][:100]})")
-    times = rounds(contenders)
+    times = interleaved_rounds(contenders, ROUNDS)
     f_pack = 2.5 * flops(lengths, d_head, causal)
     f_fixed = 2.5 * flops([mean] * batch, d_head, causal)
     print(f"varlen backward {dtype} d{d_head} causal={causal}: {len(lengths)} sequences, {total} "
@@ -256,7 +247,7 @@ def softcap_rows(results: list, dtype: str, d_head: int, batch: int, seqlen: int
     for name in alternatives(ab, dtype, d_head, causal, True, False):
         contenders["ab " + name.rsplit("_", 1)[1]] = (
             lambda name=name: fa.forward(name, q, k, v, causal=causal, softcap=30.0))
-    times = rounds(contenders)
+    times = interleaved_rounds(contenders, ROUNDS)
     f = 4 * batch * seqlen * seqlen * d_head * HEADS * (0.5 if causal else 1.0)
     base = st.median(times["hopper softcap"])
     print(f"softcap {dtype} d{d_head} {batch}x{seqlen} causal={causal}: {capped} "

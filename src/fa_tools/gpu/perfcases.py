@@ -263,6 +263,19 @@ def time_cuda_ms(fn, reps: int, warmup: int) -> list[float]:
     return _queued_calls_ms(fn, reps)
 
 
+def interleaved_rounds(contenders: dict, rounds: int = 3, reps: int = 20,
+                       warmup: int = 5) -> dict[str, list[float]]:
+    """The median ms (time_cuda_ms) of each contender (name -> callable) per round, the
+    contenders interleaved within each round (the studies' side-by-side tables)."""
+    import statistics
+
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            times[name].append(statistics.median(time_cuda_ms(fn, reps, warmup)))
+    return times
+
+
 def _queued_calls_ms(fn, reps: int, stamps=None) -> list[float]:
     """Queues `reps` calls of fn between CUDA events on the current stream, then waits: the
     milliseconds of each. stamps (gpu.clockstamp.Stamps): marked before and after the calls."""
