@@ -228,7 +228,8 @@ def test_resources_cli_formats_are_deterministic(built, capsys):
 
 def test_mma_count_matches_tile_shapes(built):
     """HMMA count = m_tiles x (B_c/8 x d/16 + d/8 x B_c/16), twice with the peeled first block
-    (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further."""
+    (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further (the
+    Hopper kinds: opcodes.expected_mma_count)."""
     binary, info = built
     for short in info["configs"]:
         cfg = fa.parse(short)
@@ -245,7 +246,8 @@ def test_mma_count_matches_tile_shapes(built):
                 overlapped = ((per_block + 2 if cfg.overlap else 0)
                               + (per_block if cfg.tile_overlap else 0))
                 assert opcodes.ex2_under_wgmma(instrs) == overlapped, short
-                assert set(hist.base) >= {"HGMMA", "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
+                gmma = "QGMMA" if cfg.dtype == "e4m3" else "HGMMA"  # FP8 wgmma: QGMMA
+                assert set(hist.base) >= {gmma, "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
                 assert "HMMA" not in hist.base and "LDGSTS" not in hist.base
                 assert (hist.categories["setmaxnreg"] > 0) == cfg.warp_spec, short
                 assert (hist.base.get("UTMASTG", 0) > 0) == cfg.tma_store, short

@@ -10,7 +10,8 @@ from .sass import Instruction
 
 # Category of each base opcode (the part before the first dot). Order is the report order.
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    # mma.sync (HMMA) and wgmma (HGMMA) alike: the matrix instructions of either family.
+    # mma.sync (HMMA) and wgmma (HGMMA; QGMMA with FP8 operands) alike: the matrix instructions
+    # of either family.
     "tensor_mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "BMMA", "DMMA"),
     "ldmatrix": ("LDSM", "STSM"),
     "async_copy": ("LDGSTS", "LDGDEPBAR", "DEPBAR"),
@@ -106,7 +107,8 @@ def expected_mma_count(cfg) -> int:
     O += P V; the optimised softmax peels the first block, so its body is emitted twice. sm90:
     wgmma m64nNk16, d/16 for S and B_c/16 for O += P V, each at two sites (the peeled first S
     and the last P V outside the loop, both inside it), three with the tile hand-over (the next
-    tile's first S and the last P V once more). sm90-bwd (the Hopper backward): per query block
+    tile's first S and the last P V once more); FP8 (e4m3) kernels step k32, half as many.
+    sm90-bwd (the Hopper backward): per query block
     each consumer warpgroup issues d/16 m64nNk16 for S^T = K Q^T and as many for dP^T = V dO^T
     (N = B_r, or B_r/2 at d_head 256, where the warpgroups split d_head), B_r/16 for dV += P^T
     dO and as many for dK += dS^T Q, and for dQ = dS K either B_c/16 m64n64k16 per 64 of its
@@ -119,7 +121,8 @@ def expected_mma_count(cfg) -> int:
         return 2 * (cfg.d_head // 16) + 2 * (cfg.block_r // 16) + dq_steps
     if getattr(cfg, "KIND", None) == "fwd_sm90":
         sites = 3 if getattr(cfg, "tile_overlap", False) else 2
-        return sites * (cfg.d_head // 16 + cfg.block_c // 16)
+        k = 32 if cfg.dtype == "e4m3" else 16
+        return sites * (cfg.d_head // k + cfg.block_c // k)
     per_block = cfg.m_tiles * ((cfg.block_c // 8) * (cfg.d_head // 16)
                                + (cfg.d_head // 8) * (cfg.block_c // 16))
     return per_block * (2 if cfg.opt_softmax else 1)
