@@ -613,3 +613,80 @@ class Decode:
         return self.r["ours"] / self.r.get("sdpa_cudnn", float("nan"))
 
     track_ratio_to_sdpa_cudnn.unit = "ratio"
+
+
+# ---- FP8 forward ------------------------------------------------------------------------------
+
+# (batch, seqlen, causal) of the FP8 rows: 16 heads, d_head 128 (issue 46's targets from 4096).
+FP8_STEPS = ((16, 4096, False), (4, 16384, False), (16, 4096, True), (4, 16384, True))
+FP8_SHAPES = [f"{b}x{s}" + ("_causal" if c else "") for b, s, c in FP8_STEPS]
+
+
+def measure_fp8(batch: int, seqlen: int, causal: bool, reps: int = 20) -> dict:
+    """{contender: median ms}: flash_attention.fp8.attention_fp8 on float8_e4m3fn q, k, v
+    (quantised per (batch, head)) and ours in bf16 on the same values. A build from before the
+    FP8 forward, or a GPU without it (not sm_90), is skipped with the reason."""
+    import torch
+
+    try:
+        from flash_attention import attention, fp8
+    except ImportError as exc:
+        raise NotImplementedError(f"this build has no FP8 forward ({exc})") from None
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise NotImplementedError("the FP8 forward runs on sm_90 GPUs alone")
+    q, k, v = (torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+    fns = {"fp8": lambda: fp8.attention_fp8(q8, k8, v8, qd, kd, vd, causal=causal),
+           "bf16": lambda: attention(q, k, v, causal=causal)}
+    if not torch.isfinite(fns["fp8"]()).all():
+        raise RuntimeError("the FP8 forward produced non-finite values")
+    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5))
+            for name, fn in fns.items()}
+
+
+class Fp8Forward:
+    """The FP8 (e4m3) forward (FP8_STEPS) against ours in bf16 on the same values, and the
+    speedup FP8 gives (bf16 time over FP8 time; > 1: FP8 is faster)."""
+
+    params = (FP8_SHAPES,)
+    param_names = ["shape"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        results = {}
+        for shape, (batch, seqlen, causal) in zip(FP8_SHAPES, FP8_STEPS):
+            try:
+                results[shape] = measure_fp8(batch, seqlen, causal)
+            except NotImplementedError as exc:
+                results[shape] = {"skip": str(exc)}
+        return results
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, shape):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        self.r = cache[shape]
+        if "skip" in self.r:
+            raise NotImplementedError(self.r["skip"])
+
+    def track_fp8_ms(self, cache, shape):
+        return self.r["fp8"]
+
+    track_fp8_ms.unit = "ms"
+
+    def track_bf16_ms(self, cache, shape):
+        return self.r["bf16"]
+
+    track_bf16_ms.unit = "ms"
+
+    def track_speedup_over_bf16(self, cache, shape):
+        """bf16 time over FP8 time in the same run (issue 46's target: >= 1.5)."""
+        return self.r["bf16"] / self.r["fp8"]
+
+    track_speedup_over_bf16.unit = "ratio"

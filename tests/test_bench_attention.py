@@ -108,3 +108,18 @@ def test_backward_kernel_names_of_this_and_older_commits():
         assert read(cfg.name) == want == read(old_name(cfg.name)), cfg.name
     assert read(bwd_sm80.default_tile("bf16", 128).name) == ("bf16", 128, False)
     assert read("bwd_sm80_preprocess_bf16") is None and read("bwd_preprocess_bf16") is None
+
+
+def test_fp8_tracks_every_shape_with_its_speedup():
+    """Each FP8 shape is a parameter; its tracks are the FP8 and bf16 times and their ratio
+    from the same cache; a skipped shape (a build without FP8, a GPU other than sm_90) or no
+    GPU is skipped."""
+    assert len(ba.FP8_SHAPES) == len(set(ba.FP8_SHAPES)) == len(ba.FP8_STEPS)
+    cache = {s: {"fp8": 2.0, "bf16": 2.5} for s in ba.FP8_SHAPES}
+    cache[ba.FP8_SHAPES[1]] = {"skip": "the FP8 forward runs on sm_90 GPUs alone"}
+    got = run_asv_class(ba.Fp8Forward, cache)
+    assert set(got) == {(s,) for s in ba.FP8_SHAPES} - {(ba.FP8_SHAPES[1],)}
+    first = got[(ba.FP8_SHAPES[0],)]
+    assert first["track_fp8_ms"] == 2.0 and first["track_bf16_ms"] == 2.5
+    assert first["track_speedup_over_bf16"] == pytest.approx(1.25)
+    assert run_asv_class(ba.Fp8Forward, {"skip": "no CUDA GPU: timings skipped"}) == {}
