@@ -44,3 +44,11 @@ def require_extension():
         if os.environ.get("FLASH_ATTENTION_REQUIRE_EXT") == "1":
             pytest.fail("flash_attention._C is not built but FLASH_ATTENTION_REQUIRE_EXT=1")
         pytest.skip("flash_attention._C is not built (pip install --no-build-isolation -e .)")
+
+
+@pytest.fixture
+def require_sm90(require_extension):
+    """The extension, on an sm_90 GPU (the Hopper kernels: varlen, FP8); else skipped."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{torch.cuda.get_device_name()} is not sm_90: the Hopper (sm_90a) kernels "
+                    "run there alone")

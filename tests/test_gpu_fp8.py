@@ -28,13 +28,6 @@ def fp8_configs():
 FP8_CONFIGS = fp8_configs()
 
 
-@pytest.fixture
-def require_sm90(require_extension):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"{torch.cuda.get_device_name()} is not sm_90: FP8 attention runs on sm_90 "
-                    "alone")
-
-
 def fp8_inputs(batch, seqlen_q, seqlen_k, heads, kv_heads, d_head, seed=0, layout="bshd"):
     """q, k, v quantised to e4m3 with per-(batch, KV head) descales, from normal inputs whose
     magnitude differs per head (so the descales differ)."""

@@ -33,13 +33,6 @@ def varlen_configs():
 VARLEN_CONFIGS = varlen_configs()
 
 
-@pytest.fixture
-def require_sm90(require_extension):
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"{torch.cuda.get_device_name()} is not sm_90: the Hopper varlen kernels "
-                    "run on sm_90 alone")
-
-
 def run_kernel(cfg, q, k, v, cu_q, cu_k, lq, lk, causal=False, window=(-1, -1), softcap=0.0):
     """The operator with a kernel named: out and lse."""
     return torch.ops.flash_attention.attention.default(

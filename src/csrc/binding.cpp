@@ -80,28 +80,25 @@ void fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
                 window_left, window_right, softcap);
 }
 
-// flash_attention::attention: the whole call in C++ (defaults, window, allocation, checks,
-// dispatch, launch), so the Python functions above it are a single operator call. Returns out
-// and lse; lse is empty unless return_lse. With cu_seqlens_q/k the batch is varlen.
-std::tuple<at::Tensor, at::Tensor> attention_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, bool return_lse,
-    c10::string_view kernel) {
-    const Varlen vl = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+// The whole forward call in C++ (defaults, window, allocation, checks, dispatch, launch), so the
+// Python functions above it are a single operator call. Returns out (q's dtype; bf16 for FP8)
+// and lse, empty unless return_lse. fp8: float8_e4m3fn q, k, v with their descales.
+std::tuple<at::Tensor, at::Tensor> forward_call(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Varlen& vl,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, bool return_lse, c10::string_view kernel, const Descales* fp8 = nullptr) {
     const bool varlen = vl.cu_q != nullptr;
     check_rank(q, "q", varlen ? 3 : 4,
                varlen ? "(total_tokens, heads, d_head)" : "(batch, seq, heads, d_head)");
     const int64_t D = q.size(-1);
-    const int64_t Sq = varlen ? max_seqlen_q : q.size(1);
-    const int64_t Sk = varlen ? max_seqlen_k : (k.dim() == 4 ? k.size(1) : 0);
+    const int64_t Sq = varlen ? vl.max_q : q.size(1);
+    const int64_t Sk = varlen ? vl.max_k : (k.dim() == 4 ? k.size(1) : 0);
     const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D > 0 ? D : 1));
     FA_CHECK_VALUE(window_left >= -1 && window_right >= -1,
                    "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
                    window_right, ")");
     const auto [left, right] = canonical_window(causal, window_left, window_right, Sq, Sk);
-    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor out = at::empty(q.sizes(), fp8 ? q.options().dtype(at::kBFloat16) : q.options());
     at::Tensor lse;
     if (return_lse) {
         const auto lse_shape = varlen ? std::vector<int64_t>{q.size(1), q.size(0)}
@@ -112,8 +109,20 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     }
     run_forward(q, k, v, out, /*out_is_fresh=*/true,
                 return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, vl, kernel, scale, left,
-                right, softcap);
+                right, softcap, fp8);
     return {out, lse};
+}
+
+// flash_attention::attention: fixed-length, or varlen with cu_seqlens_q/k.
+std::tuple<at::Tensor, at::Tensor> attention_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool return_lse,
+    c10::string_view kernel) {
+    return forward_call(
+        q, k, v, varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softmax_scale,
+        causal, window_left, window_right, softcap, return_lse, kernel);
 }
 
 // flash_attention::attention_fp8: a fixed-length float8_e4m3fn call (q, k, v) on a Hopper FP8
@@ -124,24 +133,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fp8_cuda(
     const std::optional<at::Tensor>& v_descale, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, bool return_lse,
     c10::string_view kernel) {
-    check_rank(q, "q", 4, "(batch, seq, heads, d_head)");
-    check_rank(k, "k", 4, "(batch, seq, kv_heads, d_head)");
-    const int64_t D = q.size(-1);
-    const double scale = softmax_scale ? *softmax_scale : 1.0 / std::sqrt(double(D > 0 ? D : 1));
-    FA_CHECK_VALUE(window_left >= -1 && window_right >= -1,
-                   "window_size sides must be -1 (unbounded) or >= 0, got (", window_left, ", ",
-                   window_right, ")");
-    const auto [left, right] =
-        canonical_window(causal, window_left, window_right, q.size(1), k.size(1));
-    at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kBFloat16));
-    at::Tensor lse = at::empty(return_lse ? std::vector<int64_t>{q.size(0), q.size(2), q.size(1)}
-                                          : std::vector<int64_t>{0},
-                               q.options().dtype(at::kFloat));
     const Descales descales{q_descale, k_descale, v_descale};
-    run_forward(q, k, v, out, /*out_is_fresh=*/true,
-                return_lse ? std::optional<at::Tensor>(lse) : std::nullopt, Varlen{}, kernel, scale,
-                left, right, softcap, &descales);
-    return {out, lse};
+    return forward_call(q, k, v, Varlen{}, softmax_scale, causal, window_left, window_right,
+                        softcap, return_lse, kernel, &descales);
 }
 
 }  // namespace

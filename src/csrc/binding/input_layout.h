@@ -41,13 +41,18 @@ inline const char* unaddressable(const at::Tensor& t) {
     return nullptr;
 }
 
+// A contiguous copy of t in a fresh allocation (aligned, whatever t's offset).
+inline c10::MaybeOwned<at::Tensor> fresh_copy(const at::Tensor& t) {
+    at::Tensor copy = at::empty(t.sizes(), t.options());
+    copy.copy_(t);
+    return c10::MaybeOwned<at::Tensor>::owned(std::move(copy));
+}
+
 // t as the kernels can load it: t itself (borrowed), or a contiguous copy.
 inline c10::MaybeOwned<at::Tensor> addressable(const at::Tensor& t) {
     if (unaddressable(t) == nullptr)
         return c10::MaybeOwned<at::Tensor>::borrowed(t);
-    at::Tensor copy = at::empty(t.sizes(), t.options());
-    copy.copy_(t);
-    return c10::MaybeOwned<at::Tensor>::owned(std::move(copy));
+    return fresh_copy(t);
 }
 
 // The bytes [begin, end) that t's elements lie in (strides are never negative in torch).

@@ -86,10 +86,11 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
              prop.major, prop.minor, ": pass fp16 or bf16 tensors");
 
     // The tensors as the kernels address them: the caller's, or copies (input_layout.h). FP8
-    // has no sm80-family fallback: what TMA cannot address (an expanded view) is copied too.
+    // has no sm80-family fallback: what TMA cannot address (an expanded view, an offset off 16
+    // bytes) is copied too.
     const auto address = [&](const at::Tensor& t) {
         if (fp8 != nullptr && sm90_unfit(prop, false, {&t}) != nullptr)
-            return c10::MaybeOwned<at::Tensor>::owned(t.contiguous());
+            return fresh_copy(t);
         return addressable(t);
     };
     const c10::MaybeOwned<at::Tensor> q_addr = address(q_in);
