@@ -2,12 +2,14 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test fp8 hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fp8       the FP8 forward (issue 46): tests, sanitizers, studies/fp8_bench.py (FP8_BENCH_ARGS)
+#   fp8-cache the FP8 KV cache (issue 46): tests, sanitizers, decode steps with e4m3 and e5m2
+#             caches beside the 16-bit one (studies/decode_bench.py --fp8, FP8_CACHE_BENCH_ARGS)
 #   hopper-varlen  the Hopper varlen and softcap forwards (issue 45): tests and sanitizers;
 #             hopper-varlen-bench: studies/hopper_varlen_bench.py (HV_BENCH_ARGS)
 #   hopper-varlen-bwd  the Hopper varlen backward (bwd_sm90 flag j): its tests, the varlen
@@ -115,6 +117,22 @@ if step decode; then
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"
+fi
+if step fp8-cache; then
+    # Issue 46's FP8 KV cache: its tests (random grid, long caches, every FP8-cache decode kernel
+    # by name, varlen over FP8 pages and packed keys, graph replay, bad input), the sanitizers
+    # on a few (the FP8 fragments' loads, the quantising append), then decode steps with FP8
+    # caches beside the 16-bit one (studies/decode_bench.py --fp8, FP8_CACHE_BENCH_ARGS).
+    run fp8_cache_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_gpu_kvcache_fp8.py
+    run fp8_cache_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache_fp8.py \
+        -k "case00 or case01 or case02 or case04 or varlen or by_name"
+    run fp8_cache_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache_fp8.py -k "case00 or case02"
+    # shellcheck disable=SC2086  # FP8_CACHE_BENCH_ARGS: the bench's options, split on spaces
+    run fp8_cache_bench timeout 500 python3 studies/decode_bench.py --fp8 e4m3,e5m2 \
+        ${FP8_CACHE_BENCH_ARGS:-} --json "$LOG_DIR/fp8_cache.json"
 fi
 if step fp8; then
     # Issue 46's FP8 forward: its tests (every e4m3 kernel by name, dispatch, flash_attn_func's

@@ -12,6 +12,10 @@ steps, except the "eager" rows, called from Python):
     ours paged N         N-row pages through a shuffled block table (--pages)
     ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec)
     ours append+rotary   the step with its new k, v appended and rotary on q and k (--append)
+    ours e4m3, e5m2      the same values in an FP8 cache with per-(batch, KV head) descales
+                         (--fp8 e4m3,e5m2), contiguous and paged (--pages); the summary gives
+                         "ours" over each (the FP8 cache's speedup), the KV fraction counts
+                         the FP8 bytes
     sdpa <backend>       SDPA forced to cudnn, flash, efficient (enable_gqa=True, (b, h, s, d));
                          "sdpa best" in the summary is the fastest that ran
     flex, flex paged N   FlexAttention compiled, contiguous and through PagedAttention (--flex)
@@ -27,7 +31,7 @@ events (span_us in the JSON); a row whose per-call median falls under 0.9x that 
 
     PYTHONPATH=src python3 studies/decode_bench.py [--shapes 1x4096,16x32768] [--rounds 2]
         [--heads 32/8] [--d 128] [--dtype bf16] [--pages 16,256] [--spec] [--append]
-        [--flex] [--host] [--one-split] [--json out.json]
+        [--flex] [--host] [--one-split] [--fp8 e4m3,e5m2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ from flash_attention.interface import flash_attn_with_kvcache
 
 SHAPES = "1x4096,1x32768,1x131072,16x4096,16x32768,64x4096,64x16384"
 SDPA_BACKENDS = ("cudnn", "flash", "efficient")
+FP8_NAMES = ("e4m3", "e5m2")
+
+
+def cache_bytes(name: str, kv_bytes: int) -> int:
+    """The K and V bytes a row reads: half the 16-bit cache's for an FP8 cache's rows."""
+    return kv_bytes // 2 if any(name.startswith(f"ours {f}") for f in FP8_NAMES) else kv_bytes
 
 
 def graphed(fn):
@@ -129,6 +139,8 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, in
         eager[f"ours {n} splits"] = (lambda n=n: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lens, num_splits=n))
     for name in opts.kernels:
+        if any(f"_{fmt}_" in name for fmt in FP8_NAMES):
+            continue  # timed on its FP8 cache below
         eager[name] = (lambda name=name: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                                  kernel=name))
     # The cache in SDPA's layout, (batch, kv_heads, seq, d) storage read through a transposed
@@ -140,6 +152,26 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, in
         kp, vp, table = _paged(kc, vc, page)
         eager[f"ours paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
             q, kp, vp, cache_seqlens=lens, block_table=table))
+    for fmt in opts.fp8:
+        fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+        top = torch.finfo(fp8).max
+        kd = (kc.float().abs().amax(dim=(1, 3)) / top).clamp_min(1e-12)  # (batch, kv_heads)
+        vd = (vc.float().abs().amax(dim=(1, 3)) / top).clamp_min(1e-12)
+        k8 = (kc.float() / kd[:, None, :, None]).to(fp8)
+        v8 = (vc.float() / vd[:, None, :, None]).to(fp8)
+        eager[f"ours {fmt}"] = (lambda k8=k8, v8=v8, kd=kd, vd=vd: flash_attn_with_kvcache(
+            q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd))
+        for name in (n for n in opts.kernels if f"_{fmt}_" in n):
+            eager[f"ours {fmt} {name}"] = (
+                lambda k8=k8, v8=v8, kd=kd, vd=vd, name=name: flash_attn_with_kvcache(
+                    q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, kernel=name))
+        for page in opts.pages:
+            kp, vp, table = _paged(k8.view(torch.uint8), v8.view(torch.uint8), page)
+            kp, vp = kp.view(fp8), vp.view(fp8)
+            eager[f"ours {fmt} paged {page}"] = (
+                lambda kp=kp, vp=vp, table=table, kd=kd, vd=vd: flash_attn_with_kvcache(
+                    q, kp, vp, cache_seqlens=lens, block_table=table, k_descale=kd,
+                    v_descale=vd))
     if opts.spec:
         for n in (4, 8):
             qn = torch.randn(batch, n, heads, d, device="cuda", dtype=dtype)
@@ -247,6 +279,11 @@ def summary(med: dict[str, float]) -> dict:
     for n, t in med.items():
         if n.startswith("ours paged") or n.startswith("ours q") or n == "ours append+rotary":
             out[f"{n}_over_ours"] = t / ours
+        for fmt in FP8_NAMES:  # the FP8 cache's speedup over the 16-bit one, same layout
+            if n.startswith(f"ours {fmt}"):
+                same = n.replace(f"ours {fmt}", "ours")
+                if same in med:
+                    out[f"{same}_over_{n}"] = med[same] / t
     return out
 
 
@@ -264,6 +301,7 @@ def main() -> int:
     ap.add_argument("--flex-pages", default="64,256", help="page sizes of the flex paged rows")
     ap.add_argument("--host", action="store_true", help="host us per eager call, first shape")
     ap.add_argument("--one-split", action="store_true", help="a num_splits=1 row")
+    ap.add_argument("--fp8", default="", help="FP8 cache rows: e4m3, e5m2 (comma-separated)")
     ap.add_argument("--splits", default="", help="rows with these num_splits (comma-separated)")
     ap.add_argument("--kernels", default="", help="decode kernels to time by name as well "
                     "(comma-separated; built ones)")
@@ -276,6 +314,7 @@ def main() -> int:
     args.pages = [int(p) for p in args.pages.split(",") if p]
     args.splits = [int(n) for n in args.splits.split(",") if n]
     args.flex_pages = [int(p) for p in args.flex_pages.split(",") if p]
+    args.fp8 = [f for f in args.fp8.split(",") if f]
     heads, kv_heads = (int(x) for x in args.heads.split("/"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     print(f"# decode step, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -306,8 +345,8 @@ def main() -> int:
                "spread": {n: (min(t), max(t)) for n, t in times.items()},
                "span_us": {n: spans[n] for n in med},
                "copy_GBps": copy_bw / 1e9,
-               "kv_fraction": {n: kv_bytes / (med[n] * 1e-6) / copy_bw for n in med
-                               if n != "copy" and not n.startswith("ours q")},
+               "kv_fraction": {n: cache_bytes(n, kv_bytes) / (med[n] * 1e-6) / copy_bw
+                               for n in med if n != "copy" and not n.startswith("ours q")},
                "errors": errors, **summary(med)}
         if args.host and i == 0:
             row["host_us"] = {n: host_us(fns[n]) for n in ("ours eager", "sdpa eager")}
@@ -326,6 +365,11 @@ def main() -> int:
                   + (f"  KV at {frac:.2f} of copy" if frac is not None else "") + ratio
                   + ("  ! per-call under end-to-end: " + ", ".join(f"{sp:.1f}" for sp in spans[n])
                      if odd else ""), flush=True)
+        speedups = {k: v for k, v in row.items() if any(k.endswith(f) or f" {f} " in k
+                                                         for f in FP8_NAMES)}
+        if speedups:
+            print("  16-bit cache time / FP8 cache time: " + ", ".join(
+                f"{k.split('_over_')[1]} {v:.2f}x" for k, v in speedups.items()))
         for n, err in errors.items():
             print(f"  {n:20s} not timed: {err}")
         if "host_us" in row:

@@ -155,7 +155,7 @@ def test_template_args_types():
     args = template_args(parse("fwd_sm80_fp16_d128_r64_c32_w4_fqkv")).split(", ")
     assert args[:5] == ["__half", "128", "64", "32", "4"]
     assert len(args) == 5 + len(FLAGS)
-    assert set(ELEM_TYPES) == {"fp16", "bf16", "e4m3"}
+    assert set(ELEM_TYPES) == {"fp16", "bf16", "e4m3", "e5m2"}
     # Every kind's template reads as its name: Elem, d_head, B_r, B_c, then warps or stages,
     # then the flags.
     args = template_args(parse("fwd_sm90_bf16_d64_r192_c96_s3_fwaln")).split(", ")
@@ -166,6 +166,11 @@ def test_template_args_types():
                     "/*softcap=*/true"]
     args = template_args(parse("bwd_sm90_fp16_d64_r128_c128_ft")).split(", ")
     assert args == ["__half", "64", "128", "128", "/*varlen=*/false", "/*softcap=*/true"]
+    # the decode kernels: Elem, d_head, B_c, warps, then K/V's element (q's, or FP8)
+    args = template_args(parse("dec_sm80_bf16_d128_r16_c16_w4_f")).split(", ")
+    assert args == ["__nv_bfloat16", "128", "16", "4", "__nv_bfloat16"]
+    args = template_args(parse("dec_sm80_fp16_e5m2_d64_r16_c64_w4_f")).split(", ")
+    assert args == ["__half", "64", "64", "4", "__nv_fp8_e5m2"]
     assert isinstance(parse(Sm80FwdConfig.EXAMPLE), Sm80FwdConfig)
 
 

@@ -47,9 +47,8 @@ py::list list_kernels(const std::string& direction) {
     const auto add = [&out](const auto& e) {
         py::dict d;
         d["name"] = e.name;
-        d["dtype"] = e.dtype == flash::DType::kFp16   ? "fp16"
-                     : e.dtype == flash::DType::kBf16 ? "bf16"
-                                                      : "e4m3";
+        d["dtype"] = dtype_name(e.dtype);
+        d["cache_dtype"] = dtype_name(e.cache_dtype);
         d["d_head"] = e.d_head;
         d["block_r"] = e.block_r;
         d["block_c"] = e.block_c;

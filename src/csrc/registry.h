@@ -10,16 +10,18 @@
 
 namespace flash {
 
-// Of q, k and v (kE4m3: torch.float8_e4m3fn, the Hopper forward's FP8 kernels, output bf16).
-enum class DType : int { kFp16 = 0, kBf16 = 1, kE4m3 = 2 };
+// Of q, k and v (kE4m3: torch.float8_e4m3fn, the Hopper forward's FP8 kernels, output bf16;
+// kE4m3 and kE5m2 (torch.float8_e5m2) are also the decode kernels' FP8 KV caches).
+enum class DType : int { kFp16 = 0, kBf16 = 1, kE4m3 = 2, kE5m2 = 3 };
 
 template <class Params>
 struct KernelEntry {
     const char* name;  // the kernel's name, e.g. fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor
     DType dtype;
-    int d_head;   // the variant: serves every multiple of 8 up to it
-    int block_r;  // B_r: query rows per tile (the backward's dQ accumulator pads to it)
-    int block_c;  // B_c: key rows per tile
+    DType cache_dtype;  // of k and v: dtype, or an FP8 type (decode kernels over an FP8 cache)
+    int d_head;         // the variant: serves every multiple of 8 up to it
+    int block_r;        // B_r: query rows per tile (the backward's dQ accumulator pads to it)
+    int block_c;        // B_c: key rows per tile
     int threads;
     int smem_bytes;
     // Serves causal / sliding-window masks (window_left/right of the parameters): the forward

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .api import attention, attention_varlen
-from .kvcache import flash_attn_with_kvcache, varlen_decode
+from .kvcache import FP8_CACHES, flash_attn_with_kvcache, varlen_decode
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
@@ -134,6 +134,8 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     *,
     seqused_k: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """q: (total_q, heads, d_head); k, v: (total_k, kv_heads, d_head); cu_seqlens_q/k: int32
     (batch + 1,) offsets of the sequences; max_seqlen_q/k: the longest of each. Returns out
@@ -141,13 +143,17 @@ def flash_attn_varlen_func(
     fp32, None). Masks align per sequence. With block_table (batch, max_pages) int32, k and v
     are a paged cache (num_pages, page_size, kv_heads, d_head) of any page size, sequence b's
     keys its cu_seqlens_k difference (or seqused_k[b]); seqused_k (batch,) int32 alone cuts
-    each sequence to its first seqused_k[b] keys. Those two run the decode kernels (no
-    backward)."""
+    each sequence to its first seqused_k[b] keys. FP8 k and v (float8_e4m3fn, float8_e5m2; a
+    paged cache or packed rows) with a 16-bit q take k_descale, v_descale (fp32 (batch,
+    kv_heads); None: 1). Those run the decode kernels (no backward)."""
     _check_unsupported(dropout_p, alibi_slopes)
-    if block_table is not None or seqused_k is not None:
+    fp8_keys = k.dtype in FP8_CACHES and q.dtype in (torch.float16, torch.bfloat16)
+    descales = k_descale is not None or v_descale is not None  # refused there unless FP8
+    if block_table is not None or seqused_k is not None or fp8_keys or descales:
         out, lse = varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                                 return_attn_probs, block_table, seqused_k)
+                                 return_attn_probs, block_table, seqused_k,
+                                 k_descale=k_descale, v_descale=v_descale)
         return (out, lse, None) if return_attn_probs else out
     if return_attn_probs:
         out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

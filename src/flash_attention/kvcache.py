@@ -11,6 +11,13 @@ decode kernel (kind ``dec_sm80``) over the updated caches: packed GQA, paged cac
 size through the block table, keys split over CTAs when the batch is too small to fill the GPU
 (``num_splits=0``: a heuristic; ``n``: n splits; 1: one pass, no combine).
 
+FP8 KV caches: k_cache and v_cache (or the pages) in torch.float8_e4m3fn or torch.float8_e5m2
+with a 16-bit q, and fp32 descales ``k_descale``, ``v_descale`` of shape (batch, kv_heads) (a
+per-tensor scale as an expanded view; None: 1): the cache holds k / k_descale, the kernels
+dequantise K and V as their tiles arrive (FP8 in shared memory, half the bytes of a 16-bit
+cache), and new k and v (q's dtype) are quantised into the cache with the same descales,
+rounded to nearest and saturated at the format's largest finite value.
+
 Checks without a device-to-host sync: shapes, dtypes, devices and host-side lengths (an int or
 a CPU tensor for cache_seqlens) are checked before any launch. Lengths, block tables and
 cache_batch_idx that live on the GPU are not read back each decode step; the kernels never
@@ -45,33 +52,51 @@ def built() -> tuple[KernelConfig, ...]:
     return tuple(parse(e["name"]) for e in extension().kernels("dec"))
 
 
+# torch's FP8 dtypes a cache may have, by the names kernels use (dec_sm80.CACHES)
+FP8_CACHES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
 def dispatch_rows(built: tuple[KernelConfig, ...]
                   ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str]]:
-    """The decode table as the extension takes it (the forward's row shape): per dtype and
-    d_head variant (multiples of 32), bucket 64, no mask and no softcap (both run-time
-    arguments of every decode kernel), dec_sm80.select's kernel, which is also its fallback (no
-    varlen kernel: "")."""
+    """The decode table as the extension takes it (the forward's row shape): per dtype (q's,
+    or ``<q>_<cache>`` over an FP8 cache, e.g. ``bf16_e4m3``) and d_head variant (multiples of
+    32), bucket 64, no mask and no softcap (both run-time arguments of every decode kernel),
+    dec_sm80.select's kernel, which is also its fallback (no varlen kernel: ""). An FP8 row's
+    variant serves the multiples of 16 up to it."""
     rows = []
-    for dtype in DTYPES:
-        for d_head in D_HEADS:
-            cfg = dec_sm80.select(Call(dtype, d_head), built)
-            if cfg is not None:
-                rows.append((dtype, d_head, 64, False, False, False, cfg.name, cfg.name, ""))
+    for cache in ("", *dec_sm80.CACHES):
+        for dtype in DTYPES:
+            for d_head in D_HEADS:
+                cfg = dec_sm80.select(Call(dtype, d_head), built, cache)
+                if cfg is not None:
+                    key = f"{dtype}_{cache}" if cache else dtype
+                    rows.append((key, d_head, 64, False, False, False, cfg.name, cfg.name, ""))
     return rows
 
 
-def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0) -> str:
-    """Which decode kernel a call of this dtype and d_head runs, and why (for the debug log)."""
+def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0,
+            cache_dtype: torch.dtype | None = None) -> str:
+    """Which decode kernel a call of this dtype (over a cache of cache_dtype, None: q's) and
+    d_head runs, and why (for the debug log)."""
     if kernel:
         return f"decode kernel {kernel} (named by the call)"
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    cfg = dec_sm80.select(Call(name, d_head), built())
+    cache = FP8_CACHES.get(cache_dtype, "")
+    over = f" over an {cache} cache" if cache else ""
+    cfg = dec_sm80.select(Call(name, d_head), built(), cache)
     if cfg is None:
-        return f"no decode kernel for {name} d_head {d_head} in this build"
+        return f"no decode kernel for {name}{over} d_head {d_head} in this build"
     splits = (f"{num_splits} key splits (num_splits)" if num_splits else
               "key splits chosen on the launch from the SM count and the work (num_splits=0)")
-    return (f"decode kernel {cfg.name} (the dec_sm80 row for {name} d_head {d_head}: masks and "
-            f"softcap are run-time arguments), {splits}")
+    return (f"decode kernel {cfg.name} (the dec_sm80 row for {name}{over} d_head {d_head}: "
+            f"masks and softcap are run-time arguments), {splits}")
+
+
+def _check_q_descale(q: torch.Tensor, q_descale: torch.Tensor | None) -> None:
+    if q_descale is not None:
+        raise ValueError(f"q_descale is for an FP8 q; q is {q.dtype} (the decode kernels take an "
+                         "fp16/bf16 q, over a cache of its dtype or an FP8 one with k_descale "
+                         "and v_descale)")
 
 
 def register() -> None:
@@ -83,7 +108,8 @@ def register() -> None:
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                   cache_batch_idx, block_table, softmax_scale, causal, window_left, window_right,
-                  softcap, rotary_interleaved, num_splits, return_lse, kernel):
+                  softcap, rotary_interleaved, num_splits, return_lse, kernel, k_descale=None,
+                  v_descale=None):
     """out like q and lse (batch, heads, seqlen_q) or empty; the caches are written in place
     (the schema says so: Tensor(a!) k_cache, Tensor(b!) v_cache)."""
     if q.dim() != 4:
@@ -96,7 +122,7 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 
 def _varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q,
                        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-                       num_splits, return_lse, kernel):
+                       num_splits, return_lse, kernel, k_descale=None, v_descale=None):
     """out like q (total_q, heads, d_head) and lse (heads, total_q) or empty."""
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D (total_q, heads, d_head), got {q.dim()}-D")
@@ -108,11 +134,12 @@ def _varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_tab
 def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   return_lse=False, block_table=None, seqused_k=None, num_splits=0,
-                  kernel=""):
+                  kernel="", k_descale=None, v_descale=None):
     """flash_attn_varlen_func's call over a paged cache (block_table (batch, max_pages) int32,
     k and v (num_pages, page_size, kv_heads, d_head), any page size) and/or per-sequence key
-    counts (seqused_k (batch,) int32: sequence b attends to its first seqused_k[b] keys), on the
-    decode kernels. Inference only: no backward."""
+    counts (seqused_k (batch,) int32: sequence b attends to its first seqused_k[b] keys), or
+    over FP8 k and v (with k_descale, v_descale (batch, kv_heads) fp32), on the decode kernels.
+    Inference only: no backward."""
     from . import ops, validation
 
     causal, window = validation.check_window(causal, window_size)
@@ -126,11 +153,11 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k.shape), " paged" if block_table is not None else "",
-                  explain(q.dtype, q.shape[-1], kernel, num_splits))
+                  explain(q.dtype, q.shape[-1], kernel, num_splits, k.dtype))
     return torch.ops.flash_attention.varlen_paged.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
         int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
-        num_splits, return_lse, kernel)
+        num_splits, return_lse, kernel, k_descale, v_descale)
 
 
 def kvcache_errors(device: torch.device | int | None = None, clear: bool = True) -> list[str]:
@@ -178,6 +205,9 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     kernel: str = "",
 ):
     """flash_attn's flash_attn_with_kvcache. q (batch, seqlen_q, heads, d_head); k_cache,
@@ -186,8 +216,10 @@ def flash_attn_with_kvcache(
     seqlen_new, kv_heads, d_head) appended in place at cache_seqlens (an int or (batch,) int32
     on the GPU or the CPU; None: every sequence is its whole cache). Causal masks align
     bottom-right to each sequence's cache length. Returns out (batch, seqlen_q, heads, d_head),
-    and with return_softmax_lse (out, lse (batch, heads, seqlen_q) fp32). Not supported,
-    refused by name: cache_leftpad, alibi_slopes."""
+    and with return_softmax_lse (out, lse (batch, heads, seqlen_q) fp32). An FP8 cache
+    (float8_e4m3fn or float8_e5m2) takes k_descale and v_descale (fp32 (batch, kv_heads),
+    FlashAttention 3's names; None: 1); new k and v are quantised into it with them. Not
+    supported, refused by name: cache_leftpad, alibi_slopes, q_descale (q is fp16/bf16)."""
     from . import ops, validation
 
     if cache_leftpad is not None:
@@ -195,6 +227,7 @@ def flash_attn_with_kvcache(
                                   "pass None (start each sequence at row 0 of its cache)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: flash_attention has no ALiBi bias; pass None")
+    _check_q_descale(q, q_descale)
     causal, window = validation.check_window(causal, window_size)
     validation.check_softcap(softcap)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -215,9 +248,9 @@ def flash_attn_with_kvcache(
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
-                  explain(q.dtype, q.shape[-1], kernel, num_splits))
+                  explain(q.dtype, q.shape[-1], kernel, num_splits, k_cache.dtype))
     out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),
-        rotary_interleaved, num_splits, return_softmax_lse, kernel)
+        rotary_interleaved, num_splits, return_softmax_lse, kernel, k_descale, v_descale)
     return (out, lse) if return_softmax_lse else out

@@ -87,6 +87,17 @@ def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tenso
         :, None, :, None]
 
 
+def quantize_cache(x: torch.Tensor, descale: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """x (B, S, Hk, D) over its descale (B, Hk) (None: 1) in fp32, clamped to the FP8 dtype's
+    largest finite value and rounded to nearest: what the KV-cache append stores."""
+    xf = x.float()
+    if descale is not None:
+        xf = xf / descale.float()[:, None, :, None]
+    top = torch.finfo(dtype).max
+    return xf.clamp(-top, top).to(dtype)
+
+
 def attention_reference_fp8(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,6 +160,8 @@ def kvcache_reference(
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     upcast: bool = True,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> KVCacheResult:
     """flash_attn_with_kvcache's result, one sequence at a time. q (B, Sq, H, D); the caches
     (B_cache, S_cache, Hk, D), or with block_table (B, max_pages) int (num_pages, page_size, Hk,
@@ -157,14 +170,25 @@ def kvcache_reference(
     cache_batch_idx[b] of the cache when given). With rotary_cos/sin (seqlen_ro, rotary_dim /
     2) the new keys rotate at their rows' positions, q at cache_seqlens[b] + i when causal or
     the window bounds the left, else every row at cache_seqlens[b]. Then sequence b attends to
-    its cache_seqlens[b] + S_new keys, masks aligned bottom-right (attention_reference)."""
+    its cache_seqlens[b] + S_new keys, masks aligned bottom-right (attention_reference).
+    An FP8 cache (float8_e4m3fn / e5m2) holds values over k_descale / v_descale ((B, Hk) fp32,
+    None: 1): new rows (rotated in fp32) are divided by them, clamped to the format's range and
+    rounded; attention reads the cache times its descale, in fp32 (upcast) or q's dtype."""
     batch, seqlen_q = q.shape[:2]
     seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int64).reshape(-1).expand(batch).cpu()
     s_new = 0 if k is None else k.shape[1]
     kc, vc = k_cache.clone(), v_cache.clone()
+    fp8 = kc.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # An FP8 cache is indexed and written through uint8 views (not every index op takes FP8).
+    kc_rows, vc_rows = (kc.view(torch.uint8), vc.view(torch.uint8)) if fp8 else (kc, vc)
+    if k is not None and fp8:  # quantised from fp32 (rotated in fp32), as the append does
+        k, v = k.float(), v.float()
     if k is not None and rotary_cos is not None:
         pos = seqlens[:, None] + torch.arange(s_new)[None, :]
         k = apply_rotary(k, rotary_cos, rotary_sin, pos.to(k.device), rotary_interleaved)
+    if k is not None and fp8:
+        k = quantize_cache(k, k_descale, kc.dtype)
+        v = quantize_cache(v, v_descale, vc.dtype)
     if rotary_cos is not None:
         left = window_size[0]
         pos = seqlens[:, None] + (torch.arange(seqlen_q)[None, :] if causal or left != -1
@@ -175,20 +199,28 @@ def kvcache_reference(
         length = int(seqlens[b]) + s_new
         if block_table is None:
             row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
-            rows_k, rows_v = kc[row], vc[row]  # views: the append writes the copy
+            rows_k, rows_v = kc_rows[row], vc_rows[row]  # views: the append writes the copy
         else:
             page = kc.shape[1]
             pages = block_table[b, : -(-length // page)].long().cpu()
-            rows_k = kc[pages].flatten(0, 1)  # (pages * page_size, Hk, D) copies ...
-            rows_v = vc[pages].flatten(0, 1)
+            rows_k = kc_rows[pages].flatten(0, 1)  # (pages * page_size, Hk, D) copies ...
+            rows_v = vc_rows[pages].flatten(0, 1)
         if k is not None:
-            rows_k[int(seqlens[b]):length] = k[b]
-            rows_v[int(seqlens[b]):length] = v[b]
+            rows_k[int(seqlens[b]):length] = k[b].view(rows_k.dtype)
+            rows_v[int(seqlens[b]):length] = v[b].view(rows_v.dtype)
             if block_table is not None:  # ... written back to their pages
-                kc[pages] = rows_k.unflatten(0, (len(pages), kc.shape[1]))
-                vc[pages] = rows_v.unflatten(0, (len(pages), vc.shape[1]))
-        out, lse = attention_reference(q[b:b + 1], rows_k[None, :length], rows_v[None, :length],
-                                       softmax_scale, upcast, causal, window_size, softcap)
+                kc_rows[pages] = rows_k.unflatten(0, (len(pages), kc.shape[1]))
+                vc_rows[pages] = rows_v.unflatten(0, (len(pages), vc.shape[1]))
+        keys, values = rows_k[None, :length], rows_v[None, :length]
+        if fp8:
+            keys = dequantize_fp8(keys.view(kc.dtype),
+                                  None if k_descale is None else k_descale[b:b + 1])
+            values = dequantize_fp8(values.view(vc.dtype),
+                                    None if v_descale is None else v_descale[b:b + 1])
+            if not upcast:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out, lse = attention_reference(q[b:b + 1], keys, values, softmax_scale, upcast, causal,
+                                       window_size, softcap)
         outs.append(out)
         lses.append(lse)
     return KVCacheResult(torch.cat(outs), torch.cat(lses), kc, vc)

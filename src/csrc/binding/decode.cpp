@@ -1,12 +1,16 @@
 // The decode operators, in their own translation unit:
 //   flash_attention::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?,
 //       cache_seqlens?, cache_seqlen, cache_batch_idx?, block_table?, softmax_scale?, causal,
-//       window_left, window_right, softcap, rotary_interleaved, num_splits, return_lse, kernel)
-//       -> (out, lse)          flash_attn_with_kvcache: append (with rotary), then attend
+//       window_left, window_right, softcap, rotary_interleaved, num_splits, return_lse, kernel,
+//       k_descale?, v_descale?) -> (out, lse)
+//       flash_attn_with_kvcache: append (with rotary), then attend
 //   flash_attention::varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_k?,
 //       block_table?, max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left,
-//       window_right, softcap, num_splits, return_lse, kernel) -> (out, lse)
-//       flash_attn_varlen_func over a paged cache and/or per-sequence key counts
+//       window_right, softcap, num_splits, return_lse, kernel, k_descale?, v_descale?)
+//       -> (out, lse)   flash_attn_varlen_func over a paged cache and/or per-sequence key counts
+// The caches (or pages) are q's dtype, or FP8 (float8_e4m3fn, float8_e5m2) with fp32 descales
+// per (batch, kv_head): the kernels dequantise K and V as their tiles arrive, and the append
+// quantises the new rows with the same descales.
 // Both check every shape, dtype and device on the host before any launch; what lives on the
 // device (cache lengths, block tables, cache_batch_idx) is not read back (no sync per decode
 // step): the kernels bound every access by it, and a bad value gives NaN rows and a bit in the
@@ -59,11 +63,17 @@ at::Tensor int_meta(const at::Tensor& t, const char* name, int64_t rank, const a
     return t.contiguous();
 }
 
-// A cache the kernels read (and the append writes) in place: no copy can stand in for it.
+bool is_fp8(at::ScalarType t) {
+    return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+// A cache the kernels read (and the append writes) in place: no copy can stand in for it. Of
+// q's dtype, or FP8.
 void check_cache(const at::Tensor& c, const char* name, at::ScalarType dtype,
                  const at::Device& device) {
-    FA_CHECK_TYPE(c.scalar_type() == dtype, name, " has dtype ", c.scalar_type(),
-                  "; it must have q's dtype ", dtype);
+    FA_CHECK_TYPE(c.scalar_type() == dtype || is_fp8(c.scalar_type()), name, " has dtype ",
+                  c.scalar_type(), "; it must have q's dtype ", dtype,
+                  " or be an FP8 cache (torch.float8_e4m3fn, torch.float8_e5m2)");
     FA_CHECK_VALUE(c.device() == device, name, " must be on ", device, " (q's device)");
     const char* why = unaddressable(c);
     FA_CHECK_VALUE(why == nullptr, name, " cannot be addressed in place (", why ? why : "",
@@ -90,16 +100,53 @@ int choose_splits(int64_t ctas, int64_t keys, int sms) {
         {128, std::max<int64_t>(1, keys / 128), std::max<int64_t>(1, wave / ctas)}));
 }
 
-// The decode kernel for a call: `name`, or the dec table's choice for (dtype, d_head).
+// The decode kernel for a call: `name`, or the dec table's choice for (q's dtype, the cache's
+// dtype, d_head).
 const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType dtype,
-                                           int64_t d_head) {
-    const Choice<flash::DecKernelEntry> c = choose_kernel<flash::DecKernelEntry>(
-        name, dtype, d_head, 1, false, false, false, "decode ");
-    FA_CHECK_VALUE(
-        c.kernel->dtype == (dtype == at::kBFloat16 ? flash::DType::kBf16 : flash::DType::kFp16) &&
-            c.kernel->d_head >= d_head,
-        "decode kernel ", c.kernel->name, " does not serve ", dtype, " with d_head=", d_head);
-    return c.kernel;
+                                           at::ScalarType cache, int64_t d_head) {
+    const flash::DecKernelEntry* kernel = nullptr;
+    if (name.empty()) {
+        kernel =
+            lookup<flash::DecKernelEntry>(dtype_code(dtype, cache), d_head, 1, false, false, false)
+                .kernel;
+        FA_CHECK(kernel != nullptr, "this build has no decode kernel for q of ", dtype,
+                 " over a cache of ", cache, " with d_head=", d_head,
+                 " (or flash_attention has not set its dispatch table); rebuild with "
+                 "FLASH_ATTENTION_KERNELS=default");
+    } else {
+        kernel = choose_kernel<flash::DecKernelEntry>(name, dtype, d_head, 1, false, false, false,
+                                                      "decode ")
+                     .kernel;
+    }
+    FA_CHECK_VALUE(dtype_code(dtype) == int(kernel->dtype) &&
+                       dtype_code(cache) == int(kernel->cache_dtype) && kernel->d_head >= d_head,
+                   "decode kernel ", kernel->name, " does not serve q of ", dtype,
+                   " over a cache of ", cache, " with d_head=", d_head);
+    return kernel;
+}
+
+// An FP8 cache's descales (k_descale, v_descale: fp32 (batch, kv_heads), any strides) into p;
+// refused with a cache of q's dtype. None: 1.
+void set_descales(flash::DecParams& p, const std::optional<at::Tensor>& k_descale,
+                  const std::optional<at::Tensor>& v_descale, const at::Tensor& cache,
+                  int64_t batch, int64_t kv_heads) {
+    if (!is_fp8(cache.scalar_type())) {
+        FA_CHECK_VALUE(!k_descale && !v_descale,
+                       "k_descale / v_descale go with an FP8 cache (torch.float8_e4m3fn, "
+                       "torch.float8_e5m2); this cache is ",
+                       cache.scalar_type());
+        return;
+    }
+    check_descale(k_descale, "k_descale", batch, kv_heads, cache.device());
+    check_descale(v_descale, "v_descale", batch, kv_heads, cache.device());
+    const std::optional<at::Tensor>* d[3] = {nullptr, &k_descale, &v_descale};
+    for (int i = 1; i < 3; ++i) {
+        if (!d[i]->has_value())
+            continue;
+        p.descale[i] = (*d[i])->data_ptr<float>();
+        p.descale_batch_stride[i] = (*d[i])->stride(0);
+        p.descale_head_stride[i] = (*d[i])->stride(1);
+    }
 }
 
 // q: fp16/bf16, CUDA, `rank`-D; its dtype.
@@ -122,9 +169,14 @@ void check_keys(const at::Tensor& k, const at::Tensor& v, const char* k_name, co
                    " must have the same shape, got ", k.sizes(), " and ", v.sizes());
     check_cache(k, k_name, q.scalar_type(), q.device());
     check_cache(v, v_name, q.scalar_type(), q.device());
+    FA_CHECK_TYPE(k.scalar_type() == v.scalar_type(), k_name, " and ", v_name,
+                  " must have one dtype, got ", k.scalar_type(), " and ", v.scalar_type());
     const int64_t D = q.size(-1), H = q.size(-2), Hk = k.size(-2);
     FA_CHECK_VALUE(D > 0 && D % 8 == 0 && D <= 256, "d_head=", D,
                    " is not supported; supported: every multiple of 8 up to 256");
+    FA_CHECK_VALUE(!is_fp8(k.scalar_type()) || D % 16 == 0, "d_head=", D,
+                   " is not supported with an FP8 cache; supported: multiples of 16 up to 256 "
+                   "(a row must be whole 16-byte chunks)");
     FA_CHECK_VALUE(k.size(-1) == D, "d_head of ", k_name, " (", k.size(-1),
                    ") differs from d_head of q (", D, ")");
     FA_CHECK_VALUE(Hk > 0 && H % Hk == 0, "heads of q (", H, ") must be a multiple of the ", k_name,
@@ -146,6 +198,10 @@ at::Tensor set_pages(flash::DecParams& p, const at::Tensor& block_table, const a
     p.block_table = table.data_ptr<int32_t>();
     p.block_table_stride = table.stride(0);
     p.page_size = static_cast<int>(pages.size(1));
+    p.page_shift = -1;
+    for (int shift = 0; shift < 31; ++shift)
+        if ((int64_t(1) << shift) == p.page_size)
+            p.page_shift = shift;
     p.num_pages = static_cast<int>(pages.size(0));
     p.capacity = static_cast<int>(capacity);
     return table;
@@ -312,6 +368,18 @@ kvcache::AppendParams append_params(const at::Tensor& src, const flash::DecParam
     return a;
 }
 
+// An append into an FP8 cache quantises with the cache's descale (i: 1 k, 2 v, of p).
+kvcache::AppendParams quantised(kvcache::AppendParams a, const flash::DecParams& p, int i,
+                                const at::Tensor& cache) {
+    if (!is_fp8(cache.scalar_type()))
+        return a;
+    a.dst_fp8 = cache.scalar_type() == at::kFloat8_e4m3fn ? 1 : 2;
+    a.descale = p.descale[i];
+    a.descale_batch_stride = p.descale_batch_stride[i];
+    a.descale_head_stride = p.descale_head_stride[i];
+    return a;
+}
+
 // Adds an append into `dst` to the step's jobs: a cache (its rows at each sequence's positions)
 // or a plain tensor shaped like the source.
 void add_append(kvcache::AppendJobs& jobs, kvcache::AppendParams a, const at::Tensor& dst,
@@ -453,7 +521,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& block_table,
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, bool rotary_interleaved, int64_t num_splits, bool return_lse,
-    c10::string_view kernel_name) {
+    c10::string_view kernel_name, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
     // Checks, before anything is launched.
     const at::ScalarType dtype = check_query(q_in, 4, "(batch, seqlen_q, heads, d_head)");
     const bool paged = block_table.has_value();
@@ -477,12 +546,14 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     const bool q_per_row = causal || window_left >= 0;  // flash_attn's positions of q's rows
     const auto [cos, sin] = check_rotary(rotary_cos, rotary_sin, q_in, have_lengths,
                                          lengths.longest, std::max(S_new, q_per_row ? Sq : 1));
+    set_descales(p, k_descale, v_descale, k_cache, B, Hk);
     at::Tensor out = at::empty(q_in.sizes(), q_in.options());
     at::Tensor lse = empty_lse(return_lse, {B, H, Sq}, q_in);
     set_queries(p, q_in, out, return_lse ? lse.data_ptr<float>() : nullptr, B, Hk, Sq, B * Sq);
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
-    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, D);
+    const flash::DecKernelEntry* kernel =
+        choose_decode(kernel_name, dtype, k_cache.scalar_type(), D);
     check_device(*kernel, q_in.device());
     plan_splits(p, *kernel, num_splits, lengths.longest >= 0 ? lengths.longest + S_new : p.capacity,
                 q_in.device());
@@ -506,12 +577,14 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     }
     if (S_new > 0) {
         add_append(jobs,
-                   append_params(rows_source(*k_new), p, base, base_const, true, cos, sin,
-                                 rotary_interleaved),
+                   quantised(append_params(rows_source(*k_new), p, base, base_const, true, cos, sin,
+                                           rotary_interleaved),
+                             p, 1, k_cache),
                    k_cache, /*cache=*/true);
         add_append(jobs,
-                   append_params(rows_source(*v_new), p, base, base_const, true, at::Tensor(),
-                                 at::Tensor(), false),
+                   quantised(append_params(rows_source(*v_new), p, base, base_const, true,
+                                           at::Tensor(), at::Tensor(), false),
+                             p, 2, v_cache),
                    v_cache, /*cache=*/true);
     }
     // The keys each sequence has after the append: the lengths on the device plus S_new, written
@@ -550,7 +623,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
     const std::optional<at::Tensor>& seqused_k, const std::optional<at::Tensor>& block_table,
     int64_t max_seqlen_q, int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, int64_t num_splits, bool return_lse,
-    c10::string_view kernel_name) {
+    c10::string_view kernel_name, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale) {
     const at::ScalarType dtype = check_query(q_in, 3, "(total_q, heads, d_head)");
     const bool paged = block_table.has_value();
     const int64_t rank = paged ? 4 : 3;
@@ -586,13 +660,14 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
     p.cu_seqlens_k = cu_k.data_ptr<int32_t>();
     p.total_q = static_cast<int>(total_q);
     p.seqlen_k = static_cast<int>(max_seqlen_k);
+    set_descales(p, k_descale, v_descale, k, B, k.size(rank - 2));
     at::Tensor out = at::empty(q_in.sizes(), q_in.options());
     at::Tensor lse = empty_lse(return_lse, {H, total_q}, q_in);
     set_queries(p, q_in, out, return_lse ? lse.data_ptr<float>() : nullptr, B, k.size(rank - 2),
                 max_seqlen_q, total_q);
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
-    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, D);
+    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, k.scalar_type(), D);
     check_device(*kernel, device);
     plan_splits(p, *kernel, num_splits, paged ? p.capacity : max_seqlen_k, device);
     if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)
@@ -621,12 +696,14 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
         "Tensor? cache_batch_idx, Tensor? block_table, float? softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, bool rotary_interleaved, "
-        "int num_splits, bool return_lse, str kernel) -> (Tensor out, Tensor lse)");
+        "int num_splits, bool return_lse, str kernel, Tensor? k_descale=None, "
+        "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
     m.def(
         "varlen_paged(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "Tensor? seqused_k, Tensor? block_table, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-        "int num_splits, bool return_lse, str kernel) -> (Tensor out, Tensor lse)");
+        "int num_splits, bool return_lse, str kernel, Tensor? k_descale=None, "
+        "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {

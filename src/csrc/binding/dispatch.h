@@ -31,15 +31,47 @@ inline int64_t seq_bucket(int64_t seqlen_q) {
     return bucket;
 }
 
-// The dtype of a table row: 0 fp16, 1 bf16, 2 e4m3 (flash::DType); -1 for any other.
+// The name of a flash::DType in kernel names and table rows.
+inline const char* dtype_name(flash::DType t) {
+    switch (t) {
+        case flash::DType::kFp16:
+            return "fp16";
+        case flash::DType::kBf16:
+            return "bf16";
+        case flash::DType::kE4m3:
+            return "e4m3";
+        case flash::DType::kE5m2:
+            return "e5m2";
+    }
+    return "?";
+}
+
+// The dtype of a table row: 0 fp16, 1 bf16, 2 e4m3, 3 e5m2 (flash::DType); -1 for any other.
+// A decode row over an FP8 cache names q's dtype and the cache's, "bf16_e4m3": code q + 4 x
+// (the cache's code), so q's dtype with a cache of its own dtype keeps q's code.
 inline int dtype_code(const std::string& dtype) {
-    return dtype == "fp16" ? 0 : dtype == "bf16" ? 1 : dtype == "e4m3" ? 2 : -1;
+    const auto one = [](const std::string& t) {
+        return t == "fp16" ? 0 : t == "bf16" ? 1 : t == "e4m3" ? 2 : t == "e5m2" ? 3 : -1;
+    };
+    const size_t cut = dtype.find('_');
+    if (cut == std::string::npos)
+        return one(dtype);
+    const int q = one(dtype.substr(0, cut)), cache = one(dtype.substr(cut + 1));
+    return q < 0 || q > 1 || cache < 2 ? -1 : q + 4 * cache;
 }
 inline int dtype_code(at::ScalarType dtype) {
     return dtype == at::kHalf            ? 0
            : dtype == at::kBFloat16      ? 1
            : dtype == at::kFloat8_e4m3fn ? 2
+           : dtype == at::kFloat8_e5m2   ? 3
                                          : -1;
+}
+// q's dtype over a cache of `cache`'s (dtype_code of "bf16_e4m3").
+inline int dtype_code(at::ScalarType q, at::ScalarType cache) {
+    const int qc = dtype_code(q), cc = dtype_code(cache);
+    if (q == cache)
+        return qc;
+    return qc < 0 || qc > 1 || cc < 2 ? -1 : qc + 4 * cc;
 }
 
 // local: a sliding window bounded on the left (window_left != -1 after canonical_window); such

@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "../registry.h"
@@ -66,6 +67,25 @@ cudaError_t launch_checked(dim3 grid, int threads, int smem, cudaStream_t stream
 
 // The registry entry of config Cfg of any kind, launched by `launch`; arch: 80 (sm80 family) or
 // 90 (sm_90a). Filled field by field (C++17: the build's standard under older torch).
+// A config's element type as a registry DType.
+template <typename Elem>
+constexpr DType dtype_of() {
+    return std::is_same_v<Elem, __half>          ? DType::kFp16
+           : std::is_same_v<Elem, __nv_bfloat16> ? DType::kBf16
+           : std::is_same_v<Elem, __nv_fp8_e5m2> ? DType::kE5m2
+                                                 : DType::kE4m3;
+}
+
+// Cfg::CacheElem where a config has one (the decode kernels), else Cfg::Elem.
+template <class Cfg, class = void>
+struct CacheElemOf {
+    using type = typename Cfg::Elem;
+};
+template <class Cfg>
+struct CacheElemOf<Cfg, std::void_t<typename Cfg::CacheElem>> {
+    using type = typename Cfg::CacheElem;
+};
+
 template <class Cfg, class Params>
 constexpr KernelEntry<Params> kernel_entry(const char* name,
                                            cudaError_t (*launch)(const Params&, cudaStream_t),
@@ -73,10 +93,8 @@ constexpr KernelEntry<Params> kernel_entry(const char* name,
                                            bool varlen_only = false) {
     KernelEntry<Params> e{};
     e.name = name;
-    using Elem = typename Cfg::Elem;
-    e.dtype = std::is_same_v<Elem, __half>          ? DType::kFp16
-              : std::is_same_v<Elem, __nv_bfloat16> ? DType::kBf16
-                                                    : DType::kE4m3;
+    e.dtype = dtype_of<typename Cfg::Elem>();
+    e.cache_dtype = dtype_of<typename CacheElemOf<Cfg>::type>();
     e.d_head = Cfg::kDHead;
     e.block_r = Cfg::kBr;
     e.block_c = Cfg::kBc;

@@ -54,17 +54,19 @@ struct AttentionParams {
     const int* cu_seqlens_k;
     int total_q;
     int total_k;
+
+    // FP8 tensors (the Hopper forward's q, k, v; the decode kernels' K/V cache): the fp32
+    // descales of q, k and v (0, 1, 2) per (batch, KV head), element (b, h) at descale[i] + b *
+    // descale_batch_stride[i] + h * descale_head_stride[i] (strides 0 for a per-tensor scale);
+    // nullptr: 1.
+    const float* descale[3];
+    int64_t descale_batch_stride[3], descale_head_stride[3];
 };
 
 struct FwdParams : AttentionParams {
     // Kernels that schedule their tiles dynamically (FwdKernelEntry::tile_counter): an int of
     // device memory for this launch alone, which the launcher zeroes on the launch's stream.
     int* tile_counter;
-    // FP8 kernels: the fp32 descales of q, k and v (0, 1, 2) per (batch, KV head), element
-    // (b, h) at descale[i] + b * descale_batch_stride[i] + h * descale_head_stride[i] (strides
-    // 0 for a per-tensor scale); nullptr: 1.
-    const float* descale[3];
-    int64_t descale_batch_stride[3], descale_head_stride[3];
 };
 
 // The backward kernels (preprocess, main, dQ conversion): the forward's call, its gradients and
@@ -137,6 +139,7 @@ struct DecParams : AttentionParams {
     const int* block_table;
     int64_t block_table_stride;
     int page_size;
+    int page_shift;  // log2(page_size) when a power of two, else -1
     int num_pages;
 
     // Contiguous caches: the cache row of sequence b (cache_batch_idx[b], else b), < cache_batch.

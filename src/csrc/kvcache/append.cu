@@ -6,6 +6,7 @@
 // cos/sin's rows writes NaN, so a wrong rotary table is never a silently wrong answer either.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 
@@ -81,7 +82,6 @@ __device__ __forceinline__ void append_element(const AppendParams& p, int j, int
 
     const Elem* __restrict__ src =
         static_cast<const Elem*>(p.src) + b * p.src_batch_stride + int64_t(j) * p.src_row_stride;
-    Elem* __restrict__ dst = static_cast<Elem*>(p.dst) + dst_row;
     const int h = idx / p.d_head, c = idx - h * p.d_head;
     const Elem* x = src + h * p.src_head_stride;
     // Entry i of this position's cos / sin row, in fp32 (read only for a valid position).
@@ -107,7 +107,17 @@ __device__ __forceinline__ void append_element(const AppendParams& p, int j, int
         out = rotate(x1, x2, angle(p.cos, p.cos_row_stride, i), angle(p.sin, p.sin_row_stride, i),
                      c < half);
     }
-    dst[h * p.dst_head_stride + c] = from_float<Elem>(out);
+    const int64_t at = h * p.dst_head_stride + c;
+    if (p.dst_fp8 == 0) {
+        static_cast<Elem*>(p.dst)[dst_row + at] = from_float<Elem>(out);
+        return;
+    }
+    const float scale = p.descale == nullptr
+                            ? 1.f
+                            : p.descale[b * p.descale_batch_stride + h * p.descale_head_stride];
+    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(__fdiv_rn(out, scale), __NV_SATFINITE,
+                                                       p.dst_fp8 == 1 ? __NV_E4M3 : __NV_E5M2);
+    static_cast<__nv_fp8_storage_t*>(p.dst)[dst_row + at] = q;
 }
 
 // Grid (rows, batch, chunks of every job): CTA (j, b, z) writes one chunk of kAppendThreads

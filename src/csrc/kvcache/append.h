@@ -44,6 +44,14 @@ struct AppendParams {
     bool interleaved;
 
     int* status;  // decode::kStatus* bits ORed on bad metadata (nullptr: not kept)
+
+    // An FP8 cache (dst_fp8 1: e4m3, 2: e5m2; 0: the source's type): each value is divided by
+    // its (sequence, head)'s descale (descale[b * descale_batch_stride + h *
+    // descale_head_stride], nullptr: 1) and rounded to nearest, saturating at the format's
+    // largest finite value.
+    int dst_fp8;
+    const float* descale;
+    int64_t descale_batch_stride, descale_head_stride;
 };
 
 // A decode step's appends in one launch: q's rotated copy, the new keys, the new values (up to

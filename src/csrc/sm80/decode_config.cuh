@@ -5,16 +5,25 @@
 // where the warps' partial results are merged. It also provides the names the sm80 forward's
 // fragment, GEMM and softmax code read (kMTiles, kNTilesS, kStepsQK, ...), so that code is
 // reused unchanged on one 16-row MMA tile.
+//
+// CacheElem is the element type of K and V: Elem (q's), or an FP8 type (__nv_fp8_e4m3,
+// __nv_fp8_e5m2) for an FP8 KV cache, whose tiles stay FP8 in shared memory and are converted
+// to Elem as their fragments are loaded (decode_fp8.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
 
 namespace flash::sm80 {
 
-template <typename Elem_, int kDHead_, int kBc_, int kWarps_>
+template <typename Elem_, int kDHead_, int kBc_, int kWarps_, typename CacheElem_ = Elem_>
 struct DecConfig {
     using Elem = Elem_;
+    using CacheElem = CacheElem_;
+    static constexpr bool kFp8Cache = sizeof(CacheElem) == 1;
     static constexpr int kDHead = kDHead_;
     static constexpr int kSmemDHead = kDHead <= 64 ? 64 : (kDHead <= 128 ? 128 : 256);
     static constexpr int kBr = 16;    // one m16 MMA tile of packed rows
@@ -45,8 +54,13 @@ struct DecConfig {
     static constexpr int kChunksPerRow = kSmemDHead / kChunkElems;
     static constexpr int kDataChunks = kDHead / kChunkElems;
 
+    // K and V tiles: rows of kSmemDHead cache elements in 16-byte chunks (swizzled: kv_offset).
+    static constexpr int kCacheChunkElems = 16 / int(sizeof(CacheElem));
+    static constexpr int kCacheChunksPerRow = kSmemDHead / kCacheChunkElems;
+    static constexpr int kKVRowBytes = kSmemDHead * int(sizeof(CacheElem));
+
     static constexpr int kQTileBytes = kBr * kSmemDHead * int(sizeof(Elem));
-    static constexpr int kKVTileBytes = kBc * kSmemDHead * int(sizeof(Elem));
+    static constexpr int kKVTileBytes = kBc * kKVRowBytes;
     static constexpr int kWarpStageBytes = kStages * 2 * kKVTileBytes;  // K and V per stage
     // The merge of the warps' results reuses the stage buffers: O (16 x d_head fp32), m and l.
     static constexpr int kMergeBytes = kWarps * kBr * (kDHead + 2) * 4;
@@ -54,11 +68,19 @@ struct DecConfig {
     static constexpr int kSmemBytes =
         kQTileBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
 
-    static_assert(sizeof(Elem) == 2, "fp16 or bf16 elements only");
+    static_assert(sizeof(Elem) == 2, "fp16 or bf16 queries only");
+    static_assert(sizeof(CacheElem) == 2 ? std::is_same_v<CacheElem, Elem>
+                                         : (std::is_same_v<CacheElem, __nv_fp8_e4m3> ||
+                                            std::is_same_v<CacheElem, __nv_fp8_e5m2>),
+                  "a cache of q's dtype, or of e4m3 / e5m2");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64, 128, 256");
-    static_assert(kBc == 16 || kBc == 32, "B_c must be 16 or 32");
+    static_assert(kBc == 16 || kBc == 32 || (kFp8Cache && kBc == 64),
+                  "B_c must be 16 or 32 (64 with an FP8 cache)");
+    static_assert(!kFp8Cache || kBc % 32 == 0,
+                  "an FP8 cache's K fragments come in x4 loads of 32 keys: B_c 32 or 64");
     static_assert(kWarps == 2 || kWarps == 4 || kWarps == 8, "2, 4 or 8 warps");
-    static_assert((kBc * kChunksPerRow) % 32 == 0, "a warp's K/V block copy must split evenly");
+    static_assert((kBc * kCacheChunksPerRow) % 32 == 0,
+                  "a warp's K/V block copy must split evenly");
     static_assert((kBr * kChunksPerRow) % kThreads == 0, "the Q tile copy must split evenly");
     static_assert(kSmemBytes <= 163 * 1024, "shared memory exceeds the sm_80 limit");
 };

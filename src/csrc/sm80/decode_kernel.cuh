@@ -25,6 +25,7 @@
 #include "../common/programmatic_launch.cuh"
 #include "../common/varlen.cuh"
 #include "decode_config.cuh"
+#include "decode_fp8.cuh"
 #include "forward_gemm.cuh"
 #include "forward_softmax.cuh"
 #include "smem_tile.cuh"
@@ -91,8 +92,17 @@ __device__ __forceinline__ int clamp_key(int64_t v, int lo, int hi) {
 template <class Cfg>
 struct DecodeCta {
     using Elem = typename Cfg::Elem;
-    static constexpr int kRowsPerPass = 32 / Cfg::kChunksPerRow;  // K/V rows per warp copy pass
+    using CacheElem = typename Cfg::CacheElem;
+    static constexpr int kRowsPerPass = 32 / Cfg::kCacheChunksPerRow;  // K/V rows per copy pass
     static constexpr int kPasses = Cfg::kBc / kRowsPerPass;
+
+    // Chunk c of row r of a K or V tile.
+    __device__ __forceinline__ static uint32_t kv_offset(int r, int c) {
+        if constexpr (Cfg::kFp8Cache)
+            return fp8_tile_offset<Cfg>(r, c);
+        else
+            return tile_offset<Cfg>(r, c);
+    }
 
     const DecParams& p;
     const int lane, warp, batch, kv_head, split, row0;
@@ -103,6 +113,9 @@ struct DecodeCta {
     int full_lo, full_hi;      // keys every row of the tile sees: blocks inside need no mask
     int key_lo[2], key_hi[2];  // keys this thread's two rows see
     int bad;                   // decode::kStatus* bits met by this thread
+    // An FP8 cache's descales of this (sequence, KV head), 1 otherwise: k's scales the scores,
+    // v's the output.
+    float k_descale, v_descale;
 
     float O[1][Cfg::kNTilesO][4];
     float S[1][Cfg::kNTilesS][4];
@@ -121,7 +134,9 @@ struct DecodeCta {
           rows(seq.seqlen_q * params.heads_per_kv),
           sQ(smem_addr(smem)),
           sPipe(smem_addr(smem) + Cfg::kQTileBytes),
-          bad(0) {
+          bad(0),
+          k_descale(descale_of(params, 1, blockIdx.z, blockIdx.y)),
+          v_descale(descale_of(params, 2, blockIdx.z, blockIdx.y)) {
         const int group = p.heads_per_kv;
         const int sk = seq.seqlen_k;
         const int64_t off = int64_t(sk) - seq.seqlen_q;
@@ -148,6 +163,12 @@ struct DecodeCta {
             key_lo[h] = clamp_key(left ? i + off - p.window_left : 0, 0, sk);
             key_hi[h] = clamp_key(right ? i + off + p.window_right : sk - 1, -1, sk - 1);
         }
+    }
+
+    __device__ __forceinline__ static float descale_of(const DecParams& p, int i, int b, int h) {
+        if (!Cfg::kFp8Cache || p.descale[i] == nullptr)
+            return 1.f;
+        return p.descale[i][b * p.descale_batch_stride[i] + h * p.descale_head_stride[i]];
     }
 
     // Packed row R's row in the split-KV buffers: over the batch (fixed length) or the packed
@@ -182,12 +203,18 @@ struct DecodeCta {
         return sPipe + warp * Cfg::kWarpStageBytes + stage * 2 * Cfg::kKVTileBytes;
     }
 
+    // The block-table column of key `key`: key / page_size (a shift for page sizes that are
+    // powers of two, the common ones).
+    __device__ __forceinline__ int page_index(int key) const {
+        return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+    }
+
     // The block-table entry of the page holding key blk * B_c (0 for a contiguous cache): read
     // one iteration before the block's copy is issued, so its latency hides under compute.
     __device__ __forceinline__ int block_page(int blk) const {
         if (p.block_table == nullptr)
             return 0;
-        return p.block_table[batch * p.block_table_stride + (blk * Cfg::kBc) / p.page_size];
+        return p.block_table[batch * p.block_table_stride + page_index(blk * Cfg::kBc)];
     }
 
     // This warp's K and V rows of KV block `blk` into pipeline stage `stage`: rows past the
@@ -195,20 +222,20 @@ struct DecodeCta {
     // (page sizes that are multiples of B_c) is addressed from `page`, its page's table entry;
     // a block across pages finds its rows through the block table one by one.
     __device__ __forceinline__ void copy_kv(int blk, int stage, int page) {
-        const Elem* k = static_cast<const Elem*>(p.k);
-        const Elem* v = static_cast<const Elem*>(p.v);
+        const CacheElem* k = static_cast<const CacheElem*>(p.k);
+        const CacheElem* v = static_cast<const CacheElem*>(p.v);
         const uint32_t sK = stage_k(stage), sV = sK + Cfg::kKVTileBytes;
-        const int c = lane % Cfg::kChunksPerRow;
-        const bool col_ok = c * Cfg::kChunkElems < p.d_head;
+        const int c = lane % Cfg::kCacheChunksPerRow;
+        const bool col_ok = c * Cfg::kCacheChunkElems < p.d_head;
         const int k0 = blk * Cfg::kBc;
-        int64_t k_base = seq.k_off + c * Cfg::kChunkElems;
-        int64_t v_base = seq.v_off + c * Cfg::kChunkElems;
+        int64_t k_base = seq.k_off + c * Cfg::kCacheChunkElems;
+        int64_t v_base = seq.v_off + c * Cfg::kCacheChunkElems;
         bool per_row = false;
         bool page_ok = true;
         if (p.block_table != nullptr) {
             const int last = (k0 + Cfg::kBc < seq.seqlen_k ? k0 + Cfg::kBc : seq.seqlen_k) - 1;
-            const int first_page = k0 / p.page_size;
-            per_row = last / p.page_size != first_page;
+            const int first_page = page_index(k0);
+            per_row = page_index(last) != first_page;
             if (!per_row) {
                 page_ok = page >= 0 && page < p.num_pages;
                 if (!page_ok) {
@@ -226,25 +253,26 @@ struct DecodeCta {
         const int* table = p.block_table + batch * p.block_table_stride;
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
-            const int r = lane / Cfg::kChunksPerRow + pass * kRowsPerPass;
+            const int r = lane / Cfg::kCacheChunksPerRow + pass * kRowsPerPass;
             const int key = k0 + r;
             bool valid = col_ok && page_ok && key < seq.seqlen_k;
             int64_t k_at = k_base + int64_t(r) * p.k_row_stride;
             int64_t v_at = v_base + int64_t(r) * p.v_row_stride;
             if (per_row) {  // rows of this block lie in several pages
-                int row_page = valid ? table[key / p.page_size] : 0;
+                const int index = page_index(key);
+                int row_page = valid ? table[index] : 0;
                 if (row_page < 0 || row_page >= p.num_pages) {
                     bad |= decode::kStatusPage;
                     valid = false;
                     row_page = 0;
                 }
-                const int in_page = key % p.page_size;
-                k_at = seq.k_off + c * Cfg::kChunkElems + row_page * p.k_batch_stride +
+                const int in_page = key - index * p.page_size;
+                k_at = seq.k_off + c * Cfg::kCacheChunkElems + row_page * p.k_batch_stride +
                        int64_t(in_page) * p.k_row_stride;
-                v_at = seq.v_off + c * Cfg::kChunkElems + row_page * p.v_batch_stride +
+                v_at = seq.v_off + c * Cfg::kCacheChunkElems + row_page * p.v_batch_stride +
                        int64_t(in_page) * p.v_row_stride;
             }
-            const uint32_t at = tile_offset<Cfg>(r, c);
+            const uint32_t at = kv_offset(r, c);
             cp_async_16(sK + at, valid ? k + k_at : k, valid);
             cp_async_16(sV + at, valid ? v + v_at : v, valid);
         }
@@ -295,12 +323,22 @@ struct DecodeCta {
         cp_async_wait<Cfg::kStages - 1>();  // Q has landed (its group is the oldest)
         __syncthreads();                    // ... for every thread's copies
         const LdsmAddr<Cfg> q_at = q_addr<Cfg>(sQ, 0, lane);
-        if constexpr (!Cfg::kSliceQ) {
+        QFp8Order<Cfg> q8;              // an FP8 cache's Q fragments (decode_fp8.cuh), else unused
+        float score_scale = k_descale;  // what the raw scores are multiplied by
+        if constexpr (Cfg::kFp8Cache) {
+            if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
+                score_scale *= scale_q_to_fp16<Cfg>(sQ);  // the products run in fp16
+            q8.load_all(sQ, lane);
+        } else if constexpr (!Cfg::kSliceQ) {
 #pragma unroll
             for (int s = 0; s < Cfg::kStepsQK; ++s)
                 load_q_slice<Cfg>(qbuf.slot(s), q_at, s);
         }
         const bool softcap = p.softcap_scale > 0.f;
+        // An FP8 cache's k descale (and Q's fp16 scale) multiply the raw scores: inside the
+        // tanh with a softcap, else in the exp2 scale.
+        const float softcap_scale = p.softcap_scale * score_scale;
+        const float scale_log2 = softcap ? p.scale_log2 : p.scale_log2 * score_scale;
         for (int t = 0; t < n_mine; ++t) {
             const int ahead = t + Cfg::kStages - 1;
             if (ahead < n_mine) {
@@ -312,12 +350,18 @@ struct DecodeCta {
             cp_async_wait<Cfg::kStages - 1>();  // block t has landed (this thread's rows)
             __syncwarp();                       // ... and every lane's
             const uint32_t sK = stage_k(t % Cfg::kStages);
-            gemm_qk<Cfg>(S, qbuf, q_at, k_addr<Cfg>(sK, lane));
+            if constexpr (Cfg::kFp8Cache)
+                gemm_qk_fp8<Cfg>(S, q8, sQ, sK, lane);
+            else
+                gemm_qk<Cfg>(S, qbuf, q_at, k_addr<Cfg>(sK, lane));
             if (softcap)
-                OnlineSoftmax<Cfg>::softcap(S, p.softcap_scale);
+                OnlineSoftmax<Cfg>::softcap(S, softcap_scale);
             mask(block_of(t));
-            softmax.template update<false>(S, O, p.scale_log2);
-            gemm_pv<Cfg>(O, S, v_addr<Cfg>(sK + Cfg::kKVTileBytes, lane));
+            softmax.template update<false>(S, O, scale_log2);
+            if constexpr (Cfg::kFp8Cache)
+                gemm_pv_fp8<Cfg>(O, S, sK + Cfg::kKVTileBytes, lane);
+            else
+                gemm_pv<Cfg>(O, S, v_addr<Cfg>(sK + Cfg::kKVTileBytes, lane));
             __syncwarp();  // every lane has read this stage before it is refilled
         }
         cp_async_wait<0>();
@@ -356,11 +400,20 @@ struct DecodeCta {
                 mx = fmaxf(mx, sM[w * Cfg::kBr + r]);
             const float mine = softmax.m[0][h];
             const float f = mine == -INFINITY ? 0.f : fast_exp2(mine - mx);
-            float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 2;
+            if constexpr (Cfg::kFp8Cache) {  // tiles 2c, 2c+1: d chunk c's even, odd dims
+                float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 4;
 #pragma unroll
-            for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
-                *reinterpret_cast<float2*>(row + nt * 8) =
-                    make_float2(O[0][nt][2 * h] * f, O[0][nt][2 * h + 1] * f);
+                for (int nt = 0; nt < Cfg::kNTilesO; nt += 2)
+                    *reinterpret_cast<float4*>(row + nt * 8) =
+                        make_float4(O[0][nt][2 * h] * f, O[0][nt + 1][2 * h] * f,
+                                    O[0][nt][2 * h + 1] * f, O[0][nt + 1][2 * h + 1] * f);
+            } else {
+                float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 2;
+#pragma unroll
+                for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+                    *reinterpret_cast<float2*>(row + nt * 8) =
+                        make_float2(O[0][nt][2 * h] * f, O[0][nt][2 * h + 1] * f);
+            }
         }
         __syncthreads();
 
@@ -388,7 +441,7 @@ struct DecodeCta {
                 acc.z += o.z;
                 acc.w += o.w;
             }
-            const float inv = nan_out ? NAN : (l > 0.f ? 1.f / l : 0.f);
+            const float inv = nan_out ? NAN : (l > 0.f ? v_descale / l : 0.f);
             const float lse =
                 nan_out ? NAN : (l > 0.f ? (mx + log2f(l)) * 0.69314718055994531f : -INFINITY);
             acc.x *= inv;

@@ -16,7 +16,8 @@ from flash_attention.kernels import KINDS, HelperKernel, KernelConfig, parse_ker
 from flash_attention.kernels.helpers import TEMPLATES as HELPER_TEMPLATES
 from flash_attention.kernels.helpers import helpers_of
 
-_ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16", "13__nv_fp8_e4m3": "e4m3"}
+_ELEM = {"6__half": "fp16", "13__nv_bfloat16": "bf16", "13__nv_fp8_e4m3": "e4m3",
+         "13__nv_fp8_e5m2": "e5m2"}
 assert set(_ELEM.values()) == set(ELEM_TYPES)
 
 # The mangled kernel template applied to each kind's config template, up to the config's
@@ -37,8 +38,11 @@ _OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI", "bwd_sm90",
      ("dtype", "d_head", "softcap", "block_r")),
 )
-_ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16|13__nv_fp8_e4m3)|Li(?P<int>\d+)E"
-                  r"|Lb(?P<bool>[01])E")
+# A type argument that repeats an earlier one is a substitution (S<n>_): the decode kernels'
+# cache element when it is q's (DecConfig<__nv_bfloat16, ..., __nv_bfloat16>).
+_ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16|13__nv_fp8_e4m3|13__nv_fp8_e5m2)"
+                  r"|Li(?P<int>\d+)E|Lb(?P<bool>[01])E|(?P<sub>S\d*_)")
+SAME_TYPE = "="  # _args' value of a substitution
 _HELPER = re.compile(r"_ZN5flash(?:3bwd|4sm80)\d+(?P<template>\w+?_kernel)"
                      r"I(?P<elem>6__half|13__nv_bfloat16)EEvNS_9(?:Bwd|Dec)ParamsE")
 
@@ -53,7 +57,7 @@ def _args(mangled: str, start: int) -> list[str | int | bool] | None:
         if m is None:
             return None
         out.append(_ELEM[m["elem"]] if m["elem"] else int(m["int"]) if m["int"] is not None
-                   else m["bool"] == "1")
+                   else SAME_TYPE if m["sub"] else m["bool"] == "1")
         pos = m.end()
     return out
 
@@ -64,10 +68,14 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
     old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
     if kind in ("fwd_sm90", "bwd_sm90") and "varlen" in names and len(values) == len(names) - 1:
         names = tuple(n for n in names if n != "varlen")  # a build from before flag j
+    if "cache" in names and len(values) == len(names) - 1:
+        names = tuple(n for n in names if n != "cache")  # a decode build from before FP8 caches
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
     # fields the C++ template fixes (the decode kernel's 16 packed rows)
     fields = {**getattr(KINDS[kind].Config, "FIXED_FIELDS", {}), **dict(zip(names, values))}
+    if "cache" in fields and fields["cache"] in (SAME_TYPE, fields.get("dtype")):
+        fields["cache"] = ""  # K and V of q's dtype
     if "consumer_wgs" in fields:
         fields["block_r"] = 64 * fields.pop("consumer_wgs")
     if old_bwd_sm90:

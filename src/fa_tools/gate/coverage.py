@@ -99,9 +99,13 @@ def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
 
 
 def kind(kernel: str) -> str:
-    """A kernel without its dtype: the tile and flags the coverage is counted in."""
-    return kernel.replace("_bf16_", "_").replace("_fp16_", "_").removeprefix("bf16_") \
+    """A kernel without its dtype (q's, and a decode kernel's FP8 cache dtype, e4m3 and e5m2
+    alike: ``dec_sm80_fp8_d128_...``): the tile and flags the coverage is counted in."""
+    out = kernel.replace("_bf16_", "_").replace("_fp16_", "_").removeprefix("bf16_") \
         .removeprefix("fp16_")
+    if out.startswith("dec_"):
+        out = out.replace("_e4m3_", "_fp8_").replace("_e5m2_", "_fp8_")
+    return out
 
 
 def _case_of_row(row: Row, varlen: bool) -> Case:
@@ -227,7 +231,7 @@ def dec_kernel(case: Case) -> str | None:
 
     if case.kind != "decode":
         return None
-    ((_, name),) = dec_sm80.table_rows(Call(case.dtype, case.d_head))
+    ((_, name),) = dec_sm80.table_rows(Call(case.dtype, case.d_head), case.cache)
     return name
 
 
@@ -258,5 +262,5 @@ def case_for_dec_kernel(kernel: str) -> Case | None:
         case = Case(kernel.rsplit("_", 1)[1], 128, kind="decode", **{**DEC_CASE, "batch": 1})
         return case if kernel in kernels_run(case, [], [], sm90=True) else None
     cfg = parse(kernel)
-    case = Case(cfg.dtype, cfg.d_head, kind="decode", **DEC_CASE)
+    case = Case(cfg.dtype, cfg.d_head, kind="decode", cache=cfg.cache, **DEC_CASE)
     return case if dec_kernel(case) == kernel else None

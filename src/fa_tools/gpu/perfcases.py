@@ -42,6 +42,7 @@ class Case:
     kind: str = "fwd"  # one of KINDS
     deterministic: bool = False  # the backward adds dQ in a fixed order (bwd, fwdbwd only)
     page_size: int = 0  # decode: rows per page of a paged cache (0: a contiguous cache)
+    cache: str = ""  # decode: an FP8 cache's dtype, e4m3 or e5m2 ("": q's dtype)
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -58,6 +59,8 @@ class Case:
             raise ValueError("a training step is fixed-length (no varlen fwdbwd timing yet)")
         if self.page_size and self.kind != "decode":
             raise ValueError("page_size is an option of a decode case")
+        if self.cache and (self.kind != "decode" or self.cache not in ("e4m3", "e5m2")):
+            raise ValueError("cache is an option of a decode case: e4m3 or e5m2")
         if self.kind == "decode" and (self.varlen or self.seqlen_k is None or self.page_size < 0):
             raise ValueError("a decode case is fixed-length with seqlen_k cached keys "
                              "(page_size 0 or the rows of a page)")
@@ -75,6 +78,7 @@ class Case:
                 + ("_causal" if self.causal else "") + ("_varlen" if self.varlen else "")
                 + ("_det" if self.deterministic else "")
                 + (f"_page{self.page_size}" if self.page_size else "")
+                + (f"_{self.cache}" if self.cache else "")
                 + ("" if self.kind == "fwd" else f"_{self.kind}"))
 
     @property
@@ -225,7 +229,8 @@ BWD_GATE_CASES = tuple([
 # 128, 256; the sm80 family's, the one decode family, on every GPU), and each way a step
 # reads its cache: split-KV with the combine (batch 1), one pass without (64 sequences fill
 # the GPU), a paged cache whose blocks cross pages (page 16: rows gathered one by one) and one
-# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows).
+# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows),
+# FP8 caches (their keys twice as many as a 16-bit case's for the same time).
 # Their SDPA peer runs the same step on the contiguous cache. Every step's GPU time is above the
 # host's ~25 us per eager call (the gate times eager calls back to back): one sequence of 8192
 # keys (14 us) measured the host, 19-24% apart round to round on an H200, and ended
@@ -240,6 +245,14 @@ DEC_GATE_CASES = tuple([
          kind="decode"),
     Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=4096, kind="decode"),
     Case("bf16", 128, 16, 4, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
+         kind="decode"),
+    # FP8 caches (issue 46): each FP8 decode kernel of the default set, q's and the cache's
+    # dtype aside (d_head 64, 128, 256), contiguous and paged
+    Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=16384, cache="e4m3",
+         kind="decode"),
+    Case("fp16", 64, 16, 1, heads=32, kv_heads=8, seqlen_k=16384, page_size=16, cache="e5m2",
+         kind="decode"),
+    Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=8192, cache="e4m3",
          kind="decode"),
 ])
 GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES
@@ -616,6 +629,8 @@ class Inputs:
     # a decode case: (k_cache, v_cache, block_table or None, cache_seqlens); k and v above are
     # the same keys as a contiguous cache (B, seqlen_k, kv heads, d), the peers' input
     cache: tuple | None = None
+    # a decode case over an FP8 cache: its (k_descale, v_descale), (B, kv heads) fp32
+    descales: tuple | None = None
 
     @classmethod
     def make(cls, case: Case, device: str = "cuda") -> Inputs:
@@ -654,8 +669,19 @@ class Inputs:
         k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
                             dtype=dtype) for _ in range(2))
         seqlens = torch.full((case.batch,), case.keys, dtype=torch.int32, device=device)
+        descales = None
+        stored = (k, v)
+        if case.cache:  # each (sequence, KV head)'s amax mapped to the format's largest value
+            fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[case.cache]
+            top = torch.finfo(fp8).max
+            descales = tuple((t.float().abs().amax(dim=(1, 3)) / top).clamp_min(1e-12)
+                             for t in (k, v))
+            stored = tuple((t.float() / d[:, None, :, None]).to(fp8).view(torch.uint8)
+                           for t, d in zip((k, v), descales))
+        as_cache = (lambda t: t.view(fp8)) if case.cache else (lambda t: t)
         if not case.page_size:
-            return cls(q, k, v, None, cache=(k, v, None, seqlens))
+            return cls(q, k, v, None, cache=(*map(as_cache, stored), None, seqlens),
+                       descales=descales)
         per_seq = -(-case.keys // case.page_size)
         table = torch.randperm(case.batch * per_seq, device=device, dtype=torch.int32)
         table = table.view(case.batch, per_seq)
@@ -664,23 +690,27 @@ class Inputs:
         def paged(t):
             t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad))
             pool = torch.empty(case.batch * per_seq, case.page_size, *t.shape[2:],
-                               device=device, dtype=dtype)
+                               device=device, dtype=t.dtype)
             pool[table.flatten().long()] = t.reshape(-1, case.page_size, *t.shape[2:])
-            return pool
+            return as_cache(pool)
 
-        return cls(q, k, v, None, cache=(paged(k), paged(v), table, seqlens))
+        return cls(q, k, v, None, cache=(*map(paged, stored), table, seqlens),
+                   descales=descales)
 
 
 def decode_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
     """Zero-argument callables, one per contender, timing one decode step: ours is
     flash_attn_with_kvcache on the case's cache (paged or not), returning its output; the SDPA
     peers run the same queries over the contiguous cache's (B, H, S, D) views (enable_gqa, or
-    K/V repeated where a backend refuses it; causal aligned bottom-right as ours)."""
+    K/V repeated where a backend refuses it; causal aligned bottom-right as ours). A case over
+    an FP8 cache: ours reads the FP8 cache with its descales, the peers the 16-bit keys."""
     from flash_attention.interface import flash_attn_with_kvcache
 
     q, (k_cache, v_cache, table, seqlens) = inputs.q, inputs.cache
     opts = _attention_options(case.causal, case.window, case.softcap)
     fns = {}
+    if inputs.descales is not None:  # an FP8 cache
+        opts = {**opts, "k_descale": inputs.descales[0], "v_descale": inputs.descales[1]}
     if "ours" in names:
         fns["ours"] = lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **opts)

@@ -9,14 +9,17 @@ from dataclasses import dataclass
 
 from ..kernels import KINDS, KernelConfig
 
-ELEM_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3"}
+ELEM_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3",
+              "e5m2": "__nv_fp8_e5m2"}
 
 
 @dataclass(frozen=True)
 class Template:
     header: str  # the launcher header the unit includes (plain CUDA, no torch)
     config: str  # the C++ config template
-    args: tuple[str, ...]  # config fields in the template's parameter order (dtype: the Elem)
+    # config fields in the template's parameter order (dtype: the Elem; cache: the K/V element,
+    # q's Elem when the field is "")
+    args: tuple[str, ...]
     entry: str  # the function template that makes the registry entry of a config
     registry: str  # "fwd", "bwd" or "dec": the registry (and entry type) that lists the kernel
     sm90a: bool  # the unit compiles for sm_90a alone (nvcc_wrapper.ARCH_MARKER)
@@ -40,7 +43,7 @@ TEMPLATES: dict[str, Template] = {
                          ("dtype", "d_head", "block_r", "block_c", *_flags("bwd_sm90")),
                          "sm90::make_bwd_entry", "bwd", sm90a=True),
     "dec_sm80": Template("sm80/decode_launch.cuh", "sm80::DecConfig",
-                         ("dtype", "d_head", "block_c", "warps"),
+                         ("dtype", "d_head", "block_c", "warps", "cache"),
                          "sm80::make_dec_entry", "dec", sm90a=False),
 }
 assert set(TEMPLATES) == set(KINDS), "every kernel kind needs a template"
@@ -59,6 +62,8 @@ def template_args(cfg: KernelConfig) -> str:
         value = getattr(cfg, field)
         if field == "dtype":
             out.append(ELEM_TYPES[value])
+        elif field == "cache":
+            out.append(ELEM_TYPES[value or cfg.dtype])
         elif isinstance(value, bool):
             out.append(f"/*{field}=*/{'true' if value else 'false'}")
         else:

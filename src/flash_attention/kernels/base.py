@@ -4,9 +4,11 @@ the validity rules check, the occupancy estimate, the one table of flag letters,
 config: its name (built from the kind's name segments and flags, parsed back by the same
 rule), the check at construction and the rules on a field's allowed values.
 
-A kernel's name is ``<direction>_<family>_<dtype>_d<d_head>_r<B_r>_c<B_c>[_w<warps>|_s<stages>]
-_f<flags>``: the kind first (``fwd_sm80``, ``bwd_sm90``, ...), then r (query rows) before c (key
-columns), then the flag letters of :data:`FLAG_LETTERS` that are on, in the kind's order. A flag
+A kernel's name is ``<direction>_<family>_<dtype>[_<cache dtype>]_d<d_head>_r<B_r>_c<B_c>
+[_w<warps>|_s<stages>]_f<flags>``: the kind first (``fwd_sm80``, ``bwd_sm90``, ...), q's dtype
+and, for a kind with CACHE_DTYPES, the K/V dtype where it differs from q's (a decode kernel over
+an FP8 cache: ``dec_sm80_bf16_e4m3_...``), then r (query rows) before c (key columns), then the
+flag letters of :data:`FLAG_LETTERS` that are on, in the kind's order. A flag
 letter means one thing in every kind. Plain Python: no torch, no build code.
 """
 
@@ -176,10 +178,12 @@ def _flag_order(flags: tuple[str, ...]) -> str:
 
 
 @functools.cache
-def _name_pattern(kind: str, segments: tuple[tuple[str, str], ...]) -> re.Pattern[str]:
+def _name_pattern(kind: str, segments: tuple[tuple[str, str], ...],
+                  cache_dtypes: tuple[str, ...] = ()) -> re.Pattern[str]:
     """The regular expression of a kind's names (KernelConfig.name), compiled once."""
     fields = "".join(rf"_{letter}(?P<{f}>\d+)" for letter, f in segments)
-    return re.compile(rf"{kind}_(?P<dtype>fp16|bf16|e4m3){fields}_f(?P<flags>[a-z]*)")
+    cache = rf"(?:_(?P<cache>{'|'.join(cache_dtypes)}))?" if cache_dtypes else ""
+    return re.compile(rf"{kind}_(?P<dtype>fp16|bf16|e4m3){cache}{fields}_f(?P<flags>[a-z]*)")
 
 
 class KernelConfig:
@@ -193,6 +197,9 @@ class KernelConfig:
     # ("r", "block_r"), ("c", "block_c"), ("w", "warps"))
     SEGMENTS: ClassVar[tuple[tuple[str, str], ...]]
     FLAGS: ClassVar[dict[str, str]]  # flag field -> what it changes, in name order
+    # K/V dtypes other than q's a kind's kernels may read (its configs then have a ``cache``
+    # field: "" for q's dtype); () for kinds whose q, k and v share one dtype.
+    CACHE_DTYPES: ClassVar[tuple[str, ...]] = ()
     EXAMPLE: ClassVar[str]  # a valid name
     ARCH: ClassVar[int]  # 80: runs on sm_80 and newer; 90: sm_90a code alone
 
@@ -238,19 +245,21 @@ class KernelConfig:
         """The kernel's name, e.g. ``fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor``: a valid C
         identifier, and the kernel's name in the build, the registry and every report."""
         segments = "".join(f"_{letter}{getattr(self, f)}" for letter, f in self.SEGMENTS)
-        return f"{self.KIND}_{self.dtype}{segments}_f{self.flag_letters}"
+        cache = f"_{getattr(self, 'cache', '')}" if getattr(self, "cache", "") else ""
+        return f"{self.KIND}_{self.dtype}{cache}{segments}_f{self.flag_letters}"
 
     @classmethod
     def name_format(cls) -> str:
         segments = "".join(f"_{letter}<{f}>" for letter, f in cls.SEGMENTS)
         dtypes = "fp16|bf16|e4m3" if cls.KIND == "fwd_sm90" else "fp16|bf16"
-        return f"{cls.KIND}_<{dtypes}>{segments}_f<flags>"
+        cache = f"[_<{'|'.join(cls.CACHE_DTYPES)}>]" if cls.CACHE_DTYPES else ""
+        return f"{cls.KIND}_<{dtypes}>{cache}{segments}_f<flags>"
 
     @classmethod
     def parse(cls: type[_Config], text: str) -> _Config:
         """The config of a name; the inverse of :attr:`name`. ConfigError naming the format
         (and the flag letters of this kind, in order) when it does not parse."""
-        m = _name_pattern(cls.KIND, cls.SEGMENTS).fullmatch(text.strip())
+        m = _name_pattern(cls.KIND, cls.SEGMENTS, cls.CACHE_DTYPES).fullmatch(text.strip())
         order = _flag_order(tuple(cls.FLAGS))
         if m is None:
             raise ConfigError(f"cannot parse {cls.KIND} kernel name {text!r}: expected "
@@ -261,7 +270,9 @@ class KernelConfig:
             raise ConfigError(f"cannot parse {cls.KIND} kernel name {text!r}: flags "
                               f"{m['flags']!r} must be a subset of {order!r} in that order")
         flags = {f: FLAG_LETTERS[f] in m["flags"] for f in cls.FLAGS}
-        fields = {f: int(m[f]) for _, f in cls.SEGMENTS}
+        fields: dict[str, Any] = {f: int(m[f]) for _, f in cls.SEGMENTS}
+        if cls.CACHE_DTYPES:
+            fields["cache"] = m["cache"] or ""
         return cls(dtype=m["dtype"], **fields, **flags)  # type: ignore[call-arg]
 
     # ---- checks and copies ---------------------------------------------------------------------

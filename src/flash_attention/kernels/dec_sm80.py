@@ -11,6 +11,10 @@ seqlen_q: packed GQA), its warps split the keys, each through its own 3-stage cp
 over CTAs, merged by the combine kernel (split-KV). Masks, softcap and paging are run-time
 arguments: one kernel per dtype and d_head variant serves every call.
 
+An FP8 KV cache (``cache`` e4m3 or e5m2, q fp16/bf16: ``dec_sm80_bf16_e4m3_d128_r16_c32_w4_f``)
+keeps K and V FP8 in shared memory and converts each fragment to q's dtype right before its
+mma.sync (src/csrc/sm80/decode_fp8.cuh); its blocks hold twice the keys in the same bytes.
+
 Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
 """
 
@@ -29,6 +33,8 @@ BLOCK_C = (16, 32)
 WARPS = (2, 4, 8)
 STAGES = 3  # DecConfig::kStages
 FLAGS: dict[str, str] = {}
+CACHES = ("e4m3", "e5m2")  # FP8 KV caches (DecConfig's CacheElem), q fp16 or bf16
+BLOCK_C_FP8 = (32, 64)  # an FP8 block's K fragments come in x4 loads of 32 keys
 
 
 def smem_d_head(d_head: int) -> int:
@@ -45,8 +51,10 @@ class Sm80DecConfig(KernelConfig):
     block_r: int
     block_c: int
     warps: int
+    cache: str = ""  # "" (K and V of q's dtype) or an FP8 cache's dtype, e4m3 / e5m2
 
     KIND = KIND
+    CACHE_DTYPES = CACHES
     SEGMENTS = (("d", "d_head"), ("r", "block_r"), ("c", "block_c"), ("w", "warps"))
     FLAGS = FLAGS
     EXAMPLE = "dec_sm80_bf16_d128_r16_c16_w4_f"
@@ -60,11 +68,17 @@ class Sm80DecConfig(KernelConfig):
         return self.warps * 32
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of one K or V element: 1 with an FP8 cache, else 2."""
+        return 1 if self.cache else 2
+
+    @property
     def smem_bytes(self) -> int:
         """Q's 16 rows, then each warp's 3 stages of a K and a V block (or, if larger, the
         merge's fp32 O, m and l of every warp). Mirrors DecConfig::kSmemBytes."""
         row = smem_d_head(self.d_head) * 2
-        pipe = self.warps * STAGES * 2 * self.block_c * row
+        kv_row = smem_d_head(self.d_head) * self.cache_bytes
+        pipe = self.warps * STAGES * 2 * self.block_c * kv_row
         merge = self.warps * self.block_r * (self.d_head + 2) * 4
         return self.block_r * row + max(pipe, merge)
 
@@ -72,13 +86,19 @@ class Sm80DecConfig(KernelConfig):
         out = self.field_problems(("dtype", self.dtype, DTYPES),
                                   ("d_head", self.d_head, D_HEADS),
                                   ("B_r", self.block_r, (16,), " (one m16 tile of packed rows)"),
-                                  ("B_c", self.block_c, BLOCK_C),
-                                  ("warps", self.warps, WARPS))
+                                  ("B_c", self.block_c, BLOCK_C_FP8 if self.cache else BLOCK_C,
+                                   " with an FP8 cache" if self.cache else ""),
+                                  ("warps", self.warps, WARPS),
+                                  ("cache", self.cache, ("", *CACHES)))
         if not out:
             chunks = smem_d_head(self.d_head) // 8
             if (self.block_r * chunks) % self.threads:
                 out.append(f"the Q tile copy ({self.block_r} rows of {chunks} chunks) does not "
                            f"split over {self.threads} threads")
+            kv_chunks = smem_d_head(self.d_head) * self.cache_bytes // 16
+            if (self.block_c * kv_chunks) % 32:
+                out.append(f"a warp's K/V block copy ({self.block_c} rows of {kv_chunks} "
+                           "chunks) does not split over 32 lanes")
             if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
                 out.append(f"shared memory {self.smem_bytes} B exceeds the sm_80 limit "
                            f"{SMEM_PER_BLOCK_OPTIN[80]} B")
@@ -89,14 +109,17 @@ class Sm80DecConfig(KernelConfig):
         return occupancy(self.threads, regs_per_thread or 168, self.smem_bytes + static_smem,
                          arch)
 
-    def serves(self, call: Call) -> bool:
-        """Every call of its dtype up to its d_head variant."""
-        return self.dtype == call.dtype and self.d_head >= call.d_head
+    def serves(self, call: Call, cache: str | None = None) -> bool:
+        """Every call of its dtype up to its d_head variant (over an FP8 cache: d_head a
+        multiple of 16), over a cache of `cache`'s dtype ("": q's; None: its own)."""
+        return (self.dtype == call.dtype and (cache is None or self.cache == cache)
+                and self.d_head >= call.d_head and (not self.cache or call.d_head % 16 == 0))
 
     def describe(self) -> str:
-        return (f"{self.name}: decode, {self.dtype}, d_head={self.d_head}, B_r={self.block_r} "
-                f"packed rows, B_c={self.block_c} keys per warp block, {self.warps} warps, "
-                f"{STAGES} stages, smem={self.smem_bytes} B")
+        cache = f" over an {self.cache} cache" if self.cache else ""
+        return (f"{self.name}: decode, {self.dtype}{cache}, d_head={self.d_head}, "
+                f"B_r={self.block_r} packed rows, B_c={self.block_c} keys per warp block, "
+                f"{self.warps} warps, {STAGES} stages, smem={self.smem_bytes} B")
 
 
 Config = Sm80DecConfig
@@ -112,44 +135,62 @@ ROWS: tuple[Row, ...] = (
     Row("dec sm80 d256", ANY, (160, 192, 224, 256), None, "r16_c16_w2_f",
         "2 warps: 96 KB of stages as at d128; O of 16 x 256 fp32 per warp in registers"),
 )
+# FP8 caches (e4m3, e5m2; the kernel name carries the cache's dtype after q's): the 16-bit
+# rows' warps and stage bytes, so a block holds twice the keys.
+FP8_ROWS: tuple[Row, ...] = (
+    Row("dec sm80 fp8 d64", ANY, (32, 64), None, "r16_c64_w4_f",
+        "B_c=64: 4 KB per K or V block as the 16-bit d64 and d128 rows"),
+    Row("dec sm80 fp8 d128", ANY, (96, 128), None, "r16_c32_w4_f",
+        "B_c=32: the 16-bit d128 row's 96 KB of stages, 2 CTAs per Hopper SM"),
+    Row("dec sm80 fp8 d256", ANY, (160, 192, 224, 256), None, "r16_c32_w2_f",
+        "2 warps, B_c=32: 96 KB of stages as at d128"),
+)
 
 
-def table_rows(call: Call) -> list[tuple[int | None, str]]:
-    """(None, kernel name) of the row for the call's d_head (no feature letters: one kernel
-    serves every mask and softcap)."""
+def table_rows(call: Call, cache: str = "") -> list[tuple[int | None, str]]:
+    """(None, kernel name) of the row for the call's d_head over a cache of `cache`'s dtype
+    ("": q's) (no feature letters: one kernel serves every mask and softcap)."""
     nofeat = Call(call.dtype, call.d_head, call.seqlen_q)
-    return base.table_rows(KIND, ROWS, nofeat, D_HEADS)
+    if not cache:
+        return base.table_rows(KIND, ROWS, nofeat, D_HEADS)
+    head = f"{KIND}_{call.dtype}_"
+    return [(seq, head + cache + "_" + name[len(head):])
+            for seq, name in base.table_rows(KIND, FP8_ROWS, nofeat, D_HEADS)]
 
 
-def default_tile(dtype: str, d_head: int) -> Sm80DecConfig:
-    (_, name), = table_rows(Call(dtype, d_head))
+def default_tile(dtype: str, d_head: int, cache: str = "") -> Sm80DecConfig:
+    (_, name), = table_rows(Call(dtype, d_head), cache)
     return parse(name)
 
 
-def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cache: str = ""
            ) -> Sm80DecConfig | None:
-    """The decode kernel for a call among the built ones: its row's kernel, else the smallest
-    d_head variant that serves it, or None."""
-    mine = [c for c in built if isinstance(c, Sm80DecConfig)]
-    return base.select_by_rows(mine, table_rows(call), call)
+    """The decode kernel for a call (over a cache of `cache`'s dtype, "": q's) among the built
+    ones: its row's kernel, else the smallest d_head variant that serves it, or None."""
+    mine = [c for c in built if isinstance(c, Sm80DecConfig) and c.cache == cache]
+    if cache and call.d_head % 16:
+        return None
+    return base.select_by_rows(mine, table_rows(call, cache), call)
 
 
 # ---- sets --------------------------------------------------------------------------------------
 
 DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
-    default_tile(dtype, d) for dtype, d in itertools.product(DTYPES, D_HEADS))
+    default_tile(dtype, d, cache)
+    for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS))
 
 
 def _tune_space() -> tuple[Sm80DecConfig, ...]:
     out = []
-    for dtype, d, c, w in itertools.product(DTYPES, D_HEADS, BLOCK_C, WARPS):
+    for cache, dtype, d, c, w in itertools.product(("", *CACHES), DTYPES, D_HEADS,
+                                                   (*BLOCK_C, 64), WARPS):
         with contextlib.suppress(ConfigError):
-            out.append(Sm80DecConfig(dtype, d, 16, c, w))
+            out.append(Sm80DecConfig(dtype, d, 16, c, w, cache))
     return tuple(out)
 
 
 SETS: dict[str, tuple[KernelConfig, ...]] = {
-    "ci": (default_tile("bf16", 128),),
+    "ci": (default_tile("bf16", 128), default_tile("bf16", 128, "e4m3")),
     "default": DEFAULT,
     # every valid tile shape, for side-by-side timing
     "tune": _tune_space(),
