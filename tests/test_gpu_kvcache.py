@@ -16,16 +16,12 @@ import flash_attention as fa
 from flash_attention.interface import flash_attn_with_kvcache
 from flash_attention.reference import kvcache_reference
 
+from .kvcache_cases import angles, draw_call
+
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ABS_FLOOR = 1e-5
-
-
-def angles(seqlen: int, rd: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2, device="cuda").float() / rd))
-    t = torch.arange(seqlen, device="cuda").float()[:, None] * inv[None, :]
-    return t.cos().to(dtype), t.sin().to(dtype)
 
 
 def paged_copy(cache: torch.Tensor, page: int, table: torch.Tensor, pages: int) -> torch.Tensor:
@@ -95,26 +91,10 @@ def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, 
 def _grid():
     rng = random.Random(44)
     cases = []
-    shapes = [(8, 8), (8, 2), (32, 8), (6, 1), (4, 4)]
     for i in range(48):
-        d = rng.choice([64, 128, 128, 96, 256, 40])
-        heads, kv_heads = rng.choice(shapes)
-        seqlen_q = rng.choice([1, 1, 1, 2, 5, 17])
-        s_new = rng.choice([0, 1, 1, seqlen_q])
-        s_cache = rng.choice([37, 128, 300, 1000])
-        page = rng.choice([None, None, 1, 16, 7, 64])
-        mask = rng.choice(["none", "causal", "local", "none"])
-        causal = mask == "causal"
-        window = (rng.choice([0, 5, 50]), rng.choice([-1, 0, 3])) if mask == "local" else (-1, -1)
-        softcap = rng.choice([0.0, 0.0, 0.0, 20.0])
-        rotary = rng.choice([None, None, "interleaved", "neox", "half"])
-        num_splits = rng.choice([0, 0, 1, 3])
-        batch = rng.choice([1, 2, 3])
-        room = s_cache - s_new
-        seqlens = [rng.choice([0, room, rng.randrange(0, room + 1)]) for _ in range(batch)]
-        cases.append(pytest.param(rng.choice(["fp16", "bf16"]), d, heads, kv_heads, seqlen_q,
-                                  s_new, s_cache, page, causal, window, softcap, rotary,
-                                  num_splits, seqlens, i, id=f"case{i:02d}"))
+        c = draw_call(rng, [64, 128, 128, 96, 256, 40])
+        cases.append(pytest.param(rng.choice(["fp16", "bf16"]), *c.values(), i,
+                                  id=f"case{i:02d}"))
     return cases
 
 

@@ -18,17 +18,13 @@ from flash_attention.interface import flash_attn_varlen_func, flash_attn_with_kv
 from flash_attention.kernels import dec_sm80
 from flash_attention.reference import attention_reference, dequantize_fp8, kvcache_reference
 
+from .kvcache_cases import angles, draw_call
+
 pytestmark = pytest.mark.gpu
 
 QTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 CACHES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 ABS_FLOOR = 1e-5
-
-
-def angles(seqlen: int, rd: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2, device="cuda").float() / rd))
-    t = torch.arange(seqlen, device="cuda").float()[:, None] * inv[None, :]
-    return t.cos().to(dtype), t.sin().to(dtype)
 
 
 def fp8_cache(x: torch.Tensor, descale: torch.Tensor, dtype) -> torch.Tensor:
@@ -118,28 +114,11 @@ def run_case(qtype, cache, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, c
 def _grid():
     rng = random.Random(46)
     cases = []
-    shapes = [(8, 8), (8, 2), (32, 8), (6, 1), (4, 4)]
     for i in range(40):
-        d = rng.choice([64, 128, 128, 96, 256, 48])
-        heads, kv_heads = rng.choice(shapes)
-        seqlen_q = rng.choice([1, 1, 1, 2, 5, 17])
-        s_new = rng.choice([0, 1, 1, seqlen_q])
-        s_cache = rng.choice([37, 128, 300, 1000])
-        page = rng.choice([None, None, 1, 16, 7, 64])
-        mask = rng.choice(["none", "causal", "local", "none"])
-        causal = mask == "causal"
-        window = (rng.choice([0, 5, 50]), rng.choice([-1, 0, 3])) if mask == "local" else (-1, -1)
-        softcap = rng.choice([0.0, 0.0, 0.0, 20.0])
-        rotary = rng.choice([None, None, "interleaved", "neox", "half"])
-        num_splits = rng.choice([0, 0, 1, 3])
-        batch = rng.choice([1, 2, 3])
-        room = s_cache - s_new
-        seqlens = [rng.choice([0, room, rng.randrange(0, room + 1)]) for _ in range(batch)]
+        c = draw_call(rng, [64, 128, 128, 96, 256, 48])
         cases.append(pytest.param(
-            rng.choice(["fp16", "bf16"]), rng.choice(["e4m3", "e4m3", "e5m2"]), d, heads,
-            kv_heads, seqlen_q, s_new, s_cache, page, causal, window, softcap, rotary,
-            num_splits, seqlens, rng.choice(["heads", "heads", "tensor", "none"]), i,
-            id=f"case{i:02d}"))
+            rng.choice(["fp16", "bf16"]), rng.choice(["e4m3", "e4m3", "e5m2"]), *c.values(),
+            rng.choice(["heads", "heads", "tensor", "none"]), i, id=f"case{i:02d}"))
     return cases
 
 
