@@ -510,6 +510,32 @@ DECODE_STEPS = ((1, 8192, 0), (16, 8192, 0), (64, 8192, 0), (16, 8192, 16), (16,
 DECODE_SHAPES = [f"b{b}_k{k}" + (f"_page{p}" if p else "") for b, k, p in DECODE_STEPS]
 
 
+def paged_cache(k, v, page: int, table=None):
+    """(block table, (k, v) as pools of `page`-row pages in a random order, or in `table`'s),
+    or (None, (k, v)) with page 0. k, v (batch, keys, kv_heads, d) of any dtype (FP8 ones
+    copied as bytes)."""
+    import torch
+    import torch.nn.functional as F
+
+    if not page:
+        return None, (k, v)
+    batch, keys = k.shape[:2]
+    per_seq = -(-keys // page)
+    if table is None:
+        table = torch.randperm(batch * per_seq, device=k.device, dtype=torch.int32)
+        table = table.view(batch, per_seq)
+
+    def paged(t):
+        raw = t.view(torch.uint8) if t.element_size() == 1 else t
+        raw = F.pad(raw, (0, 0, 0, 0, 0, per_seq * page - keys))
+        pool = torch.empty(batch * per_seq, page, *t.shape[2:], device=t.device,
+                           dtype=raw.dtype)
+        pool[table.flatten().long()] = raw.reshape(-1, page, *t.shape[2:])
+        return pool.view(t.dtype)
+
+    return table, (paged(k), paged(v))
+
+
 def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
     """{contender: median ms} of one decode step: flash_attn_with_kvcache over a full cache of
     `keys` keys (contiguous, or in pages of `page` rows placed in a random order), and SDPA
@@ -528,19 +554,7 @@ def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
     k, v = (torch.randn(batch, keys, kv_heads, d, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
     seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
-    table, k_cache, v_cache = None, k, v
-    if page:
-        per_seq = -(-keys // page)
-        table = torch.randperm(batch * per_seq, device="cuda", dtype=torch.int32)
-        table = table.view(batch, per_seq)
-
-        def paged(t):
-            t = F.pad(t, (0, 0, 0, 0, 0, per_seq * page - keys))
-            pool = torch.empty(batch * per_seq, page, kv_heads, d, device="cuda", dtype=t.dtype)
-            pool[table.flatten().long()] = t.reshape(-1, page, kv_heads, d)
-            return pool
-
-        k_cache, v_cache = paged(k), paged(v)
+    table, (k_cache, v_cache) = paged_cache(k, v, page)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
     def make_peer(backend):
@@ -613,6 +627,97 @@ class Decode:
         return self.r["ours"] / self.r.get("sdpa_cudnn", float("nan"))
 
     track_ratio_to_sdpa_cudnn.unit = "ratio"
+
+
+# ---- FP8 KV cache -----------------------------------------------------------------------------
+
+# (batch, keys, page size, cache dtype) of the FP8 cache rows: bf16 q, GQA 32/8, d_head 128.
+FP8_CACHE_STEPS = ((16, 32768, 0, "e4m3"), (64, 8192, 0, "e5m2"), (16, 8192, 256, "e4m3"))
+FP8_CACHE_SHAPES = [f"b{b}_k{k}" + (f"_page{p}" if p else "") + f"_{fmt}"
+                    for b, k, p, fmt in FP8_CACHE_STEPS]
+
+
+def measure_fp8_cache(batch: int, keys: int, page: int, fmt: str, reps: int = 50) -> dict:
+    """{contender: median ms} of one decode step with a bf16 q: over an FP8 cache ("fp8", each
+    (sequence, KV head)'s amax mapped to the format's largest value) and over the same values
+    in a bf16 cache ("bf16"), paged alike. A build from before FP8 caches is skipped."""
+    import inspect
+
+    import torch
+
+    try:
+        from flash_attention.interface import flash_attn_with_kvcache
+    except ImportError as exc:
+        raise NotImplementedError(f"this build has no flash_attn_with_kvcache ({exc})") from None
+    if "k_descale" not in inspect.signature(flash_attn_with_kvcache).parameters:
+        raise NotImplementedError("this build's flash_attn_with_kvcache takes no FP8 cache")
+    heads, kv_heads, d = 32, 8, 128
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, keys, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    top = torch.finfo(dtype).max
+    kd, vd = ((t.float().abs().amax(dim=(1, 3)) / top).clamp_min(1e-12) for t in (k, v))
+    k8, v8 = ((t.float() / s[:, None, :, None]).to(dtype) for t, s in ((k, kd), (v, vd)))
+    seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    table, (k16, v16) = paged_cache(k, v, page)
+    _, (k8, v8) = paged_cache(k8, v8, page, table)  # the same pages for both caches
+    fns = {"fp8": lambda: flash_attn_with_kvcache(q, k8, v8, cache_seqlens=seqlens,
+                                                  block_table=table, k_descale=kd,
+                                                  v_descale=vd),
+           "bf16": lambda: flash_attn_with_kvcache(q, k16, v16, cache_seqlens=seqlens,
+                                                   block_table=table)}
+    if not torch.isfinite(fns["fp8"]()).all():
+        raise RuntimeError("flash_attn_with_kvcache over an FP8 cache produced non-finite values")
+    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5))
+            for name, fn in fns.items()}
+
+
+class Fp8CacheDecode:
+    """Decode steps over an FP8 KV cache (FP8_CACHE_STEPS) against the same values in a bf16
+    cache, and the speedup (bf16 time over FP8 time; issue 46's target: >= 1.8)."""
+
+    params = (FP8_CACHE_SHAPES,)
+    param_names = ["step"]
+    timeout = 600
+
+    def setup_cache(self):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"skip": "no CUDA GPU: timings skipped"}
+        results = {}
+        for shape, step in zip(FP8_CACHE_SHAPES, FP8_CACHE_STEPS):
+            try:
+                results[shape] = measure_fp8_cache(*step)
+            except NotImplementedError as exc:
+                results[shape] = {"skip": str(exc)}
+        return results
+
+    setup_cache.timeout = 1200
+
+    def setup(self, cache, step):
+        if "skip" in cache:
+            raise NotImplementedError(cache["skip"])
+        self.r = cache[step]
+        if "skip" in self.r:
+            raise NotImplementedError(self.r["skip"])
+
+    def track_fp8_ms(self, cache, step):
+        return self.r["fp8"]
+
+    track_fp8_ms.unit = "ms"
+
+    def track_bf16_ms(self, cache, step):
+        return self.r["bf16"]
+
+    track_bf16_ms.unit = "ms"
+
+    def track_speedup_over_bf16(self, cache, step):
+        """bf16 cache time over FP8 cache time in the same run."""
+        return self.r["bf16"] / self.r["fp8"]
+
+    track_speedup_over_bf16.unit = "ratio"
 
 
 # ---- FP8 forward ------------------------------------------------------------------------------

@@ -123,3 +123,37 @@ def test_fp8_tracks_every_shape_with_its_speedup():
     assert first["track_fp8_ms"] == 2.0 and first["track_bf16_ms"] == 2.5
     assert first["track_speedup_over_bf16"] == pytest.approx(1.25)
     assert run_asv_class(ba.Fp8Forward, {"skip": "no CUDA GPU: timings skipped"}) == {}
+
+
+def test_fp8_cache_tracks_every_step_with_its_speedup():
+    """Each FP8-cache decode step is a parameter; its tracks are the FP8 and bf16 cache times
+    and their ratio from the same cache; a skipped step (a build without FP8 caches) or no GPU
+    is skipped."""
+    assert len(ba.FP8_CACHE_SHAPES) == len(set(ba.FP8_CACHE_SHAPES)) == len(ba.FP8_CACHE_STEPS)
+    assert {fmt for *_, fmt in ba.FP8_CACHE_STEPS} == {"e4m3", "e5m2"}
+    assert any(page for _, _, page, _ in ba.FP8_CACHE_STEPS)
+    cache = {s: {"fp8": 0.3, "bf16": 0.5} for s in ba.FP8_CACHE_SHAPES}
+    cache[ba.FP8_CACHE_SHAPES[1]] = {"skip": "this build's flash_attn_with_kvcache takes no FP8"}
+    got = run_asv_class(ba.Fp8CacheDecode, cache)
+    assert set(got) == {(s,) for s in ba.FP8_CACHE_SHAPES} - {(ba.FP8_CACHE_SHAPES[1],)}
+    first = got[(ba.FP8_CACHE_SHAPES[0],)]
+    assert first["track_fp8_ms"] == 0.3 and first["track_bf16_ms"] == 0.5
+    assert first["track_speedup_over_bf16"] == pytest.approx(0.5 / 0.3)
+    assert run_asv_class(ba.Fp8CacheDecode, {"skip": "no CUDA GPU: timings skipped"}) == {}
+
+
+def test_paged_cache_keeps_every_row_in_its_table_order():
+    """paged_cache's pools hold each sequence's rows in its block table's pages (FP8 as bytes),
+    and a given table is reused."""
+    import torch
+
+    k = torch.arange(2 * 10 * 1 * 16, dtype=torch.float32).view(2, 10, 1, 16)
+    k8 = k.to(torch.float8_e5m2)
+    table, (pk, pv) = ba.paged_cache(k, k, 4)
+    assert table.shape == (2, 3) and pk.shape == (6, 4, 1, 16)
+    for pool in (pk, pv):
+        assert torch.equal(pool[table.long()].flatten(1, 2)[:, :10], k)
+    again, (p8, _) = ba.paged_cache(k8, k8, 4, table)
+    assert again is table and p8.dtype == torch.float8_e5m2
+    assert torch.equal(p8.view(torch.uint8)[table.long()].flatten(1, 2)[:, :10],
+                       k8.view(torch.uint8))
