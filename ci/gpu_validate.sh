@@ -7,7 +7,8 @@
 #        bwd90-planted dec-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
-#   fp8       the FP8 forward (issue 46): tests, sanitizers, studies/fp8_bench.py (FP8_BENCH_ARGS)
+#   fp8       the FP8 forward (issue 46): tests, sanitizers, studies/fp8_bench.py (FP8_BENCH_ARGS),
+#             the Llama FP8 logits check (ci/llama_fp8_logits.py)
 #   fp8-cache the FP8 KV cache (issue 46): tests, sanitizers, decode steps with e4m3 and e5m2
 #             caches beside the 16-bit one (studies/decode_bench.py --fp8, FP8_CACHE_BENCH_ARGS)
 #   hopper-varlen  the Hopper varlen and softcap forwards (issue 45): tests and sanitizers;
@@ -148,6 +149,9 @@ if step fp8; then
     # shellcheck disable=SC2086  # FP8_BENCH_ARGS: the bench's options, split on spaces
     run fp8_bench timeout 400 python3 studies/fp8_bench.py ${FP8_BENCH_ARGS:-} \
         --out "$LOG_DIR/fp8.json"
+    # a Hugging Face Llama's logits with our FP8 attention and with FA3's algorithm emulated,
+    # against its bf16 and fp32 logits (issue 46, item 3)
+    run fp8_llama timeout 300 python3 ci/llama_fp8_logits.py --json "$LOG_DIR/fp8_llama.json"
 fi
 if step hopper-varlen; then
     # Issue 45's Hopper varlen and softcap forwards: their tests (every varlen kernel by name,
