@@ -7,8 +7,8 @@
 // reused unchanged on one 16-row MMA tile.
 //
 // CacheElem is the element type of K and V: Elem (q's), or an FP8 type (__nv_fp8_e4m3,
-// __nv_fp8_e5m2) for an FP8 KV cache, whose tiles stay FP8 in shared memory and are converted
-// to Elem as their fragments are loaded (decode_fp8.cuh).
+// __nv_fp8_e5m2) for an FP8 KV cache, whose tiles stay FP8 in shared memory and become fp16
+// fragments as they are loaded (decode_fp8.cuh: both products then run in fp16).
 #pragma once
 
 #include <cuda_bf16.h>

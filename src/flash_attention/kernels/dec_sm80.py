@@ -12,8 +12,9 @@ over CTAs, merged by the combine kernel (split-KV). Masks, softcap and paging ar
 arguments: one kernel per dtype and d_head variant serves every call.
 
 An FP8 KV cache (``cache`` e4m3 or e5m2, q fp16/bf16: ``dec_sm80_bf16_e4m3_d128_r16_c32_w4_f``)
-keeps K and V FP8 in shared memory and converts each fragment to q's dtype right before its
-mma.sync (src/csrc/sm80/decode_fp8.cuh); its blocks hold twice the keys in the same bytes.
+keeps K and V FP8 in shared memory and converts each fragment to fp16 right before its mma.sync
+(both products run in fp16, a bf16 Q tile scaled into fp16's range; src/csrc/sm80/decode_fp8.cuh);
+its blocks hold twice the keys in the same bytes.
 
 Exports what every kind module does: ``Config``, ``parse``, ``SETS``, ``ROWS``, ``select``.
 """
