@@ -16,24 +16,11 @@ import flash_attention as fa
 from flash_attention.interface import flash_attn_with_kvcache
 from flash_attention.reference import kvcache_reference
 
-from .kvcache_cases import angles, draw_call
+from .kvcache_cases import ABS_FLOOR, angles, cache_copies, check_step, draw_call
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-ABS_FLOOR = 1e-5
-
-
-def paged_copy(cache: torch.Tensor, page: int, table: torch.Tensor, pages: int) -> torch.Tensor:
-    """The contiguous cache (batch, S, Hk, D) as a pool of `pages` pages of `page` rows, sequence
-    b's rows in pages table[b] (random values in the pages no sequence owns)."""
-    batch, s, hk, d = cache.shape
-    per_seq = table.shape[1]
-    pool = torch.randn(pages, page, hk, d, device="cuda").to(cache.dtype)
-    padded = torch.zeros(batch, per_seq * page, hk, d, dtype=cache.dtype, device="cuda")
-    padded[:, :s] = cache
-    pool[table.long().flatten()] = padded.view(batch * per_seq, page, hk, d)
-    return pool
 
 
 def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window,
@@ -56,29 +43,14 @@ def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, 
     low = kvcache_reference(q, kc, vc, k, v, cos, sin, lens, causal=causal,
                             window_size=window, softcap=softcap, rotary_interleaved=interleaved,
                             upcast=False)
-    table = None
-    if page:
-        per_seq = -(-s_cache // page)
-        pages = batch * per_seq + 3
-        table = torch.randperm(pages, generator=gen)[:batch * per_seq].view(batch, per_seq)
-        table = table.to(torch.int32).cuda()
-        kc_run, vc_run = paged_copy(kc, page, table, pages), paged_copy(vc, page, table, pages)
-    else:
-        kc_run, vc_run = kc.clone(), vc.clone()
+    kc_run, vc_run, table = cache_copies(kc, vc, page, gen)
     out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, None, table,
                                        None, causal, window, softcap, interleaved, None,
                                        num_splits, True)
     what = (f"{dtype} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} cache{s_cache} "
             f"page{page} causal{causal} window{window} softcap{softcap} rotary{rotary} "
             f"splits{num_splits} lens{seqlens}")
-    assert torch.isfinite(out).all(), what
-    err = (out.float() - ref.out.float()).abs().max().item()
-    err_pt = (low.out.float() - ref.out.float()).abs().max().item()
-    assert err <= 2 * err_pt + ABS_FLOOR, f"{what}: error {err:.3e} > 2 x {err_pt:.3e}"
-    empty = torch.isinf(ref.lse)
-    assert torch.equal(torch.isinf(lse), empty), what
-    torch.testing.assert_close(lse[~empty], ref.lse[~empty].float(), atol=2e-3, rtol=1e-4,
-                               msg=what)
+    check_step(out, lse, ref, low, what)
     # The caches after the append: the reference's rows (contiguous, or gathered from pages).
     if page:
         kc_run = kc_run[table.long()].flatten(1, 2)[:, :s_cache]
