@@ -119,11 +119,13 @@ struct FwdConfig {
 
     static_assert(sizeof(Elem) == 2 || std::is_same_v<Elem, __nv_fp8_e4m3>,
                   "fp16, bf16 or e4m3 elements only");
-    static_assert(!kFp8 || ((kDHead == 128 || kDHead == 256) && (kBc == 64 || kBc == 128) &&
-                            kWarpSpec && kBr == 128 && kStages >= 2 && !kDynamic && !kCluster &&
-                            !kTileOverlap && !kVarlen && !kLazyRescale),
-                  "FP8: d_head 128 or 256, B_c 64 or 128 (a transposed V row: one 64- or "
-                  "128-byte swizzled row of keys), B_r 128 with the producer warpgroup (it "
+    static_assert(!kFp8 || ((kDHead == 128 || kDHead == 256) &&
+                            (kBc == 64 || kBc == 128 || kBc == 192) && kWarpSpec && kBr == 128 &&
+                            kStages >= 2 && !kDynamic && !kCluster && !kTileOverlap && !kVarlen &&
+                            !kLazyRescale),
+                  "FP8: d_head 128 or 256, B_c 64, 128 or 192 (a transposed V row: one "
+                  "128-byte swizzled row of keys, or 64-byte ones), B_r 128 with the producer "
+                  "warpgroup (it "
                   "transposes V), 2+ stages, a static schedule, no CTA pairs, tile overlap, "
                   "varlen or lazy rescale (P would exceed e4m3's range)");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");

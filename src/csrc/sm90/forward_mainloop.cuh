@@ -196,15 +196,18 @@ struct ForwardConsumer {
 
     // O += P V_i: B is V (kv rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
     // panels B_c x 128 bytes apart (LBO); 16 kv rows per instruction. FP8: V transposed (d rows
-    // of B_c keys, K-major as K in issue_qk; 64-byte rows at B_c 64), 32 keys per instruction.
+    // of B_c keys, K-major as K in issue_qk; at B_c 64 and 192 panels of 64 keys, d 64-byte
+    // rows each), 32 keys per instruction.
     __device__ __forceinline__ void issue_pv(int s) {
         const uint32_t v0 = smem_u32(sm.v(s));
 #pragma unroll
         for (int kk = 0; kk < kStepsPV; ++kk) {
             if constexpr (Cfg::kFp8) {
                 // rows of B_c keys: 128 bytes (128-byte swizzle) or 64 (64-byte swizzle)
-                const uint64_t b = Cfg::kBc == 128 ? desc_sw128(v0 + kk * 32, 16, 1024)
-                                                   : desc_sw64(v0 + kk * 32, 16, 512);
+                const uint64_t b =
+                    Cfg::kBc == 128
+                        ? desc_sw128(v0 + kk * 32, 16, 1024)
+                        : desc_sw64(v0 + (kk / 2) * Cfg::kDHead * 64 + (kk % 2) * 32, 16, 512);
                 Wgmma<Cfg::kDHead, Elem>::rs_k(O, P[kk], b, 1u);
             } else {
                 const uint64_t b = desc_sw128(v0 + kk * 16 * 128, Cfg::kBc * 128, 1024);

@@ -19,9 +19,9 @@ import sys
 # backward's dQ column halves (32 at d_head 64).
 SHAPES_N = (32, 64, 96, 128, 176, 192, 256)
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
-# N of the FP8 instructions: B_c 64 and 128 for S = Q K^T, the d_head variants 128 and 256 for
-# O += P V.
-FP8_SHAPES_N = (64, 128, 256)
+# N of the FP8 instructions: B_c 64, 128 and 192 for S = Q K^T, the d_head variants 128 and 256
+# for O += P V.
+FP8_SHAPES_N = (64, 128, 192, 256)
 FP8_TYPES = {"__nv_fp8_e4m3": "e4m3"}
 
 
