@@ -4,7 +4,7 @@
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
 # Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
-#        bwd90-planted dec-planted bwd-prog bwd80-table
+#        bwd90-planted dec-planted fp8-planted bwd-prog bwd80-table
 #        workflow workflow-planted
 #   toolkit   the binary-tool tests with the CUDA toolkit's own cuobjdump/nvdisasm
 #   fp8       the FP8 forward (issue 46): tests, sanitizers, studies/fp8_bench.py (FP8_BENCH_ARGS),
@@ -48,6 +48,9 @@
 #   dec-planted  the same with the spin (PLANT_CYCLES) per KV block in the decode kernels: the
 #             decode steps must be "slower" (GATE_KINDS=decode: only the gate's decode steps,
 #             for gate-aa too)
+#   fp8-planted  the same with the spin per KV block in the Hopper forward's softcap kernels:
+#             the FP8 softcap cases must be "slower" (GATE_KINDS=fp8: the FP8 cases alone;
+#             the 16-bit softcap forward cases slow down too)
 #   bwd80-table  issue 28's table: the sm80 family's d_head 64/128 kernels by name against SDPA
 #             FA2 and cuDNN, bf16/fp16, seq 1024-16384, causal and not, 2 rounds in rotated
 #             order (about 6 minutes on an H100)
@@ -140,7 +143,7 @@ if step fp8; then
     # descales, views, bad input), memcheck and racecheck on two shapes (the producer's V
     # transpose in shared memory), then studies/fp8_bench.py (FP8_BENCH_ARGS).
     run fp8_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
-        -p no:cacheprovider tests/test_gpu_fp8.py tests/test_fp8_cpu.py
+        -p no:cacheprovider tests/test_gpu_fp8.py tests/test_fp8_cpu.py tests/test_gpu_gate_fp8.py
     run fp8_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py \
         -k "by_name and (2x113x203 or 1x1x300)"
@@ -391,6 +394,10 @@ PY
 if step dec-planted; then
     bwd_plant dec-planted src/csrc/sm80/decode_kernel.cuh \
         "gemm_qk<Cfg>(S, qbuf, q_at, k_addr<Cfg>(sK, lane));"
+fi
+if step fp8-planted; then
+    bwd_plant fp8-planted src/csrc/sm90/forward_mainloop.cuh \
+        "softmax.template scores<kFirst>(S, scale_log2(), corr);"
 fi
 if step bwd-prog; then
     # One row per technique (needs KERNELS=ci,default,bwd_sm90:r64 for the B_r 64 row at

@@ -1109,6 +1109,33 @@ def test_a_slower_decode_step_fails_the_gate_and_kinds_selects_the_cases(tmp_pat
         _kinds("prefill")
 
 
+FP8 = Case("e4m3", 128, 16, 4096, causal=True)
+
+
+def test_a_slower_fp8_forward_fails_the_gate_and_is_left_out_off_sm90(tmp_path, monkeypatch):
+    """An FP8 forward case 4% slower in the head: exit 1 naming it and its e4m3 kernel; --kinds
+    fp8 runs the FP8 cases alone (fwd leaves them out); on a GPU other than sm_90 the gate
+    leaves them out and its notes say which and why."""
+    base, head = FakeWorker({}, {}, 1), FakeWorker({FP8.name: 1.04}, {}, 2)
+    _default_build(tmp_path, monkeypatch, base, head)
+    code, doc, md = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], FP8],
+                              arch="90", kinds=("fp8",))
+    assert code == gate.REGRESSION
+    assert {r["case"]: r["verdict"] for r in doc["results"]} == {FP8.name: "slower"}
+    assert doc["results"][0]["kernel"] == "fwd_sm90_e4m3_d128_r128_c192_s2_fwpiam"
+    code, doc, _ = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], FP8], arch="90",
+                             kinds=("fwd",))
+    assert {r["case"] for r in doc["results"]} == {CASES[1].name}
+    code, doc, md = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], FP8],
+                              arch="80")
+    assert code == gate.PASS and {r["case"] for r in doc["results"]} == {CASES[1].name}
+    assert doc["meta"]["not_run"]["cases"] == [FP8.name]
+    assert f"Not run here (FP8 forward cases need sm_90 (this GPU: sm_80)): {FP8.name}" in md
+    from fa_tools.gate.cli import _kinds
+
+    assert _kinds("fp8") == ("fp8",)
+
+
 def test_a_slower_backward_fails_the_gate_naming_the_case(tmp_path, monkeypatch):
     """A backward case whose head is 4% slower: exit 1, the case named slower in the table and
     the summary; the forward and the training-step cases beside it stay same; each row says

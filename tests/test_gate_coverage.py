@@ -14,6 +14,7 @@ from fa_tools.gate import coverage
 from fa_tools.gpu.perfcases import (
     BWD_GATE_CASES,
     DEC_GATE_CASES,
+    FP8_GATE_CASES,
     FWD_GATE_CASES,
     GATE_CASES,
     Case,
@@ -65,9 +66,42 @@ def _routes(rows, sm90=True) -> dict[str, str]:
 
 
 def test_every_gate_case_has_a_kernel_on_either_gpu(rows):
+    """Every forward case has a kernel on sm_90 and, the FP8 ones aside (sm_90 alone), on
+    another GPU."""
+    fp8 = {c.name for c in FP8_GATE_CASES}
     for sm90 in (True, False):
-        missing = [name for name, k in _routes(rows, sm90).items() if k is None]
+        missing = [name for name, k in _routes(rows, sm90).items()
+                   if k is None and (sm90 or name not in fp8)]
         assert not missing, f"no dispatch row for {missing} (sm90={sm90})"
+    assert all(_routes(rows, sm90=False)[name] is None for name in fp8)
+
+
+def test_every_fp8_kernel_of_the_table_is_run_by_an_fp8_case(rows):
+    """Each e4m3 kernel of the default table (d_head 128 and 256, each with and without masks
+    and softcap) is run by an FP8 gate case on sm_90; the gate leaves the FP8 cases out on
+    another GPU (and says so), and a case made for an FP8 kernel is an FP8 forward case."""
+    from fa_tools.gate.perf import runnable_here
+
+    wanted = {c.name for c in resolve("fwd:default") if c.dtype == "e4m3"}
+    assert len(wanted) == 8
+    run = {coverage.route(c, rows, True) for c in FP8_GATE_CASES}
+    assert wanted <= run
+    assert all(c.fp8 and c.kind == "fwd" for c in FP8_GATE_CASES)
+    assert any(c.kv < c.heads for c in FP8_GATE_CASES)
+    assert any(c.window is not None for c in FP8_GATE_CASES)
+    assert any(not (c.softcap or c.window) for c in FP8_GATE_CASES), "an SDPA peer"
+    kept, left = runnable_here(list(GATE_CASES), "80")
+    assert sorted(left) == sorted(c.name for c in FP8_GATE_CASES)
+    assert not any(c.fp8 for c in kept)
+    assert runnable_here(list(GATE_CASES), "90") == (list(GATE_CASES), [])
+    for kernel in wanted:
+        case = coverage.case_for_kernel(kernel, rows, sm90=True)
+        assert case.fp8 and coverage.route(case, rows, True) == kernel
+    assert coverage.case_for_kernel("", rows, sm90=True) is None
+    with pytest.raises(ValueError, match="e4m3"):
+        Case("e4m3", 128, 4, 4096, varlen=True)
+    with pytest.raises(ValueError, match="e4m3"):
+        Case("e4m3", 128, 4, 4096, kind="bwd")
 
 
 def test_every_hopper_tile_of_the_table_is_run_by_a_gate_case(rows):
@@ -98,13 +132,13 @@ def test_softcap_and_varlen_kernels_are_run(rows):
     assert all(parse(routes[c.name]).varlen for c in varlen)
     assert any(parse(routes[c.name]).softcap for c in varlen)
     assert any(parse(routes[c.name]).mask for c in varlen)
-    assert all(not k.startswith("fwd_sm90_") for k in _routes(rows, sm90=False).values())
+    assert all(not k.startswith("fwd_sm90_") for k in _routes(rows, sm90=False).values() if k)
 
 
 def test_each_call_feature_has_a_case():
     assert {c.kind for c in FWD_GATE_CASES} == {"fwd"}
     assert {c.kind for c in BWD_GATE_CASES} == {"bwd", "fwdbwd"}
-    assert GATE_CASES == FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES
+    assert GATE_CASES == FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES + FP8_GATE_CASES
     assert {c.kind for c in DEC_GATE_CASES} == {"decode"}
 
     def has(pred) -> bool:
@@ -173,7 +207,7 @@ def test_a_case_made_for_a_kernel_routes_back_to_it(rows):
         kernels = {r.kernel if sm90 else r.fallback for r in rows}
         if sm90:
             kernels |= {r.varlen or r.fallback for r in rows}
-        for kernel in sorted(kernels):
+        for kernel in sorted(kernels - {""}):  # "": an FP8 row's fallback and varlen kernel
             case = coverage.case_for_kernel(kernel, rows, sm90)
             assert case is not None and coverage.route(case, rows, sm90) == kernel, kernel
             assert case.batch * case.seqlen <= coverage.CASE_TOKENS

@@ -78,12 +78,13 @@ def _sizes(text: str) -> list[float]:
 
 
 def _kinds(text: str) -> tuple[str, ...]:
-    from ..gpu.perfcases import KINDS
+    from ..gpu.perfcases import GATE_KINDS
 
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    bad = [k for k in kinds if k not in KINDS]
+    bad = [k for k in kinds if k not in GATE_KINDS]
     if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"kinds must be some of {', '.join(KINDS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"kinds must be some of {', '.join(GATE_KINDS)}, got "
+                                         f"{text!r}")
     return kinds
 
 
@@ -106,8 +107,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--archs", help="archs of the base build (default: this GPU's)")
     p.add_argument("--kinds", type=_kinds, default=None,
                    help="perf: only the gate cases of these kinds (comma-separated: fwd, bwd, "
-                        "fwdbwd, decode; default all), e.g. `--kinds decode` for the decode "
-                        "steps; the report names the kinds run")
+                        "fwdbwd, decode, fp8 (the FP8 forward's cases, not in fwd); default "
+                        "all), e.g. `--kinds decode` for the decode steps; the report names "
+                        "the kinds run")
     p.add_argument("--case", action="append", default=[],
                    help="calibrate: a gate case to plant slowdowns on (repeatable)")
     p.add_argument("--sizes", type=_sizes, default=[1.5, 2, 3, 5, 10],

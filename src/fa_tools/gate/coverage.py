@@ -62,13 +62,12 @@ class Row:
 
 def dispatch_rows(configs: Iterable[str]) -> list[Row]:
     """The dispatch rows of a build holding these kernels (names), as the extension gets them
-    from flash_attention.ops.dispatch_rows (the tuning file included), but the FP8 (e4m3) rows:
-    the gate has no FP8 cases yet (its cases are 16-bit calls; the FP8 kernels are held by the
-    static ratchet and their own tests)."""
+    from flash_attention.ops.dispatch_rows (the tuning file included); the FP8 (e4m3) rows have
+    no fallback and no varlen kernel ("")."""
     from flash_attention.kernels import parse
     from flash_attention.ops import dispatch_rows as rows_of
 
-    return [Row(*r) for r in rows_of(tuple(parse(c) for c in configs)) if r[0] != "e4m3"]
+    return [Row(*r) for r in rows_of(tuple(parse(c) for c in configs))]
 
 
 def call_key(case: Case) -> tuple[str, int, int, bool, bool, bool]:
@@ -94,8 +93,8 @@ def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
     if row is None:
         return None
     if not sm90:
-        return row.fallback
-    return (row.varlen or row.fallback) if case.varlen else row.kernel
+        return row.fallback or None  # an FP8 row has none: no kernel off sm_90
+    return ((row.varlen or row.fallback) if case.varlen else row.kernel) or None
 
 
 def kind(kernel: str) -> str:
@@ -132,7 +131,10 @@ def _preference(row: Row, kernel: str) -> tuple:
 def case_for_kernel(kernel: str, rows: Sequence[Row], sm90: bool) -> Case | None:
     """A case dispatch runs `kernel` for on this GPU: a fixed-length one where a row's kernel
     runs fixed-length calls, else a varlen one where it runs a row's varlen batches (on sm_90
-    the row's varlen kernel, else its sm80-family fallback); None when no row runs it."""
+    the row's varlen kernel, else its sm80-family fallback); None when no row runs it (an FP8
+    row's empty fallback and varlen kernel name none)."""
+    if not kernel:
+        return None
     fixed = [r for r in rows if (r.kernel if sm90 else r.fallback) == kernel]
     if fixed:
         return _case_of_row(min(fixed, key=lambda r: _preference(r, kernel)), varlen=False)

@@ -105,9 +105,12 @@ def _row(r: dict) -> str:
 
 
 def _notes(meta: dict) -> list[str]:
-    """What the table needs beside it: the energy counter's resolution, the SASS-chosen cases
-    and the acceptances (used or not)."""
+    """What the table needs beside it: the cases this GPU cannot run, the energy counter's
+    resolution, the SASS-chosen cases and the acceptances (used or not)."""
     lines = []
+    not_run = meta.get("not_run") or {}
+    if not_run.get("cases"):
+        lines.append(f"- Not run here ({not_run['why']}): {', '.join(not_run['cases'])}")
     for side, g in (meta.get("energy") or {}).items():
         lines.append(f"- Energy counter ({side}): {_energy_text(g)}.")
     resolution = _energy_resolution(meta)
@@ -263,6 +266,14 @@ def sass_extras(base_w: Worker, head_w: Worker, rows: list[coverage.Row], policy
     return sel
 
 
+def runnable_here(cases: list[Case], arch: str) -> tuple[list[Case], list[str]]:
+    """The cases this GPU can run, and the names of those it cannot: the FP8 forward's run on
+    sm_90 alone (its kernels are sm_90a code; there is no fallback)."""
+    if arch == "90":
+        return cases, []
+    return [c for c in cases if not c.fp8], [c.name for c in cases if c.fp8]
+
+
 def measurable_names(cases: list[Case], rows: list[coverage.Row], bwd_configs: list[str],
                      arch: str) -> set[str]:
     """Every case name the gate can measure with this head: its cases and the case it would
@@ -299,7 +310,7 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
             perf[key] = getattr(args, key)
     policy = Policy.from_dict({k: v for k, v in perf.items() if k != "build_timeout_s"})
     kinds = getattr(args, "kinds", None)
-    cases = [c for c in GATE_CASES if kinds is None or c.kind in kinds]
+    cases = [c for c in GATE_CASES if kinds is None or c.gate_kind in kinds]
     meta = {"metric": policy.metric, "rounds": policy.rounds, "step": policy.step,
             "max_rounds": policy.max_rounds,
             "threshold_pct": policy.threshold_pct, "clear_pct": policy.clear_pct,
@@ -312,10 +323,15 @@ def run(args: argparse.Namespace, policy_doc: dict, out: Path) -> int:
         entries = accept.load(accept_path)  # a malformed file fails before any GPU work
         with workers(args, perf, meta) as (base_w, head_w):
             arch = meta.get("arch", "")
+            cases, not_here = runnable_here(cases, arch)
+            if not_here:
+                meta["not_run"] = {"cases": not_here, "why": f"FP8 forward cases need sm_90 "
+                                                           f"(this GPU: sm_{arch})"}
+                log.info("%d FP8 cases left out: this GPU is sm_%s", len(not_here), arch)
             rows = coverage.dispatch_rows(head_w.configs)
             selection = sass_extras(base_w, head_w, rows, policy, arch)
             meta["sass"] = selection.as_dict()
-            cases += [c for c in selection.cases if kinds is None or c.kind in kinds]
+            cases += [c for c in selection.cases if kinds is None or c.gate_kind in kinds]
             accept.check_cases(entries, measurable_names(cases, rows, head_w.bwd_configs, arch),
                                accept_path)
             meta["cases"] = len(cases)

@@ -17,6 +17,9 @@ STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)
 # forward + backward as a training step does them, or a decode step (flash_attn_with_kvcache:
 # seqlen queries per sequence over a KV cache of seqlen_k keys, contiguous or paged).
 KINDS = ("fwd", "bwd", "fwdbwd", "decode")
+# The gate's --kinds selects among these: a case's kind, but "fp8" for the FP8 forward's cases
+# (kind fwd), so that either can be run alone.
+GATE_KINDS = (*KINDS, "fp8")
 # FLOPs of each kind in forwards: the backward counts 2.5 forwards (FlashAttention's benchmark
 # convention), a training step both.
 FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5, "decode": 1.0}
@@ -43,6 +46,8 @@ class Case:
     deterministic: bool = False  # the backward adds dQ in a fixed order (bwd, fwdbwd only)
     page_size: int = 0  # decode: rows per page of a paged cache (0: a contiguous cache)
     cache: str = ""  # decode: an FP8 cache's dtype, e4m3 or e5m2 ("": q's dtype)
+    # dtype "e4m3": the FP8 forward (flash_attention.fp8, sm_90 alone) on q, k, v quantised with
+    # per-(batch, KV head) descales; its SDPA peers run the 16-bit values they came from
 
     def __post_init__(self) -> None:
         if self.window is not None:
@@ -61,6 +66,9 @@ class Case:
             raise ValueError("page_size is an option of a decode case")
         if self.cache and (self.kind != "decode" or self.cache not in ("e4m3", "e5m2")):
             raise ValueError("cache is an option of a decode case: e4m3 or e5m2")
+        if self.fp8 and (self.kind != "fwd" or self.varlen):
+            raise ValueError("an e4m3 case is a fixed-length forward (the FP8 forward has no "
+                             "backward, decode step or varlen calls)")
         if self.kind == "decode" and (self.varlen or self.seqlen_k is None or self.page_size < 0):
             raise ValueError("a decode case is fixed-length with seqlen_k cached keys "
                              "(page_size 0 or the rows of a page)")
@@ -80,6 +88,16 @@ class Case:
                 + (f"_page{self.page_size}" if self.page_size else "")
                 + (f"_{self.cache}" if self.cache else "")
                 + ("" if self.kind == "fwd" else f"_{self.kind}"))
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the case times the FP8 (e4m3) forward."""
+        return self.dtype == "e4m3"
+
+    @property
+    def gate_kind(self) -> str:
+        """What the gate's --kinds selects the case by (GATE_KINDS)."""
+        return "fp8" if self.fp8 else self.kind
 
     @property
     def times_forward(self) -> bool:
@@ -255,7 +273,22 @@ DEC_GATE_CASES = tuple([
     Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=8192, cache="e4m3",
          kind="decode"),
 ])
-GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES
+# The gate's FP8 forward cases (issue 46; sm_90 alone: the gate leaves them out on another
+# GPU): each e4m3 kernel of the default table (d_head 128 and 256, plain, masked, softcap,
+# masked with softcap), with GQA, a sliding window and d_head 192 (on the d_head 256 kernel)
+# among them; 4096-8192 tokens per sequence, 1.5-3 ms a call on an H200. The 4 cases without a
+# softcap or window have SDPA peers (bf16).
+FP8_GATE_CASES = tuple([
+    Case("e4m3", 128, 16, 4096),
+    Case("e4m3", 128, 8, 8192, causal=True, kv_heads=4),
+    Case("e4m3", 128, 16, 4096, softcap=30.0),
+    Case("e4m3", 128, 8, 4096, window=(1024, 0), softcap=30.0),
+    Case("e4m3", 256, 8, 4096),
+    Case("e4m3", 256, 8, 4096, causal=True),
+    Case("e4m3", 192, 8, 4096, softcap=50.0),
+    Case("e4m3", 256, 4, 4096, causal=True, softcap=50.0),
+])
+GATE_CASES = FWD_GATE_CASES + BWD_GATE_CASES + DEC_GATE_CASES + FP8_GATE_CASES
 # asv's cases: the standard table for both dtypes and both d_heads.
 ASV_CASES = tuple(Case(dt, d, b, s) for dt in ("bf16", "fp16") for d in (128, 64)
                   for b, s in STANDARD)
@@ -631,11 +664,16 @@ class Inputs:
     cache: tuple | None = None
     # a decode case over an FP8 cache: its (k_descale, v_descale), (B, kv heads) fp32
     descales: tuple | None = None
+    # an FP8 forward case: (q8, k8, v8, q_descale, k_descale, v_descale) quantised from q, k, v
+    # (bf16, the peers' inputs)
+    fp8: tuple | None = None
 
     @classmethod
     def make(cls, case: Case, device: str = "cuda") -> Inputs:
         import torch
 
+        if case.fp8:
+            return cls._fp8(case, device)
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
         if case.kind == "decode":
             return cls._decode(case, dtype, device)
@@ -656,6 +694,21 @@ class Inputs:
         return cls(*packed[:3], torch.empty_like(packed[0]), (cu, max(lengths), (q, k, v)),
                    dout=packed[3] if dout is not None else None, dout_padded=dout)
 
+
+    @classmethod
+    def _fp8(cls, case: Case, device: str) -> Inputs:
+        """An FP8 forward case's inputs: bf16 q, k, v (the peers') and the same values quantised
+        to e4m3 with a descale per (batch, KV head) (fp8.quantize; q's per KV head group)."""
+        import torch
+
+        from flash_attention import fp8  # a base from before the FP8 forward cannot run it
+
+        q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device=device,
+                        dtype=torch.bfloat16)
+        k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
+                            dtype=torch.bfloat16) for _ in range(2))
+        (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, case.kv), fp8.quantize(k), fp8.quantize(v)
+        return cls(q, k, v, None, fp8=(q8, k8, v8, qd, kd, vd))
 
     @classmethod
     def _decode(cls, case: Case, dtype, device: str) -> Inputs:
@@ -723,6 +776,23 @@ def decode_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
     return fns
 
 
+def fp8_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
+    """Zero-argument callables, one per contender, timing one FP8 forward: ours is
+    fp8.attention_fp8 on the quantised q, k, v with their descales (returning its bf16 output),
+    the SDPA peers run the bf16 values (the speed FP8 is for); none under a window or a
+    softcap, as for the 16-bit forward."""
+    from flash_attention import fp8
+
+    q8, k8, v8, qd, kd, vd = inputs.fp8
+    opts = _attention_options(case.causal, case.window, case.softcap)
+    fns = contenders(inputs.q, inputs.k, inputs.v, None,
+                     names=tuple(n for n in names if n != "ours"), causal=case.causal,
+                     window=case.window, softcap=case.softcap)
+    if "ours" in names:
+        fns["ours"] = lambda: fp8.attention_fp8(q8, k8, v8, qd, kd, vd, **opts)
+    return fns
+
+
 def planted_keys(case: Case, fraction: float) -> int:
     """How many keys a planted slowdown of `fraction` adds to every sequence of the case: the
     nearest whole number to fraction x the keys per sequence, at least one."""
@@ -747,9 +817,9 @@ def planted_attention(case: Case, inputs: Inputs, fraction: float):
 
     import flash_attention as fa
 
-    if case.varlen or case.window is not None or case.kind != "fwd":
-        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length forward cases "
-                         "without a window (keys added under a window add no work)")
+    if case.varlen or case.window is not None or case.kind != "fwd" or case.fp8:
+        raise ValueError(f"{case.name}: planted slowdowns are for fixed-length 16-bit forward "
+                         "cases without a window (keys added under a window add no work)")
     if fraction not in inputs.planted:  # made once per request's inputs, kept with them
         shape = (case.batch, case.keys + planted_keys(case, fraction), case.kv, case.d_head)
         k, v = (torch.randn(shape, device="cuda", dtype=inputs.q.dtype) for _ in range(2))
@@ -780,7 +850,9 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
 
     if case.peer_note():
         contenders_ = tuple(n for n in contenders_ if n == "ours")
-    if case.kind == "fwd":
+    if case.fp8:
+        fns = fp8_contenders(case, inputs, contenders_)
+    elif case.kind == "fwd":
         fns = contenders(inputs.q, inputs.k, inputs.v, inputs.out, names=contenders_,
                          causal=case.causal, varlen=inputs.varlen, window=case.window,
                          softcap=case.softcap)
@@ -794,6 +866,9 @@ def measure_case(case: Case, inputs: Inputs, contenders_: tuple[str, ...] = ("ou
     if case.kind == "decode":
         if not torch.isfinite(fns["ours"]()).all():
             raise RuntimeError(f"{case.name}: flash_attn_with_kvcache produced non-finite values")
+    elif case.fp8:
+        if not torch.isfinite(fns["ours"]()).all():
+            raise RuntimeError(f"{case.name}: attention_fp8() produced non-finite values")
     elif case.kind == "fwd":
         inputs.out.fill_(float("nan"))
         result = fns["ours"]()
