@@ -140,15 +140,17 @@ if step fp8-cache; then
 fi
 if step fp8; then
     # Issue 46's FP8 forward: its tests (every e4m3 kernel by name, dispatch, flash_attn_func's
-    # descales, views, bad input), memcheck and racecheck on two shapes (the producer's V
-    # transpose in shared memory), then studies/fp8_bench.py (FP8_BENCH_ARGS).
+    # descales, views, bad input, varlen packs), memcheck and racecheck on two shapes and a
+    # varlen pack (the producer's V transpose in shared memory, its zeroed tails), then
+    # studies/fp8_bench.py (FP8_BENCH_ARGS).
     run fp8_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
         -p no:cacheprovider tests/test_gpu_fp8.py tests/test_fp8_cpu.py tests/test_gpu_gate_fp8.py
     run fp8_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py \
-        -k "by_name and (2x113x203 or 1x1x300)"
+        -k "(by_name and (2x113x203 or 1x1x300)) or (varlen_kernel_by_name and tails)"
     run fp8_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py -k "by_name and 2x113x203"
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fp8.py \
+        -k "(by_name and 2x113x203) or (varlen_kernel_by_name and tails and fwpiajmt)"
     # shellcheck disable=SC2086  # FP8_BENCH_ARGS: the bench's options, split on spaces
     run fp8_bench timeout 400 python3 studies/fp8_bench.py ${FP8_BENCH_ARGS:-} \
         --out "$LOG_DIR/fp8.json"

@@ -5,6 +5,11 @@ adds other built e4m3 kernels by name), the project's bf16 forward (dispatched) 
 values, and SDPA's cuDNN backend in bf16; cuDNN's FP8 attention where torch's SDPA takes float8
 inputs (otherwise the line says why not). TFLOP/s: 4 L^2 d H per sequence, halved when causal.
 
+--varlen: a packed batch instead (sequences of 512-8192 tokens drawn at random, about 64k in
+all, causal and not): the FP8 varlen forward (dispatched: the varlen kernels, flag j) against
+the project's bf16 varlen forward on the same values and against the FP8 fixed-length call on
+a batch of sequences of the pack's mean length (the same tokens; its TFLOP/s are its own).
+
 Every contender is timed in ROUNDS rounds, interleaved (median of each round's 20 calls); a line
 gives the median over rounds and the rounds' range. Writes JSON to --out if given.
 """
@@ -84,11 +89,53 @@ def row(seqlen: int, causal: bool, ab: list[str], results: list, d_head: int) ->
                         "ms": ms, "tflops": tf})
 
 
+def varlen_row(causal: bool, results: list, d_head: int) -> None:
+    """The --varlen comparison on one pack (the same lengths in every run: seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    lengths: list[int] = []
+    while sum(lengths) < 65536:
+        lengths.append(int(torch.randint(512, 8193, (1,), generator=g)))
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    q, k, v = (torch.randn(total, HEADS, d_head, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(t[None]) for t in (q, k, v))
+    q8, k8, v8 = q8[0], k8[0], v8[0]
+    # one descale per (sequence, head): the tensor's, expanded
+    qd, kd, vd = (d.expand(len(lengths), HEADS) for d in (qd, kd, vd))
+    longest = max(lengths)
+    mean = total // len(lengths)
+    fq, fk, fv = (torch.randn(len(lengths), mean, HEADS, d_head, device="cuda",
+                              dtype=torch.bfloat16) for _ in range(3))
+    (f8q, fqd), (f8k, fkd), (f8v, fvd) = fp8.quantize(fq), fp8.quantize(fk), fp8.quantize(fv)
+    contenders = {
+        "fp8 varlen dispatched": lambda: fp8.attention_fp8(
+            q8, k8, v8, qd, kd, vd, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=longest, max_seqlen_k=longest),
+        "bf16 varlen dispatched": lambda: fa.attention_varlen(q, k, v, cu, cu, longest, longest,
+                                                              causal=causal),
+        "fp8 fixed-length, mean length": lambda: fp8.attention_fp8(f8q, f8k, f8v, fqd, fkd, fvd,
+                                                                   causal=causal),
+    }
+    flops = {name: sum(4 * n * n * d_head * HEADS for n in lengths) for name in contenders}
+    flops["fp8 fixed-length, mean length"] = 4 * mean * mean * d_head * HEADS * len(lengths)
+    times = interleaved_rounds(contenders, ROUNDS)
+    print(f"varlen pack of {len(lengths)} sequences, {total} tokens (512-8192), causal={causal}:")
+    for name, ms in times.items():
+        med = st.median(ms)
+        tf = flops[name] * (0.5 if causal else 1.0) / med / 1e9
+        print(f"  {name:44s} {med:8.3f} ms [{min(ms):.3f}, {max(ms):.3f}] {tf:7.1f} TFLOP/s")
+        results.append({"varlen": True, "lengths": lengths, "d_head": d_head, "causal": causal,
+                        "contender": name, "ms": ms, "tflops": tf})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--ab", default="", help="other e4m3 kernels (comma-separated) to time")
     ap.add_argument("--d-head", type=int, default=D_HEAD)
+    ap.add_argument("--varlen", action="store_true", help="a packed batch (see above)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, d_head {args.d_head}")
@@ -96,6 +143,9 @@ def main() -> None:
     fp8.ops.require()  # the extension loaded: BUILT_NAMES lists the kernels --ab may name
     results: list = []
     for causal in (False, True):
+        if args.varlen:
+            varlen_row(causal, results, args.d_head)
+            continue
         for s in map(int, args.seqlens.split(",")):
             row(s, causal, ab, results, args.d_head)
     if args.out:

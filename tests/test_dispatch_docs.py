@@ -1,5 +1,6 @@
 """docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80,
-fwd_sm90 and dec_sm80, fwd_sm90's VARLEN_ROWS and FP8_ROWS, dec_sm80's FP8_ROWS): one docs row
+fwd_sm90 and dec_sm80, fwd_sm90's VARLEN_ROWS, FP8_ROWS and FP8_VARLEN_ROWS, dec_sm80's
+FP8_ROWS): one docs row
 per code row, by
 key and back;
 the docs row's first five columns are the code row's (calls, d_head, seqlen_q, kernel), so a
@@ -23,16 +24,18 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 HEADER = "| Row | Calls | d_head | seqlen_q | Kernel | Measurements | Results |"
 ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS, "dec": dec_sm80.ROWS,
         "varlen": fwd_sm90.VARLEN_ROWS, "fp8": fwd_sm90.FP8_ROWS,
-        "dec_fp8": dec_sm80.FP8_ROWS}
+        "fp8_varlen": fwd_sm90.FP8_VARLEN_ROWS, "dec_fp8": dec_sm80.FP8_ROWS}
 MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90, "dec": dec_sm80,
            "varlen": SimpleNamespace(table_rows=fwd_sm90.varlen_table_rows,
                                      Config=fwd_sm90.Config),
            "fp8": fwd_sm90,  # its table_rows answers e4m3 calls from FP8_ROWS
+           "fp8_varlen": SimpleNamespace(table_rows=fwd_sm90.varlen_table_rows,
+                                         Config=fwd_sm90.Config),
            # decode over an e4m3 cache (e5m2's rows are the same), d_head multiples of 16
            "dec_fp8": SimpleNamespace(
                table_rows=lambda call: [] if call.d_head % 16 else
                dec_sm80.table_rows(call, "e4m3"), Config=dec_sm80.Config)}
-DTYPES = {"fp8": (fwd_sm90.FP8,)}  # of each family's calls; the others fp16 and bf16
+DTYPES = {"fp8": (fwd_sm90.FP8,), "fp8_varlen": (fwd_sm90.FP8,)}  # the others fp16 and bf16
 CODE_ROWS = [row for rows in ROWS.values() for row in rows]
 
 

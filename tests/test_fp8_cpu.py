@@ -38,12 +38,14 @@ def test_e4m3_config_rules():
     assert cfg.smem_bytes == 16384 + 3 * 49152 + 32768 + 2048
     for bad, why in (("fwd_sm90_e4m3_d64_r192_c96_s3_fwaln", "d_head 128 or 256"),
                      ("fwd_sm90_e4m3_d128_r128_c128_s2_fwialgz", "lazy_rescale"),
-                     ("fwd_sm90_e4m3_d128_r128_c128_s2_fwpiazj", "varlen"),
+                     ("fwd_sm90_e4m3_d128_r128_c192_s2_fwpiaj", "over the 216 a consumer has"),
                      ("fwd_sm90_e4m3_d128_r128_c128_s1_fwpia", "2\\+ stages")):
         with pytest.raises(ConfigError, match=why):
             parse(bad)
     with pytest.raises(ConfigError):
         parse("fwd_sm80_e4m3_d128_r128_c64_w4_f")  # FP8 is the Hopper forward's alone
+    varlen = parse("fwd_sm90_e4m3_d128_r128_c128_s3_fwpiaj")  # its producer keeps 72
+    assert varlen.varlen and varlen.consumer_regs == 216
 
 
 def test_e4m3_dispatch_rows():
@@ -54,7 +56,10 @@ def test_e4m3_dispatch_rows():
     for _, _, _, mask, _, softcap, kernel, fallback, varlen in fp8_rows:
         cfg = parse(kernel)
         assert cfg.fp8 and cfg.mask == mask and cfg.softcap == softcap
-        assert fallback == "" and varlen == ""  # no sm80 fallback, no varlen kernel
+        assert fallback == ""  # no sm80 fallback
+        packed = parse(varlen)  # the kind's varlen kernel (flag j), B_c 128 at most
+        assert packed.fp8 and packed.varlen and packed.mask == mask and packed.softcap == softcap
+        assert packed.d_head == cfg.d_head and packed.block_c <= 128
 
 
 def test_reference_fp8_round_p_is_close():
@@ -92,3 +97,16 @@ def test_fp8_operator_traces_and_checks_without_a_gpu():
         with pytest.raises(ValueError, match="multiple of 16"):
             x = torch.empty(1, 8, 2, 72, dtype=torch.float8_e4m3fn, device="cuda")
             fp8.attention_fp8(x, x, x)
+        # varlen: packed (total, heads, d_head), descales per sequence, lse (heads, total_q)
+        qp = torch.empty(300, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        kvp = torch.empty(250, 2, 128, dtype=torch.float8_e4m3fn, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        d3 = torch.empty(3, 2, device="cuda")
+        out, lse = fp8.attention_fp8(qp, kvp, kvp, d3, d3, d3, return_lse=True, cu_seqlens_q=cu,
+                                     cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200)
+        assert out.shape == qp.shape and out.dtype == torch.bfloat16 and lse.shape == (8, 300)
+        with pytest.raises(ValueError, match=r"\(3, 2\)"):  # (sequences, kv_heads)
+            fp8.attention_fp8(qp, kvp, kvp, d, d, d, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                              max_seqlen_q=200, max_seqlen_k=200)
+        with pytest.raises(ValueError, match="go together"):
+            fp8.attention_fp8(qp, kvp, kvp, cu_seqlens_q=cu, max_seqlen_q=200)

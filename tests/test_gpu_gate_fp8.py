@@ -49,7 +49,30 @@ def test_an_fp8_request_answers_with_cycles_for_each_contender(require_sm90):
 
 
 def test_the_gate_cases_build_their_inputs(require_sm90):
-    """The gate's own FP8 cases make their inputs (the largest, 8 x 8192 x 16 heads, fits)."""
-    case = max(FP8_GATE_CASES, key=lambda c: c.batch * c.seqlen * c.heads * c.d_head)
+    """The gate's own FP8 cases make their inputs (the largest fixed-length one, 8 x 8192 x 16
+    heads, and the largest pack: (total, heads, d_head), descales per sequence)."""
+    for varlen in (False, True):
+        case = max((c for c in FP8_GATE_CASES if c.varlen == varlen),
+                   key=lambda c: c.batch * c.seqlen * c.heads * c.d_head)
+        inputs = Inputs.make(case)
+        q8, qd = inputs.fp8[0], inputs.fp8[3]
+        rows = ((inputs.varlen[0][-1].item(),) if varlen else (case.batch, case.seqlen))
+        assert q8.shape == (*rows, case.heads, case.d_head)
+        assert qd.shape == (case.batch, case.kv)
+
+
+def test_a_varlen_fp8_case_runs_the_pack(require_sm90):
+    """A varlen FP8 case: ours runs the packed call (each sequence attends to itself alone), the
+    SDPA peer the padded batch."""
+    case = Case("e4m3", 128, 3, 300, varlen=True, heads=4)
     inputs = Inputs.make(case)
-    assert inputs.fp8[0].shape == (case.batch, case.seqlen, case.heads, case.d_head)
+    cu = inputs.varlen[0].tolist()
+    fns = fp8_contenders(case, inputs, ("ours", "sdpa_fa2"))
+    assert set(fns) == {"ours", "sdpa_fa2"}
+    out = fns["ours"]()
+    assert out.shape == inputs.q.shape
+    for b in range(case.batch):
+        s = slice(cu[b], cu[b + 1])
+        ref = attention_reference(inputs.q[None, s], inputs.k[None, s], inputs.v[None, s])[0]
+        err = ((out[None, s].float() - ref).norm() / ref.norm()).item()
+        assert err < 8e-2, f"sequence {b}: relative error {err}"

@@ -4,7 +4,8 @@
 //       kernel) -> (out, lse)         the whole call, fixed-length or varlen (the fast path)
 //   flash_attention::fwd(q, k, v, out!, lse!?, kernel, softmax_scale, window_left,
 //       window_right, softcap) -> ()  into a given out
-//   flash_attention::attention_fp8(q, k, v, q_descale?, k_descale?, v_descale?, softmax_scale?,
+//   flash_attention::attention_fp8(q, k, v, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q,
+//       max_seqlen_k, q_descale?, k_descale?, v_descale?, softmax_scale?,
 //       causal, window_left, window_right, softcap, return_lse, kernel) -> (out, lse)
 //                                     float8_e4m3fn q, k, v (Hopper), out bf16; forward only
 // (CUDA kernels here; fake implementations for tracing in flash_attention/ops.py) and the
@@ -124,17 +125,20 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
         causal, window_left, window_right, softcap, return_lse, kernel);
 }
 
-// flash_attention::attention_fp8: a fixed-length float8_e4m3fn call (q, k, v) on a Hopper FP8
-// kernel with per-(batch, KV head) fp32 descales; out is bf16, lse as attention's.
+// flash_attention::attention_fp8: a float8_e4m3fn call (q, k, v; fixed-length, or varlen with
+// cu_seqlens_q/k) on a Hopper FP8 kernel with per-(batch, KV head) fp32 descales (varlen: per
+// sequence); out is bf16, lse as attention's.
 std::tuple<at::Tensor, at::Tensor> attention_fp8_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
-    const std::optional<at::Tensor>& v_descale, std::optional<double> softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, bool return_lse,
-    c10::string_view kernel) {
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale,
+    std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, bool return_lse, c10::string_view kernel) {
     const Descales descales{q_descale, k_descale, v_descale};
-    return forward_call(q, k, v, Varlen{}, softmax_scale, causal, window_left, window_right,
-                        softcap, return_lse, kernel, &descales);
+    return forward_call(
+        q, k, v, varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softmax_scale,
+        causal, window_left, window_right, softcap, return_lse, kernel, &descales);
 }
 
 }  // namespace
@@ -149,7 +153,8 @@ TORCH_LIBRARY(flash_attention, m) {
         "int window_left, int window_right, float softcap, bool return_lse, str kernel) "
         "-> (Tensor, Tensor)");
     m.def(
-        "attention_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, "
+        "attention_fp8(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, Tensor? q_descale, Tensor? k_descale, "
         "Tensor? v_descale, float? softmax_scale, bool causal, int window_left, int window_right, "
         "float softcap, bool return_lse, str kernel) -> (Tensor, Tensor)");
 }

@@ -7,6 +7,9 @@ softmax, bf16 out (the Hopper forward's e4m3 kernels: fwd_sm90_e4m3_...; no back
     # or flash_attn's (FlashAttention 3's) names:
     from flash_attention.interface import flash_attn_func
     out = flash_attn_func(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    # varlen (packed) batches: q8 (total_q, heads, d_head), descales (sequences, kv_heads)
+    out = fp8.attention_fp8(q8, k8, v8, qd, kd, vd, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                            max_seqlen_q=m, max_seqlen_k=m)
 
 out = softmax(q k^T * softmax_scale) v over the dequantised inputs (q * q_descale, ...): the
 kernel folds q's and k's descales into the softmax scale and v's into O's normalisation. A
@@ -19,7 +22,13 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .validation import check_inputs, check_scale, check_softcap, check_window
+from .validation import (
+    check_inputs,
+    check_scale,
+    check_softcap,
+    check_varlen_inputs,
+    check_window,
+)
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -61,32 +70,49 @@ def attention_fp8(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     config: str | None = None,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """FP8 attention: q (batch, seqlen_q, heads, d_head), k, v (batch, seqlen_k, kv_heads,
     d_head), float8_e4m3fn on an sm_90 GPU, d_head a multiple of 16 from 96 to 256 (the d_head
     128 and 256 kernels). Masks, softcap and the LSE as flash_attention.attention;
-    out is bf16. config names an FP8 kernel (fwd_sm90_e4m3_...)."""
+    out is bf16. config names an FP8 kernel (fwd_sm90_e4m3_...). With cu_seqlens_q/k (int32
+    (sequences + 1,) offsets) and max_seqlen_q/k, a varlen batch as attention_varlen's: q
+    (total_q, heads, d_head), k, v (total_k, kv_heads, d_head), descales (sequences, kv_heads),
+    lse (heads, total_q)."""
     if not ops.LOADED:
         ops.require()  # the extension loaded, its operators (and this one's fake) registered
     kernel = config or ""
     left, right = window_size
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     try:
         o, lse = torch.ops.flash_attention.attention_fp8.default(
-            q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, left, right,
-            float(softcap), return_lse, kernel)
+            q, k, v, *varlen, q_descale, k_descale, v_descale, softmax_scale, causal, left,
+            right, float(softcap), return_lse, kernel)
     except Exception:
         _check_call(q, k, v, q_descale, k_descale, v_descale, causal, window_size, softcap,
-                    softmax_scale)
+                    softmax_scale, varlen)
         raise  # the Python checks pass: the operator's own error stands
     return (o, lse) if return_lse else o
 
 
 def _check_call(q, k, v, q_descale, k_descale, v_descale, causal, window_size, softcap,
-                softmax_scale):
-    """The checks that name the argument (TypeError / ValueError), as the operator runs them."""
+                softmax_scale, varlen=(None, None, 0, 0)):
+    """The checks that name the argument (TypeError / ValueError), as the operator runs them;
+    varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), cu_seqlens None for a
+    fixed-length call."""
     if any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         raise ValueError("FP8 attention has no backward: q, k and v must not require grad")
-    prob = check_inputs(q, k, v, dtypes=(torch.float8_e4m3fn,))
+    if (varlen[0] is None) != (varlen[1] is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (a varlen call) or not at "
+                         "all")
+    if varlen[0] is not None:
+        prob = check_varlen_inputs(q, k, v, *varlen, dtypes=(torch.float8_e4m3fn,))
+    else:
+        prob = check_inputs(q, k, v, dtypes=(torch.float8_e4m3fn,))
     if prob.d_head % 16:
         raise ValueError(f"FP8 attention needs d_head a multiple of 16, got {prob.d_head}")
     for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
@@ -106,16 +132,19 @@ def _check_call(q, k, v, q_descale, k_descale, v_descale, causal, window_size, s
     return prob
 
 
-def attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
-                       window_left, window_right, softcap, return_lse, kernel):
+def attention_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       q_descale, k_descale, v_descale, softmax_scale, causal, window_left,
+                       window_right, softcap, return_lse, kernel):
     """flash_attention::attention_fp8 under tracing: the Python checks, then out (bf16, like q)
-    and lse ((batch, heads, seqlen_q) or empty)."""
+    and lse ((batch, heads, seqlen_q), varlen (heads, total_q), or empty)."""
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_call(q, k, v, q_descale, k_descale, v_descale, causal, (window_left, window_right),
-                softcap, softmax_scale)
+                softcap, softmax_scale, varlen)
     if kernel and kernel not in ops.BUILT_NAMES:
         raise ValueError(f"kernel {kernel} is not in this build")
     out = q.new_empty(q.shape, dtype=torch.bfloat16)
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,),
-                      dtype=torch.float32)
+    lse_shape = ((q.shape[1], q.shape[0]) if cu_seqlens_q is not None
+                 else (q.shape[0], q.shape[2], q.shape[1]))
+    lse = q.new_empty(lse_shape if return_lse else (0,), dtype=torch.float32)
     return out, lse
 

@@ -134,6 +134,7 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     *,
     seqused_k: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
 ):
@@ -145,8 +146,25 @@ def flash_attn_varlen_func(
     keys its cu_seqlens_k difference (or seqused_k[b]); seqused_k (batch,) int32 alone cuts
     each sequence to its first seqused_k[b] keys. FP8 k and v (float8_e4m3fn, float8_e5m2; a
     paged cache or packed rows) with a 16-bit q take k_descale, v_descale (fp32 (batch,
-    kv_heads); None: 1). Those run the decode kernels (no backward)."""
+    kv_heads); None: 1). Those run the decode kernels (no backward). float8_e4m3fn q, k, v
+    (Hopper) take q_descale, k_descale, v_descale (fp32 (batch, kv_heads)) and return bf16
+    (flash_attention.fp8, the FP8 forward's varlen kernels)."""
     _check_unsupported(dropout_p, alibi_slopes)
+    if isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn:
+        if block_table is not None or seqused_k is not None:
+            raise ValueError("float8_e4m3fn q runs the FP8 forward over packed k and v: no "
+                             "block_table or seqused_k (an FP8 KV cache takes a 16-bit q)")
+        from .fp8 import attention_fp8
+
+        res = attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal=causal,
+                            window_size=window_size, softcap=softcap,
+                            softmax_scale=softmax_scale, return_lse=return_attn_probs,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return (*res, None) if return_attn_probs else res
+    if q_descale is not None:
+        raise ValueError("q_descale is for float8_e4m3fn q (the FP8 forward); a 16-bit q over "
+                         f"an FP8 cache takes k_descale and v_descale alone, got q {q.dtype}")
     fp8_keys = k.dtype in FP8_CACHES and q.dtype in (torch.float16, torch.bfloat16)
     descales = k_descale is not None or v_descale is not None  # refused there unless FP8
     if block_table is not None or seqused_k is not None or fp8_keys or descales:

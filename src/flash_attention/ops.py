@@ -109,13 +109,15 @@ def dispatch_rows(
                 rows.append((dtype, d_head, bucket, mask, local, softcap, (fast or cfg).name,
                              cfg.name, packed.name if packed else ""))
     # FP8 calls: a Hopper kernel with no fallback (the sm80 family has no FP8 kernels), at every
-    # d_head variant one serves (96 runs the 128 kernel).
+    # d_head variant one serves (96 runs the 128 kernel), and its kind's varlen kernel.
     fp8 = [c for c in built if c.dtype == fwd_sm90.FP8]
     for d_head, bucket, (mask, softcap, local) in itertools.product(
             base.D_HEADS if fp8 else (), dispatch.BUCKETS, kinds):
         fast = dispatch.select_sm90(fwd_sm90.FP8, d_head, bucket, fp8, mask, softcap, local)
+        packed = dispatch.select_sm90_varlen(fwd_sm90.FP8, d_head, fp8, mask, softcap, local)
         if fast is not None:
-            rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "", ""))
+            rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "",
+                         packed.name if packed else ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

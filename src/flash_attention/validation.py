@@ -52,8 +52,8 @@ def check_inputs(q: object, k: object, v: object,
     dtypes = tuple(TORCH_DTYPES) if dtypes is None else dtypes
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in dtypes:
-            hint = ("; float8_e4m3fn inputs take flash_attn_func(..., q_descale=, k_descale=, "
-                    "v_descale=) or flash_attention.fp8.attention_fp8"
+            hint = ("; float8_e4m3fn inputs take flash_attn_func / flash_attn_varlen_func(..., "
+                    "q_descale=, k_descale=, v_descale=) or flash_attention.fp8.attention_fp8"
                     if t.dtype == torch.float8_e4m3fn else "")
             raise TypeError(f"{name} has dtype {t.dtype}; supported: "
                             + ", ".join(map(str, dtypes)) + hint)
@@ -211,15 +211,15 @@ def _check_cu_seqlens(cu: object, name: str, device: torch.device) -> int:
 
 def check_varlen_inputs(q: object, k: object, v: object, cu_seqlens_q: object,
                         cu_seqlens_k: object, max_seqlen_q: object,
-                        max_seqlen_k: object) -> VarlenProblem:
+                        max_seqlen_k: object, dtypes=None) -> VarlenProblem:
     """Everything about a varlen call that metadata shows; the operator checks the values of
     cu_seqlens (0 first, non-decreasing, total last, no sequence over max_seqlen) before any
-    launch."""
+    launch. dtypes: as check_inputs' (FP8 passes float8_e4m3fn)."""
     q = _check_packed(q, "q")
     k = _check_packed(k, "k")
     v = _check_packed(v, "v")
     # The same dtype, d_head, heads, stride and device rules as fixed-length batches.
-    prob = check_inputs(q[None], k[None], v[None])
+    prob = check_inputs(q[None], k[None], v[None], dtypes)
     batch = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", prob.device)
     if _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", prob.device) != batch:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "

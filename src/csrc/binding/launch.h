@@ -45,7 +45,6 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
                         c10::string_view name, double softmax_scale, int64_t window_left,
                         int64_t window_right, double softcap, const Descales* fp8 = nullptr) {
     const bool varlen = vl.cu_q != nullptr;
-    FA_CHECK_VALUE(fp8 == nullptr || !varlen, "FP8 attention takes fixed-length batches only");
     const at::ScalarType dtype = check_qkv(q_in, k_in, v_in, varlen, fp8 != nullptr);
     const CallShape s = call_shape(q_in, k_in, vl);
     if (fp8 != nullptr) {

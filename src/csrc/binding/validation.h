@@ -42,9 +42,9 @@ inline at::ScalarType check_qkv(const at::Tensor& q, const at::Tensor& k, const 
     check_rank(v, "v", rank, dims);
     const auto dtype = q.scalar_type();
     FA_CHECK_TYPE(fp8 || dtype != at::kFloat8_e4m3fn,
-                  "float8_e4m3fn inputs run the forward alone (flash_attn_func with "
-                  "q_descale/k_descale/v_descale, or attention_fp8): no backward, varlen or "
-                  "KV cache path takes them");
+                  "float8_e4m3fn inputs run the forward alone (flash_attn_func or "
+                  "flash_attn_varlen_func with q_descale/k_descale/v_descale, or attention_fp8): "
+                  "no backward or KV cache path takes them");
     FA_CHECK_TYPE(fp8 ? dtype == at::kFloat8_e4m3fn : dtype == at::kHalf || dtype == at::kBFloat16,
                   "q has dtype ", dtype,
                   "; supported: ", fp8 ? "torch.float8_e4m3fn" : "torch.float16, torch.bfloat16");

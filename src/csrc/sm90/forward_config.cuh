@@ -83,12 +83,13 @@ struct FwdConfig {
     // Registers after setmaxnreg: the producer keeps few, the consumers take what it gives up
     // (the CTA's launch allocation, 168 per thread at 384 threads, 128 at 512). The producer of
     // the dynamic schedule or of a cluster needs a few more than 24 (else it spills).
-    // FP8: the producer warpgroup transposes V, which takes more registers.
+    // FP8: the producer warpgroup transposes V, which takes more registers; with kVarlen it
+    // also holds its sequence's span and the tail block's key count (72: the consumers keep 216).
     static constexpr bool kBusyProducer = kDynamic || kCluster;
-    static constexpr int kProducerRegs = kFp8            ? 56
+    static constexpr int kProducerRegs = kFp8            ? (kVarlen ? 72 : 56)
                                          : kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40)
                                                          : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kFp8            ? 224
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kFp8 ? (kVarlen ? 216 : 224)
                                                               : kBusyProducer ? 232
                                                                               : 240)
                                                            : 160;
@@ -119,15 +120,14 @@ struct FwdConfig {
 
     static_assert(sizeof(Elem) == 2 || std::is_same_v<Elem, __nv_fp8_e4m3>,
                   "fp16, bf16 or e4m3 elements only");
-    static_assert(!kFp8 || ((kDHead == 128 || kDHead == 256) &&
-                            (kBc == 64 || kBc == 128 || kBc == 192) && kWarpSpec && kBr == 128 &&
-                            kStages >= 2 && !kDynamic && !kCluster && !kTileOverlap && !kVarlen &&
-                            !kLazyRescale),
+    static_assert(!kFp8 ||
+                      ((kDHead == 128 || kDHead == 256) &&
+                       (kBc == 64 || kBc == 128 || kBc == 192) && kWarpSpec && kBr == 128 &&
+                       kStages >= 2 && !kDynamic && !kCluster && !kTileOverlap && !kLazyRescale),
                   "FP8: d_head 128 or 256, B_c 64, 128 or 192 (a transposed V row: one "
                   "128-byte swizzled row of keys, or 64-byte ones), B_r 128 with the producer "
-                  "warpgroup (it "
-                  "transposes V), 2+ stages, a static schedule, no CTA pairs, tile overlap, "
-                  "varlen or lazy rescale (P would exceed e4m3's range)");
+                  "warpgroup (it transposes V), 2+ stages, a static schedule, no CTA pairs, "
+                  "tile overlap or lazy rescale (P would exceed e4m3's range)");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64/128/256");
     static_assert(kBc == 64 || kBc == 96 || kBc == 128 || kBc == 176 || kBc == 192,
                   "B_c must be a wgmma N the kernels instantiate: 64, 96, 128, 176 or 192");

@@ -34,6 +34,8 @@ namespace flash::sm90 {
 // FP8: thread 0 of the producer warpgroup issues the copies as the 16-bit producer does; after
 // those of block g every thread transposes block g - 1's V (fp8_v_transpose.cuh), so the copies
 // run a block ahead of the transposes. A static schedule: every thread walks the tiles.
+// kVarlen: a block holding its sequence's last key keeps its first `keep` keys (the rows past
+// them are the next sequence's: zeroed in the transpose, as 0 x inf or NaN is NaN in P V).
 template <class Cfg, class Schedule>
 __device__ __forceinline__ void fp8_producer(const FwdKernelParams& params,
                                              const ForwardLoader<Cfg>& loader,
@@ -41,6 +43,7 @@ __device__ __forceinline__ void fp8_producer(const FwdKernelParams& params,
     const FwdParams& p = params.p;
     const int pt = threadIdx.x - 32 * Cfg::kConsumerWarps;
     int q_use = 0, g = 0;
+    int keep = Cfg::kBc;  // of the block loaded last, transposed after the next one's copies
     for (int tile = schedule.first_tile; tile < schedule.tiles;
          tile = schedule.next(p.tile_counter, tile)) {
         const ForwardTile<Cfg> w(params, tile);
@@ -54,13 +57,17 @@ __device__ __forceinline__ void fp8_producer(const FwdKernelParams& params,
                     loader.load_v(w, i, g + i);
                 }
                 if (g + i > 0)
-                    loader.transpose_v(g + i - 1, pt);
+                    loader.transpose_v(g + i - 1, pt, keep);
+                if constexpr (Cfg::kVarlen) {
+                    const int j = w.kv_block(i), seqlen_k = w.seqlen_k(p);
+                    keep = w.kv_tail(j, seqlen_k) ? seqlen_k - j * Cfg::kBc : Cfg::kBc;
+                }
             }
             g += w.n_blocks;
         }
     }
     if (g > 0)
-        loader.transpose_v(g - 1, pt);
+        loader.transpose_v(g - 1, pt, keep);
 }
 
 template <class Cfg>

@@ -85,12 +85,13 @@ struct ForwardLoader : TmaLoader<Cfg> {
     }
     // FP8, every thread pt (0 .. 127) of the producer warpgroup: pipeline block g's V, once TMA
     // has landed it and the consumers have released the stage's transposed V, into that stage
-    // (fp8_v_transpose.cuh); then each warp releases V raw and arrives on v_full.
-    __device__ __forceinline__ void transpose_v(int g, int pt) const {
+    // (fp8_v_transpose.cuh), keys from `keep` on zeroed; then each warp releases V raw and
+    // arrives on v_full.
+    __device__ __forceinline__ void transpose_v(int g, int pt, int keep) const {
         const int s = g % Cfg::kStages, use = g / Cfg::kStages;
         mbar_wait(sm.v_raw_full(s), use & 1);
         wait_buffer_free(sm.v_empty(s), use);
-        VTranspose<Cfg>::run(sm.v_raw(s), sm.v(s), pt);
+        VTranspose<Cfg>::run(sm.v_raw(s), sm.v(s), pt, keep);
         fence_proxy_async_smem();  // the consumers' wgmma (async proxy) reads these stores
         __syncwarp();
         if (pt % 32 == 0) {
@@ -301,9 +302,9 @@ struct ForwardConsumer {
     // end). P is 0 there, but 0 x inf or NaN is NaN, so this warpgroup zeroes those V rows (whole
     // 128-byte rows of every panel: the swizzle permutes chunks within a row). Both warpgroups
     // write the same zeros, each before its own GEMM reads them; the stage is refilled only after
-    // both have released it.
+    // both have released it. FP8: the producer's transpose zeroes those keys (transpose_v).
     __device__ __forceinline__ void clear_v_tail(int i, int s) const {
-        if constexpr (Cfg::kVarlen) {
+        if constexpr (Cfg::kVarlen && !Cfg::kFp8) {
             const ForwardTile<Cfg>& w = tile();
             const int j = w.kv_block(i), seqlen_k = w.seqlen_k(prm.p);
             if (!w.kv_tail(j, seqlen_k))

@@ -25,8 +25,10 @@ struct VTranspose {
                   "a transposed V row is one 128-byte (128-byte swizzle) row of keys or 64-byte "
                   "(64-byte swizzle) rows in panels of 64 keys");
     static constexpr bool kSw128 = Cfg::kBc == 128;
-    static constexpr int kGroups = Cfg::kBc / 16;  // 16-key groups u of a row: 8 or 4
-    static_assert(kGroups % 4 == 0, "groups go four at a time");
+    static constexpr int kGroups = Cfg::kBc / 16;  // 16-key groups u of a row: 4, 8 or 12
+    // Groups loaded at a time (4 registers each), so that their latencies overlap.
+    static constexpr int kBatch = 4;
+    static_assert(kGroups % kBatch == 0, "groups go kBatch at a time");
     static constexpr int kWarpCols = Cfg::kDHead / 4;  // columns of V per producer warp
     static constexpr int kUnitsWide = kWarpCols / 32;  // 32-column units per warp: 1 or 2
     static_assert(kWarpCols % 32 == 0, "a warp transposes whole 32-column units");
@@ -56,10 +58,21 @@ struct VTranspose {
     //    (and the other eight) are eight rows mod 8: no bank conflict under either swizzle, as
     //    the loads (eight keys, eight chunks) have none.
     // Stage s: v_raw(s) (landed) into v(s) (released by the consumers).
-    __device__ __forceinline__ static void run(const unsigned char* raw, unsigned char* out,
-                                               int pt) {
+    // Keys from `keep` on (a varlen block holding its sequence's end: the next sequence's rows)
+    // come out zero: each warp first zeroes those rows of V raw in the columns it transposes.
+    __device__ __forceinline__ static void run(const unsigned char* raw, unsigned char* out, int pt,
+                                               int keep) {
         const int warp = pt / 32, lane = pt % 32;
         const int m = lane / 8, r = lane % 8, g = lane / 4;
+        if (keep < Cfg::kBc) {                       // block-uniform
+            constexpr int kChunks = 2 * kUnitsWide;  // 16-byte chunks of a row per warp
+            for (int i = lane; i < (Cfg::kBc - keep) * kChunks; i += 32) {
+                const int key = keep + i / kChunks, col = warp * kWarpCols + 16 * (i % kChunks);
+                st_shared_zero16(smem_u32(raw) + (col / 128) * (Cfg::kBc * 128) + key * 128 +
+                                 ((((col % 128) / 16) ^ (key % 8)) << 4));
+            }
+            __syncwarp();  // the warp's loads below see the zeros
+        }
         // Permute selectors: the word for store matrix 0 (2), and the one for 1 (3).
         const uint32_t sel_a = g < 4 ? 0x6420u : 0x7531u, sel_b = g < 4 ? 0x7531u : 0x6420u;
 #pragma unroll
@@ -70,16 +83,14 @@ struct VTranspose {
                                  (r + 8 * (m & 1)) * 128 + ((((col % 128) / 16) ^ r) << 4);
             const int n = c + 16 * (m >> 1) + 2 * r + ((m & 1) ^ (r >= 4 ? 1 : 0));
             const uint32_t dst = smem_u32(out);
-            // Four groups' loads at a time (16 registers: the producer has 56), so that their
-            // latencies overlap.
 #pragma unroll
-            for (int u0 = 0; u0 < kGroups; u0 += 4) {
-                uint32_t in[4][4];
+            for (int u0 = 0; u0 < kGroups; u0 += kBatch) {
+                uint32_t in[kBatch][4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
+                for (int i = 0; i < kBatch; ++i)
                     ldmatrix_x4_trans(in[i], src + (u0 + i) * 16 * 128);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < kBatch; ++i) {
                     const uint32_t w[4] = {__byte_perm(in[i][0], in[i][1], sel_a),
                                            __byte_perm(in[i][0], in[i][1], sel_b),
                                            __byte_perm(in[i][2], in[i][3], sel_a),

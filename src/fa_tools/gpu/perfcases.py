@@ -8,7 +8,7 @@ per call, for both)."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # (batch, seqlen) pairs of the standard table: 16 heads, batch shrinking as sequences grow.
 STANDARD = ((16, 512), (16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384))
@@ -66,9 +66,9 @@ class Case:
             raise ValueError("page_size is an option of a decode case")
         if self.cache and (self.kind != "decode" or self.cache not in ("e4m3", "e5m2")):
             raise ValueError("cache is an option of a decode case: e4m3 or e5m2")
-        if self.fp8 and (self.kind != "fwd" or self.varlen):
-            raise ValueError("an e4m3 case is a fixed-length forward (the FP8 forward has no "
-                             "backward, decode step or varlen calls)")
+        if self.fp8 and self.kind != "fwd":
+            raise ValueError("an e4m3 case is a forward (the FP8 forward has no backward or "
+                             "decode step)")
         if self.kind == "decode" and (self.varlen or self.seqlen_k is None or self.page_size < 0):
             raise ValueError("a decode case is fixed-length with seqlen_k cached keys "
                              "(page_size 0 or the rows of a page)")
@@ -275,10 +275,21 @@ DEC_GATE_CASES = tuple([
 ])
 # The gate's FP8 forward cases (issue 46; sm_90 alone: the gate leaves them out on another
 # GPU): each e4m3 kernel of the default table (d_head 128 and 256, plain, masked, softcap,
-# masked with softcap), with GQA, a sliding window and d_head 192 (on the d_head 256 kernel)
-# among them; 4096-8192 tokens per sequence, 1.5-3 ms a call on an H200. The 4 cases without a
-# softcap or window have SDPA peers (bf16).
+# masked with softcap; fixed-length and varlen), with GQA, a sliding window and d_head 192 (on
+# the d_head 256 kernel) among them; 4096-8192 tokens per sequence, 1-5 ms a call on an H200.
+# The cases without a softcap or window have SDPA peers (bf16; a varlen case's on the padded
+# batch).
 FP8_GATE_CASES = tuple([
+    # varlen packs (the FP8 varlen kernels, flag j): 8 sequences of 1024-4096 tokens
+    Case("e4m3", 128, 8, 4096, varlen=True),
+    Case("e4m3", 128, 8, 4096, causal=True, varlen=True),
+    Case("e4m3", 128, 8, 4096, softcap=30.0, varlen=True),
+    Case("e4m3", 128, 8, 4096, window=(1024, 0), softcap=30.0, varlen=True),
+    Case("e4m3", 256, 8, 4096, varlen=True),
+    Case("e4m3", 256, 8, 4096, causal=True, varlen=True),
+    Case("e4m3", 192, 8, 4096, softcap=50.0, varlen=True),
+    Case("e4m3", 256, 8, 4096, causal=True, softcap=50.0, varlen=True),
+    # fixed-length
     Case("e4m3", 128, 16, 4096),
     Case("e4m3", 128, 8, 8192, causal=True, kv_heads=4),
     Case("e4m3", 128, 16, 4096, softcap=30.0),
@@ -698,11 +709,20 @@ class Inputs:
     @classmethod
     def _fp8(cls, case: Case, device: str) -> Inputs:
         """An FP8 forward case's inputs: bf16 q, k, v (the peers') and the same values quantised
-        to e4m3 with a descale per (batch, KV head) (fp8.quantize; q's per KV head group)."""
+        to e4m3 with a descale per (batch, KV head) (fp8.quantize; q's per KV head group). A
+        varlen case: the pack of varlen_lengths (bf16 padded for the peers, as a 16-bit varlen
+        case's), quantised per tensor, the descales expanded per (sequence, KV head)."""
         import torch
 
         from flash_attention import fp8  # a base from before the FP8 forward cannot run it
 
+        if case.varlen:
+            pack = cls.make(replace(case, dtype="bf16"), device)
+            (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(t[None], per_tensor=True)
+                                            for t in (pack.q, pack.k, pack.v))
+            descales = (d[:1, :1].expand(case.batch, case.kv) for d in (qd, kd, vd))
+            return cls(pack.q, pack.k, pack.v, None, pack.varlen,
+                       fp8=(q8[0], k8[0], v8[0], *descales))
         q = torch.randn(case.batch, case.seqlen, case.heads, case.d_head, device=device,
                         dtype=torch.bfloat16)
         k, v = (torch.randn(case.batch, case.keys, case.kv, case.d_head, device=device,
@@ -787,7 +807,10 @@ def fp8_contenders(case: Case, inputs: Inputs, names=CONTENDERS) -> dict:
     opts = _attention_options(case.causal, case.window, case.softcap)
     fns = contenders(inputs.q, inputs.k, inputs.v, None,
                      names=tuple(n for n in names if n != "ours"), causal=case.causal,
-                     window=case.window, softcap=case.softcap)
+                     varlen=inputs.varlen, window=case.window, softcap=case.softcap)
+    if inputs.varlen is not None:  # the packed call (the peers run the padded batch)
+        cu, longest, _ = inputs.varlen
+        opts.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
     if "ours" in names:
         fns["ours"] = lambda: fp8.attention_fp8(q8, k8, v8, qd, kd, vd, **opts)
     return fns

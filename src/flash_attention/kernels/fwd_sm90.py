@@ -141,9 +141,9 @@ class Sm90FwdConfig(KernelConfig):
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
         consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40; 16
-        fewer with FP8, whose producer transposes V with 56."""
+        fewer with FP8, whose producer transposes V with 56 (24 fewer with FP8 varlen: 72)."""
         if self.fp8:
-            return 224
+            return 216 if self.varlen else 224
         busy_producer = self.dynamic or self.cluster
         return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs == 2
                                                    else 0)
@@ -184,7 +184,7 @@ class Sm90FwdConfig(KernelConfig):
             if not (self.warp_spec and self.block_r == 128 and self.stages >= 2):
                 out.append("FP8 needs warp_spec (the producer transposes V), B_r 128 and 2+ "
                            "stages")
-            bad = [f for f in ("dynamic", "cluster", "tile_overlap", "varlen", "lazy_rescale")
+            bad = [f for f in ("dynamic", "cluster", "tile_overlap", "lazy_rescale")
                    if getattr(self, f)]
             if bad:
                 out.append(f"FP8 does not take {', '.join(bad)} (lazy_rescale: P would exceed "
@@ -270,17 +270,27 @@ ROWS: tuple[Row, ...] = (
 )
 
 
-# FP8 (e4m3) calls: fixed-length, d_head 96-256 (no d_head 64 kernel yet); every kind of call
-# runs the ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No
-# fallback: the sm80 family has no FP8 kernels.
+# FP8 (e4m3) calls: d_head 96-256 (no d_head 64 kernel yet); every kind of call runs the
+# ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No fallback: the
+# sm80 family has no FP8 kernels.
 _ALL_KINDS = ("plain", "masked", "local", "softcap")
 FP8_ROWS: tuple[Row, ...] = (
-    Row("sm90 fp8 d128", _ALL_KINDS, (96, 128), None,
+    Row("sm90 fp8 d128", ("plain", "masked", "local"), (96, 128), None,
         "r128_c192_s2_fwpia", "ping-pong and overlap, O through a TMA store; B_c 192 (V "
         "transposed into panels of 64 keys) leads B_c 128 with 3 stages by 2-9%"),
+    Row("sm90 fp8 softcap d128", ("softcap",), (96, 128), None,
+        "r128_c128_s3_fwpia", "B_c 128: at B_c 192 the softcap kernels spill (184-208 bytes)"),
     Row("sm90 fp8 d256", _ALL_KINDS, (160, 192, 224, 256), None,
         "r128_c64_s2_fwpia", "B_c 64 (O's 128 registers leave no room for 128), 2 stages (3 do "
         "not fit beside O's buffer)"),
+)
+# FP8 varlen calls (cu_seqlens): the fixed-length rows' tiles with flag j, but B_c 128 at d_head
+# 128 (a varlen consumer keeps 216 registers: its producer needs 72 beside the sequence's span).
+FP8_VARLEN_ROWS: tuple[Row, ...] = (
+    Row("sm90 fp8 varlen d128", _ALL_KINDS, (96, 128), None, "r128_c128_s3_fwpiaj",
+        "B_c 192 does not fit the varlen consumer's 216 registers"),
+    Row("sm90 fp8 varlen d256", _ALL_KINDS, (160, 192, 224, 256), None, "r128_c64_s2_fwpiaj",
+        "the fixed-length row's tile"),
 )
 
 
@@ -310,11 +320,10 @@ VARLEN_ROWS: tuple[Row, ...] = (
 
 
 def varlen_table_rows(call: Call) -> list[tuple[int | None, str]]:
-    """(None, kernel name) of the varlen row for the call's kind and d_head (empty: none; FP8
-    has no varlen kernel)."""
-    if call.dtype == FP8:
-        return []
-    return base.table_rows(KIND, VARLEN_ROWS, call, D_HEADS)
+    """(None, kernel name) of the varlen row for the call's kind and d_head (FP8_VARLEN_ROWS
+    for an e4m3 call; empty: none)."""
+    return base.table_rows(KIND, FP8_VARLEN_ROWS if call.dtype == FP8 else VARLEN_ROWS, call,
+                           D_HEADS)
 
 
 def select_varlen(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
@@ -379,7 +388,8 @@ _FIXED: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(
     for _, name in table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap))))
 DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(_FIXED + tuple(
     P(name)
-    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES, base.D_HEADS, _CALL_FEATURES)
+    for dtype, d, (mask, local, softcap) in itertools.product(DTYPES_ALL, base.D_HEADS,
+                                                              _CALL_FEATURES)
     for _, name in varlen_table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap)))))
 
 # The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
