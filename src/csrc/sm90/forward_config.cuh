@@ -89,10 +89,11 @@ struct FwdConfig {
     static constexpr int kProducerRegs = kFp8            ? (kVarlen ? 72 : 56)
                                          : kBusyProducer ? (kConsumerWGs == 3 ? 32 : 40)
                                                          : 24;
-    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? (kFp8 ? (kVarlen ? 216 : 224)
-                                                              : kBusyProducer ? 232
-                                                                              : 240)
-                                                           : 160;
+    // (One consumer warpgroup: 256 threads launch with 248, so it takes as much as two do.)
+    static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160
+                                         : kFp8            ? (kVarlen ? 216 : 224)
+                                         : kBusyProducer   ? 232
+                                                           : 240;
 
     // One warp of the wgmma accumulator layout is the mma.sync m16n8 layout of one m16 tile, so
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
