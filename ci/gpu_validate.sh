@@ -2,7 +2,7 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode short fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted fp8-planted bwd-prog bwd80-table
 #        workflow workflow-planted
@@ -22,6 +22,9 @@
 #             through flash_attn_with_kvcache against SDPA) and ci/serving_loop.py (a page pool
 #             shared by sequences of many lengths, prefill and decode in one varlen call per
 #             step, page sizes SERVING_PAGES), with their GPU tests
+#   short     short sequences (issue 45): the one-wave tiers' tests, studies/short_seq_bench.py
+#             (ViT shapes against SDPA's backends) and ci/vit_client.py (Hugging Face ViT
+#             encoders end to end against SDPA)
 #   distributed  context parallelism on every GPU of the host (2 or more): the multi-GPU tests,
 #             then studies/ring_bench.py (ring and all-gather against torch's context_parallel
 #             over SDPA and one GPU alone; RING_SEQS, RING_HEADS, RING_LONG tokens)
@@ -204,6 +207,13 @@ if step clients; then
         run "serving_p$ps" timeout 240 python3 ci/serving_loop.py --page-size "$ps" \
             --json "$LOG_DIR/serving_p$ps.json"
     done
+fi
+if step short; then
+    run short_tests timeout 300 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
+        -p no:cacheprovider tests/test_vit_client.py tests/test_gpu_kernels.py \
+        -k "vit or r64_c128 or dispatched"
+    run short_bench timeout 300 python3 studies/short_seq_bench.py --out "$LOG_DIR/short.json"
+    run vit_client timeout 300 python3 ci/vit_client.py --json "$LOG_DIR/vit.json"
 fi
 if step distributed; then
     run distributed_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \

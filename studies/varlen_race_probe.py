@@ -44,6 +44,23 @@ def fixed_probe(name: str, runs: int) -> None:
     print(f"{name} (4 x 2048, causal={causal}): {bad_runs} of {runs} runs wrong or different")
 
 
+def explain_rows(out, ref, rows, heads, starts_q, limit: int = 8) -> None:
+    """For the first wrong (row, head)s: the error, whether the row is zero or NaN, and the
+    reference row (any row, any head) it lies closest to: a stale or misplaced tile shows as
+    another row's values."""
+    flat = ref.reshape(-1, ref.shape[-1])  # (tokens * heads, d)
+    for t, h in list(zip(rows.tolist(), heads.tolist()))[:limit]:
+        o = out[t, h].float()
+        near = (flat - o).abs().amax(-1)
+        best = int(near.argmin())
+        bt, bh = divmod(best, ref.shape[1])
+        b = max(i for i in range(len(starts_q) - 1) if starts_q[i] <= t)
+        print(f"    token {t} (seq {b} row {t - starts_q[b]}) head {h}: err "
+              f"{(o - ref[t, h]).abs().max().item():.3g}, zero {bool((o == 0).all())}, nan "
+              f"{bool(o.isnan().any())}; closest ref row token {bt} head {bh} "
+              f"(diff {near[best].item():.3g})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
@@ -57,6 +74,7 @@ def main() -> None:
     for name in filter(None, args.kernels.split(",")):
         dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
         d = 96 if "_d128_" in name else 64
+        causal = name.endswith("m") or name.endswith("mt")
         torch.manual_seed(0)
         q, k, v, cu_q, cu_k = packed(lq, lk, 6, 2, d, dtype)
         starts_q = cu_q.tolist()
@@ -65,7 +83,7 @@ def main() -> None:
             sq, sk = slice(starts_q[b], starts_q[b + 1]), slice(cu_k[b].item(), cu_k[b + 1].item())
             if lq[b] and lk[b]:
                 o, _ = attention_reference(q[None, sq].float(), k[None, sk].float(),
-                                           v[None, sk].float())
+                                           v[None, sk].float(), causal=causal)
                 ref[sq] = o[0]
             else:
                 ref[sq] = 0
@@ -75,7 +93,8 @@ def main() -> None:
             junk = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
             del junk
             out, _ = torch.ops.flash_attention.attention.default(
-                q, k, v, cu_q, cu_k, max(lq), max(lk), None, False, -1, -1, 0.0, True, name)
+                q, k, v, cu_q, cu_k, max(lq), max(lk), None, causal, -1, 0 if causal else -1,
+                0.0, True, name)
             torch.cuda.synchronize()
             err = (out.float() - ref).abs().amax(-1)  # (tokens, heads)
             bad = (err > 0.05) | ~torch.isfinite(err)
@@ -94,7 +113,8 @@ def main() -> None:
                       f"{int(diff0.sum())} differ from run 0, {nan} with NaN; (seq, head, block): "
                       + "; ".join(f"{key} rows {min(v)}-{max(v)} of {lq[key[0]]}"
                                   for key, v in list(seen.items())[:6]))
-        print(f"{name}: {bad_runs} of {args.runs} runs wrong or different")
+                explain_rows(out, ref, rows, heads, starts_q)
+        print(f"{name} (causal={causal}): {bad_runs} of {args.runs} runs wrong or different")
 
 
 if __name__ == "__main__":

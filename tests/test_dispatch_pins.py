@@ -47,8 +47,10 @@ def _line(dtype, d_head, built, mask, local, softcap) -> str:
         cfg = dispatch.select_sm90(dtype, d_head, seq, built, mask, softcap, local)
         sm90.append(cfg.name if cfg else "-")
     varlen = dispatch.select_sm90_varlen(dtype, d_head, built, mask, softcap, local)
+    wave = dispatch.select_sm90_one_wave(dtype, d_head, built, mask, softcap, local)
     return (f"sm80: {_runs(sm80)} | sm90: {_runs(sm90)} | sm90 varlen: "
-            f"{varlen.name if varlen else '-'}")
+            f"{varlen.name if varlen else '-'}"
+            + (f" | sm90 one wave: {', '.join(c.name for c in wave)}" if wave else ""))
 
 
 def choices_text() -> str:

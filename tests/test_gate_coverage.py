@@ -591,3 +591,20 @@ def test_kernel_code_leaves_out_a_helper_the_unit_does_not_hold(tmp_path, monkey
     assert head["bwd_sm90_convert_dq_bf16"] == [words[3], words[2]]  # with the subroutine
     (change,) = sassdiff.changed_kernels(base, head)
     assert change.kernel == "bwd_sm90_convert_dq_bf16" and change.new
+
+
+def test_one_wave_tiers_are_run(rows):
+    """Each one-wave kernel of the Hopper table (d_head 64 and 128, both tiers; dtype aside) is
+    run by a gate case whose tiles fit in one wave on the gate GPU, and a case too large for one
+    wave runs its row's kernel."""
+    run = {coverage.kind(k) for k in _routes(rows).values()}
+    wanted = {coverage.kind(kernel) for d in (64, 128)
+              for _, kernel in fwd_sm90.one_wave_table_rows(Call("bf16", d))}
+    assert len(wanted) == 4
+    assert wanted - run == set()
+    big = Case("bf16", 64, 64, 577, heads=12)
+    assert coverage.route(big, rows, True) == "fwd_sm90_bf16_d64_r128_c128_s2_fwal"
+    small = Case("bf16", 64, 1, 577, heads=12)  # 12 x 10 tiles of 64 rows <= 132 SMs
+    assert coverage.route(small, rows, True) == "fwd_sm90_bf16_d64_r64_c128_s2_fwia"
+    assert coverage.one_wave(small, next(r for r in rows if r.key == coverage.call_key(small)),
+                             sms=119) == "fwd_sm90_bf16_d64_r128_c128_s2_fwpia"

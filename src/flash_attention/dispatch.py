@@ -125,6 +125,14 @@ def select_sm90_varlen(dtype: str, d_head: int, built: Sequence[KernelConfig],
     return fwd_sm90.select_varlen(Call(dtype, d_head, 1, mask, local, softcap), built)
 
 
+def select_sm90_one_wave(dtype: str, d_head: int, built: Sequence[KernelConfig],
+                         mask: bool = False, softcap: bool = False,
+                         local: bool = False) -> tuple[fwd_sm90.Config, ...]:
+    """The built Hopper kernels that run a call of this kind when its tiles fit in one wave
+    (fwd_sm90.ONE_WAVE_ROWS, in tier order; the extension checks the fit per call), or ()."""
+    return fwd_sm90.select_one_wave(Call(dtype, d_head, 1, mask, local, softcap), built)
+
+
 def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
            mask: bool = False, softcap: bool = False) -> fwd_sm80.Config:
     """The sm80-family config to run for this problem among the built ones (a tuned one

@@ -85,19 +85,24 @@ def refresh_dispatch() -> None:
 
 def dispatch_rows(
         built: tuple[KernelConfig, ...]
-) -> list[tuple[str, int, int, bool, bool, bool, str, str, str]]:
+) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str]]:
     """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen
-    kernel): the fallback (an sm80-family kernel) runs where the kernel (a Hopper one) cannot;
-    else both are the same; the varlen kernel (a Hopper one with flag j, "" when none is built)
-    runs the row's varlen calls. ``local`` rows (a window bounded on the left) differ from the
+    kernel, one-wave kernels): the fallback (an sm80-family kernel) runs where the kernel (a
+    Hopper one) cannot; else both are the same; the varlen kernel (a Hopper one with flag j, ""
+    when none is built) runs the row's varlen calls; the one-wave kernels (Hopper ones,
+    comma-separated in tier order, "" for none) run a fixed-length call whose tiles fit in one
+    wave (fwd_sm90.ONE_WAVE_ROWS). ``local`` rows (a window bounded on the left) differ from the
     masked ones only in their Hopper kernels."""
     rows = []
     kinds = [(mask, softcap, local) for mask, softcap in dispatch.FEATURES
              for local in ((False, True) if mask else (False,))]
     for dtype, d_head in dict.fromkeys((c.dtype, c.d_head) for c in built
                                        if c.dtype != fwd_sm90.FP8):
-        # the varlen kernel of a kind, whatever the bucket (a pack holds many lengths)
+        # the varlen and one-wave kernels of a kind, whatever the bucket (a pack holds many
+        # lengths; one wave depends on the whole call's size, checked per call)
         varlen = {k: dispatch.select_sm90_varlen(dtype, d_head, built, *k) for k in kinds}
+        wave = {k: ",".join(c.name for c in dispatch.select_sm90_one_wave(dtype, d_head, built,
+                                                                          *k)) for k in kinds}
         for bucket in dispatch.BUCKETS:
             for mask, softcap, local in kinds:
                 try:
@@ -107,17 +112,18 @@ def dispatch_rows(
                 fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap, local)
                 packed = varlen[mask, softcap, local]
                 rows.append((dtype, d_head, bucket, mask, local, softcap, (fast or cfg).name,
-                             cfg.name, packed.name if packed else ""))
+                             cfg.name, packed.name if packed else "",
+                             wave[mask, softcap, local] if fast else ""))
     # FP8 calls: a Hopper kernel with no fallback (the sm80 family has no FP8 kernels), at every
     # d_head variant one serves (96 runs the 128 kernel), and its kind's varlen kernel.
     fp8 = [c for c in built if c.dtype == fwd_sm90.FP8]
-    for d_head, bucket, (mask, softcap, local) in itertools.product(
-            base.D_HEADS if fp8 else (), dispatch.BUCKETS, kinds):
-        fast = dispatch.select_sm90(fwd_sm90.FP8, d_head, bucket, fp8, mask, softcap, local)
+    for d_head, (mask, softcap, local) in itertools.product(base.D_HEADS if fp8 else (), kinds):
         packed = dispatch.select_sm90_varlen(fwd_sm90.FP8, d_head, fp8, mask, softcap, local)
-        if fast is not None:
-            rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "",
-                         packed.name if packed else ""))
+        for bucket in dispatch.BUCKETS:
+            fast = dispatch.select_sm90(fwd_sm90.FP8, d_head, bucket, fp8, mask, softcap, local)
+            if fast is not None:
+                rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "",
+                             packed.name if packed else "", ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -85,13 +86,29 @@ inline uint64_t choice_key(int dtype, int64_t d_head, int64_t bucket, bool mask,
 // A row's kernel and its fallback: an sm80-family kernel that runs wherever the kernel (a Hopper
 // one) cannot; the same entry when the kernel is an sm80 one; nullptr when the build has none.
 // varlen: the Hopper kernel of the row's varlen calls (the forward's flag j), nullptr when none
-// is built (they run the kernel, or the fallback where it is a Hopper one).
+// is built (they run the kernel, or the fallback where it is a Hopper one). one_wave: Hopper
+// kernels, in tier order, for a fixed-length call whose tiles fit in one wave (one_wave()).
 template <class Entry>
 struct Choice {
+    static constexpr int kOneWaveTiers = 2;
     const Entry* kernel;
     const Entry* fallback;
     const Entry* varlen = nullptr;
+    const Entry* one_wave[kOneWaveTiers] = {};
 };
+
+// The first of a row's one-wave kernels whose tiles (batch x heads x query blocks of its B_r)
+// fit in one wave on `sms` SMs (one CTA per SM), or nullptr: a small call (a ViT encoder at
+// batch 1) runs more, smaller tiles, or one tile per SM without a persistent grid
+// (flash_attention.kernels.fwd_sm90.ONE_WAVE_ROWS).
+template <class Entry>
+const Entry* one_wave(const Choice<Entry>& c, int64_t batch, int64_t heads, int64_t seqlen_q,
+                      int sms) {
+    for (const Entry* e : c.one_wave)
+        if (e != nullptr && batch * heads * ((seqlen_q + e->block_r - 1) / e->block_r) <= sms)
+            return e;
+    return nullptr;
+}
 
 template <class Entry>
 struct DispatchTable {
@@ -105,10 +122,10 @@ DispatchTable<Entry>& dispatch_table() {
     return table;
 }
 
-// (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback name, varlen kernel name;
-// "" for none)
+// (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback name, varlen kernel name,
+// one-wave kernel names (comma-separated, in tier order); "" for none)
 using DispatchRow = std::tuple<std::string, int64_t, int64_t, bool, bool, bool, std::string,
-                               std::string, std::string>;
+                               std::string, std::string, std::string>;
 
 template <class Entry>
 void set_rows(const std::vector<DispatchRow>& rows) {
@@ -122,8 +139,21 @@ void set_rows(const std::vector<DispatchRow>& rows) {
                  ", which is not in this build");
         return it->second;
     };
-    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback, varlen] : rows) {
-        const Choice<Entry> c{entry(name), entry(fallback), entry(varlen)};
+    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback, varlen, waves] :
+         rows) {
+        Choice<Entry> c{entry(name), entry(fallback), entry(varlen)};
+        int tier = 0;
+        for (size_t at = 0; at < waves.size();) {
+            const size_t end = std::min(waves.find(',', at), waves.size());
+            FA_CHECK(tier < Choice<Entry>::kOneWaveTiers, "dispatch table: more than ",
+                     Choice<Entry>::kOneWaveTiers, " one-wave kernels: ", waves);
+            const Entry* e = entry(waves.substr(at, end - at));
+            FA_CHECK(e != nullptr && e->arch == 90 && !e->varlen_only,
+                     "dispatch table: one-wave kernel ", waves.substr(at, end - at),
+                     " is not a fixed-length Hopper kernel");
+            c.one_wave[tier++] = e;
+            at = end + 1;
+        }
         FA_CHECK(c.fallback == nullptr || c.fallback->arch == 80, "dispatch table: fallback ",
                  fallback, " is not an sm80-family kernel");
         FA_CHECK(c.varlen == nullptr || c.varlen->varlen_only, "dispatch table: varlen kernel ",

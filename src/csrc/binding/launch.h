@@ -105,7 +105,8 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
     const at::Tensor& o = *out_addr;
 
     // A Hopper kernel runs only what TMA can address on an sm_90 GPU; else its row's fallback.
-    // Varlen calls run the row's varlen kernel where it has one.
+    // Varlen calls run the row's varlen kernel where it has one; a fixed-length call whose tiles
+    // fit in one wave its row's one-wave kernel.
     const flash::FwdKernelEntry* pick =
         varlen && chosen.varlen != nullptr ? chosen.varlen : chosen.kernel;
     if (pick->arch == 90) {
@@ -113,6 +114,10 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
             FA_CHECK(chosen.fallback != nullptr, "kernel ", pick->name,
                      " (sm_90a) cannot run this call: ", why);
             pick = chosen.fallback;
+        } else if (!varlen) {
+            if (const flash::FwdKernelEntry* small =
+                    one_wave(chosen, B, H, Sq, prop.multiProcessorCount))
+                pick = small;
         }
     }
     const flash::FwdKernelEntry& e = *pick;
@@ -164,10 +169,17 @@ inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::T
     if (c.kernel->arch != 90)
         return c.kernel->name + copies;
     const auto qa = addressable(q), ka = addressable(k), va = addressable(v);
-    const char* why = sm90_unfit(device_properties(q.device().index()), false, {&*qa, &*ka, &*va});
-    return why == nullptr
-               ? c.kernel->name + copies
-               : message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")", copies);
+    const cudaDeviceProp& prop = device_properties(q.device().index());
+    const char* why = sm90_unfit(prop, false, {&*qa, &*ka, &*va});
+    if (why != nullptr)
+        return message(c.fallback->name, " (not ", c.kernel->name, ": ", why, ")", copies);
+    if (const flash::FwdKernelEntry* small =
+            one_wave(c, q.size(0), q.size(2), q.size(1), prop.multiProcessorCount))
+        return message(small->name, " (one wave: ",
+                       q.size(0) * q.size(2) * ((q.size(1) + small->block_r - 1) / small->block_r),
+                       " tiles of ", small->block_r, " rows on ", prop.multiProcessorCount, " SMs)",
+                       copies);
+    return c.kernel->name + copies;
 }
 
 // explain() for a varlen call, q (total_q, H, D), k/v (total_k, Hk, D): the row's varlen kernel

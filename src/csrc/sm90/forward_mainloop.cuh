@@ -183,7 +183,11 @@ struct ForwardConsumer {
 
     // kQRegs, once Q of the tile has landed: this warp's 16 rows, one ldmatrix.x4 per k16 step
     // (lanes 8i .. 8i + 7 address tile i: rows + 8 for odd i, the step's upper 8 columns for
-    // i >= 2) from the swizzled panels; then sQ may take the next tile's Q.
+    // i >= 2) from the swizzled panels. sQ is released once the first S GEMM that reads Qf has
+    // completed (q_regs_consumed()), not here: an mbarrier arrive issued right after the
+    // ldmatrix does not wait for its reads, and the producer's next TMA copy into sQ then
+    // overwrote rows still being read (wrong rows in about 1 of 4 runs of a varlen pack on an
+    // H200; docs/results/2026-11-29-h200-q-release-race.md).
     __device__ __forceinline__ void load_q_regs() {
         const int r = (warp % 4) * 16 + lane % 8 + 8 * ((lane / 8) % 2);  // of the warpgroup
         const uint32_t q0 = smem_u32(sm.q(qu)) + (wg * 64 + r) * 128;
@@ -192,7 +196,6 @@ struct ForwardConsumer {
             const int chunk = 2 * (kk % 4) + lane / 16;  // 16-byte chunk of the 128-byte row
             ldmatrix_x4(Qf[kk], q0 + (kk / 4) * Cfg::kBr * 128 + ((chunk ^ (r & 7)) * 16));
         }
-        release_q();
     }
 
     // O += P V_i: B is V (kv rows x d) MN-major: 8-row groups 1024 bytes apart (SBO), 64-column
@@ -371,6 +374,7 @@ struct ForwardConsumer {
         wgmma_wait<0>();  // S_0 is in registers: this warp is done with sK of stage g0
         fence_regs(S);
         release_kv(sm.k_empty(stage(g0)));
+        q_regs_consumed();
         if (n == 1)
             s_gemms_done();
         if (refills() && Cfg::kStages < n)
@@ -446,6 +450,7 @@ struct ForwardConsumer {
         g0 = g;
         wgmma_wait<1>();  // the next S_0 has landed; P_{n-1} V_{n-1} may still run
         fence_regs(S);
+        q_regs_consumed();  // the next tile's Q
         softmax_block<true>(0, corr);
         // Released after the softmax (an address that depends on it; see step()).
         const int after = __float2int_rz((softmax.l[0] + softmax.l[1]) * 0.f);
@@ -467,8 +472,14 @@ struct ForwardConsumer {
         if constexpr (Cfg::kPersistent)
             release(sm.q_empty(qu));
     }
-    // This warp's last S GEMM of the tile is done: sQ is released here unless load_q_regs()
-    // released it already.
+    // kQRegs: the first S GEMM of the tile has completed, so Qf holds what ldmatrix read and
+    // sQ may take the next Q.
+    __device__ __forceinline__ void q_regs_consumed() const {
+        if constexpr (Cfg::kQRegs)
+            release_q();
+    }
+    // This warp's last S GEMM of the tile is done: sQ is released here unless
+    // q_regs_consumed() released it already.
     __device__ __forceinline__ void s_gemms_done() const {
         if constexpr (!Cfg::kQRegs)
             release_q();

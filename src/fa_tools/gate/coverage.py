@@ -37,6 +37,7 @@ from ..gpu.perfcases import Case
 CASE_SEQLEN_CAP = 4096
 CASE_TOKENS = 65536  # batch x seqlen of a case made for a row
 CASE_SOFTCAP = 30.0
+GATE_SMS = 132  # SMs of the gate's GPU (an H100 or H200 SXM): the one-wave rule's wave
 # A backward case made for a kernel: 4 sequences of 4096, as the gate's own backward cases (a
 # varlen one: 4 sequences of varlen_lengths, the longest 4096).
 BWD_CASE_SEQLEN = 4096
@@ -54,6 +55,7 @@ class Row:
     kernel: str
     fallback: str
     varlen: str  # the Hopper kernel of the row's varlen calls, "" when none is built
+    one_wave: str = ""  # Hopper kernels for calls whose tiles fit in one wave, comma-separated
 
     @property
     def key(self) -> tuple[str, int, int, bool, bool, bool]:
@@ -94,7 +96,22 @@ def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
         return None
     if not sm90:
         return row.fallback or None  # an FP8 row has none: no kernel off sm_90
-    return ((row.varlen or row.fallback) if case.varlen else row.kernel) or None
+    if case.varlen:
+        return row.varlen or row.fallback or None
+    return one_wave(case, row) or row.kernel or None
+
+
+def one_wave(case: Case, row: Row, sms: int = GATE_SMS) -> str | None:
+    """The row's one-wave kernel a fixed-length case runs on sm_90 (the first tier whose tiles,
+    batch x heads x query blocks of its B_r, fit on `sms` SMs, as dispatch.h's one_wave()), or
+    None."""
+    from flash_attention.kernels import parse
+
+    for name in filter(None, row.one_wave.split(",")):
+        block_r = parse(name).block_r
+        if case.batch * case.heads * -(-case.seqlen // block_r) <= sms:
+            return name
+    return None
 
 
 def kind(kernel: str) -> str:

@@ -139,13 +139,13 @@ class Sm90FwdConfig(KernelConfig):
 
     @property
     def consumer_regs(self) -> int:
-        """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with two
-        consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40; 16
+        """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with one or
+        two consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40; 16
         fewer with FP8, whose producer transposes V with 56 (24 fewer with FP8 varlen: 72)."""
         if self.fp8:
             return 216 if self.varlen else 224
         busy_producer = self.dynamic or self.cluster
-        return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs == 2
+        return CONSUMER_REGS[self.consumer_wgs] - (8 if busy_producer and self.consumer_wgs < 3
                                                    else 0)
 
     @property
@@ -233,6 +233,12 @@ parse = Sm90FwdConfig.parse
 # runs the masked row's kernel when its own is not built); "softcap" (with or without masks).
 # Varlen calls have their own rows (VARLEN_ROWS, below).
 ROWS: tuple[Row, ...] = (
+    Row("sm90 plain d64 q<=256", ("plain",), (64,), 256, "r128_c128_s2_fwal",
+        "B_r 128: a 197-token sequence pads to 256 rows (384 with B_r 192)"),
+    Row("sm90 plain d64 q<=512", ("plain",), (64,), 512, "r192_c96_s3_fwaln",
+        "257 tokens pad to 384 rows with either B_r; B_c 96 pads the keys to 288, not 384"),
+    Row("sm90 plain d64 q<=1024", ("plain",), (64,), 1024, "r128_c128_s2_fwal",
+        "B_r 128 pads 577-1024 rows less than B_r 192 does (1024: none against 1152)"),
     Row("sm90 plain d64 q<=4096", ("plain",), (64,), 4096, "r192_c96_s3_fwaln",
         "3 consumer warpgroups, persistent; the tile hand-over (n) saves cycles in every row"),
     Row("sm90 plain d64 q>4096", ("plain",), (64,), None, "r192_c96_s3_fwalngz",
@@ -270,6 +276,38 @@ ROWS: tuple[Row, ...] = (
 )
 
 
+# Small calls (ViT encoders at batch 1, a short prefill): when a call's tiles (batch x heads x
+# query blocks) fit in one wave on the GPU's SMs, the rows below run it before the length
+# rows, the first tier whose tiles fit: the B_r 64 tile (twice the CTAs of B_r 128, so that
+# SMs a B_r 128 grid leaves idle take work), then the non-persistent B_r 128 ping-pong tile (a
+# persistent grid or CTA pairs buy nothing in one wave). The extension applies the rule per
+# call from its batch, heads, seqlen_q and the device's SM count (dispatch.h: one_wave). Plain
+# 16-bit calls at d_head 64 and 128 (80, 96); each row is a tier, in order, not a length.
+ONE_WAVE_ROWS: tuple[Row, ...] = (
+    Row("sm90 one wave d64 B_r 64", ("plain",), (64,), None, "r64_c128_s2_fwia",
+        "tier 1: B_r 64 tiles in one wave"),
+    Row("sm90 one wave d64 B_r 128", ("plain",), (64,), None, "r128_c128_s2_fwpia",
+        "tier 2: B_r 128 tiles in one wave, non-persistent ping-pong"),
+    Row("sm90 one wave d128 B_r 64", ("plain",), (96, 128), None, "r64_c128_s2_fwia",
+        "tier 1: B_r 64 tiles in one wave"),
+    Row("sm90 one wave d128 B_r 128", ("plain",), (96, 128), None, "r128_c128_s2_fwpia",
+        "tier 2: B_r 128 tiles in one wave, non-persistent ping-pong"),
+)
+
+
+def one_wave_table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(None, kernel name) of the one-wave tiers for the call's kind and d_head, in tier order
+    (none for FP8 calls)."""
+    return [] if call.dtype == FP8 else base.table_rows(KIND, ONE_WAVE_ROWS, call, D_HEADS)
+
+
+def select_one_wave(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+                    ) -> tuple[Sm90FwdConfig, ...]:
+    """The built one-wave tiers of a call's row, in tier order (empty: the rule is off)."""
+    names = {c.name for c in built}
+    return tuple(P(name) for _, name in one_wave_table_rows(call) if name in names)
+
+
 # FP8 (e4m3) calls: d_head 96-256 (no d_head 64 kernel yet); every kind of call runs the
 # ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No fallback: the
 # sm80 family has no FP8 kernels.
@@ -299,9 +337,9 @@ FP8_VARLEN_ROWS: tuple[Row, ...] = (
 # many lengths. Each kernel ran FlashAttention's rule over packs of 9-40 sequences on an H200
 # (docs/dispatch.md has the measurements): the longest fixed-length row's tile on the dynamic
 # schedule where it passed; at d_head 128 the non-persistent ping-pong tile (the persistent
-# dynamic one with overlap, fwialdgz plus j, gave wrong rows now and then: with masks on a pack
-# of 40 sequences in 3 of 3 runs, without in 2 of 100 runs of that pack, never in 80 runs of
-# its fixed-length twins; not diagnosed, kept out of the table: studies/varlen_race_probe.py).
+# dynamic one, fwialdgz plus j, gave wrong rows now and then until sQ's early release was fixed
+# on 2026-11-29, docs/results/2026-11-29-h200-q-release-race.md; since then it measured 1.05x
+# the time of fwpiazj on a plain pack and 0.96x on a causal one, within the rounds' spread).
 _MASKED = ("masked", "local", "softcap")
 VARLEN_ROWS: tuple[Row, ...] = (
     Row("sm90 varlen plain d64", ("plain",), (64,), None, "r192_c96_s3_fwaldngzj",
@@ -309,9 +347,9 @@ VARLEN_ROWS: tuple[Row, ...] = (
     Row("sm90 varlen masked d64", _MASKED, (64,), None, "r192_c96_s3_fwaldj",
         "the masked rows' tile"),
     Row("sm90 varlen plain d128", ("plain",), (96, 128), None, "r128_c128_s2_fwpiazj",
-        "non-persistent ping-pong: the persistent dynamic tile gave wrong rows now and then"),
+        "non-persistent ping-pong: the persistent dynamic tile is no faster on packs"),
     Row("sm90 varlen masked d128", _MASKED, (96, 128), None, "r128_c128_s2_fwpiazj",
-        "non-persistent ping-pong: the persistent masked tile failed a 40-sequence pack"),
+        "non-persistent ping-pong: the persistent masked tile within the spread of it"),
     Row("sm90 varlen plain d256", ("plain", "softcap"), (160, 192, 224, 256), None,
         "r128_c64_s2_fwpiazj", "the plain row's tile"),
     Row("sm90 varlen masked d256", ("masked", "local"), (160, 192, 224, 256), None,
@@ -390,7 +428,8 @@ DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(_FIXED + tuple(
     P(name)
     for dtype, d, (mask, local, softcap) in itertools.product(DTYPES_ALL, base.D_HEADS,
                                                               _CALL_FEATURES)
-    for _, name in varlen_table_rows(Call(dtype, d, mask=mask, local=local, softcap=softcap)))))
+    for rows in (varlen_table_rows, one_wave_table_rows)
+    for _, name in rows(Call(dtype, d, mask=mask, local=local, softcap=softcap)))))
 
 # The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
 # B_c 128: each step adds one technique flag.
