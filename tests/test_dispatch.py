@@ -222,3 +222,24 @@ def test_rows_name_kernels_without_the_features(no_tuning):
                                                                       mask, softcap, local)
         assert fwd_sm80.select(call, DEFAULT) == dispatch.select(dtype, d, seq, DEFAULT, mask,
                                                                  softcap)
+
+
+def test_one_wave_column_of_the_dispatch_rows():
+    """Plain 16-bit rows at d_head 64 and 96/128 carry the one-wave tiers (B_r 64, then the
+    B_r 128 ping-pong tile), in every bucket; masked, softcap and d_head 256 rows none; a build
+    without the tiers none."""
+    from flash_attention import ops
+    from flash_attention.kernels import fwd_sm90
+
+    rows = ops.dispatch_rows(tuple(fwd_sm90.DEFAULT))
+    for dtype, d, bucket, mask, _, softcap, _, _, _, one_wave in rows:
+        if dtype == "e4m3" or mask or softcap or d > 128 or d < 64:
+            assert one_wave == "", (dtype, d, bucket, mask, softcap)
+        else:
+            dk = 64 if d == 64 else 128
+            assert one_wave == (f"fwd_sm90_{dtype}_d{dk}_r64_c128_s2_fwia,"
+                                f"fwd_sm90_{dtype}_d{dk}_r128_c128_s2_fwpia"), (dtype, d, bucket)
+    without = tuple(c for c in fwd_sm90.DEFAULT if c.block_r != 64)
+    assert {r[9] for r in ops.dispatch_rows(without) if r[0] != "e4m3"} <= {
+        "", *(f"fwd_sm90_{dt}_d{dk}_r128_c128_s2_fwpia" for dt in ("fp16", "bf16")
+              for dk in (64, 128))}
