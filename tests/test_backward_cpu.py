@@ -579,8 +579,8 @@ def test_backward_dispatch_rows_cover_every_variant():
 
     rows = backward.dispatch_rows(resolve("bwd:default"))
     assert len(rows) == 2 * 2 * len(D_HEADS)
-    for dtype, d, bucket, mask, local, softcap, kernel, fallback, varlen, one_wave in rows:
-        assert (bucket, mask, local, one_wave) == (64, False, False, "")
+    for dtype, d, bucket, mask, local, softcap, kernel, fallback, varlen, *tiers in rows:
+        assert (bucket, mask, local, tiers) == (64, False, False, ["", ""])
         call = Call(dtype, d, softcap=softcap)
         # varlen calls: the Hopper kernel of the row's tile with flag j
         assert varlen == dataclasses.replace(parse(kernel), varlen=True).name

@@ -177,6 +177,7 @@ def test_sets_sizes_and_content():
     assert {c.name for c in fwd_sm90.DEFAULT} == (
         _row_names(fwd_sm90) | _row_names(fwd_sm90, rows=fwd_sm90.VARLEN_ROWS)
         | _row_names(fwd_sm90, rows=fwd_sm90.ONE_WAVE_ROWS)
+        | _row_names(fwd_sm90, rows=fwd_sm90.KEY_PAD_ROWS)
         | _row_names(fwd_sm90, dtypes=("e4m3",), rows=fwd_sm90.FP8_ROWS)
         | _row_names(fwd_sm90, dtypes=("e4m3",), rows=fwd_sm90.FP8_VARLEN_ROWS))
     for configs in (DEFAULT, fwd_sm90.DEFAULT):

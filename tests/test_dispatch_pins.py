@@ -48,9 +48,14 @@ def _line(dtype, d_head, built, mask, local, softcap) -> str:
         sm90.append(cfg.name if cfg else "-")
     varlen = dispatch.select_sm90_varlen(dtype, d_head, built, mask, softcap, local)
     wave = dispatch.select_sm90_one_wave(dtype, d_head, built, mask, softcap, local)
+    pads = []
+    for seq in SEQLENS:
+        cfg = dispatch.select_sm90_key_pad(dtype, d_head, seq, built, mask, softcap, local)
+        pads.append(cfg.name if cfg else "-")
     return (f"sm80: {_runs(sm80)} | sm90: {_runs(sm90)} | sm90 varlen: "
             f"{varlen.name if varlen else '-'}"
-            + (f" | sm90 one wave: {', '.join(c.name for c in wave)}" if wave else ""))
+            + (f" | sm90 one wave: {', '.join(c.name for c in wave)}" if wave else "")
+            + (f" | sm90 fewer padded keys: {_runs(pads)}" if set(pads) != {"-"} else ""))
 
 
 def choices_text() -> str:

@@ -106,21 +106,24 @@ def test_set_dispatch_checks_its_rows(ext):
     fwd = fa.available_configs()
     row = ("bf16", 128, 64, False, False, False)
     with pytest.raises(RuntimeError, match="not in this build"):
-        ext.set_dispatch("bwd", [(*row, fwd[0].name, fwd[0].name, "", "")])
+        ext.set_dispatch("bwd", [(*row, fwd[0].name, fwd[0].name, "", "", "")])
     hopper = [c for c in backward.built() if c.family == "sm90"]
     if hopper:
         with pytest.raises(RuntimeError, match="not an sm80-family kernel"):
-            ext.set_dispatch("bwd", [(*row, hopper[0].name, hopper[0].name, "", "")])
+            ext.set_dispatch("bwd", [(*row, hopper[0].name, hopper[0].name, "", "", "")])
     with pytest.raises(RuntimeError, match="not in this build"):  # a forward kernel as decode's
-        ext.set_dispatch("dec", [(*row, fwd[0].name, fwd[0].name, "", "")])
+        ext.set_dispatch("dec", [(*row, fwd[0].name, fwd[0].name, "", "", "")])
     fixed_hopper = [c for c in fwd if c.family == "sm90" and not c.varlen]
     if fixed_hopper:  # a varlen column naming a kernel that also takes fixed-length calls
         with pytest.raises(RuntimeError, match="does not take varlen calls alone"):
-            ext.set_dispatch("fwd", [(*row, fwd[0].name, fwd[0].name, fixed_hopper[0].name, "")])
+            ext.set_dispatch("fwd", [(*row, fwd[0].name, fwd[0].name, fixed_hopper[0].name, "",
+                                      "")])
     sm80 = [c for c in fwd if c.family == "sm80"]
-    if sm80:  # a one-wave tier naming an sm80-family kernel
+    if sm80:  # a one-wave tier, then a fewer-padded-keys kernel, naming an sm80-family kernel
         with pytest.raises(RuntimeError, match="not a fixed-length Hopper kernel"):
-            ext.set_dispatch("fwd", [(*row, fwd[0].name, sm80[0].name, "", sm80[0].name)])
+            ext.set_dispatch("fwd", [(*row, fwd[0].name, sm80[0].name, "", sm80[0].name, "")])
+        with pytest.raises(RuntimeError, match="not a fixed-length Hopper kernel"):
+            ext.set_dispatch("fwd", [(*row, fwd[0].name, sm80[0].name, "", "", sm80[0].name)])
     with pytest.raises(ValueError, match="direction must be fwd, bwd or dec"):
         ext.set_dispatch("sideways", [])
     ops.refresh_dispatch()

@@ -53,8 +53,8 @@ def test_e4m3_dispatch_rows():
     fp8_rows = [r for r in rows if r[0] == "e4m3"]
     # d_head variants served by the d_head 128 and 256 kernels (none at 32 and 64)
     assert {r[1] for r in fp8_rows} == {96, 128, 160, 192, 224, 256}
-    for _, _, _, mask, _, softcap, kernel, fallback, varlen, one_wave in fp8_rows:
-        assert one_wave == ""  # the one-wave tiers are 16-bit kernels
+    for _, _, _, mask, _, softcap, kernel, fallback, varlen, *tiers in fp8_rows:
+        assert tiers == ["", ""]  # the one-wave and fewer-padded-keys kernels are 16-bit ones
         cfg = parse(kernel)
         assert cfg.fp8 and cfg.mask == mask and cfg.softcap == softcap
         assert fallback == ""  # no sm80 fallback

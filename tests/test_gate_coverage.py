@@ -608,3 +608,13 @@ def test_one_wave_tiers_are_run(rows):
     assert coverage.route(small, rows, True) == "fwd_sm90_bf16_d64_r64_c128_s2_fwia"
     assert coverage.one_wave(small, next(r for r in rows if r.key == coverage.call_key(small)),
                              sms=119) == "fwd_sm90_bf16_d64_r128_c128_s2_fwpia"
+
+
+def test_fewer_padded_keys_is_run(rows):
+    """The fewer-padded-keys kernel (B_c 96 at d_head 128) runs a gate case (257 keys, too many
+    tiles for one wave); 512 keys stay on the row's B_c 128 kernel."""
+    case = Case("bf16", 128, 8, 257)
+    assert case in GATE_CASES
+    assert coverage.route(case, rows, True) == "fwd_sm90_bf16_d128_r128_c96_s2_fwal"
+    assert coverage.route(Case("bf16", 128, 8, 512), rows, True) == \
+        "fwd_sm90_bf16_d128_r128_c128_s2_fwal"

@@ -81,10 +81,10 @@ def built() -> tuple[KernelConfig, ...]:
 
 
 def dispatch_rows(built: tuple[KernelConfig, ...]
-                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str]]:
+                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str, str]]:
     """The backward's dispatch table as the extension takes it (the forward's row shape: dtype,
     d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen kernel, one-wave
-    kernels: none in the backward): per dtype,
+    and fewer-padded-keys kernels: none in the backward): per dtype,
     d_head variant and softcap, bucket 64 and no mask (masks are run-time arguments of every
     backward kernel), the kernel bwd_sm90.select picks where a Hopper kernel is built, else
     bwd_sm80's, bwd_sm80's as the fallback, and bwd_sm90.select_varlen's kernel for varlen calls
@@ -100,7 +100,7 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                 if kernel is not None:
                     rows.append((dtype, d_head, 64, False, False, softcap, kernel.name,
                                  fallback.name if fallback is not None else "",
-                                 varlen.name if varlen is not None else "", ""))
+                                 varlen.name if varlen is not None else "", "", ""))
     return rows
 
 

@@ -133,6 +133,15 @@ def select_sm90_one_wave(dtype: str, d_head: int, built: Sequence[KernelConfig],
     return fwd_sm90.select_one_wave(Call(dtype, d_head, 1, mask, local, softcap), built)
 
 
+def select_sm90_key_pad(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
+                        mask: bool = False, softcap: bool = False,
+                        local: bool = False) -> fwd_sm90.Config | None:
+    """The built Hopper kernel that runs a call of this kind and length when it pads the keys at
+    least 1/8 less than the row's kernel (fwd_sm90.KEY_PAD_ROWS; the extension checks seqlen_k
+    per call), or None."""
+    return fwd_sm90.select_key_pad(Call(dtype, d_head, seqlen_q, mask, local, softcap), built)
+
+
 def select(dtype: str, d_head: int, seqlen_q: int, built: Sequence[KernelConfig],
            mask: bool = False, softcap: bool = False) -> fwd_sm80.Config:
     """The sm80-family config to run for this problem among the built ones (a tuned one

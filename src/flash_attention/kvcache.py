@@ -57,11 +57,12 @@ FP8_CACHES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def dispatch_rows(built: tuple[KernelConfig, ...]
-                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str]]:
+                  ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str, str]]:
     """The decode table as the extension takes it (the forward's row shape): per dtype (q's,
     or ``<q>_<cache>`` over an FP8 cache, e.g. ``bf16_e4m3``) and d_head variant (multiples of
     32), bucket 64, no mask and no softcap (both run-time arguments of every decode kernel),
-    dec_sm80.select's kernel, which is also its fallback (no varlen or one-wave kernel: "").
+    dec_sm80.select's kernel, which is also its fallback (no varlen, one-wave or
+    fewer-padded-keys kernel: "").
     An FP8 row's
     variant serves the multiples of 16 up to it."""
     rows = []
@@ -72,7 +73,7 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                 if cfg is not None:
                     key = f"{dtype}_{cache}" if cache else dtype
                     rows.append((key, d_head, 64, False, False, False, cfg.name, cfg.name, "",
-                                 ""))
+                                 "", ""))
     return rows
 
 

@@ -85,14 +85,16 @@ def refresh_dispatch() -> None:
 
 def dispatch_rows(
         built: tuple[KernelConfig, ...]
-) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str]]:
+) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str, str]]:
     """Rows (dtype, d_head variant, bucket, mask, local, softcap, kernel, fallback, varlen
-    kernel, one-wave kernels): the fallback (an sm80-family kernel) runs where the kernel (a
-    Hopper one) cannot; else both are the same; the varlen kernel (a Hopper one with flag j, ""
-    when none is built) runs the row's varlen calls; the one-wave kernels (Hopper ones,
-    comma-separated in tier order, "" for none) run a fixed-length call whose tiles fit in one
-    wave (fwd_sm90.ONE_WAVE_ROWS). ``local`` rows (a window bounded on the left) differ from the
-    masked ones only in their Hopper kernels."""
+    kernel, one-wave kernels, fewer-padded-keys kernel): the fallback (an sm80-family kernel)
+    runs where the kernel (a Hopper one) cannot; else both are the same; the varlen kernel (a
+    Hopper one with flag j, "" when none is built) runs the row's varlen calls; the one-wave
+    kernels (Hopper ones, comma-separated in tier order, "" for none) run a fixed-length call
+    whose tiles fit in one wave (fwd_sm90.ONE_WAVE_ROWS); else the fewer-padded-keys kernel
+    ("" for none) one whose keys it pads at least 1/8 less (fwd_sm90.KEY_PAD_ROWS). ``local``
+    rows (a window bounded on the left) differ from the masked ones only in their Hopper
+    kernels."""
     rows = []
     kinds = [(mask, softcap, local) for mask, softcap in dispatch.FEATURES
              for local in ((False, True) if mask else (False,))]
@@ -111,9 +113,11 @@ def dispatch_rows(
                     continue
                 fast = dispatch.select_sm90(dtype, d_head, bucket, built, mask, softcap, local)
                 packed = varlen[mask, softcap, local]
+                pad = dispatch.select_sm90_key_pad(dtype, d_head, bucket, built, mask, softcap,
+                                                   local) if fast else None
                 rows.append((dtype, d_head, bucket, mask, local, softcap, (fast or cfg).name,
                              cfg.name, packed.name if packed else "",
-                             wave[mask, softcap, local] if fast else ""))
+                             wave[mask, softcap, local] if fast else "", pad.name if pad else ""))
     # FP8 calls: a Hopper kernel with no fallback (the sm80 family has no FP8 kernels), at every
     # d_head variant one serves (96 runs the 128 kernel), and its kind's varlen kernel.
     fp8 = [c for c in built if c.dtype == fwd_sm90.FP8]
@@ -123,7 +127,7 @@ def dispatch_rows(
             fast = dispatch.select_sm90(fwd_sm90.FP8, d_head, bucket, fp8, mask, softcap, local)
             if fast is not None:
                 rows.append((fwd_sm90.FP8, d_head, bucket, mask, local, softcap, fast.name, "",
-                             packed.name if packed else "", ""))
+                             packed.name if packed else "", "", ""))
     log.debug("dispatch table: %d rows for %d kernels", len(rows), len(built))
     return rows
 

@@ -87,7 +87,8 @@ inline uint64_t choice_key(int dtype, int64_t d_head, int64_t bucket, bool mask,
 // one) cannot; the same entry when the kernel is an sm80 one; nullptr when the build has none.
 // varlen: the Hopper kernel of the row's varlen calls (the forward's flag j), nullptr when none
 // is built (they run the kernel, or the fallback where it is a Hopper one). one_wave: Hopper
-// kernels, in tier order, for a fixed-length call whose tiles fit in one wave (one_wave()).
+// kernels, in tier order, for a fixed-length call whose tiles fit in one wave (one_wave());
+// key_pad: a Hopper kernel for one whose keys it pads less (fewer_padded_keys()).
 template <class Entry>
 struct Choice {
     static constexpr int kOneWaveTiers = 2;
@@ -95,6 +96,7 @@ struct Choice {
     const Entry* fallback;
     const Entry* varlen = nullptr;
     const Entry* one_wave[kOneWaveTiers] = {};
+    const Entry* key_pad = nullptr;
 };
 
 // The first of a row's one-wave kernels whose tiles (batch x heads x query blocks of its B_r)
@@ -110,6 +112,19 @@ const Entry* one_wave(const Choice<Entry>& c, int64_t batch, int64_t heads, int6
     return nullptr;
 }
 
+// The row's fewer-padded-keys kernel where its B_c pads the call's seqlen_k keys at least 1/8
+// less than `pick`'s B_c does (257 keys: B_c 96 pads to 288, B_c 128 to 384), or nullptr
+// (flash_attention.kernels.fwd_sm90.KEY_PAD_ROWS).
+template <class Entry>
+const Entry* fewer_padded_keys(const Choice<Entry>& c, const Entry& pick, int64_t seqlen_k) {
+    const auto padded = [seqlen_k](const Entry& e) {
+        return (seqlen_k + e.block_c - 1) / e.block_c * e.block_c;
+    };
+    if (c.key_pad == nullptr || 8 * padded(*c.key_pad) > 7 * padded(pick))
+        return nullptr;
+    return c.key_pad;
+}
+
 template <class Entry>
 struct DispatchTable {
     std::mutex mutex;
@@ -123,9 +138,10 @@ DispatchTable<Entry>& dispatch_table() {
 }
 
 // (dtype, d_head, bucket, mask, local, softcap, kernel name, fallback name, varlen kernel name,
-// one-wave kernel names (comma-separated, in tier order); "" for none)
+// one-wave kernel names (comma-separated, in tier order), fewer-padded-keys kernel name; "" for
+// none)
 using DispatchRow = std::tuple<std::string, int64_t, int64_t, bool, bool, bool, std::string,
-                               std::string, std::string, std::string>;
+                               std::string, std::string, std::string, std::string>;
 
 template <class Entry>
 void set_rows(const std::vector<DispatchRow>& rows) {
@@ -139,9 +155,13 @@ void set_rows(const std::vector<DispatchRow>& rows) {
                  ", which is not in this build");
         return it->second;
     };
-    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback, varlen, waves] :
-         rows) {
+    for (const auto& [dtype, d_head, bucket, mask, local, softcap, name, fallback, varlen, waves,
+                      key_pad] : rows) {
         Choice<Entry> c{entry(name), entry(fallback), entry(varlen)};
+        c.key_pad = entry(key_pad);
+        FA_CHECK(c.key_pad == nullptr || (c.key_pad->arch == 90 && !c.key_pad->varlen_only),
+                 "dispatch table: fewer-padded-keys kernel ", key_pad,
+                 " is not a fixed-length Hopper kernel");
         int tier = 0;
         for (size_t at = 0; at < waves.size();) {
             const size_t end = std::min(waves.find(',', at), waves.size());

@@ -118,6 +118,8 @@ inline void run_forward(const at::Tensor& q_in, const at::Tensor& k_in, const at
             if (const flash::FwdKernelEntry* small =
                     one_wave(chosen, B, H, Sq, prop.multiProcessorCount))
                 pick = small;
+            else if (const flash::FwdKernelEntry* keys = fewer_padded_keys(chosen, *pick, Sk))
+                pick = keys;
         }
     }
     const flash::FwdKernelEntry& e = *pick;
@@ -179,6 +181,9 @@ inline std::string explain(const at::Tensor& q, const at::Tensor& k, const at::T
                        q.size(0) * q.size(2) * ((q.size(1) + small->block_r - 1) / small->block_r),
                        " tiles of ", small->block_r, " rows on ", prop.multiProcessorCount, " SMs)",
                        copies);
+    if (const flash::FwdKernelEntry* keys = fewer_padded_keys(c, *c.kernel, k.size(1)))
+        return message(keys->name, " (fewer padded keys: ", k.size(1), " keys in blocks of ",
+                       keys->block_c, ", not ", c.kernel->block_c, ")", copies);
     return c.kernel->name + copies;
 }
 

@@ -56,6 +56,7 @@ class Row:
     fallback: str
     varlen: str  # the Hopper kernel of the row's varlen calls, "" when none is built
     one_wave: str = ""  # Hopper kernels for calls whose tiles fit in one wave, comma-separated
+    key_pad: str = ""  # a Hopper kernel for calls whose keys it pads at least 1/8 less
 
     @property
     def key(self) -> tuple[str, int, int, bool, bool, bool]:
@@ -98,7 +99,22 @@ def route(case: Case, rows: Sequence[Row], sm90: bool) -> str | None:
         return row.fallback or None  # an FP8 row has none: no kernel off sm_90
     if case.varlen:
         return row.varlen or row.fallback or None
-    return one_wave(case, row) or row.kernel or None
+    return one_wave(case, row) or fewer_padded_keys(case, row) or row.kernel or None
+
+
+def fewer_padded_keys(case: Case, row: Row) -> str | None:
+    """The row's fewer-padded-keys kernel where its B_c pads the case's keys at least 1/8 less
+    than the row's kernel does (dispatch.h's fewer_padded_keys()), or None."""
+    from flash_attention.kernels import parse
+
+    if not row.key_pad or not row.kernel:
+        return None
+    keys = case.seqlen_k or case.seqlen
+
+    def padded(name: str) -> int:
+        block_c = parse(name).block_c
+        return -(-keys // block_c) * block_c
+    return row.key_pad if 8 * padded(row.key_pad) <= 7 * padded(row.kernel) else None
 
 
 def one_wave(case: Case, row: Row, sms: int = GATE_SMS) -> str | None:

@@ -308,6 +308,33 @@ def select_one_wave(call: Call, built: tuple[KernelConfig, ...] | list[KernelCon
     return tuple(P(name) for _, name in one_wave_table_rows(call) if name in names)
 
 
+# Fewer padded keys: a plain call of up to max_seq query rows (the row's bucket) whose keys this
+# tile's B_c pads at least 1/8 less than the length row's kernel does runs it instead (257 keys:
+# B_c 96 pads to 288, B_c 128 to 384); applied per call from seqlen_k in the extension
+# (dispatch.h: fewer_padded_keys). A call that fits in one wave runs its tier first.
+KEY_PAD_ROWS: tuple[Row, ...] = (
+    Row("sm90 key padding d128", ("plain",), (96, 128), 512, "r128_c96_s2_fwal",
+        "B_c 96 where it pads the keys at least 1/8 less than B_c 128"),
+)
+
+
+def key_pad_table_rows(call: Call) -> list[tuple[int | None, str]]:
+    """(largest seqlen_q it serves, kernel name) of the fewer-padded-keys row for the call's
+    kind and d_head (none for FP8 calls)."""
+    return [] if call.dtype == FP8 else base.table_rows(KIND, KEY_PAD_ROWS, call, D_HEADS)
+
+
+def select_key_pad(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
+                   ) -> Sm90FwdConfig | None:
+    """The built fewer-padded-keys kernel for calls of this kind and seqlen_q (its row's
+    bucket and below), or None."""
+    names = {c.name for c in built}
+    for max_seq, name in key_pad_table_rows(call):
+        if name in names and (max_seq is None or call.seqlen_q <= max_seq):
+            return P(name)
+    return None
+
+
 # FP8 (e4m3) calls: d_head 96-256 (no d_head 64 kernel yet); every kind of call runs the
 # ping-pong tile (the producer warpgroup transposes V for the FP8 P V GEMM). No fallback: the
 # sm80 family has no FP8 kernels.
@@ -428,7 +455,7 @@ DEFAULT: tuple[Sm90FwdConfig, ...] = tuple(dict.fromkeys(_FIXED + tuple(
     P(name)
     for dtype, d, (mask, local, softcap) in itertools.product(DTYPES_ALL, base.D_HEADS,
                                                               _CALL_FEATURES)
-    for rows in (varlen_table_rows, one_wave_table_rows)
+    for rows in (varlen_table_rows, one_wave_table_rows, key_pad_table_rows)
     for _, name in rows(Call(dtype, d, mask=mask, local=local, softcap=softcap)))))
 
 # The Hopper progression (FA3's milestones), bf16 d_head 128, B_r 128 (2 consumer warpgroups),
