@@ -613,7 +613,7 @@ def test_one_wave_tiers_are_run(rows):
 def test_fewer_padded_keys_is_run(rows):
     """The fewer-padded-keys kernel (B_c 96 at d_head 128) runs a gate case (257 keys, too many
     tiles for one wave); 512 keys stay on the row's B_c 128 kernel."""
-    case = Case("bf16", 128, 8, 257)
+    case = Case("bf16", 128, 64, 257)
     assert case in GATE_CASES
     assert coverage.route(case, rows, True) == "fwd_sm90_bf16_d128_r128_c96_s2_fwal"
     assert coverage.route(Case("bf16", 128, 8, 512), rows, True) == \

@@ -196,13 +196,15 @@ FWD_GATE_CASES = tuple([
     Case("bf16", 128, 16, 4096, causal=True, varlen=True),
     Case("bf16", 128, 16, 4096, varlen=True),
     Case("fp16", 64, 16, 4096, varlen=True, softcap=30.0),
-    # short sequences (ViT encoders, 12 heads at d_head 64): the d_head 64 B_r 128 row (577
-    # tokens at batch 64), the fewer-padded-keys tile (257 keys: B_c 96), and calls whose
-    # tiles fit in one wave on the gate GPU's 132 SMs (the one-wave tiers: B_r 64 at 257 / 577
-    # tokens, the B_r 128 ping-pong tile at 1024)
-    Case("bf16", 64, 64, 577, heads=12), Case("bf16", 128, 8, 257),
-    Case("bf16", 64, 1, 577, heads=12), Case("bf16", 64, 1, 1024, heads=12),
-    Case("bf16", 128, 1, 257), Case("fp16", 128, 1, 1024),
+    # short sequences: the d_head 64 B_r 128 row (577 tokens, 12 heads at batch 64, a ViT's)
+    # and the fewer-padded-keys tile (257 keys: B_c 96); calls whose tiles fit in one wave on
+    # the gate GPU's 132 SMs, one per one-wave tier: one head of 8192 tokens (128 tiles of
+    # B_r 64) or two of 8000 (126 of B_r 128; names carry no head count), long enough per call
+    # for the gate's spread (batch-1 ViT calls of 23-32 us spread 16-30% per round and ended
+    # inconclusive after 48 rounds)
+    Case("bf16", 64, 64, 577, heads=12), Case("bf16", 128, 64, 257),
+    Case("bf16", 64, 1, 8192, heads=1), Case("bf16", 64, 1, 8000, heads=2),
+    Case("bf16", 128, 1, 8192, heads=1), Case("fp16", 128, 1, 8000, heads=2),
 ])
 # The gate's backward cases: each kernel of the `default` backward set, dtype aside, on the
 # runner's sm_90 GPU (both families' d_head 64, 128 and 256, each with and without a softcap;
