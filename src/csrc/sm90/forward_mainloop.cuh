@@ -186,8 +186,7 @@ struct ForwardConsumer {
     // i >= 2) from the swizzled panels. sQ is released once the first S GEMM that reads Qf has
     // completed (q_regs_consumed()), not here: an mbarrier arrive issued right after the
     // ldmatrix does not wait for its reads, and the producer's next TMA copy into sQ then
-    // overwrote rows still being read (wrong rows in about 1 of 4 runs of a varlen pack on an
-    // H200; docs/results/2026-11-29-h200-q-release-race.md).
+    // overwrote rows still being read (docs/results/2026-11-29-h200-q-release-race.md).
     __device__ __forceinline__ void load_q_regs() {
         const int r = (warp % 4) * 16 + lane % 8 + 8 * ((lane / 8) % 2);  // of the warpgroup
         const uint32_t q0 = smem_u32(sm.q(qu)) + (wg * 64 + r) * 128;

@@ -364,9 +364,8 @@ FP8_VARLEN_ROWS: tuple[Row, ...] = (
 # many lengths. Each kernel ran FlashAttention's rule over packs of 9-40 sequences on an H200
 # (docs/dispatch.md has the measurements): the longest fixed-length row's tile on the dynamic
 # schedule where it passed; at d_head 128 the non-persistent ping-pong tile (the persistent
-# dynamic one, fwialdgz plus j, gave wrong rows now and then until sQ's early release was fixed
-# on 2026-11-29, docs/results/2026-11-29-h200-q-release-race.md; since then it measured 1.05x
-# the time of fwpiazj on a plain pack and 0.96x on a causal one, within the rounds' spread).
+# dynamic one, fwialdgz plus j, gave wrong rows until sQ's early release was fixed, and is no
+# faster on packs since: docs/dispatch.md).
 _MASKED = ("masked", "local", "softcap")
 VARLEN_ROWS: tuple[Row, ...] = (
     Row("sm90 varlen plain d64", ("plain",), (64,), None, "r192_c96_s3_fwaldngzj",
