@@ -206,7 +206,8 @@ setup(
         CUDAExtension(
             name="flash_attention._C",
             sources=["src/csrc/binding.cpp", "src/csrc/binding/backward.cpp",
-                     "src/csrc/binding/decode.cpp", "src/csrc/kvcache/append.cu", *SOURCES],
+                     "src/csrc/binding/decode.cpp", "src/csrc/binding/distributed.cpp",
+                     "src/csrc/kvcache/append.cu", "src/csrc/distributed/merge.cu", *SOURCES],
             include_dirs=[str(CSRC)],
             extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},
         )

@@ -61,9 +61,17 @@ def load() -> bool:
     from . import kvcache  # the decode operators' fakes
 
     kvcache.register()
+    # ring attention's in-place operators (flash_attention.distributed) return nothing
+    for op in ("flash_attention::bwd_accumulate", "flash_attention::merge_partials_"):
+        torch.library.register_fake(op)(_returns_nothing)
     LOADED = True
     refresh_dispatch()
     return True
+
+
+def _returns_nothing(*args, **kwargs) -> None:
+    """The fake implementation of an operator that only writes into its arguments."""
+    return None
 
 
 def require() -> None:

@@ -2,6 +2,11 @@
 //   flash_attention::bwd(dout, q, k, v, out, lse, dlse?, cu_seqlens_q?, cu_seqlens_k?,
 //       max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap,
 //       deterministic, kernel) -> (dq, dk, dv)
+//   flash_attention::bwd_accumulate(dout, q, k, v, out, lse, cu_seqlens_q?, cu_seqlens_k?,
+//       max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left, window_right, softcap,
+//       deterministic, dq_sum!, dk_sum!, dv_sum!, kernel) -> ()   the same gradients added into
+//       fp32 tensors shaped like q, k, v (ring attention's per-block partials, no 16-bit
+//       rounding per block)
 //   flash_attention::bwd_kernels() -> str     the backward kernels of this build, comma-separated
 //   flash_attention::bwd_explain(dout, q, k, v, varlen, softcap) -> str   what a call's backward
 //       runs, and why not the Hopper kernel (debug logging, as the forward's explain())
@@ -13,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -51,6 +57,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                         !kernel.empty());
 }
 
+// An fp32 tensor shaped like `like` on its device that the kernels can add into: 8-byte
+// aligned, even strides, the last dimension contiguous (the kernels add pairs of floats).
+void check_grad_sum(const at::Tensor& t, const char* name, const at::Tensor& like,
+                    const char* like_name) {
+    FA_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32 (the sum the gradients ",
+                  "are added into), got ", t.scalar_type());
+    FA_CHECK_VALUE(t.sizes() == like.sizes(), name, " must have the shape of ", like_name, " ",
+                   like.sizes(), ", got ", t.sizes());
+    FA_CHECK_VALUE(t.device() == like.device(), name, " must be on the device of ", like_name, " (",
+                   like.device(), "), got ", t.device());
+    bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0 && t.stride(-1) == 1;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d)
+        aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 2 == 0);
+    FA_CHECK_VALUE(aligned, name, " must have a contiguous last dimension, even strides and an ",
+                   "8-byte aligned start (strides ", t.strides(), ")");
+}
+
+void bwd_accumulate_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                         const std::optional<at::Tensor>& cu_seqlens_q,
+                         const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                         int64_t max_seqlen_k, std::optional<double> softmax_scale, bool causal,
+                         int64_t window_left, int64_t window_right, double softcap,
+                         bool deterministic, const at::Tensor& dq_sum, const at::Tensor& dk_sum,
+                         const at::Tensor& dv_sum, c10::string_view kernel) {
+    const Varlen vl = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    const BackwardCall call =
+        check_backward(dout, q, k, v, out, lse, std::nullopt, vl, softmax_scale, causal,
+                       window_left, window_right, softcap);
+    check_grad_sum(dq_sum, "dq_sum", q, "q");
+    check_grad_sum(dk_sum, "dk_sum", k, "k");
+    check_grad_sum(dv_sum, "dv_sum", v, "v");
+    const Choice<flash::BwdKernelEntry> chosen = choose_kernel<flash::BwdKernelEntry>(
+        kernel, call.dtype, call.shape.d_head, 1, false, false, softcap > 0, "backward ");
+    if (!kernel.empty())
+        check_backward_kernel(*chosen.kernel, call);
+    const GradSums sums{dq_sum, dk_sum, dv_sum};
+    run_backward(call, chosen, dout, q, k, v, out, lse, std::nullopt, vl, deterministic,
+                 !kernel.empty(), &sums);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
@@ -59,6 +106,12 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
         "float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
         "bool deterministic, str kernel) -> (Tensor dq, Tensor dk, Tensor dv)");
+    m.def(
+        "bwd_accumulate(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+        "float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+        "bool deterministic, Tensor(a!) dq_sum, Tensor(b!) dk_sum, Tensor(c!) dv_sum, "
+        "str kernel) -> ()");
     m.def("bwd_kernels() -> str", &bwd_kernels);
     m.def(
         "bwd_explain(Tensor dout, Tensor q, Tensor k, Tensor v, bool varlen, bool softcap) -> str",
@@ -67,4 +120,5 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
 
 TORCH_LIBRARY_IMPL(flash_attention, CUDA, m) {
     m.impl("bwd", &bwd_cuda);
+    m.impl("bwd_accumulate", &bwd_accumulate_cuda);
 }

@@ -60,12 +60,19 @@ inline const flash::BwdKernelEntry& runnable(const Choice<flash::BwdKernelEntry>
     return *chosen.fallback;
 }
 
-// Runs the backward of a checked call on `chosen` (or its fallback): dq, dk, dv like q, k, v.
+// flash_attention::bwd_accumulate's fp32 tensors, shaped like q, k, v, that a call's gradients
+// are added into (check_grad_sums).
+struct GradSums {
+    at::Tensor dq, dk, dv;
+};
+
+// Runs the backward of a checked call on `chosen` (or its fallback): dq, dk, dv like q, k, v, or
+// with `sums` added into those and returned.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const BackwardCall& c, const Choice<flash::BwdKernelEntry>& chosen, const at::Tensor& dout_in,
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& dlse_in,
-    const Varlen& vl, bool deterministic, bool named) {
+    const Varlen& vl, bool deterministic, bool named, const GradSums* sums = nullptr) {
     const CallShape& s = c.shape;
     const auto device = q_in.device();
     const c10::cuda::CUDAGuard guard(device);
@@ -77,11 +84,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
         check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", c.total_q, vl.max_q, stream);
         check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", c.total_k, vl.max_k, stream);
     }
-    at::Tensor dq = at::empty(q_in.sizes(), q_in.options());
-    at::Tensor dk = at::empty(k_in.sizes(), k_in.options());
-    at::Tensor dv = at::empty(v_in.sizes(), v_in.options());
+    at::Tensor dq = sums ? sums->dq : at::empty(q_in.sizes(), q_in.options());
+    at::Tensor dk = sums ? sums->dk : at::empty(k_in.sizes(), k_in.options());
+    at::Tensor dv = sums ? sums->dv : at::empty(v_in.sizes(), v_in.options());
     if (s.batch == 0 || s.heads == 0 || s.seqlen_q == 0 || s.seqlen_k == 0 || c.total_q == 0 ||
         c.total_k == 0) {  // nothing to attend: every gradient is 0
+        if (sums)
+            return {dq, dk, dv};
         dq.zero_();
         dk.zero_();
         dv.zero_();
@@ -107,7 +116,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
                    " runs varlen (packed) batches only (config flag j): pass cu_seqlens_q/k");
     const flash::BwdKernelEntry& e = runnable(
         Choice<flash::BwdKernelEntry>{pick, chosen.fallback},
-        sm90_unfit(prop, c.varlen, {&q, &k, &v, &dout, &dk, &dv}, pick->varlen_only), named);
+        sm90_unfit(prop, c.varlen,
+                   sums ? std::initializer_list<const at::Tensor*>{&q, &k, &v, &dout}
+                        : std::initializer_list<const at::Tensor*>{&q, &k, &v, &dout, &dk, &dv},
+                   pick->varlen_only),
+        named);
     FA_CHECK(size_t(e.smem_bytes) <= prop.sharedMemPerBlockOptin, "backward kernel ", e.name,
              " needs ", e.smem_bytes, " bytes of shared memory per block; this GPU allows ",
              prop.sharedMemPerBlockOptin);
@@ -149,6 +162,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     // The sm80 family's dQ order: rows for varlen calls (a sequence starts at any token, not on
     // a 64-row block), else sm80_fixed_length_dq_order's. The Hopper family's is always tiles.
     p.dq_tiles = c.varlen ? 0 : sm80_fixed_length_dq_order(prop.major);
+    p.accumulate = sums != nullptr;
     const RoleStrides ds = role_strides(dout, c.varlen), qs = role_strides(dq, c.varlen),
                       ks = role_strides(dk, c.varlen), vs = role_strides(dv, c.varlen);
     p.do_batch_stride = ds.batch;

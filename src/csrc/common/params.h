@@ -112,6 +112,10 @@ struct BwdParams : AttentionParams {
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
     int kv_heads;
+    // true: dq, dk, dv are fp32 tensors (strides as above, in floats) the call's gradients are
+    // added into, not 16-bit outputs: ring attention's per-block partials, summed over blocks
+    // without a 16-bit rounding per block (flash_attention::bwd_accumulate).
+    bool accumulate;
     // Rows of dq_accum per head (a multiple of the main kernel's B_r; varlen calls of the
     // Hopper family: each sequence from a multiple of kBwdVarlenRowAlign, so at least total_q
     // + kBwdVarlenRowAlign x batch).

@@ -474,18 +474,40 @@ struct BackwardCta {
                              dQ[mt][nt][2 * h + 1]);
     }
 
-    // dK (scaled) and dV in the input dtype; rows past seqlen_k and columns past d_head are not
-    // written.
+    // dK (scaled) and dV in the input dtype, or with p.accumulate added to the fp32 tensors (a
+    // thread owns its elements: a plain read-add-write); rows past seqlen_k and columns past
+    // d_head are not written.
     __device__ __forceinline__ void write_dk_dv() {
-        const int r0 = P2::row0(half_warp()), c0 = P2::col0(half_warp());
-        const int64_t k_row = int64_t(span().k_start) + k_row0;
         const bool dk = owns_dk();
-        Elem* out = dk ? static_cast<Elem*>(p.dk) + batch * p.dk_batch_stride +
-                             kv_head * p.dk_head_stride + k_row * p.dk_row_stride
-                       : static_cast<Elem*>(p.dv) + batch * p.dv_batch_stride +
-                             kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
+        const int64_t k_row = int64_t(span().k_start) + k_row0;
+        const int64_t offset =
+            dk ? batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride
+               : batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
         const int64_t stride = dk ? p.dk_row_stride : p.dv_row_stride;
         const float scale = dk ? p.softmax_scale : 1.f;
+        if (p.accumulate) {
+            float* out = static_cast<float*>(dk ? p.dk : p.dv) + offset;
+            for_each_pair([&](int row, int col, float x, float y) {
+                float2* at = reinterpret_cast<float2*>(out + row * stride + col);
+                float2 a = *at;
+                a.x += x * scale;
+                a.y += y * scale;
+                *at = a;
+            });
+            return;
+        }
+        Elem* out = static_cast<Elem*>(dk ? p.dk : p.dv) + offset;
+        for_each_pair([&](int row, int col, float x, float y) {
+            *reinterpret_cast<uint32_t*>(out + row * stride + col) =
+                pack2<Elem>(x * scale, y * scale);
+        });
+    }
+
+    // fn(row, col, x, y) for each pair of this thread's dK or dV values (columns col, col + 1 of
+    // the row, relative to the CTA's first key row) inside the sequence's keys and d_head.
+    template <class Fn>
+    __device__ __forceinline__ void for_each_pair(Fn&& fn) const {
+        const int r0 = P2::row0(half_warp()), c0 = P2::col0(half_warp());
 #pragma unroll
         for (int mt = 0; mt < P2::kMT; ++mt)
 #pragma unroll
@@ -498,8 +520,7 @@ struct BackwardCta {
                     const int col = c0 + nt * 8 + 2 * (lane % 4);
                     if (col >= p.d_head)
                         continue;
-                    *reinterpret_cast<uint32_t*>(out + row * stride + col) =
-                        pack2<Elem>(dKV[mt][nt][2 * h] * scale, dKV[mt][nt][2 * h + 1] * scale);
+                    fn(row, col, dKV[mt][nt][2 * h], dKV[mt][nt][2 * h + 1]);
                 }
             }
     }

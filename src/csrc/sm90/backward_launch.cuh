@@ -1,8 +1,8 @@
 // Host-side launcher of one Hopper backward config and its registry entry: the TMA tensor maps
-// of Q, K, V, dO (loads) and dK, dV (stores), then the preprocess, the main kernel and the dQ
-// conversion. Plain CUDA (no torch). The binding calls it only for calls that sm90_unfit()
-// (binding/tma_fit.h) accepts, varlen ones only on a kVarlen kernel; errors are returned, never
-// swallowed.
+// of Q, K, V, dO (loads) and dK, dV (stores, unless BwdParams::accumulate), then the preprocess,
+// the main kernel and the dQ conversion. Plain CUDA (no torch). The binding calls it only for calls
+// that sm90_unfit() (binding/tma_fit.h) accepts, varlen ones only on a kVarlen kernel; errors are
+// returned, never swallowed.
 #pragma once
 
 #include <cstdint>
@@ -39,10 +39,11 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                           p.k_head_stride, p.k_batch_stride, Cfg::kBc) &&
         encode_bshd<Elem>(&prm.tma_v, p.v, p.d_head, rows_k, p.kv_heads, batch, p.v_row_stride,
                           p.v_head_stride, p.v_batch_stride, Cfg::kBc) &&
-        encode_bshd<Elem>(&prm.tma_dk, p.dk, p.d_head, rows_k, p.kv_heads, batch, p.dk_row_stride,
-                          p.dk_head_stride, p.dk_batch_stride, 64) &&
-        encode_bshd<Elem>(&prm.tma_dv, p.dv, p.d_head, rows_k, p.kv_heads, batch, p.dv_row_stride,
-                          p.dv_head_stride, p.dv_batch_stride, 64);
+        (p.accumulate ||  // fp32 dK, dV added from registers: no stores through maps
+         (encode_bshd<Elem>(&prm.tma_dk, p.dk, p.d_head, rows_k, p.kv_heads, batch, p.dk_row_stride,
+                            p.dk_head_stride, p.dk_batch_stride, 64) &&
+          encode_bshd<Elem>(&prm.tma_dv, p.dv, p.d_head, rows_k, p.kv_heads, batch, p.dv_row_stride,
+                            p.dv_head_stride, p.dv_batch_stride, 64)));
     if (!ok)
         return cudaErrorInvalidValue;
     // Varlen: KV blocks of the longest sequence (BwdParams::seqlen_k is max_seqlen_k), a grid

@@ -601,6 +601,11 @@ struct BackwardConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 dK[t][e] *= scale;
+        if (p.accumulate) {
+            add_fp32(dV, p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+            add_fp32(dK, p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+            return;
+        }
         const Epilogue<Cfg, Cfg::kBc, Cfg::kSplitD> epilogue{wg, warp, lane};
         const int row0 = w.k_start() + w.k_row0;
         if constexpr (Cfg::kVarlen) {
@@ -623,6 +628,36 @@ struct BackwardConsumer {
         }
         epilogue.store_tma(dV, sm.dv_staging(), &prm.tma_dv, row0, w.kv_head, w.map_batch());
         epilogue.store_tma(dK, sm.dk_staging(), &prm.tma_dk, row0, w.kv_head, w.map_batch());
+    }
+
+    // p.accumulate: this warpgroup's dK or dV added to the fp32 tensor `out` straight from the
+    // registers (the wgmma accumulator layout: rows 16 w + lane / 4 and + 8 of the warpgroup's,
+    // columns 8 t + 2 (lane % 4) of n8 tile t; kSplitD, the warpgroup's columns of all 64 rows).
+    // A thread owns its elements in the call: a plain read-add-write. Rows past the sequence's
+    // keys and columns past d_head are not touched.
+    __device__ __forceinline__ void add_fp32(const float (&acc)[kNO][4], void* out,
+                                             int64_t batch_stride, int64_t head_stride,
+                                             int64_t row_stride) const {
+        const BwdParams& p = prm.p;
+        const int row_w = (Cfg::kSplitD ? warp % 4 : warp) * 16 + lane / 4;
+        const int col0 = (Cfg::kSplitD ? wg * kNO * 8 : 0) + 2 * (lane % 4);
+        const int rows = w.seqlen_k(p) - w.k_row0;  // of this block inside the sequence
+        float* base = static_cast<float*>(out) + int64_t(w.map_batch()) * batch_stride +
+                      int64_t(w.kv_head) * head_stride +
+                      int64_t(w.k_start() + w.k_row0) * row_stride;
+#pragma unroll
+        for (int t = 0; t < kNO; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row_w + 8 * h, col = col0 + 8 * t;
+                if (row < rows && col < p.d_head) {
+                    float2* at = reinterpret_cast<float2*>(base + row * row_stride + col);
+                    float2 a = *at;
+                    a.x += acc[t][2 * h];
+                    a.y += acc[t][2 * h + 1];
+                    *at = a;
+                }
+            }
     }
 };
 
