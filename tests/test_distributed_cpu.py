@@ -28,7 +28,7 @@ from flash_attention.distributed import (
     shard_sequence,
 )
 from flash_attention.distributed import ring as ring_module
-from flash_attention.distributed.layout import DIAGONAL, FULL, Plan, plan_for
+from flash_attention.distributed.layout import BOTH, DIAGONAL, FULL, Plan, Span, plan_for
 from flash_attention.masks import canonical_window, visible
 from flash_attention.reference import attention_reference
 
@@ -59,10 +59,10 @@ def _plan_mask(plan: Plan) -> torch.Tensor:
     for q_rank, kv_rank in itertools.product(range(layout.ranks), repeat=2):
         # global position of each of kv_rank's local key rows (its two chunks back to back)
         keys = torch.cat([torch.arange(b * c, (b + 1) * c) for b in layout.chunks_of(kv_rank)])
+        queries = torch.cat([torch.arange(a * c, (a + 1) * c) for a in layout.chunks_of(q_rank)])
         for span in plan.spans(q_rank, kv_rank):
-            a = layout.chunks_of(q_rank)[span.chunk]
             seen = visible(span.q1 - span.q0, span.k1 - span.k0, *span.window).long()
-            rows = torch.arange(a * c + span.q0, a * c + span.q1)
+            rows = queries[slice(*span.local_rows(c))]
             count[rows[:, None], keys[span.k0:span.k1][None, :]] += seen
     return count
 
@@ -90,17 +90,25 @@ def test_window_calls_cover_the_mask_exactly_once(ranks):
 
 
 @pytest.mark.parametrize("ranks", range(1, 9))
-def test_plan_without_a_window_is_the_whole_ring_one_call_per_query_chunk(ranks):
-    """No window: the ring runs whole, one way, and a query chunk makes one call per rank (the
-    blocks of a rank's two key chunks are one key prefix: no mask, or causal on the last)."""
+def test_plan_without_a_window_is_the_whole_ring_one_call_per_pair_of_ranks(ranks):
+    """No window: the ring runs whole, one way, and a rank makes one call on each rank's keys:
+    both query chunks over all its keys unmasked, or causal over its own shard, or over the
+    first key chunk (a rank after it, causal); the second query chunk alone over all keys (a
+    rank before it, causal)."""
     for causal in (False, True):
         plan = plan_for(ranks, 8, -1, 0 if causal else -1)
         assert plan.steps == (ranks - 1, 0)
         for q_rank, kv_rank in itertools.product(range(ranks), repeat=2):
-            spans = plan.spans(q_rank, kv_rank)
-            assert len({s.chunk for s in spans}) == len(spans), spans
-            assert all((s.q0, s.q1, s.k0, s.left) == (0, 8, 0, -1) and s.k1 in (8, 16)
-                       and s.right in ((-1, 0) if causal else (-1,)) for s in spans), spans
+            (span,) = plan.spans(q_rank, kv_rank)
+            if not causal:
+                want = Span(BOTH, 0, 16, 0, 16, -1, -1)
+            elif kv_rank == q_rank:
+                want = Span(BOTH, 0, 16, 0, 16, -1, 0)
+            elif kv_rank < q_rank:
+                want = Span(BOTH, 0, 16, 0, 8, -1, -1)
+            else:
+                want = Span(1, 0, 8, 0, 16, -1, -1)
+            assert span == want, (q_rank, kv_rank, causal)
 
 
 @pytest.mark.parametrize(("ranks", "chunk", "window", "steps"), [

@@ -4,7 +4,7 @@ window's band shifted onto the slices, layout.band_slice) and its backward given
 output and LSE. CUDA tensors run the package's operators (flash_attention::attention and
 ::bwd); CPU tensors run the same math in fp32 (reference.attention_reference and its gradient
 below), so the ring's communication and merging are tested over gloo on machines without a
-GPU."""
+GPU. The backward adds its gradients into fp32 sums (flash_attention::bwd_accumulate)."""
 
 from __future__ import annotations
 
@@ -58,29 +58,35 @@ def _per_sequence(fn, varlen, tensors, cat_dims):
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, scale: float, window: tuple[int, int],
-                   softcap: float, deterministic: bool, varlen=None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of this block's share of the loss, from the merged out and lse of q's rows
-    (P = exp(scores - lse) is then the block's slice of the full softmax). window and varlen as
-    in block_forward."""
+                   softcap: float, deterministic: bool, varlen,
+                   sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Adds dq, dk, dv of this block's share of the loss, from the merged out and lse of q's
+    rows (P = exp(scores - lse) is then the block's slice of the full softmax), into `sums`
+    (fp32 tensors shaped like q, k, v: the kernels add their fp32 results, so a key's gradient
+    is rounded once, after the last block, however many blocks add into it). window and varlen
+    as in block_forward."""
     left, right = window
     lse = lse.contiguous()
-    if varlen is not None:
-        if q.is_cuda:
-            dq, dk, dv = torch.ops.flash_attention.bwd.default(
-                dout[0], q[0], k[0], v[0], out[0], lse[0], None, *varlen, scale,
-                False, left, right, float(softcap), deterministic, "")
-            return dq[None], dk[None], dv[None]
-        # per sequence: (q, k, v, dout, out, lse) cut as _per_sequence cuts them
-        return _per_sequence(
+    if q.is_cuda:
+        from .. import ops
+
+        ops.require()
+        cu = (None, None, 0, 0) if varlen is None else varlen
+        squeeze = (lambda t: t[0]) if varlen is not None else (lambda t: t)
+        torch.ops.flash_attention.bwd_accumulate.default(
+            squeeze(dout), squeeze(q), squeeze(k), squeeze(v), squeeze(out), squeeze(lse), *cu,
+            scale, False, left, right, float(softcap), deterministic,
+            *(squeeze(t) for t in sums), "")
+        return
+    if varlen is not None:  # per sequence: (q, k, v, dout, out, lse) cut as _per_sequence cuts them
+        grads = _per_sequence(
             lambda qs, ks, vs, ds, os_, ls: _reference_backward(ds, qs, ks, vs, os_, ls, scale,
                                                                 window, softcap),
             varlen, (q, k, v, dout, out, lse), (1, 1, 1))
-    if q.is_cuda:
-        return torch.ops.flash_attention.bwd.default(
-            dout, q, k, v, out, lse, None, None, None, 0, 0, scale, False, left, right,
-            float(softcap), deterministic, "")
-    return _reference_backward(dout, q, k, v, out, lse, scale, window, softcap)
+    else:
+        grads = _reference_backward(dout, q, k, v, out, lse, scale, window, softcap)
+    for total, g in zip(sums, grads):
+        total.add_(g)
 
 
 def _reference_backward(dout, q, k, v, out, lse, scale, window, softcap):
@@ -109,4 +115,4 @@ def _reference_backward(dout, q, k, v, out, lse, scale, window, softcap):
     if group > 1:  # the query heads of a KV head add into its gradient
         dk = dk.unflatten(2, (kv_heads, group)).sum(3)
         dv = dv.unflatten(2, (kv_heads, group)).sum(3)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv  # fp32

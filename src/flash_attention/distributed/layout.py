@@ -71,11 +71,16 @@ class Layout:
                              f"{self.chunks}")
 
 
+# Span.chunk of a call that takes both of a rank's query chunks (its whole local shard).
+BOTH = 2
+
+
 @dataclass(frozen=True)
 class Span:
     """One kernel call of the ring: query rows [q0, q1) of the rank's local query chunk `chunk`
-    (0 or 1) over key rows [k0, k1) of a source rank's local K/V (its two chunks back to back),
-    masked by the window (left, right) aligned bottom-right on these slices (-1: unbounded)."""
+    (0 or 1; BOTH: of its two chunks back to back, rows 0 to 2c) over key rows [k0, k1) of a
+    source rank's local K/V (its two chunks back to back), masked by the window (left, right)
+    aligned bottom-right on these slices (-1: unbounded)."""
 
     chunk: int
     q0: int
@@ -88,6 +93,11 @@ class Span:
     @property
     def window(self) -> tuple[int, int]:
         return self.left, self.right
+
+    def local_rows(self, chunk_len: int) -> tuple[int, int]:
+        """The span's query rows in the rank's local order (its two chunks back to back)."""
+        base = 0 if self.chunk == BOTH else self.chunk * chunk_len
+        return base + self.q0, base + self.q1
 
 
 def band_slice(rows: int, keys: int, lo: int | None, hi: int | None
@@ -142,7 +152,8 @@ class Plan:
         call per query chunk where the blocks of the two key chunks form one key prefix with a
         mask the kernels take: the first seen whole and some of the second by every row (no
         mask, or causal on the diagonal: always so without a window, as the zigzag puts it);
-        otherwise one call per non-empty block."""
+        otherwise one call per non-empty block. Without a window the two query chunks' calls
+        are one (BOTH) where their masks are one mask over the local shard (_both)."""
         return self._spans[q_rank, kv_rank]
 
     @functools.cached_property
@@ -166,7 +177,25 @@ class Plan:
                 if s is not None:
                     q0, q1, k0, k1, left, right = s
                     out.append(Span(i, q0, q1, k0 + j * c, k1 + j * c, left, right))
-        return tuple(out)
+        return self._both(tuple(out))
+
+    def _both(self, spans: tuple[Span, ...]) -> tuple[Span, ...]:
+        """The two query chunks' calls as one over the local shard (rows 0 to 2c) where, with no
+        window, that one call's mask is theirs: both see the same keys unmasked (a rank's keys
+        from the chunks before both of its own, or any keys without a mask), or the rank's own
+        keys under a causal mask (chunk 0 causal over the first key chunk, chunk 1 over both:
+        causal over the shard, since the local order keeps the chunks' order). Else as they
+        are."""
+        c = self.chunk
+        if self.left != -1 or len(spans) != 2 or [s.chunk for s in spans] != [0, 1]:
+            return spans
+        a, b = spans
+        whole = all((s.q0, s.q1, s.k0, s.left) == (0, c, 0, -1) for s in spans)
+        if whole and a.k1 == b.k1 and a.right == b.right == -1:
+            return (Span(BOTH, 0, 2 * c, 0, a.k1, -1, -1),)
+        if whole and (a.k1, a.right, b.k1, b.right) == (c, 0, 2 * c, 0):
+            return (Span(BOTH, 0, 2 * c, 0, 2 * c, -1, 0),)
+        return spans
 
     @functools.cached_property
     def steps(self) -> tuple[int, int]:

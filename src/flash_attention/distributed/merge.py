@@ -22,3 +22,20 @@ def merge_partials(out: torch.Tensor | None, lse: torch.Tensor | None, out_b: to
     # (B, H, S) weights on (B, S, H, D) outputs
     merged = out * w_a.transpose(1, 2)[..., None] + out_b * w_b.transpose(1, 2)[..., None]
     return merged, new
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+               assign: bool = False) -> None:
+    """merge_partials in place: (out, lse), fp32 (views allowed), become the merge of themselves
+    and (out_b, lse_b); assign: become (out_b, lse_b) (rows nothing has reached yet, whatever
+    out and lse hold). CUDA tensors: one pass of the package's kernel
+    (flash_attention::merge_partials_); others: the torch math above."""
+    if out.is_cuda:
+        from .. import ops
+
+        ops.require()
+        torch.ops.flash_attention.merge_partials_.default(out, lse, out_b, lse_b, assign)
+        return
+    merged, new = merge_partials(None if assign else out, None if assign else lse, out_b, lse_b)
+    out.copy_(merged)
+    lse.copy_(new)

@@ -6,7 +6,11 @@ The ring (ring.py) sees both through the same methods; tensors are 4-D (batch, r
 a pack as batch 1, LSEs (batch, heads, rows). A call's rows and keys come as a layout.Span:
 token rows of the chunks for `Fixed`; whole chunks for `Packed`, whose spans are worked out at
 a chunk length of 2 (the masks a pack takes, none and causal, cut whole chunks at any length
-from 2 up, and sequences of different lengths could not share a window's token slices)."""
+from 2 up, and sequences of different lengths could not share a window's token slices).
+
+A span's query rows and key rows are an index along the row dimension (`queries`, `keys`): a
+slice where they are contiguous (the tensors' views, which the kernels read and add into in
+place), else a LongTensor of rows (copies; take() and put() move them in and out)."""
 
 from __future__ import annotations
 
@@ -14,47 +18,41 @@ import itertools
 
 import torch
 
-from .layout import Span
+from .layout import BOTH, Span
+
+
+def take(x: torch.Tensor, dim: int, index) -> torch.Tensor:
+    """x's rows `index` (a slice or a LongTensor) along dim: a view for a slice, else a copy."""
+    if isinstance(index, slice):
+        return x[(slice(None),) * dim + (index,)]
+    return x.index_select(dim, index)
+
+
+def put(x: torch.Tensor, dim: int, index, rows: torch.Tensor) -> None:
+    """Writes back rows that take() copied (a slice's view is x itself: nothing to do)."""
+    if not isinstance(index, slice):
+        x.index_copy_(dim, index, rows)
 
 
 class Fixed:
     """Sequences of equal length, one per batch row: chunk i is half i of dim 1."""
 
-    varlen = None  # the block operations' varlen arguments: none
-
     def __init__(self, local_len: int) -> None:
         self.chunk = local_len // 2
 
-    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return x[:, i * self.chunk:(i + 1) * self.chunk]
-
-    def lse_part(self, lse: torch.Tensor, i: int) -> torch.Tensor:
-        return lse[:, :, i * self.chunk:(i + 1) * self.chunk].contiguous()  # rows, as read
+    def queries(self, span: Span) -> slice:
+        """The span's query rows of the rank's local shard."""
+        return slice(*span.local_rows(self.chunk))
 
     @staticmethod
-    def query_rows(span: Span) -> slice:
-        """The span's query rows of its chunk."""
-        return slice(span.q0, span.q1)
-
-    @staticmethod
-    def keys(kv: torch.Tensor, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the span's key rows (kv: K and V stacked)."""
-        return kv[0][:, span.k0:span.k1], kv[1][:, span.k0:span.k1]
-
-    @staticmethod
-    def add_keys(dkv: torch.Tensor, span: Span, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        dkv[0][:, span.k0:span.k1].add_(dk)
-        dkv[1][:, span.k0:span.k1].add_(dv)
+    def keys(span: Span) -> slice:
+        """The span's key rows of the source rank's local K/V."""
+        return slice(span.k0, span.k1)
 
     @staticmethod
     def args(span: Span) -> None:
+        """The block operations' varlen arguments: none."""
         return None
-
-    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts, dim=1)
-
-    def join_lse(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts, dim=2)
 
 
 def local_rows(cu_seqlens: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
@@ -72,7 +70,7 @@ def local_rows(cu_seqlens: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 class Packed:
     """A varlen pack (global offsets cu_seqlens, every length a multiple of 2 ranks): a rank's
     local pack holds, sequence after sequence, its two chunks of each; chunk i is the i-th
-    chunk of every sequence."""
+    chunk of every sequence, BOTH the whole local pack."""
 
     chunk = 2  # the chunk length its spans are worked out at (whole chunks: see the top)
 
@@ -95,56 +93,30 @@ class Packed:
         self.cu_all = self.cu_part * 2
         self.max_part = max(self.chunks, default=0)
 
-    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        return x.index_select(1, self.rows[i])
-
-    def lse_part(self, lse: torch.Tensor, i: int) -> torch.Tensor:
-        return lse.index_select(2, self.rows[i])
-
-    def query_rows(self, span: Span) -> slice:
-        """The span's query rows of its chunk: all of them."""
-        self._key_chunks(span)
-        return slice(None)
-
-    def _key_chunks(self, span: Span) -> int:
-        """How many key chunks of every sequence the span reads, from the first: 1 or 2."""
+    def _shape(self, span: Span) -> tuple[bool, int]:
+        """(whether the span takes both query chunks, how many key chunks of every sequence it
+        reads from the first: 1 or 2)."""
         c = self.chunk
-        if (span.q0, span.q1, span.k0) != (0, c, 0) or span.k1 not in (c, 2 * c) \
-                or span.left != -1:
-            raise AssertionError(f"{span} is not a whole query chunk over a key prefix (a pack "
+        both = span.chunk == BOTH
+        if (span.q0, span.q1, span.k0) != (0, 2 * c if both else c, 0) \
+                or span.k1 not in (c, 2 * c) or span.left != -1:
+            raise AssertionError(f"{span} is not whole query chunks over a key prefix (a pack "
                                  f"takes no window)")
-        return span.k1 // c
+        return both, span.k1 // c
 
-    def keys(self, kv: torch.Tensor, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._key_chunks(span) == 2:
-            return kv[0], kv[1]
-        first = kv.index_select(2, self.rows[0])  # every sequence's first chunk
-        return first[0], first[1]
+    def queries(self, span: Span):
+        both, _ = self._shape(span)
+        return slice(None) if both else self.rows[span.chunk]
 
-    def add_keys(self, dkv: torch.Tensor, span: Span, dk: torch.Tensor,
-                 dv: torch.Tensor) -> None:
-        if self._key_chunks(span) == 2:
-            dkv[0].add_(dk)
-            dkv[1].add_(dv)
-        else:
-            dkv[0].index_add_(1, self.rows[0], dk.to(dkv.dtype))
-            dkv[1].index_add_(1, self.rows[0], dv.to(dkv.dtype))
+    def keys(self, span: Span):
+        _, key_chunks = self._shape(span)
+        return slice(None) if key_chunks == 2 else self.rows[0]  # every sequence's first
 
     def args(self, span: Span) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a query chunk over the
-        first one or two key chunks of every sequence."""
-        if self._key_chunks(span) == 2:
-            return self.cu_part, self.cu_all, self.max_part, 2 * self.max_part
-        return self.cu_part, self.cu_part, self.max_part, self.max_part
-
-    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        out = parts[0].new_empty(parts[0].shape[0], self.total, *parts[0].shape[2:])
-        for rows, p in zip(self.rows, parts):
-            out.index_copy_(1, rows, p)
-        return out
-
-    def join_lse(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        out = parts[0].new_empty(*parts[0].shape[:2], self.total)
-        for rows, p in zip(self.rows, parts):
-            out.index_copy_(2, rows, p)
-        return out
+        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the span's query chunks
+        over the first one or two key chunks of every sequence."""
+        both, key_chunks = self._shape(span)
+        cu_q, max_q = (self.cu_all, 2 * self.max_part) if both else (self.cu_part, self.max_part)
+        if key_chunks == 2:
+            return cu_q, self.cu_all, max_q, 2 * self.max_part
+        return cu_q, self.cu_part, max_q, self.max_part

@@ -30,8 +30,8 @@ from ..masks import canonical_window
 from ..validation import check_window
 from .blocks import block_backward, block_forward
 from .layout import Plan, plan_for
-from .merge import merge_partials
-from .parts import Fixed, Packed
+from .merge import merge_into
+from .parts import Fixed, Packed, put, take
 
 
 def _global(group, rank: int) -> int:
@@ -79,70 +79,85 @@ def _held(step: int, direction: int, n: int) -> bool:
 
 
 class _Forward:
-    """One rank's forward: its two query chunks' (out, LSE), merged over the key chunks of every
-    rank as they arrive (add), by either method. parts: how the local tensors split into the
-    chunks (parts.Fixed, parts.Packed); plan: the calls (layout.Plan)."""
+    """One rank's forward: its local shard's (out, LSE) in fp32, merged over the key chunks of
+    every rank as they arrive (add), by either method. parts: how spans index the local tensors
+    (parts.Fixed, parts.Packed); plan: the calls (layout.Plan)."""
 
     def __init__(self, q, scale, plan: Plan, softcap, rank: int, parts) -> None:
-        self.q, self.args, self.rank, self.plan = q, (scale, softcap), rank, plan
-        self.parts = parts
-        self.q_parts = [parts.part(q, i) for i in (0, 1)]
-        self.outs: list[torch.Tensor | None] = [None, None]
-        self.lses: list[torch.Tensor | None] = [None, None]
+        self.q, self.args, self.rank, self.plan, self.parts = q, (scale, softcap), rank, plan, parts
+        self.out: torch.Tensor | None = None  # (B, rows, H, D) fp32 and (B, H, rows) fp32
+        self.lse: torch.Tensor | None = None
+        self._q: dict = {}  # (query index's id) -> those rows of q (copies)
 
     def add(self, src: int, kv: torch.Tensor) -> None:
         """The calls the rank's queries make on rank src's keys (kv: K and V stacked), each
-        merged into the rows it covers (a row a call leaves out saw none of its keys)."""
+        merged into the rows it covers (a row no call reaches keeps out 0, LSE -inf)."""
         scale, softcap = self.args
         for span in self.plan.spans(self.rank, src):
-            i, rows = span.chunk, self.parts.query_rows(span)
-            k, v = self.parts.keys(kv, span)
-            o, lse = block_forward(self.q_parts[i][:, rows], k, v, scale, span.window, softcap,
-                                   self.parts.args(span))
-            if self.outs[i] is None and (span.q0, span.q1) == (0, self.parts.chunk):
-                self.outs[i], self.lses[i] = merge_partials(None, None, o, lse)  # fp32
-                continue
-            if self.outs[i] is None:  # rows no call has reached: out 0, LSE -inf
-                shape = self.q_parts[i].shape
-                self.outs[i] = torch.zeros(shape, dtype=torch.float32, device=self.q.device)
-                self.lses[i] = torch.full((shape[0], shape[2], shape[1]), -math.inf,
-                                          dtype=torch.float32, device=self.q.device)
-            out_i, lse_i = self.outs[i], self.lses[i]
-            out_i[:, rows], lse_i[:, :, rows] = merge_partials(out_i[:, rows], lse_i[:, :, rows],
-                                                               o, lse)
+            rows, keys = self.parts.queries(span), self.parts.keys(span)
+            if not isinstance(rows, slice) and id(rows) not in self._q:
+                self._q[id(rows)] = self.q.index_select(1, rows)  # a pack's chunk, kept
+            q = take(self.q, 1, rows) if isinstance(rows, slice) else self._q[id(rows)]
+            o, lse = block_forward(q, take(kv[0], 1, keys), take(kv[1], 1, keys), scale,
+                                   span.window, softcap, self.parts.args(span))
+            first = self.out is None
+            if first:
+                b, n, h, d = self.q.shape
+                self.out = self.q.new_empty((b, n, h, d), dtype=torch.float32)
+                self.lse = self.q.new_empty((b, h, n), dtype=torch.float32)
+                if not (isinstance(rows, slice) and rows.indices(n) == (0, n, 1)):
+                    self.out.zero_()  # rows this call leaves out: none of their keys seen yet
+                    self.lse.fill_(-math.inf)
+                    first = False
+            out_rows, lse_rows = take(self.out, 1, rows), take(self.lse, 2, rows)
+            merge_into(out_rows, lse_rows, o, lse, assign=first)
+            put(self.out, 1, rows, out_rows)
+            put(self.lse, 2, rows, lse_rows)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.parts.join([o.to(self.q.dtype) for o in self.outs])
-        return out, self.parts.join_lse(self.lses)
+        if self.out is None:  # no call at all (a window that sees nothing)
+            b, n, h, _ = self.q.shape
+            return torch.zeros_like(self.q), self.q.new_full((b, h, n), -math.inf,
+                                                              dtype=torch.float32)
+        return self.out.to(self.q.dtype), self.lse
 
 
 class _Backward:
-    """One rank's backward: dQ of its query chunks, summed over the key chunks of every rank,
-    and each call's dK, dV added into that rank's (fp32) accumulator (add)."""
+    """One rank's backward: dQ of its local shard, summed (fp32) over the key chunks of every
+    rank, and each call's dK, dV added into that rank's (fp32) accumulator (add)."""
 
     def __init__(self, dout, q, out, lse, scale, plan: Plan, softcap, deterministic, rank: int,
                  parts) -> None:
-        self.chunks = [(parts.part(q, i), parts.part(dout, i), parts.part(out, i),
-                        parts.lse_part(lse, i)) for i in (0, 1)]
+        self.inputs = (q, dout, out, lse)
         self.args = (scale, softcap, deterministic)
         self.rank, self.plan, self.q, self.parts = rank, plan, q, parts
-        self.dq_parts = [torch.zeros(c[0].shape, dtype=torch.float32, device=q.device)
-                         for c in self.chunks]
+        self.dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self._rows: dict = {}  # (query index's id) -> q, dout, out, lse of those rows (copies)
+
+    def _queries(self, rows) -> tuple[torch.Tensor, ...]:
+        q, dout, out, lse = self.inputs
+        if isinstance(rows, slice):
+            return take(q, 1, rows), take(dout, 1, rows), take(out, 1, rows), take(lse, 2, rows)
+        if id(rows) not in self._rows:  # a pack's chunk: copied once, used at every step
+            self._rows[id(rows)] = (q.index_select(1, rows), dout.index_select(1, rows),
+                                    out.index_select(1, rows), lse.index_select(2, rows))
+        return self._rows[id(rows)]
 
     def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
         scale, softcap, deterministic = self.args
         for span in self.plan.spans(self.rank, src):
-            rows = self.parts.query_rows(span)
-            q_i, do_i, o_i, lse_i = self.chunks[span.chunk]
-            k, v = self.parts.keys(kv, span)
-            dq_b, dk_b, dv_b = block_backward(do_i[:, rows], q_i[:, rows], k, v, o_i[:, rows],
-                                              lse_i[:, :, rows], scale, span.window, softcap,
-                                              deterministic, self.parts.args(span))
-            self.dq_parts[span.chunk][:, rows].add_(dq_b)
-            self.parts.add_keys(dkv, span, dk_b, dv_b)
+            rows, keys = self.parts.queries(span), self.parts.keys(span)
+            q_i, do_i, o_i, lse_i = self._queries(rows)
+            sums = (take(self.dq_sum, 1, rows), take(dkv[0], 1, keys), take(dkv[1], 1, keys))
+            block_backward(do_i, q_i, take(kv[0], 1, keys), take(kv[1], 1, keys), o_i, lse_i,
+                           scale, span.window, softcap, deterministic, self.parts.args(span),
+                           sums)
+            put(self.dq_sum, 1, rows, sums[0])
+            put(dkv[0], 1, keys, sums[1])
+            put(dkv[1], 1, keys, sums[2])
 
     def dq(self) -> torch.Tensor:
-        return self.parts.join(self.dq_parts)
+        return self.dq_sum
 
 
 def _ring_forward(q, k, v, group, scale, plan, softcap, parts):
