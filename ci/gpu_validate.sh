@@ -25,9 +25,10 @@
 #   short     short sequences (issue 45): the one-wave tiers' tests, studies/short_seq_bench.py
 #             (ViT shapes against SDPA's backends) and ci/vit_client.py (Hugging Face ViT
 #             encoders end to end against SDPA)
-#   distributed  context parallelism on every GPU of the host (2 or more): the multi-GPU tests,
-#             then studies/ring_bench.py (ring and all-gather against torch's context_parallel
-#             over SDPA and one GPU alone; RING_SEQS, RING_HEADS, RING_LONG tokens)
+#   distributed  context parallelism on every GPU of the host (2 or more): the ring's operators
+#             and the multi-GPU tests, then studies/ring_bench.py (ring and all-gather against
+#             torch's context_parallel over SDPA and one GPU alone; RING_SEQS, RING_HEADS,
+#             RING_LONG tokens) and studies/ring_profile.py (where the ring's time goes)
 #   fuzz      the property-based GPU tests in their long profile (FA_FUZZ_PROFILE=long, 10x the
 #             examples of the test step's run, new examples every run)
 #   hopper    the sm90 kernels' tests (time-limited), the Hopper progression, the dispatched
@@ -217,9 +218,10 @@ if step short; then
 fi
 if step distributed; then
     run distributed_tests timeout 400 env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \
-        -p no:cacheprovider tests/test_gpu_distributed.py
+        -p no:cacheprovider tests/test_gpu_ring_ops.py tests/test_gpu_distributed.py
     run ring_bench timeout 500 python3 studies/ring_bench.py --seqs "${RING_SEQS:-32768,65536,131072}" \
         --heads "${RING_HEADS:-32/32}" --long "${RING_LONG:-0}" --json "$LOG_DIR/ring.json"
+    run ring_profile timeout 200 python3 studies/ring_profile.py
 fi
 if step fuzz; then
     run fuzz env FA_FUZZ_PROFILE=long FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q \

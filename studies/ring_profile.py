@@ -1,0 +1,167 @@
+"""Where the ring's time goes on the GPUs of one host (a diagnostic for the scaling tables of
+studies/ring_bench.py): one process per GPU over NCCL, MHA 32/32, d_head 128, bf16, batch 1.
+
+1. The compute alone: the kernel calls one rank makes in a ring forward (its shard's queries
+   over each rank's keys, here its own keys P times: no transfer), timed on rank 0 while the
+   other GPUs idle, then on every GPU at once. The gap is what running all GPUs together costs
+   before any byte moves (clocks under the host's power, shared memory bandwidth).
+2. The ring forward and forward + backward under torch.profiler on rank 0: CUDA time per kernel
+   kind (attention, backward, merge, NCCL, other) against the wall time of the call.
+3. One ring step taken apart (every GPU at once): the K/V transfer alone (NCCL send to the
+   next rank, receive from the previous), one attention call alone, and both launched as the
+   ring launches them (transfer first): the step takes the longer of the two when they
+   overlap, their sum when they do not.
+
+    python3 studies/ring_profile.py [--seq 65536] [--causal] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ring_bench import _free_port, _time_alone  # studies/ runs as scripts: a sibling
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if "merge_kernel" in low:
+        return "merge"
+    if "bwd_" in low and ("kernel" in low or "convert" in low or "preprocess" in low):
+        return "backward kernels"
+    if "fwd_kernel" in low:
+        return "forward kernels"
+    return "other"
+
+
+def _profile(fn, label: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+    wall = start.elapsed_time(end)
+    kinds: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type.name != "CUDA" or t <= 0:
+            continue
+        kinds[_kind(evt.key)] = kinds.get(_kind(evt.key), 0.0) + t / 1e3
+        names[evt.key[:90]] = names.get(evt.key[:90], 0.0) + t / 1e3
+    print(f"## {label}: wall {wall:.2f} ms on rank 0; CUDA time by kind (ms): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda x: -x[1])))
+    for key, t in sorted(names.items(), key=lambda x: -x[1])[:12]:
+        print(f"    {t:8.2f} ms  {key}")
+
+
+def _worker(rank: int, ranks: int, port: int, args) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=torch.device(rank))
+    import flash_attention as fa
+    from flash_attention.distributed import ring_attention
+
+    local = args.seq // ranks
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, local, 32, 128, device="cuda", dtype=torch.bfloat16,
+                                 generator=g) for _ in range(4))
+
+    def compute():  # the ring forward's kernel calls without transfers: P calls on local keys
+        for _ in range(ranks):
+            fa.attention(q, k, v, causal=args.causal)
+
+    if rank == 0:
+        alone = _time_alone(compute, args.reps)
+        print(f"# {ranks} GPUs, S {args.seq} ({local} per GPU), causal={args.causal}")
+        print(f"compute alone (rank 0, others idle): {statistics.median(alone):.2f} ms "
+              f"[{min(alone):.2f}-{max(alone):.2f}] for {ranks} calls of {local}x{local}")
+    dist.barrier()
+    together = _time_alone(compute, args.reps)
+    t = torch.tensor([statistics.median(together)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"compute on every GPU at once: {t.item():.2f} ms (the slowest rank's median)")
+    ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+    kv = torch.stack((k, v)).contiguous()
+
+    def transfer():
+        buf = torch.empty_like(kv)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + 1) % ranks),
+                                       dist.P2POp(dist.irecv, buf, (rank - 1) % ranks)])
+        return reqs
+
+    def shift():
+        for r in transfer():
+            r.wait()
+
+    def attend():
+        fa.attention(q, k, v, causal=args.causal)
+
+    def both():
+        reqs = transfer()
+        attend()
+        for r in reqs:
+            r.wait()
+
+    parts = []
+    for fn in (shift, attend, both):
+        dist.barrier()
+        t = torch.tensor([statistics.median(_time_alone(fn, args.reps))], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        parts.append(t.item())
+    if rank == 0:
+        rate = kv.numel() * kv.element_size() / parts[0] / 1e6
+        print(f"one step: transfer {parts[0]:.2f} ms ({rate:.0f} GB/s), attention "
+              f"{parts[1]:.2f} ms, both {parts[2]:.2f} ms (the slowest rank's medians)")
+
+    def fwd():
+        with torch.no_grad():
+            ring_attention(ql, kl, vl, causal=args.causal)
+
+    def step():
+        out = ring_attention(ql, kl, vl, causal=args.causal)
+        torch.autograd.grad(out, (ql, kl, vl), dout)
+
+    for label, fn in (("ring forward", fwd), ("ring forward + backward", step)):
+        if rank == 0:
+            _profile(fn, label)
+        else:
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+            fn()
+            torch.cuda.synchronize()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    ranks = torch.cuda.device_count()
+    if ranks < 2:
+        print(f"ring_profile: {ranks} GPU(s) here; context parallelism needs 2 or more")
+        return 2
+    mp.spawn(_worker, args=(ranks, _free_port(), args), nprocs=ranks, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
