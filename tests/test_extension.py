@@ -55,11 +55,10 @@ def test_ptxas_report_kept(ext):
     for arch in info["archs"]:
         assert text.count(f"for 'sm_{arch}'") >= len(sm80)
     # Hopper kernels compile for sm_90a alone, whatever the build's list: a forward unit one
-    # kernel, a Hopper backward unit four (its main kernel and its kind's helpers of its dtype:
-    # the preprocess, the tile-order dQ conversion and its twin that adds dQ to fp32 sums,
-    # bwd_add_dq*, for flash_attention::bwd_accumulate).
+    # kernel, a Hopper backward unit three (its main kernel and its kind's two helpers of its
+    # dtype: the preprocess and the tile-order dQ conversion).
     hopper_bwd = [c for c in info["bwd_configs"] if c.startswith("bwd_sm90_")]
-    assert text.count("for 'sm_90a'") == len(info["configs"]) - len(sm80) + 4 * len(hopper_bwd)
+    assert text.count("for 'sm_90a'") == len(info["configs"]) - len(sm80) + 3 * len(hopper_bwd)
 
 
 def test_operator_call_rejects_bad_input(ext):

@@ -338,7 +338,7 @@ enum class DqLayout { kRows, kWgmmaTiles, kLaneTiles };
 // tile order (threads 32 w + 4 r .. + 3; lane_major: kLaneTiles), scaled by s and packed:
 // lo the row's 8 columns, hi the row + 8's.
 template <typename Elem>
-__device__ __forceinline__ void tile_pair_packed(const float* blk, int n, int pair, bool lane_major,
+__device__ __forceinline__ void tile_pair_values(const float* blk, int n, int pair, bool lane_major,
                                                  float s, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
     if (lane_major) {  // float j of lanes 4 r .. + 3: 4 contiguous floats per j
         const float4* acc =
@@ -364,49 +364,50 @@ __device__ __forceinline__ void tile_pair_packed(const float* blk, int n, int pa
     }
 }
 
-// tile_pair_packed's values unpacked, in fp32 (the conversions that add into an fp32 dq).
-__device__ __forceinline__ void tile_pair_values(const float* blk, int n, int pair, bool lane_major,
-                                                 float s, float (&lo)[8], float (&hi)[8]) {
-    if (lane_major) {  // float j of lanes 4 r .. + 3: 4 contiguous floats per j
+// BwdParams::accumulate: the values tile_pair_values packs, scaled and added to the fp32
+// dq at `at` (the row's 8 columns) and, with second_row, at + 8 rows, each value as soon as it
+// is loaded (reductions that return nothing, so few registers hold values; one thread adds
+// each element, so the sum is the same in any order).
+__device__ __forceinline__ void add_tile_pair(const BwdParams& p, const float* blk, int n, int pair,
+                                              bool lane_major, int64_t at, bool second_row) {
+    const float s = p.softmax_scale;
+    float* lo = static_cast<float*>(p.dq) + at;
+    float* hi = lo + 8 * p.dq_row_stride;
+    if (lane_major) {  // float j of lanes 4 r .. + 3: j = 0, 1 the row's, 2, 3 the row + 8's
         const float4* acc =
             reinterpret_cast<const float4*>(blk + n * 512 + (pair / 8) * 128 + (pair % 8) * 4);
-        const float4 a0 = acc[0], a1 = acc[8], a2 = acc[16], a3 = acc[24];  // j = 0 .. 3
-        const float row[8] = {a0.x, a1.x, a0.y, a1.y, a0.z, a1.z, a0.w, a1.w};
-        const float row8[8] = {a2.x, a3.x, a2.y, a3.y, a2.z, a3.z, a2.w, a3.w};
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-            lo[c] = row[c] * s;
-            hi[c] = row8[c] * s;
+        for (int j = 0; j < 4; ++j) {
+            if (j >= 2 && !second_row)
+                break;
+            const float4 a = acc[8 * j];
+            float* dst = (j < 2 ? lo : hi) + j % 2;
+            atomicAdd(dst, a.x * s);
+            atomicAdd(dst + 2, a.y * s);
+            atomicAdd(dst + 4, a.z * s);
+            atomicAdd(dst + 6, a.w * s);
         }
-    } else {
+    } else {  // float4 c: columns 2c, 2c + 1 of the row (x, y) and of the row + 8 (z, w)
         const float4* acc =
             reinterpret_cast<const float4*>(blk + (n * 128 + (pair / 8) * 32 + (pair % 8) * 4) * 4);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const float4 a = acc[c];
-            lo[2 * c] = a.x * s;
-            lo[2 * c + 1] = a.y * s;
-            hi[2 * c] = a.z * s;
-            hi[2 * c + 1] = a.w * s;
+            atomicAdd(lo + 2 * c, a.x * s);
+            atomicAdd(lo + 2 * c + 1, a.y * s);
+            if (second_row) {
+                atomicAdd(hi + 2 * c, a.z * s);
+                atomicAdd(hi + 2 * c + 1, a.w * s);
+            }
         }
     }
-}
-
-// A row's 8 dQ values added to the fp32 dq at element `offset` (the conversions of
-// BwdParams::accumulate): reductions that return nothing; one thread adds each element, so the
-// sum is the same in any order.
-__device__ __forceinline__ void add_dq8(const BwdParams& p, int64_t offset, const float (&v)[8]) {
-    float* at = static_cast<float*>(p.dq) + offset;
-#pragma unroll
-    for (int c = 0; c < 8; ++c)
-        atomicAdd(at + c, v[c]);
 }
 
 // The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
 // one per pair of rows (16 w + r, + 8) and tile n, reading the four float4 of threads 32 w +
 // 4 r .. + 3 of the tile, 64 contiguous bytes. Consecutive threads take consecutive tiles of
 // the same rows, so that a warp's stores are whole row segments.
-template <typename Elem, bool kAdd>
+template <typename Elem>
 __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t idx,
                                                      bool lane_major) {
     const int tiles = p.d_pad / 8;
@@ -419,24 +420,21 @@ __device__ __forceinline__ void convert_dq_tile_pair(const BwdParams& p, int64_t
         return;
     const float* blk =
         p.dq_accum + ((batch * p.heads + head) * p.seqlen_q_pad + block * 64) * p.d_pad;
-    if constexpr (kAdd) {
-        float lo[8], hi[8];
-        tile_pair_values(blk, n, pair, lane_major, p.softmax_scale, lo, hi);
-        const int64_t at =
-            batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + n * 8;
-        add_dq8(p, at, lo);
-        if (row + 8 < p.seqlen_q)
-            add_dq8(p, at + 8 * p.dq_row_stride, hi);
-    } else {
-        uint32_t lo[4], hi[4];
-        tile_pair_packed<Elem>(blk, n, pair, lane_major, p.softmax_scale, lo, hi);
-        Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-                   row * p.dq_row_stride + n * 8;
-        *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        if (row + 8 < p.seqlen_q)
-            *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
-                make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    if (p.accumulate) {
+        add_tile_pair(
+            p, blk, n, pair, lane_major,
+            batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + n * 8,
+            row + 8 < p.seqlen_q);
+        return;
     }
+    uint32_t lo[4], hi[4];
+    tile_pair_values<Elem>(blk, n, pair, lane_major, p.softmax_scale, lo, hi);
+    Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               row * p.dq_row_stride + n * 8;
+    *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if (row + 8 < p.seqlen_q)
+        *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
+            make_uint4(hi[0], hi[1], hi[2], hi[3]);
 }
 
 // Threads of a kWgmmaTiles conversion per (batch, head): a row pair and tile of each 64-row
@@ -445,14 +443,16 @@ inline int64_t tile_convert_threads(const BwdParams& p) {
     return int64_t(p.seqlen_q_pad / 64) * 32 * (p.d_pad / 8);
 }
 
-// The sm80 family's conversion: dQ = scale * accumulator in the input dtype (kAdd: added to
-// the fp32 dq). kRows order: one thread per 8 columns of a row; the kWgmmaTiles order where
-// p.dq_tiles (its launcher's choice), as convert_dq_tiles.
-template <typename Elem, bool kAdd>
-__device__ __forceinline__ void convert_dq_rows(const BwdParams& p) {
+// The sm80 family's conversion: dQ = scale * accumulator in the input dtype (or with
+// BwdParams::accumulate added to the fp32 dq). kRows order: one thread per 8 columns of a row;
+// the kWgmmaTiles order where p.dq_tiles (its launcher's choice), as
+// bwd_convert_dq_tiles_kernel.
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int64_t idx = int64_t(blockIdx.x) * 256 + threadIdx.x;
     if (p.dq_tiles) {
-        convert_dq_tile_pair<Elem, kAdd>(p, idx, p.dq_tiles == 2);
+        convert_dq_tile_pair<Elem>(p, idx, p.dq_tiles == 2);
         return;
     }
     const int chunks = p.d_head / 8;
@@ -466,31 +466,44 @@ __device__ __forceinline__ void convert_dq_rows(const BwdParams& p) {
     const float4 a = *reinterpret_cast<const float4*>(acc);
     const float4 b = *reinterpret_cast<const float4*>(acc + 4);
     const float s = p.softmax_scale;
-    if constexpr (kAdd) {
-        const float v[8] = {a.x * s, a.y * s, a.z * s, a.w * s, b.x * s, b.y * s, b.z * s, b.w * s};
-        add_dq8(
-            p,
-            batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8,
-            v);
-    } else {
-        uint4 out;
-        out.x = pack2<Elem>(a.x * s, a.y * s);
-        out.y = pack2<Elem>(a.z * s, a.w * s);
-        out.z = pack2<Elem>(b.x * s, b.y * s);
-        out.w = pack2<Elem>(b.z * s, b.w * s);
-        Elem* dq = static_cast<Elem*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-                   row * p.dq_row_stride + chunk * 8;
-        *reinterpret_cast<uint4*>(dq) = out;
+    const int64_t at =
+        batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8;
+    if (p.accumulate) {  // one thread adds each element: any order gives the same sum
+        float* dq = static_cast<float*>(p.dq) + at;
+        atomicAdd(dq, a.x * s);
+        atomicAdd(dq + 1, a.y * s);
+        atomicAdd(dq + 2, a.z * s);
+        atomicAdd(dq + 3, a.w * s);
+        atomicAdd(dq + 4, b.x * s);
+        atomicAdd(dq + 5, b.y * s);
+        atomicAdd(dq + 6, b.z * s);
+        atomicAdd(dq + 7, b.w * s);
+        return;
     }
+    uint4 out;
+    out.x = pack2<Elem>(a.x * s, a.y * s);
+    out.y = pack2<Elem>(a.z * s, a.w * s);
+    out.z = pack2<Elem>(b.x * s, b.y * s);
+    out.w = pack2<Elem>(b.z * s, b.w * s);
+    *reinterpret_cast<uint4*>(static_cast<Elem*>(p.dq) + at) = out;
+}
+
+// The Hopper family's conversion: dQ = scale * accumulator (kWgmmaTiles order) in the input
+// dtype (or added to the fp32 dq).
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
+    convert_dq_tile_pair<Elem>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
 }
 
 // The same in the varlen layout (the Hopper varlen kernels), blockIdx.z a sequence: its block of
 // 64 rows k from row varlen_row0() + 64 k of each head's buffer rows, its tokens at its q_start.
 // The grid covers max_seqlen_q rows; a longer sequence (cu_seqlens rewritten during CUDA graph
 // capture: seq_span_cut) is covered by looping, its rows past the cut set to 0 as the sm80
-// family's conversion sets them.
-template <typename Elem, bool kAdd>
-__device__ __forceinline__ void convert_dq_varlen(const BwdParams& p) {
+// family's conversion sets them (with BwdParams::accumulate: nothing added).
+template <typename Elem>
+static __global__ void __launch_bounds__(256)
+    bwd_convert_dq_varlen_kernel(const __grid_constant__ BwdParams p) {
     const int64_t head = blockIdx.y;
     const int b = static_cast<int>(blockIdx.z);
     const SeqSpan sp = seq_span(p, b);
@@ -506,67 +519,28 @@ __device__ __forceinline__ void convert_dq_varlen(const BwdParams& p) {
         const int64_t row = block * 64 + (pair / 8) * 16 + pair % 8;
         if (row >= sp.seqlen_q || n * 8 >= p.d_head)
             continue;
-        const float* blk = base + block * 64 * p.d_pad;
-        if constexpr (kAdd) {  // rows past the cut add nothing
-            if (row >= cut)
-                continue;
-            float lo[8], hi[8];
-            tile_pair_values(blk, n, pair, false, p.softmax_scale, lo, hi);
-            const int64_t at =
-                head * p.dq_head_stride + (sp.q_start + row) * p.dq_row_stride + n * 8;
-            add_dq8(p, at, lo);
-            if (row + 8 < cut)
-                add_dq8(p, at + 8 * p.dq_row_stride, hi);
-        } else {
-            uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+        if (p.accumulate) {
             if (row < cut)
-                tile_pair_packed<Elem>(blk, n, pair, false, p.softmax_scale, lo, hi);
-            Elem* dq = static_cast<Elem*>(p.dq) + head * p.dq_head_stride +
-                       (sp.q_start + row) * p.dq_row_stride + n * 8;
-            *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-            if (row + 8 < sp.seqlen_q) {
-                if (row + 8 >= cut)
-                    hi[0] = hi[1] = hi[2] = hi[3] = 0;
-                *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
-                    make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            }
+                add_tile_pair(
+                    p, base + block * 64 * p.d_pad, n, pair, false,
+                    head * p.dq_head_stride + (sp.q_start + row) * p.dq_row_stride + n * 8,
+                    row + 8 < cut);
+            continue;
+        }
+        uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+        if (row < cut)
+            tile_pair_values<Elem>(base + block * 64 * p.d_pad, n, pair, false, p.softmax_scale, lo,
+                                   hi);
+        Elem* dq = static_cast<Elem*>(p.dq) + head * p.dq_head_stride +
+                   (sp.q_start + row) * p.dq_row_stride + n * 8;
+        *reinterpret_cast<uint4*>(dq) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        if (row + 8 < sp.seqlen_q) {
+            if (row + 8 >= cut)
+                hi[0] = hi[1] = hi[2] = hi[3] = 0;
+            *reinterpret_cast<uint4*>(dq + 8 * p.dq_row_stride) =
+                make_uint4(hi[0], hi[1], hi[2], hi[3]);
         }
     }
-}
-
-// The conversions as kernels: the sm80 family's (rows or tiles), the Hopper family's (tiles),
-// the Hopper varlen kernels'; and each one's twin for BwdParams::accumulate, which adds dQ to
-// the fp32 dq instead (bwd_add_dq*: not helpers of the static gate, whose conversions stay the
-// 16-bit ones).
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_rows<Elem, false>(p);
-}
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_add_dq_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_rows<Elem, true>(p);
-}
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_convert_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_tile_pair<Elem, false>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
-}
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_add_dq_tiles_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_tile_pair<Elem, true>(p, int64_t(blockIdx.x) * 256 + threadIdx.x, false);
-}
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_convert_dq_varlen_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_varlen<Elem, false>(p);
-}
-template <typename Elem>
-static __global__ void __launch_bounds__(256)
-    bwd_add_dq_varlen_kernel(const __grid_constant__ BwdParams p) {
-    convert_dq_varlen<Elem, true>(p);
 }
 
 // ---- the passes of a backward call -------------------------------------------------------------
@@ -606,19 +580,11 @@ cudaError_t launch_passes(const BwdParams& p, cudaStream_t stream, LaunchMain&& 
                                           : tile_convert_threads(rows);
     const dim3 cvt_grid(static_cast<unsigned>((threads + 255) / 256), rows.heads, rows.batch);
     if constexpr (kVarlenRows)
-        return p.accumulate
-                   ? launch_checked<&bwd_add_dq_varlen_kernel<Elem>>(cvt_grid, 256, 0, stream, rows)
-                   : launch_checked<&bwd_convert_dq_varlen_kernel<Elem>>(cvt_grid, 256, 0, stream,
-                                                                         rows);
+        return launch_checked<&bwd_convert_dq_varlen_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
     else if constexpr (kLayout == DqLayout::kWgmmaTiles)
-        return p.accumulate
-                   ? launch_checked<&bwd_add_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows)
-                   : launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream,
-                                                                        rows);
+        return launch_checked<&bwd_convert_dq_tiles_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
     else
-        return p.accumulate
-                   ? launch_checked<&bwd_add_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows)
-                   : launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
+        return launch_checked<&bwd_convert_dq_kernel<Elem>>(cvt_grid, 256, 0, stream, rows);
 }
 
 }  // namespace flash::bwd
