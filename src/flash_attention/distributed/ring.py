@@ -87,7 +87,7 @@ class _Forward:
         self.q, self.args, self.rank, self.plan, self.parts = q, (scale, softcap), rank, plan, parts
         self.out: torch.Tensor | None = None  # (B, rows, H, D) fp32 and (B, H, rows) fp32
         self.lse: torch.Tensor | None = None
-        self._q: dict = {}  # (query index's id) -> those rows of q (copies)
+        self._q: dict = {}  # a pack's query chunk (Span.chunk) -> its rows of q (a copy)
 
     def add(self, src: int, kv: torch.Tensor) -> None:
         """The calls the rank's queries make on rank src's keys (kv: K and V stacked), each
@@ -95,9 +95,12 @@ class _Forward:
         scale, softcap = self.args
         for span in self.plan.spans(self.rank, src):
             rows, keys = self.parts.queries(span), self.parts.keys(span)
-            if not isinstance(rows, slice) and id(rows) not in self._q:
-                self._q[id(rows)] = self.q.index_select(1, rows)  # a pack's chunk, kept
-            q = take(self.q, 1, rows) if isinstance(rows, slice) else self._q[id(rows)]
+            if isinstance(rows, slice):
+                q = take(self.q, 1, rows)
+            elif span.chunk not in self._q:  # copied once, used at every step
+                q = self._q[span.chunk] = self.q.index_select(1, rows)
+            else:
+                q = self._q[span.chunk]
             o, lse = block_forward(q, take(kv[0], 1, keys), take(kv[1], 1, keys), scale,
                                    span.window, softcap, self.parts.args(span))
             first = self.out is None
@@ -132,22 +135,23 @@ class _Backward:
         self.args = (scale, softcap, deterministic)
         self.rank, self.plan, self.q, self.parts = rank, plan, q, parts
         self.dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        self._rows: dict = {}  # (query index's id) -> q, dout, out, lse of those rows (copies)
+        self._rows: dict = {}  # a pack's query chunk (Span.chunk) -> q, dout, out, lse rows
 
-    def _queries(self, rows) -> tuple[torch.Tensor, ...]:
+    def _queries(self, chunk: int, rows) -> tuple[torch.Tensor, ...]:
+        """q, dout, out, lse of a span's query rows: views, or a pack's chunk copied once."""
         q, dout, out, lse = self.inputs
         if isinstance(rows, slice):
             return take(q, 1, rows), take(dout, 1, rows), take(out, 1, rows), take(lse, 2, rows)
-        if id(rows) not in self._rows:  # a pack's chunk: copied once, used at every step
-            self._rows[id(rows)] = (q.index_select(1, rows), dout.index_select(1, rows),
-                                    out.index_select(1, rows), lse.index_select(2, rows))
-        return self._rows[id(rows)]
+        if chunk not in self._rows:
+            self._rows[chunk] = (q.index_select(1, rows), dout.index_select(1, rows),
+                                 out.index_select(1, rows), lse.index_select(2, rows))
+        return self._rows[chunk]
 
     def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
         scale, softcap, deterministic = self.args
         for span in self.plan.spans(self.rank, src):
             rows, keys = self.parts.queries(span), self.parts.keys(span)
-            q_i, do_i, o_i, lse_i = self._queries(rows)
+            q_i, do_i, o_i, lse_i = self._queries(span.chunk, rows)
             sums = (take(self.dq_sum, 1, rows), take(dkv[0], 1, keys), take(dkv[1], 1, keys))
             block_backward(do_i, q_i, take(kv[0], 1, keys), take(kv[1], 1, keys), o_i, lse_i,
                            scale, span.window, softcap, deterministic, self.parts.args(span),
