@@ -1,8 +1,9 @@
 """Context parallelism on the GPUs of one host, side by side in one run: forward and forward +
-backward of attention over one sequence sharded over every GPU (flash_attention.distributed,
-the ring and the all-gather methods), against PyTorch's context_parallel over SDPA (its cuDNN
-and flash backends, load-balanced for causal), and against one GPU running the whole sequence
-alone (this package's attention), one process per GPU over NCCL.
+backward of attention over one sequence sharded over every GPU (flash_attention.distributed:
+the ring by its default transport and by NCCL pushes, and the all-gather), against PyTorch's
+context_parallel over SDPA (its cuDNN and flash backends, load-balanced for causal), and
+against one GPU running the whole sequence alone (this package's attention), one process per
+GPU over NCCL.
 
 Rows: per total sequence length S and mask, each contender's milliseconds per call (the slowest
 rank's CUDA-event time; median over --reps calls after warm-up calls, the spread min-max), its
@@ -81,7 +82,7 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _ours(q, k, v, dout, causal, method, window=(-1, -1)):
+def _ours(q, k, v, dout, causal, method, window=(-1, -1), transport="auto"):
     from flash_attention.distributed import ring_attention, shard_sequence
 
     ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
@@ -89,10 +90,12 @@ def _ours(q, k, v, dout, causal, method, window=(-1, -1)):
 
     def fwd():
         with torch.no_grad():
-            ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
+            ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window,
+                           transport=transport)
 
     def step():
-        out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
+        out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window,
+                             transport=transport)
         torch.autograd.grad(out, (ql, kl, vl), dl)
 
     return fwd, step
@@ -208,8 +211,10 @@ def _one_shape(seq, causal, heads, kv_heads, args, rank, mesh, rows) -> None:
     dout = torch.randn_like(q)
     if rank == 0:
         print(f"# S {seq}, causal={causal}, window={window}", flush=True)
-    for method in ("ring", "allgather"):
-        _measure(f"ours {method}", lambda m=method: _ours(q, k, v, dout, causal, m, window),
+    for name, method, transport in (("ours ring", "ring", "auto"),
+                                    ("ours ring push", "ring", "push"),
+                                    ("ours allgather", "allgather", "auto")):
+        _measure(name, lambda m=method, t=transport: _ours(q, k, v, dout, causal, m, window, t),
                  args.reps, rank, rows, key)
     for label, backend in (("torch cp cudnn", SDPBackend.CUDNN_ATTENTION),
                            ("torch cp flash", SDPBackend.FLASH_ATTENTION)):

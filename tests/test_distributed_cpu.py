@@ -27,6 +27,7 @@ from flash_attention.distributed import (
     shard_packed,
     shard_sequence,
 )
+from flash_attention.distributed import links as links_module
 from flash_attention.distributed import ring as ring_module
 from flash_attention.distributed.layout import BOTH, DIAGONAL, FULL, Plan, Span, plan_for
 from flash_attention.masks import canonical_window, visible
@@ -191,7 +192,7 @@ def _free_port() -> int:
 
 
 def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, window=(-1, -1), *,
-                seed, method="ring") -> None:
+                seed, method="ring", transport="auto") -> None:
     g = torch.Generator().manual_seed(seed)  # the same whole tensors on every rank
     q = torch.randn(batch, seqlen, heads, d_head, generator=g)
     k = torch.randn(batch, seqlen, kv_heads, d_head, generator=g)
@@ -203,9 +204,9 @@ def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, window=
 
     ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True,
-                              method=method, window_size=window)
+                              method=method, window_size=window, transport=transport)
     (out * shard_sequence(dout)).sum().backward()
-    what = (f"{method}, rank {dist.get_rank()} of {dist.get_world_size()}: "
+    what = (f"{method} ({transport}), rank {dist.get_rank()} of {dist.get_world_size()}: "
             f"{batch, seqlen, heads, kv_heads}, causal={causal}, window={window}")
     tol = {"atol": 2e-5, "rtol": 1e-4}
     torch.testing.assert_close(out, shard_sequence(out_ref.detach()), **tol, msg=what)
@@ -216,7 +217,8 @@ def _check_case(batch, seqlen, heads, kv_heads, d_head, causal, softcap, window=
         torch.testing.assert_close(got, shard_sequence(want), **tol, msg=f"{what}: {name}")
 
 
-def _check_packed(ranks: int, heads, kv_heads, causal, softcap, seed, method) -> None:
+def _check_packed(ranks: int, heads, kv_heads, causal, softcap, seed, method,
+                  transport="auto") -> None:
     """A varlen pack of three sequences (3, 1 and 5 times 2 x ranks tokens), sharded sequence by
     sequence: outputs, LSEs and gradients against the reference on each whole sequence."""
     g = torch.Generator().manual_seed(seed)
@@ -238,9 +240,9 @@ def _check_packed(ranks: int, heads, kv_heads, causal, softcap, seed, method) ->
 
     ql, kl, vl = (shard_packed(t, cu).requires_grad_() for t in (q, k, v))
     out, lse = ring_attention(ql, kl, vl, causal=causal, softcap=softcap, return_lse=True,
-                              method=method, cu_seqlens=cu)
+                              method=method, cu_seqlens=cu, transport=transport)
     (out * shard_packed(dout, cu)).sum().backward()
-    what = f"packed {method}, rank {dist.get_rank()} of {ranks}, causal={causal}"
+    what = f"packed {method} ({transport}), rank {dist.get_rank()} of {ranks}, causal={causal}"
     tol = {"atol": 2e-5, "rtol": 1e-4}
     torch.testing.assert_close(out, shard_packed(out_ref.detach(), cu), **tol, msg=what)
     torch.testing.assert_close(lse, shard_packed(lse_ref.T, cu).T, **tol, msg=what)
@@ -255,16 +257,19 @@ def _worker(rank: int, ranks: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
-        for method in ("ring", "allgather"):
+        for method, transport in (("ring", "push"), ("ring", "pull"), ("allgather", "auto")):
             for seed, case in enumerate(CASES + WINDOW_CASES):
                 if case[1] % (2 * ranks) == 0:
-                    _check_case(*case, seed=seed, method=method)
+                    _check_case(*case, seed=seed, method=method, transport=transport)
             for seed, (heads, kv_heads, causal, softcap) in enumerate(
                     ((4, 2, True, 0.0), (2, 2, False, 5.0))):
-                _check_packed(ranks, heads, kv_heads, causal, softcap, seed, method)
+                _check_packed(ranks, heads, kv_heads, causal, softcap, seed, method, transport)
         with pytest.raises(ValueError, match="method must be one of ring, allgather"):
             x = torch.zeros(1, 4, 2, 8)
             ring_attention(x, x, x, method="tree")
+        with pytest.raises(ValueError, match="transport must be one of auto, push, pull"):
+            x = torch.zeros(1, 4, 2, 8)
+            ring_attention(x, x, x, transport="nccl")
         with pytest.raises(ValueError, match="two equal chunks"):
             x = torch.zeros(1, 3, 2, 8)
             ring_attention(x, x, x)
@@ -294,25 +299,27 @@ def _worker(rank: int, ranks: int, port: int) -> None:
                    for _ in range(3))
         for method, window in itertools.product(("ring", "allgather"), ((-1, -1), (3, 1))):
             grads = []
-            for _ in range(2):
+            for transport in ("push", "pull"):  # the same sums in the same order either way
                 out = ring_attention(q, k, v, causal=True, deterministic=True, method=method,
-                                     window_size=window)
+                                     window_size=window, transport=transport)
                 grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
             assert all(torch.equal(a, b) for a, b in zip(*grads)), (method, window)
     finally:
         dist.destroy_process_group()
 
 
-def _steps_worker(rank: int, ranks: int, port: int) -> None:
-    """Counts what the ring moves (every tensor _shift sends, by direction) and whose keys it
-    offers the calls, for causal windows under and over a chunk, none, and one's own key."""
+def _steps_worker(rank: int, ranks: int, port: int, transport: str) -> None:
+    """Counts what the ring moves (every tensor links._exchange sends, by the offset of the rank
+    it goes to) and whose keys it offers the calls, for causal windows under and over a chunk,
+    none, and one's own key. A push sends K/V one rank on per step; a pull of step s's K/V comes
+    from s ranks away."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     sent: list[int] = []
     sources: set[int] = set()  # whose keys the calls were offered
     plans: list[Plan] = []
-    real_shift, real_add = ring_module._shift, ring_module._Forward.add
+    real_shift, real_add = links_module._exchange, ring_module._Forward.add
 
     def counted_shift(moves, *args):
         sent.extend(d for _, d in moves)
@@ -323,7 +330,7 @@ def _steps_worker(rank: int, ranks: int, port: int) -> None:
         plans.append(self.plan)
         return real_add(self, src, kv)
 
-    ring_module._shift, ring_module._Forward.add = counted_shift, counted_add
+    links_module._exchange, ring_module._Forward.add = counted_shift, counted_add
     try:
         seqlen = 48  # chunks of 48 / 2 ranks tokens: 6 at 4 ranks, 4 at 6
         g = torch.Generator().manual_seed(11)
@@ -337,32 +344,35 @@ def _steps_worker(rank: int, ranks: int, port: int) -> None:
             sources.clear()
             with torch.no_grad():
                 ring_attention(shard_sequence(q), shard_sequence(k), shard_sequence(v),
-                               causal=True, window_size=window)
+                               causal=True, window_size=window, transport=transport)
             # K/V: each step's transfers, each way
-            assert sorted(sent) == [-1] * backward + [1] * forward, (window, sent)
+            hops = [-1] * backward + [1] * forward if transport == "push" else \
+                list(range(-backward, 0)) + list(range(1, forward + 1))
+            assert sorted(sent) == hops, (window, sent)
             reach = {(rank - d) % ranks for d in range(forward + 1)} | {
                 (rank + d) % ranks for d in range(backward + 1)}
             seen = {src for src in range(ranks) if plans[-1].spans(rank, src)}
             assert seen <= sources == reach, (window, seen, sources, reach)
             sent.clear()
-            _check_case(1, seqlen, 2, 2, 8, True, 0.0, window, seed=5)  # forward + backward
+            _check_case(1, seqlen, 2, 2, 8, True, 0.0, window, seed=5, transport=transport)
             # the backward's K/V as the forward's; dK/dV accumulators: one a step each way
             # (from step 0 forward, from step 1 backward) and, after a way's last, one home
             dkv = forward + (forward > 0) + backward
             assert len(sent) == 2 * (forward + backward) + dkv, (window, sent)
     finally:
-        ring_module._shift, ring_module._Forward.add = real_shift, real_add
+        links_module._exchange, ring_module._Forward.add = real_shift, real_add
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("transport", ["push", "pull"])
 @pytest.mark.parametrize("ranks", [4, 6])
-def test_ring_runs_only_the_steps_a_window_needs(ranks):
+def test_ring_runs_only_the_steps_a_window_needs(ranks, transport):
     """A causal window under a chunk: each rank sends K/V one step each way (2 transfers, not
     ranks - 1) and reads only its neighbours' keys; one over a chunk at 6 ranks: two steps each
     way (4, not 5); the backward moves K/V the same and its dK/dV accumulators go on one step
     less and then home; outputs and gradients still match the reference. A window of one key
-    moves nothing, no window the whole ring. (Counted through ring._shift.)"""
-    mp.spawn(_steps_worker, args=(ranks, _free_port()), nprocs=ranks, join=True)
+    moves nothing, no window the whole ring. (Counted through links._exchange.)"""
+    mp.spawn(_steps_worker, args=(ranks, _free_port(), transport), nprocs=ranks, join=True)
 
 
 def _compile_worker(rank: int, ranks: int, port: int) -> None:

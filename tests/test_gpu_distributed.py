@@ -4,7 +4,8 @@ and over one at 3 and 4 GPUs: partial blocks on slices; at 4 GPUs the first runs
 step each way), one sequence of 1536 tokens and a varlen pack (sharded sequence by sequence),
 against the fp32 reference on the whole sequence by FlashAttention's rule (the error at most
 twice that of the single-GPU call of the package's kernels on the whole sequence, plus a small
-floor), output and gradients. Skipped, with the reason, on a machine with fewer than 2 GPUs."""
+floor), output and gradients; the ring by both transports (links.py). Skipped, with the reason,
+on a machine with fewer than 2 GPUs."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _errors(got, ref32, single):
             (single.float() - ref32).abs().max().item())
 
 
-def _check_packed(rank: int, ranks: int, method: str, causal: bool) -> None:
+def _check_packed(rank: int, ranks: int, method: str, transport: str, causal: bool) -> None:
     """A varlen pack of 3 sequences sharded sequence by sequence (cu_seqlens): out and grads
     against the fp32 reference per sequence, by FlashAttention's rule against the single-GPU
     varlen call on the whole pack."""
@@ -59,9 +60,10 @@ def _check_packed(rank: int, ranks: int, method: str, causal: bool) -> None:
                                     causal=causal)
     single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
     ql, kl, vl = (shard_packed(t, cu).requires_grad_() for t in (q, k, v))
-    out = ring_attention(ql, kl, vl, causal=causal, method=method, cu_seqlens=cu)
+    out = ring_attention(ql, kl, vl, causal=causal, method=method, cu_seqlens=cu,
+                         transport=transport)
     grads = torch.autograd.grad((out * shard_packed(dout, cu)).sum(), (ql, kl, vl))
-    what = f"packed {method}, rank {rank} of {ranks}, causal={causal}"
+    what = f"packed {method} ({transport}), rank {rank} of {ranks}, causal={causal}"
     err, err_single = _errors(gather_packed(out.detach(), cu), ref.detach(), single)
     assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
     for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):
@@ -69,7 +71,24 @@ def _check_packed(rank: int, ranks: int, method: str, causal: bool) -> None:
         assert err <= 2 * err_single + FLOOR, f"{what}: d{name} {err:.3e} vs {err_single:.3e}"
 
 
-def _worker(rank: int, ranks: int, port: int, method: str) -> None:
+def _same_both_ways(q, k, v, dout, window) -> None:
+    """The ring's two transports, deterministic: the same sums in the same order, so the same
+    bits (a pull that read a slot before its write, or after the next one, would differ); run
+    twice each, the workspace reused."""
+    from flash_attention.distributed import ring_attention, shard_sequence
+
+    ql, kl, vl, dl = (shard_sequence(t) for t in (q, k, v, dout))
+    results = []
+    for transport in ("push", "pull", "push", "pull"):
+        xs = [t.clone().requires_grad_() for t in (ql, kl, vl)]
+        out = ring_attention(*xs, causal=True, window_size=window, deterministic=True,
+                             transport=transport)
+        results.append((out, *torch.autograd.grad((out * dl).sum(), xs)))
+    for name, *runs in zip(("out", "dq", "dk", "dv"), *results):
+        assert all(torch.equal(runs[0], r) for r in runs[1:]), f"{name}, window {window}"
+
+
+def _worker(rank: int, ranks: int, port: int, method: str, transport: str) -> None:
     import flash_attention as fa
     from flash_attention.distributed import gather_sequence, ring_attention, shard_sequence
     from flash_attention.reference import attention_reference
@@ -93,9 +112,13 @@ def _worker(rank: int, ranks: int, port: int, method: str) -> None:
             single_grads = torch.autograd.grad((single * dout).sum(), (qs, ks, vs))
 
             ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
-            out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window)
+            out = ring_attention(ql, kl, vl, causal=causal, method=method, window_size=window,
+                                 transport=transport)
             grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
-            what = f"{method}, rank {rank} of {ranks}, causal={causal}, window={window}"
+            if method == "ring" and transport == "pull" and causal:
+                _same_both_ways(q, k, v, dout, window)
+            what = (f"{method} ({transport}), rank {rank} of {ranks}, causal={causal}, "
+                    f"window={window}")
             err, err_single = _errors(gather_sequence(out.detach()), ref.detach(), single)
             assert err <= 2 * err_single + FLOOR, f"{what}: out {err:.3e} vs {err_single:.3e}"
             for name, mine, want, theirs in zip("qkv", grads, ref_grads, single_grads):
@@ -103,14 +126,18 @@ def _worker(rank: int, ranks: int, port: int, method: str) -> None:
                 assert err <= 2 * err_single + FLOOR, (
                     f"{what}: d{name} {err:.3e} vs {err_single:.3e}")
         for causal in (False, True):
-            _check_packed(rank, ranks, method, causal)
+            _check_packed(rank, ranks, method, transport, causal)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize(("method", "transport"),
+                         [("ring", "pull"), ("ring", "push"), ("allgather", "auto")])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_ring_attention_over_nccl_matches_the_whole_sequence(require_extension, ranks, method):
+def test_ring_attention_over_nccl_matches_the_whole_sequence(require_extension, ranks, method,
+                                                             transport):
+    """Both ring transports (copy-engine pulls over symmetric memory, NCCL pushes; pulls also
+    bitwise equal to pushes with deterministic=True) and the all-gather."""
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"multi-GPU test: {torch.cuda.device_count()} GPU(s) here, {ranks} needed")
-    mp.spawn(_worker, args=(ranks, _free_port(), method), nprocs=ranks, join=True)
+    mp.spawn(_worker, args=(ranks, _free_port(), method, transport), nprocs=ranks, join=True)

@@ -3,8 +3,9 @@ and backward through autograd, by a ring (below) or by all-gather (every rank's 
 at once; dK and dV reduced onto their owners).
 
 Forward, on rank r of P: K and V (stacked, the KV heads only) go around the ring, one step per
-rank; at step s the rank holds those of rank r - s, sends them on to r + 1 while it computes the
-calls its query chunks make on them (layout.Plan.spans), and merges each call's (out, LSE) into
+rank; at step s the rank holds those of rank r - s, and the next step's arrive (links.py: pulled
+by the copy engines, or pushed on by NCCL) while it computes the calls its query chunks make on
+them (layout.Plan.spans), and merges each call's (out, LSE) into
 the rows of its running result that the call covers, in fp32 (merge.py). Backward: K and V go
 around again, each step's transfer started before its calls are computed; the calls' dQ add
 into the rank's own, their dK and dV into fp32 accumulators that travel with K and V and come
@@ -30,37 +31,9 @@ from ..masks import canonical_window
 from ..validation import check_window
 from .blocks import block_backward, block_forward
 from .layout import Plan, plan_for
+from .links import TRANSPORTS, _global, link
 from .merge import merge_into
 from .parts import Fixed, Packed, put, take
-
-
-def _global(group, rank: int) -> int:
-    """The global rank of a rank of the group."""
-    if group is None or group is dist.group.WORLD:
-        return rank
-    return dist.get_global_rank(group, rank)
-
-
-def _shift(moves: list[tuple[torch.Tensor, int]], group, rank: int, ranks: int
-           ) -> tuple[list[torch.Tensor], list]:
-    """Start, for each (t, d) of moves, sending t to rank + d and receiving rank - d's t into a
-    new buffer (one batch of P2P operations; every rank posts the same moves in the same order,
-    so the sends and receives between any two ranks pair up in order)."""
-    if not moves:
-        return [], []
-    bufs, ops = [], []
-    for t, d in moves:
-        buf = torch.empty_like(t)
-        ops += [dist.P2POp(dist.isend, t, _global(group, (rank + d) % ranks), group),
-                dist.P2POp(dist.irecv, buf, _global(group, (rank - d) % ranks), group)]
-        bufs.append(buf)
-    return bufs, dist.batch_isend_irecv(ops)
-
-
-def _wait(reqs: list) -> None:
-    for req in reqs:
-        req.wait()
-
 
 # The ring's two directions: K/V sent to the next rank (rank r holds r - s at step s) and to
 # the previous one (r + s), with how many steps each runs (Plan.steps).
@@ -164,25 +137,26 @@ class _Backward:
         return self.dq_sum
 
 
-def _ring_forward(q, k, v, group, scale, plan, softcap, parts):
+def _ring_forward(q, k, v, group, scale, plan, softcap, parts, transport):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Forward(q, scale, plan, softcap, rank, parts)
     kv = torch.stack((k, v)).contiguous()
+    wire = link(transport, group, kv, sums=False)
     held = {_FORWARD: kv, _BACKWARD: kv}  # the K/V each direction holds at this step
     directions = _directions(plan)
     for step in range(max(plan.steps) + 1):
         moving = [d for d, n in directions if step < n]  # in flight under this step's calls
-        arriving, reqs = _shift([(held[d], d) for d in moving], group, rank, ranks)
+        arriving = wire.fetch_kv([(d, step + 1) for d in moving])
         for d, n in directions:
             if _held(step, d, n):
                 acc.add((rank - d * step) % ranks, held[d])
-        _wait(reqs)
-        held.update(zip(moving, arriving))
+        held.update((d, wire.arrived(h)) for d, h in zip(moving, arriving))
+    wire.close()
     return acc.result()
 
 
 def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
-                   parts):
+                   parts, transport):
     """K/V go around as in the forward; the dK/dV of the keys a direction holds travel with
     them in an fp32 accumulator (each rank adds its calls' share), and after the direction's
     last step go straight to their owner, n ranks back the way they came (for the whole ring
@@ -190,38 +164,38 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     kv = torch.stack((k, v)).contiguous()
+    wire = link(transport, group, kv, sums=True)
     held = {_FORWARD: kv, _BACKWARD: kv}
-    sums: dict[int, tuple[torch.Tensor, list]] = {}  # a direction's incoming accumulator
-    home: list[tuple[torch.Tensor, list]] = []  # this rank's keys' sums, on their way here
+    sums: dict[int, object] = {}  # a direction's sum from the previous rank, on its way here
+    home: list = []  # this rank's keys' sums, on their way here (or here)
     directions = _directions(plan)
     for step in range(max(plan.steps) + 1):
         moving = [d for d, n in directions if step < n]
-        arriving, kv_reqs = _shift([(held[d], d) for d in moving], group, rank, ranks)
+        arriving = wire.fetch_kv([(d, step + 1) for d in moving])
+        incoming = {d: wire.start(h) for d, h in sums.items()}  # under this step's calls
+        sums.clear()
         for d, n in directions:
             if not _held(step, d, n):
                 continue
             # This step's calls add into a fresh accumulator while the one of these keys (the
             # previous ranks' sums) is still on its way here; the two are summed when it lands.
-            local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            local = wire.accumulator(d, step)
             acc.add((rank - d * step) % ranks, held[d], local)
-            if d in sums:
-                buf, reqs = sums.pop(d)
-                _wait(reqs)
-                local = buf.add_(local)
+            if d in incoming:
+                local.add_(wire.get(incoming.pop(d)))
             if step < n:  # on with the keys
-                bufs, reqs = _shift([(local, d)], group, rank, ranks)
-                sums[d] = bufs[0], reqs
+                sums[d] = wire.pass_on(local, d, step)
             elif n > 0:  # home to the keys' owner, n ranks back
-                bufs, reqs = _shift([(local, -d * n)], group, rank, ranks)
-                home.append((bufs[0], reqs))
+                home.append(wire.send_home(local, d, n, step))
             else:  # no step this way: the rank's own keys' sum is home
-                home.append((local, []))
-        _wait(kv_reqs)
-        held.update(zip(moving, arriving))
+                home.append(local)
+        wire.end_step()
+        held.update((d, wire.arrived(h)) for d, h in zip(moving, arriving))
     dkv = None
-    for buf, reqs in home:  # in a fixed order: deterministic
-        _wait(reqs)
+    for h in home:  # in a fixed order: deterministic
+        buf = h if isinstance(h, torch.Tensor) else wire.get(h)
         dkv = buf if dkv is None else dkv.add_(buf)
+    wire.close()
     return acc.dq().to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)  # type: ignore[index]
 
 
@@ -233,7 +207,8 @@ def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
     return gathered
 
 
-def _allgather_forward(q, k, v, group, scale, plan, softcap, parts):
+def _allgather_forward(q, k, v, group, scale, plan, softcap, parts, transport):
+    del transport  # NCCL's all-gather moves the K/V
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Forward(q, scale, plan, softcap, rank, parts)
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
@@ -242,7 +217,8 @@ def _allgather_forward(q, k, v, group, scale, plan, softcap, parts):
 
 
 def _allgather_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
-                        parts):
+                        parts, transport):
+    del transport  # NCCL's all-gather and reduce move the K/V and the sums
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     mine = None
@@ -262,11 +238,12 @@ METHODS = {"ring": (_ring_forward, _ring_backward),
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, plan, softcap, deterministic, method, parts):
+    def forward(ctx, q, k, v, group, scale, plan, softcap, deterministic, method, parts,
+                transport):
         forward, _ = METHODS[method]
-        out, lse = forward(q, k, v, group, scale, plan, softcap, parts)
+        out, lse = forward(q, k, v, group, scale, plan, softcap, parts, transport)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, plan, softcap, deterministic, parts)
+        ctx.args = (group, scale, plan, softcap, deterministic, parts, transport)
         ctx.method = method
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -276,7 +253,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         _, backward = METHODS[ctx.method]
         dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _check(q, k, v, group, cu_seqlens) -> None:
@@ -352,7 +329,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    softcap: float = 0.0, deterministic: bool = False,
                    return_lse: bool = False, method: str = "ring",
                    cu_seqlens: torch.Tensor | None = None,
-                   window_size: tuple[int, int] = (-1, -1)):
+                   window_size: tuple[int, int] = (-1, -1), transport: str = "auto"):
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
@@ -374,9 +351,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     (local_total, heads, d_head) as shard_packed makes it (every sequence zigzag-sharded on its
     own), causal applies per sequence, and the LSE is (heads, local_total). A pack takes no
     window (ValueError): its sequences' chunks differ in length, so a window's slices would
-    differ per sequence."""
+    differ per sequence.
+
+    transport (the ring's; links.py): "pull" copies each step's K/V (and the backward's dK/dV
+    sums) from the rank that holds them with the copy engines, out of a symmetric-memory
+    workspace, so the transfers run under the attention calls; "push" passes them on by NCCL
+    point-to-point, whose kernel waits for SMs the attention kernels hold; "auto" (the default)
+    pulls where every rank's GPU can map every other's memory (CUDA peer access), else pushes.
+    On CPU tensors (gloo) both are sends and receives."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     causal, (left, right) = check_window(bool(causal), window_size)
     _check(q, k, v, group, cu_seqlens)
     ranks = dist.get_world_size(group)
@@ -397,7 +383,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                              f"chunks differ in length); only (-1, -1) and causal")
     out, lse = _RingAttention.apply(*args, group, float(scale),
                                     plan_for(ranks, parts.chunk, left, right), float(softcap),
-                                    bool(deterministic), method, parts)
+                                    bool(deterministic), method, parts, transport)
     if cu_seqlens is not None:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
