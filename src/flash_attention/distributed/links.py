@@ -90,10 +90,11 @@ class Push:
         bufs, reqs = _exchange([(local, d)], self.group, self.rank, self.ranks)
         return bufs[0], reqs
 
-    def send_home(self, local: torch.Tensor, d: int, n: int, step: int):
-        """A direction's finished sum (after its last step, n) to the keys' owner, n ranks back;
-        the handle the owner gets its keys' sum by."""
-        bufs, reqs = _exchange([(local, -d * n)], self.group, self.rank, self.ranks)
+    def send_home(self, local: torch.Tensor, d: int, n: int, step: int, dtype: torch.dtype):
+        """A direction's finished sum (after its last step, n) to the keys' owner, n ranks back,
+        in dtype (fp32, or rounded to K/V's: the last rounding done before the transfer); the
+        handle the owner gets its keys' sum by."""
+        bufs, reqs = _exchange([(local.to(dtype), -d * n)], self.group, self.rank, self.ranks)
         return bufs[0], reqs
 
     def start(self, handle):
@@ -150,10 +151,11 @@ class Pull:
         kv_bytes = _align(kv.numel() * kv.element_size())
         sum_bytes = _align(kv.numel() * 4)
         self.offsets = {"kv": 0}
-        slots = ((1, 0), (1, 1), (-1, 0), (-1, 1)) if sums else ()
-        for i, key in enumerate(slots):
-            self.offsets[key] = kv_bytes + i * sum_bytes
-        total = kv_bytes + (4 * sum_bytes if sums else 0)
+        total = kv_bytes
+        if sums:  # two fp32 slots per direction, and a finished sum in K/V's dtype
+            for key in ((1, 0), (1, 1), (-1, 0), (-1, 1)):
+                self.offsets[key], total = total, total + sum_bytes
+            self.offsets["home"], total = total, total + kv_bytes
         if self.cuda:
             self.space = _Workspace.get(group, total, kv.device)
             self.side = _side_stream(kv.device)
@@ -165,7 +167,7 @@ class Pull:
     def _region(self, key, rank: int) -> torch.Tensor:
         """A region of rank's workspace as a tensor (K/V: the input's dtype and shape; a slot:
         fp32)."""
-        dtype = self.kv.dtype if key == "kv" else torch.float32
+        dtype = self.kv.dtype if key in ("kv", "home") else torch.float32
         size = torch.Size(self.kv.shape)
         offset = self.offsets[key] // dtype.itemsize
         if not self.cuda:
@@ -222,7 +224,10 @@ class Pull:
     def pass_on(self, local: torch.Tensor, d: int, step: int):
         return ("pull", (d, step % 2), d)  # the next rank pulls it at its next step
 
-    def send_home(self, local: torch.Tensor, d: int, n: int, step: int):
+    def send_home(self, local: torch.Tensor, d: int, n: int, step: int, dtype: torch.dtype):
+        if dtype != local.dtype:  # rounded to K/V's dtype in its own region
+            self._region("home", self.rank).copy_(local)
+            return ("pull", "home", -d * n)
         return ("pull", (d, step % 2), -d * n)  # the owner pulls it after the last step
 
     def start(self, handle):

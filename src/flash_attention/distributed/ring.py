@@ -169,6 +169,9 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
     sums: dict[int, object] = {}  # a direction's sum from the previous rank, on its way here
     home: list = []  # this rank's keys' sums, on their way here (or here)
     directions = _directions(plan)
+    # One direction's sum is all a key gets (no window): it goes home rounded to K/V's dtype,
+    # half the bytes, the same bits as rounding it there.
+    rounded = sum(1 for d, n in directions if n > 0 or d == _FORWARD) == 1
     for step in range(max(plan.steps) + 1):
         moving = [d for d, n in directions if step < n]
         arriving = wire.fetch_kv([(d, step + 1) for d in moving])
@@ -186,11 +189,12 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
             if step < n:  # on with the keys
                 sums[d] = wire.pass_on(local, d, step)
             elif n > 0:  # home to the keys' owner, n ranks back
-                home.append(wire.send_home(local, d, n, step))
+                home.append(wire.send_home(local, d, n, step,
+                                           kv.dtype if rounded else torch.float32))
             else:  # no step this way: the rank's own keys' sum is home
                 home.append(local)
-        wire.end_step()
         held.update((d, wire.arrived(h)) for d, h in zip(moving, arriving))
+        wire.end_step()
     dkv = None
     for h in home:  # in a fixed order: deterministic
         buf = h if isinstance(h, torch.Tensor) else wire.get(h)
