@@ -11,7 +11,8 @@ tested on machines without GPUs).
 The layout (layout.py) gives rank r of P the chunks r and 2P - 1 - r of 2P equal chunks
 ("zigzag"), so that under a causal mask every rank has the same work; the ring (ring.py) passes
 K and V (only the KV heads: GQA travels at its own size) around the group one step at a time,
-each step's transfer overlapping the current block's attention, and merges the partial outputs
+each step's transfer running under the current block's attention (links.py: copied from the
+peer GPU's memory by the copy engines, or sent by NCCL), and merges the partial outputs
 by their LSEs in fp32 (merge.py); its backward sends dK and dV around with K and V. A sliding
 window (ring_attention's window_size, as attention() takes it) skips the blocks outside it,
 runs partial ones on slices, and shortens the ring to the steps some rank needs (layout.Plan).
