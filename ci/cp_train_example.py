@@ -127,7 +127,11 @@ def ring_forward(module, query, key, value, attention_mask, scaling=None, dropou
 
     _check_call(module, attention_mask, dropout, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (b, s, h, d) views
-    return ring_attention(q, k, v, causal=True, softmax_scale=scaling), None
+    return ring_attention(q, k, v, causal=True, softmax_scale=scaling,
+                          transport=TRANSPORT[0]), None
+
+
+TRANSPORT = ["push"]  # the ring's transport (--transport), set in each worker
 
 
 def one_process_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -310,10 +314,11 @@ class Run:
 
 
 def train(model, batch: Batch, steps: int, lr: float, cp: bool, record_first: bool,
-          chunk: int, plant: str | None = None) -> Run:
+          chunk: int, plant: str | None = None, progress: bool = False) -> Run:
     """AdamW steps on one sequence; cp: the batch is this rank's shard (loss and gradients
     summed over the group). record_first keeps step 1's token losses (gathered into sequence
-    order) and gradients (as AdamW would see them)."""
+    order) and gradients (as AdamW would see them). progress: print each step's loss and time
+    as it ends (long runs)."""
     from flash_attention.distributed import gather_sequence
 
     cuda = batch.ids.is_cuda
@@ -345,6 +350,9 @@ def train(model, batch: Batch, steps: int, lr: float, cp: bool, record_first: bo
         if cuda:
             torch.cuda.synchronize()
         run.step_s.append(time.perf_counter() - t0)
+        if progress:
+            print(f"step {step + 1}/{steps}: loss {run.losses[-1]:.4f}, "
+                  f"{run.step_s[-1]:.1f} s (this rank)", flush=True)
     if cuda:
         run.peak_bytes = torch.cuda.max_memory_allocated()
     return run
@@ -554,10 +562,15 @@ def run_long(rank: int, opts: dict, device: torch.device) -> dict | None:
                                           and est["rank_gb"] > 0.8 * est["gpu_gb"])
     if ckpt:
         checkpoint_layers(model)
+    if rank == 0:
+        print(f"{seq} tokens over {ranks} ranks: estimated {est['rank_gb']:.0f} GB a rank "
+              f"(one GPU: {est['one_gpu_gb']:.0f} GB, {est['one_gpu_ckpt_gb']:.0f} GB "
+              f"checkpointed; the GPU has {est['gpu_gb']:.0f}), per-layer checkpointing "
+              f"{'on' if ckpt else 'off'}; {opts['steps']} steps", flush=True)
 
     ids = make_sequence(preset.vocab, seq, opts["seed"])
     run = train(model, shard_batch(ids, device), opts["steps"], opts["lr"], cp=True,
-                record_first=False, chunk=chunk)
+                record_first=False, chunk=chunk, progress=rank == 0)
     agree = replicas_agree(model)
     per_rank = [None] * ranks
     dist.all_gather_object(per_rank, (run.peak_bytes, run.step_s))
@@ -576,6 +589,7 @@ def worker(rank: int, opts: dict, port: int, out_path: str) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (DESIGN.md)
     device = _setup(opts, rank)
+    TRANSPORT[0] = opts["transport"]
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=opts["ranks"])
     try:
@@ -700,6 +714,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", choices=("auto", "on", "off"), default="auto",
                    help="per-layer activation checkpointing of the P-rank run: auto is off for "
                    "--check, on for --long where the estimate exceeds 80%% of a GPU")
+    p.add_argument("--transport", choices=("push", "pull", "auto"), default="push",
+                   help="the ring's transfers (ring_attention's transport)")
     p.add_argument("--chunk", type=int, default=8192,
                    help="tokens per chunk of the LM head + loss (checkpointed)")
     p.add_argument("--grad-floor", type=float, default=1e-4,
@@ -742,7 +758,7 @@ def _options(args) -> tuple[dict | None, str]:
             "preset": args.preset or ("gpu" if device == "cuda" else "tiny"), "lr": args.lr,
             "seed": args.seed, "checkpoint": args.checkpoint, "chunk": args.chunk,
             "grad_floor": args.grad_floor, "out_floor": args.out_floor,
-            "curve_tol": args.curve_tol, "plant": args.plant}
+            "curve_tol": args.curve_tol, "plant": args.plant, "transport": args.transport}
     return opts, ""
 
 

@@ -1,6 +1,6 @@
 """Context parallelism on the GPUs of one host, side by side in one run: forward and forward +
 backward of attention over one sequence sharded over every GPU (flash_attention.distributed:
-the ring by its default transport and by NCCL pushes, and the all-gather), against PyTorch's
+the ring by copy-engine pulls and by NCCL pushes, and the all-gather), against PyTorch's
 context_parallel over SDPA (its cuDNN and flash backends, load-balanced for causal), and
 against one GPU running the whole sequence alone (this package's attention), one process per
 GPU over NCCL.
@@ -37,6 +37,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_on_every_gpu(study: str, worker, args) -> int:
+    """worker(rank, ranks, port, args) in one process per GPU of the host (the ring studies);
+    2 with a message where the host has fewer than 2 GPUs."""
+    ranks = torch.cuda.device_count()
+    if ranks < 2:
+        print(f"{study}: {ranks} GPU(s) here; context parallelism needs 2 or more")
+        return 2
+    mp.spawn(worker, args=(ranks, _free_port(), args), nprocs=ranks, join=True)
+    return 0
 
 
 def window_of(causal: bool, window: int) -> tuple[int, int]:
@@ -211,7 +222,7 @@ def _one_shape(seq, causal, heads, kv_heads, args, rank, mesh, rows) -> None:
     dout = torch.randn_like(q)
     if rank == 0:
         print(f"# S {seq}, causal={causal}, window={window}", flush=True)
-    for name, method, transport in (("ours ring", "ring", "auto"),
+    for name, method, transport in (("ours ring pull", "ring", "pull"),
                                     ("ours ring push", "ring", "push"),
                                     ("ours allgather", "allgather", "auto")):
         _measure(name, lambda m=method, t=transport: _ours(q, k, v, dout, causal, m, window, t),

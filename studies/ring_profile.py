@@ -24,8 +24,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from ring_bench import _free_port, _time_alone  # studies/ runs as scripts: a sibling
+from ring_bench import _time_alone, spawn_on_every_gpu  # studies/ runs as scripts: a sibling
 
 
 def _kind(name: str) -> str:
@@ -154,13 +153,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args()
-    ranks = torch.cuda.device_count()
-    if ranks < 2:
-        print(f"ring_profile: {ranks} GPU(s) here; context parallelism needs 2 or more")
-        return 2
-    mp.spawn(_worker, args=(ranks, _free_port(), args), nprocs=ranks, join=True)
-    return 0
+    return spawn_on_every_gpu("ring_profile", _worker, ap.parse_args())
 
 
 if __name__ == "__main__":

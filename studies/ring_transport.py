@@ -25,8 +25,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from ring_bench import _free_port, _time_alone  # studies/ runs as scripts: a sibling
+from ring_bench import _time_alone, spawn_on_every_gpu  # studies/ runs as scripts: a sibling
 
 DYNAMIC = "fwd_sm90_bf16_d128_r128_c128_s2_fwialdgzm"
 
@@ -142,13 +141,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    args = ap.parse_args()
-    ranks = torch.cuda.device_count()
-    if ranks < 2:
-        print(f"ring_transport: {ranks} GPU(s) here; a ring needs 2 or more")
-        return 2
-    mp.spawn(_worker, args=(ranks, _free_port(), args), nprocs=ranks, join=True)
-    return 0
+    return spawn_on_every_gpu("ring_transport", _worker, ap.parse_args())
 
 
 if __name__ == "__main__":

@@ -6,16 +6,17 @@ rank of a direction and receives the previous rank's. NCCL's kernel needs SMs of
 persistent attention kernels hold every SM, so a transfer waits for them and a step takes the
 transfer plus the call (studies/ring_transport.py measured it).
 
-Pull (copy engines): each rank publishes its K/V, and the sums it passes on, in a symmetric-memory
-workspace (torch.distributed._symmetric_memory: every rank maps every rank's buffer), and every
-step copies the next step's data straight from the rank that holds it, by cudaMemcpyAsync on a
-side stream: copy engines, no SM, so the transfer runs under the call. A device-side barrier of
-the group after each step's writes (and at the start and end of a call) orders a pull after the
-write it reads and before the next write over it; sums alternate between two slots per direction
-(written at step s, read by the next rank during step s + 1, written again at step s + 2, after
-the barrier that follows the read). On CPU tensors (gloo) a pull is a matched send/receive at
-the same point of the schedule (every rank pulls from the same offset at once), so the CPU tests
-check which rank's data each step reads.
+Pull (copy engines; opt-in, transport="pull" or "auto": a training example with it stalled on
+2 GPUs, not yet understood): each rank publishes its K/V, and the sums it passes on, in a
+symmetric-memory workspace (torch.distributed._symmetric_memory: every rank maps every rank's
+buffer), and every step copies the next step's data straight from the rank that holds it, by
+cudaMemcpyAsync on a side stream: copy engines, no SM, so the transfer runs under the call. A
+device-side barrier of the group after each step's writes (and at the start and end of a call)
+orders a pull after the write it reads and before the next write over it; sums alternate
+between two slots per direction (written at step s, read by the next rank during step s + 1,
+written again at step s + 2, after the barrier that follows the read). On CPU tensors (gloo) a
+pull is a matched send/receive at the same point of the schedule (every rank pulls from the
+same offset at once), so the CPU tests check which rank's data each step reads.
 """
 
 from __future__ import annotations

@@ -333,7 +333,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    softcap: float = 0.0, deterministic: bool = False,
                    return_lse: bool = False, method: str = "ring",
                    cu_seqlens: torch.Tensor | None = None,
-                   window_size: tuple[int, int] = (-1, -1), transport: str = "auto"):
+                   window_size: tuple[int, int] = (-1, -1), transport: str = "push"):
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
@@ -357,10 +357,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     window (ValueError): its sequences' chunks differ in length, so a window's slices would
     differ per sequence.
 
-    transport (the ring's; links.py): "pull" copies each step's K/V (and the backward's dK/dV
-    sums) from the rank that holds them with the copy engines, out of a symmetric-memory
-    workspace, so the transfers run under the attention calls; "push" passes them on by NCCL
-    point-to-point, whose kernel waits for SMs the attention kernels hold; "auto" (the default)
+    transport (the ring's; links.py): "push" (the default) passes K/V (and the backward's dK/dV
+    sums) on by NCCL point-to-point, whose kernel waits for SMs the attention kernels hold;
+    "pull" copies them from the rank that holds them with the copy engines, out of a
+    symmetric-memory workspace, so the transfers run under the attention calls (faster in the
+    benchmarks, but a training example with it stalled once: docs/distributed.md); "auto"
     pulls where every rank's GPU can map every other's memory (CUDA peer access), else pushes.
     On CPU tensors (gloo) both are sends and receives."""
     if method not in METHODS:
