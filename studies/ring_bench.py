@@ -39,6 +39,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_group(rank: int, ranks: int, port: int) -> None:
+    """This process's GPU and its NCCL group (one process per GPU of the host)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=torch.device(rank))
+
+
+def local_shards(rank: int, seq: int, ranks: int, count: int) -> list[torch.Tensor]:
+    """count random (1, seq / ranks, 32, 128) bf16 tensors of this rank (MHA 32 heads, d 128)."""
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    return [torch.randn(1, seq // ranks, 32, 128, device="cuda", dtype=torch.bfloat16,
+                        generator=g) for _ in range(count)]
+
+
 def spawn_on_every_gpu(study: str, worker, args) -> int:
     """worker(rank, ranks, port, args) in one process per GPU of the host (the ring studies);
     2 with a message where the host has fewer than 2 GPUs."""

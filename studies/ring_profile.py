@@ -18,13 +18,17 @@ studies/ring_bench.py): one process per GPU over NCCL, MHA 32/32, d_head 128, bf
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-from ring_bench import _time_alone, spawn_on_every_gpu  # studies/ runs as scripts: a sibling
+from ring_bench import (  # studies/ runs as scripts: a sibling
+    _time_alone,
+    join_group,
+    local_shards,
+    spawn_on_every_gpu,
+)
 
 
 def _kind(name: str) -> str:
@@ -68,16 +72,12 @@ def _profile(fn, label: str) -> None:
 
 
 def _worker(rank: int, ranks: int, port: int, args) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=torch.device(rank))
+    join_group(rank, ranks, port)
     import flash_attention as fa
     from flash_attention.distributed import ring_attention
 
     local = args.seq // ranks
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    q, k, v, dout = (torch.randn(1, local, 32, 128, device="cuda", dtype=torch.bfloat16,
-                                 generator=g) for _ in range(4))
+    q, k, v, dout = local_shards(rank, args.seq, ranks, 4)
 
     def compute():  # the ring forward's kernel calls without transfers: P calls on local keys
         for _ in range(ranks):

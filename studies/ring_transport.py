@@ -19,13 +19,17 @@ hides the transfer when "both" is the call alone.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-from ring_bench import _time_alone, spawn_on_every_gpu  # studies/ runs as scripts: a sibling
+from ring_bench import (  # studies/ runs as scripts: a sibling
+    _time_alone,
+    join_group,
+    local_shards,
+    spawn_on_every_gpu,
+)
 
 DYNAMIC = "fwd_sm90_bf16_d128_r128_c128_s2_fwialdgzm"
 
@@ -39,15 +43,11 @@ def _slowest(fn, reps: int) -> tuple[float, float, float]:
 
 
 def _worker(rank: int, ranks: int, port: int, args) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=torch.device(rank))
+    join_group(rank, ranks, port)
     import flash_attention as fa
 
     local = args.seq // ranks
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    q, k, v = (torch.randn(1, local, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-               for _ in range(3))
+    q, k, v = local_shards(rank, args.seq, ranks, 3)
     kv = torch.stack((k, v)).contiguous()
     nbytes = kv.numel() * kv.element_size()
     prev, nxt = (rank - 1) % ranks, (rank + 1) % ranks
