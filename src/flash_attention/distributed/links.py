@@ -6,17 +6,17 @@ rank of a direction and receives the previous rank's. NCCL's kernel needs SMs of
 persistent attention kernels hold every SM, so a transfer waits for them and a step takes the
 transfer plus the call (studies/ring_transport.py measured it).
 
-Pull (copy engines; opt-in, transport="pull" or "auto": a training example with it stalled on
-2 GPUs, not yet understood): each rank publishes its K/V, and the sums it passes on, in a
-symmetric-memory workspace (torch.distributed._symmetric_memory: every rank maps every rank's
-buffer), and every step copies the next step's data straight from the rank that holds it, by
-cudaMemcpyAsync on a side stream: copy engines, no SM, so the transfer runs under the call. A
-device-side barrier of the group after each step's writes (and at the start and end of a call)
-orders a pull after the write it reads and before the next write over it; sums alternate
-between two slots per direction (written at step s, read by the next rank during step s + 1,
-written again at step s + 2, after the barrier that follows the read). On CPU tensors (gloo) a
-pull is a matched send/receive at the same point of the schedule (every rank pulls from the
-same offset at once), so the CPU tests check which rank's data each step reads.
+Pull (copy engines; opt-in, transport="pull" or "auto": docs/distributed.md says why): each rank
+publishes its K/V, and the sums it passes on, in a symmetric-memory workspace
+(torch.distributed._symmetric_memory: every rank maps every rank's buffer), and every step
+copies the next step's data straight from the rank that holds it, by cudaMemcpyAsync on a side
+stream: copy engines, no SM, so the transfer runs under the call. A device-side barrier of the
+group after each step's writes (and at the start and end of a call) orders a pull after the
+write it reads and before the next write over it; sums alternate between two slots per direction
+(written at step s, read by the next rank during step s + 1, written again at step s + 2, after
+the barrier that follows the read). On CPU tensors (gloo) a pull is a matched send/receive at
+the same point of the schedule (every rank pulls from the same offset at once), so the CPU tests
+check which rank's data each step reads.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _wait(reqs: list) -> None:
 class Push:
     """NCCL (gloo on CPU) point-to-point: K/V passed on rank to rank, sums with them."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: bool) -> None:
+    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False) -> None:
         self.group, self.kv = group, kv
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.held: dict[int, torch.Tensor] = {}
@@ -113,27 +113,60 @@ class Push:
         pass
 
 
+class WorkspaceError(RuntimeError):
+    """A rank could not allocate the pulls' symmetric memory (every rank raises it together)."""
+
+
 class _Workspace:
     """A group's symmetric-memory buffer on one device (grown, never shrunk; every rank grows it
-    at the same call: the ring checks that all ranks pass the same shapes) and its handle."""
+    at the same call: the ring checks that all ranks pass the same shapes) and its handle. It
+    lies outside PyTorch's caching allocator: a growth that fails on a rank first returns the
+    cache's free blocks to the driver and tries again, and the ranks agree on the outcome before
+    the rendezvous (a rank that failed alone would leave the others waiting there)."""
 
     _spaces: dict[tuple[str, int], _Workspace] = {}
 
-    def __init__(self, group_name: str, nbytes: int, device: torch.device) -> None:
+    def __init__(self, group, nbytes: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buf, group_name)
+        buf, error = None, ""
+        for attempt in range(2):
+            try:
+                buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+                break
+            except RuntimeError as exc:  # the driver's out of memory
+                error = str(exc).splitlines()[0]
+                if attempt == 0:
+                    torch.cuda.empty_cache()
+        flag = torch.tensor([0 if buf is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if not flag.item():
+            raise WorkspaceError(
+                f"transport='pull': a rank could not allocate {nbytes / 2**30:.2f} GiB of "
+                f"symmetric memory for the ring's workspace (this rank: "
+                f"{error or 'allocated'}); transport='push' needs none")
+        self.buf = buf
+        self.handle = symm_mem.rendezvous(buf, (group or dist.group.WORLD).group_name)
 
     @classmethod
     def get(cls, group, nbytes: int, device: torch.device) -> _Workspace:
-        name = (group or dist.group.WORLD).group_name
-        key = (name, device.index)
+        key = ((group or dist.group.WORLD).group_name, device.index)
         space = cls._spaces.get(key)
         if space is None or space.buf.numel() < nbytes:
-            cls._spaces.pop(key, None)  # the old one goes before the new one is mapped
-            space = cls._spaces[key] = cls(name, nbytes, device)
+            if space is not None:  # every rank past its last use of the old one, then it goes
+                _drain(group, device)
+                del cls._spaces[key], space
+            space = cls._spaces[key] = cls(group, nbytes, device)
         return space
+
+
+def _drain(group, device: torch.device) -> None:
+    """Returns once every rank's device has run all it was given so far (the pulls from the
+    workspace and the barriers on it included: Pull.close joins the side stream), so a rank may
+    unmap its buffer: no peer reads it any more."""
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token, group=group)
+    token.item()
 
 
 def _align(n: int) -> int:
@@ -142,10 +175,11 @@ def _align(n: int) -> int:
 
 class Pull:
     """Copy-engine pulls from a symmetric-memory workspace (CUDA), or the same schedule as
-    matched send/receives (gloo, CPU tensors). Regions: the rank's K/V, then (with sums) two
-    fp32 slots per direction."""
+    matched send/receives (gloo, CPU tensors). Regions: the rank's K/V, then the fp32 slots the
+    backward's sums are made in ((direction, parity) keys: those its plan uses), then with home
+    a finished sum rounded to K/V's dtype."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: bool) -> None:
+    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False) -> None:
         self.group, self.kv = group, kv
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.cuda = kv.is_cuda
@@ -153,9 +187,9 @@ class Pull:
         sum_bytes = _align(kv.numel() * 4)
         self.offsets = {"kv": 0}
         total = kv_bytes
-        if sums:  # two fp32 slots per direction, and a finished sum in K/V's dtype
-            for key in ((1, 0), (1, 1), (-1, 0), (-1, 1)):
-                self.offsets[key], total = total, total + sum_bytes
+        for key in sums:
+            self.offsets[key], total = total, total + sum_bytes
+        if home:
             self.offsets["home"], total = total, total + kv_bytes
         if self.cuda:
             self.space = _Workspace.get(group, total, kv.device)
@@ -283,12 +317,20 @@ def _pull_works(group, device: torch.device) -> bool:
     return _PULL_OK[name]
 
 
-def link(transport: str, group, kv: torch.Tensor, sums: bool):
+def link(transport: str, group, kv: torch.Tensor, sums: tuple = (), home: bool = False):
     """The link a ring call moves data by: "push" (NCCL/gloo point-to-point), "pull" (copy
     engines over symmetric memory; matched send/receives on CPU), "auto" (pull on CUDA where
-    every rank can map every other's memory, else push)."""
+    every rank can map every other's memory and the workspace could be allocated, else push).
+    sums: the (direction, parity) slots the backward's sums are made in; home: whether a
+    finished sum goes home rounded to K/V's dtype."""
     if dist.get_world_size(group) == 1:
         transport = "push"  # nothing moves
     elif transport == "auto":
-        transport = "pull" if kv.is_cuda and _pull_works(group, kv.device) else "push"
-    return (Pull if transport == "pull" else Push)(group, kv, sums)
+        if kv.is_cuda and _pull_works(group, kv.device):
+            try:
+                return Pull(group, kv, sums, home)
+            except WorkspaceError:  # raised on every rank: all go on by NCCL
+                transport = "push"
+        else:
+            transport = "push"
+    return (Pull if transport == "pull" else Push)(group, kv, sums, home)

@@ -141,7 +141,7 @@ def _ring_forward(q, k, v, group, scale, plan, softcap, parts, transport):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Forward(q, scale, plan, softcap, rank, parts)
     kv = torch.stack((k, v)).contiguous()
-    wire = link(transport, group, kv, sums=False)
+    wire = link(transport, group, kv)
     held = {_FORWARD: kv, _BACKWARD: kv}  # the K/V each direction holds at this step
     directions = _directions(plan)
     for step in range(max(plan.steps) + 1):
@@ -164,14 +164,15 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     kv = torch.stack((k, v)).contiguous()
-    wire = link(transport, group, kv, sums=True)
-    held = {_FORWARD: kv, _BACKWARD: kv}
-    sums: dict[int, object] = {}  # a direction's sum from the previous rank, on its way here
-    home: list = []  # this rank's keys' sums, on their way here (or here)
     directions = _directions(plan)
     # One direction's sum is all a key gets (no window): it goes home rounded to K/V's dtype,
     # half the bytes, the same bits as rounding it there.
     rounded = sum(1 for d, n in directions if n > 0 or d == _FORWARD) == 1
+    slots = sorted({(d, s % 2) for d, n in directions for s in range(n + 1) if _held(s, d, n)})
+    wire = link(transport, group, kv, sums=tuple(slots), home=rounded)
+    held = {_FORWARD: kv, _BACKWARD: kv}
+    sums: dict[int, object] = {}  # a direction's sum from the previous rank, on its way here
+    home: list = []  # this rank's keys' sums, on their way here (or here)
     for step in range(max(plan.steps) + 1):
         moving = [d for d, n in directions if step < n]
         arriving = wire.fetch_kv([(d, step + 1) for d in moving])
