@@ -64,6 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -594,10 +595,17 @@ def worker(rank: int, opts: dict, port: int, out_path: str) -> None:
                             world_size=opts["ranks"])
     try:
         result = (run_check if opts["mode"] == "check" else run_long)(rank, opts, device)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:  # any failure ends this rank at once, loudly
+        # Its traceback now: the other ranks may be waiting in a collective for this one, and
+        # destroy_process_group (or the interpreter's exit) could then wait for them forever.
+        # mp.spawn sees the exit code and ends the others.
+        traceback.print_exc()
+        print(f"rank {rank}: failed (above); ending without waiting for the other ranks",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
 
 
 # ---- the report -------------------------------------------------------------------------------
