@@ -9,10 +9,13 @@ Rows: per total sequence length S and mask, each contender's milliseconds per ca
 rank's CUDA-event time; median over --reps calls after warm-up calls, the spread min-max), its
 TFLOP/s per GPU (the mask's attention FLOPs of the whole sequence over time x GPUs), and the
 scaling efficiency T_one_gpu(S) / (P x T_P(S)): 1.0 is perfect strong scaling, every byte of
-communication hidden. --long S times one forward + backward at S tokens (GQA) on every GPU with
-the ring and reports peak memory per GPU. --window L gives every mask a sliding window of L
-keys back (and L ahead when not causal), the FLOPs those of the pairs it keeps; torch's
-context_parallel is left out then (SDPA takes no window).
+communication hidden; and the time per token against one GPU's at the same tokens per GPU,
+T_P(S) / (P x T_one_gpu(S / P)) (issue 47's measure: 1.0 ideal for attention, whose work grows
+as S squared; one GPU's kernels run a little better on the longer sequence, so this one is the
+easier of the two by that much). --long S times one forward + backward at S tokens (GQA) on
+every GPU with the ring and reports peak memory per GPU. --window L gives every mask a sliding
+window of L keys back (and L ahead when not causal), the FLOPs those of the pairs it keeps;
+torch's context_parallel is left out then (SDPA takes no window).
 
     python3 studies/ring_bench.py [--seqs 32768,65536,131072] [--heads 32/32] [--d 128]
         [--reps 5] [--long 524288] [--window 4096] [--json out.json]
@@ -247,11 +250,14 @@ def _one_shape(seq, causal, heads, kv_heads, args, rank, mesh, rows) -> None:
             break  # SDPA takes no window
         _measure(label, lambda b=backend: _torch_cp(q, k, v, dout, causal, b, mesh),
                  args.reps, rank, rows, key)
-    # one GPU alone on the whole sequence (rank 0; the others wait at the barrier)
+    # one GPU alone on the whole sequence, and on one GPU's share of it (rank 0; the others
+    # wait at the barrier)
     if rank == 0:
-        fwd, step = _one_gpu(q, k, v, dout, causal, window)
-        rows[key]["one gpu"] = {"fwd": _time_alone(fwd, args.reps),
-                                "fwd+bwd": _time_alone(step, args.reps)}
+        share = seq // dist.get_world_size()
+        for name, n in (("one gpu", seq), ("one gpu, S/P", share)):
+            fwd, step = _one_gpu(q[:, :n], k[:, :n], v[:, :n], dout[:, :n], causal, window)
+            rows[key][name] = {"fwd": _time_alone(fwd, args.reps),
+                               "fwd+bwd": _time_alone(step, args.reps)}
     dist.barrier()
     torch.cuda.empty_cache()
 
@@ -311,6 +317,7 @@ def report(rows: dict, ranks: int, heads: int, d: int, window: int = 0) -> list[
         seq, causal = int(seq), causal == "True"
         print(f"S {seq} ({seq // ranks} per GPU), causal={causal}:")
         one = contenders.get("one gpu", {})
+        share = contenders.get("one gpu, S/P", {})
         for name, res in contenders.items():
             if "error" in res:
                 print(f"  {name:16s} failed: {res['error']}")
@@ -319,17 +326,22 @@ def report(rows: dict, ranks: int, heads: int, d: int, window: int = 0) -> list[
             for what in ("fwd", "fwd+bwd"):
                 t = res[what]
                 med = statistics.median(t)
-                gpus = 1 if name == "one gpu" else ranks
-                tf = flops(seq, heads, d, causal, what == "fwd+bwd",
+                alone = name.startswith("one gpu")
+                gpus, tokens = (1, seq // ranks) if name == "one gpu, S/P" else (
+                    1 if alone else ranks, seq)
+                tf = flops(tokens, heads, d, causal, what == "fwd+bwd",
                            window_of(causal, window)) / (med * 1e-3) / gpus / 1e12
-                scale = (statistics.median(one[what]) / (ranks * med)
-                         if one and name != "one gpu" else None)
+                scale = statistics.median(one[what]) / (ranks * med) if one and not alone else None
+                # the time per token against one GPU's at the same tokens per GPU (S / P)
+                per_token = (med / (ranks * statistics.median(share[what]))
+                             if share and not alone else None)
                 print(f"  {name:16s} {what:8s} {med:9.2f} ms [{min(t):.2f}-{max(t):.2f}] "
-                      f"{tf:6.0f} TFLOP/s/GPU" + (f"  scaling {scale:.2f}" if scale else ""))
+                      f"{tf:6.0f} TFLOP/s/GPU" + (f"  scaling {scale:.2f}" if scale else "")
+                      + (f"  per token {per_token:.2f}x one GPU's at S/P" if per_token else ""))
                 table.append({"seq": seq, "causal": causal, "window": window_of(causal, window),
                               "name": name, "what": what,
                               "ms": med, "spread": [min(t), max(t)], "tflops_per_gpu": tf,
-                              "scaling": scale})
+                              "scaling": scale, "per_token_vs_share": per_token})
     if "long" in rows:
         lr = rows["long"]
         print(f"long: S {lr['seq']} GQA 32/8 causal fwd+bwd with the ring: "
