@@ -364,28 +364,51 @@ __device__ __forceinline__ void tile_pair_values(const float* blk, int n, int pa
     }
 }
 
-// BwdParams::accumulate: the values tile_pair_values packs, scaled and added to the fp32
-// dq at `at` (the row's 8 columns) and, with second_row, at + 8 rows, each value as soon as it
-// is loaded (reductions that return nothing, so few registers hold values; one thread adds
-// each element, so the sum is the same in any order).
+// dst[0 .. 7] += s * v[0 .. 7], the eight floats one thread owns (BwdParams::accumulate: one
+// thread adds each element, so a plain read-modify-write gives the sum atomics would, in vector
+// loads and stores; scalar atomics ran the conversion far below the memory's bandwidth). The fp32
+// sums are 8-byte aligned with even strides (check_grad_sum): float4s where 16-byte aligned.
+__device__ __forceinline__ void add_eight(float* dst, const float (&v)[8], float s) {
+    if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+        float4* d = reinterpret_cast<float4*>(dst);
+        float4 a = d[0], b = d[1];
+        a.x += v[0] * s;
+        a.y += v[1] * s;
+        a.z += v[2] * s;
+        a.w += v[3] * s;
+        b.x += v[4] * s;
+        b.y += v[5] * s;
+        b.z += v[6] * s;
+        b.w += v[7] * s;
+        d[0] = a;
+        d[1] = b;
+        return;
+    }
+    float2* d = reinterpret_cast<float2*>(dst);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 a = d[i];
+        a.x += v[2 * i] * s;
+        a.y += v[2 * i + 1] * s;
+        d[i] = a;
+    }
+}
+
+// BwdParams::accumulate: the values tile_pair_values packs, scaled and added to the fp32 dq at
+// `at` (the row's 8 columns) and, with second_row, at + 8 rows (add_eight).
 __device__ __forceinline__ void add_tile_pair(const BwdParams& p, const float* blk, int n, int pair,
                                               bool lane_major, int64_t at, bool second_row) {
-    const float s = p.softmax_scale;
-    float* lo = static_cast<float*>(p.dq) + at;
-    float* hi = lo + 8 * p.dq_row_stride;
+    float lo[8], hi[8];
     if (lane_major) {  // float j of lanes 4 r .. + 3: j = 0, 1 the row's, 2, 3 the row + 8's
         const float4* acc =
             reinterpret_cast<const float4*>(blk + n * 512 + (pair / 8) * 128 + (pair % 8) * 4);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (j >= 2 && !second_row)
-                break;
-            const float4 a = acc[8 * j];
-            float* dst = (j < 2 ? lo : hi) + j % 2;
-            atomicAdd(dst, a.x * s);
-            atomicAdd(dst + 2, a.y * s);
-            atomicAdd(dst + 4, a.z * s);
-            atomicAdd(dst + 6, a.w * s);
+        const float4 a0 = acc[0], a1 = acc[8];  // columns 0, 2, 4, 6 and 1, 3, 5, 7
+        lo[0] = a0.x, lo[1] = a1.x, lo[2] = a0.y, lo[3] = a1.y;
+        lo[4] = a0.z, lo[5] = a1.z, lo[6] = a0.w, lo[7] = a1.w;
+        if (second_row) {
+            const float4 a2 = acc[16], a3 = acc[24];
+            hi[0] = a2.x, hi[1] = a3.x, hi[2] = a2.y, hi[3] = a3.y;
+            hi[4] = a2.z, hi[5] = a3.z, hi[6] = a2.w, hi[7] = a3.w;
         }
     } else {  // float4 c: columns 2c, 2c + 1 of the row (x, y) and of the row + 8 (z, w)
         const float4* acc =
@@ -393,14 +416,14 @@ __device__ __forceinline__ void add_tile_pair(const BwdParams& p, const float* b
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const float4 a = acc[c];
-            atomicAdd(lo + 2 * c, a.x * s);
-            atomicAdd(lo + 2 * c + 1, a.y * s);
-            if (second_row) {
-                atomicAdd(hi + 2 * c, a.z * s);
-                atomicAdd(hi + 2 * c + 1, a.w * s);
-            }
+            lo[2 * c] = a.x, lo[2 * c + 1] = a.y;
+            hi[2 * c] = a.z, hi[2 * c + 1] = a.w;
         }
     }
+    float* dq = static_cast<float*>(p.dq) + at;
+    add_eight(dq, lo, p.softmax_scale);
+    if (second_row)
+        add_eight(dq + 8 * p.dq_row_stride, hi, p.softmax_scale);
 }
 
 // The conversion of the kWgmmaTiles order, thread idx of the grid tile_convert_threads() sizes:
@@ -468,16 +491,9 @@ static __global__ void __launch_bounds__(256)
     const float s = p.softmax_scale;
     const int64_t at =
         batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + chunk * 8;
-    if (p.accumulate) {  // one thread adds each element: any order gives the same sum
-        float* dq = static_cast<float*>(p.dq) + at;
-        atomicAdd(dq, a.x * s);
-        atomicAdd(dq + 1, a.y * s);
-        atomicAdd(dq + 2, a.z * s);
-        atomicAdd(dq + 3, a.w * s);
-        atomicAdd(dq + 4, b.x * s);
-        atomicAdd(dq + 5, b.y * s);
-        atomicAdd(dq + 6, b.z * s);
-        atomicAdd(dq + 7, b.w * s);
+    if (p.accumulate) {  // one thread owns these 8 elements (add_eight)
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        add_eight(static_cast<float*>(p.dq) + at, v, s);
         return;
     }
     uint4 out;
