@@ -385,24 +385,35 @@ def _compile_worker(rank: int, ranks: int, port: int) -> None:
         k, v = (torch.randn(1, 8 * ranks, 2, 8, generator=g) for _ in range(2))  # GQA 4/2
 
         def step(q, k, v):
-            return (ring_attention(q, k, v, causal=True) ** 2).sum()
+            out = ring_attention(q * 0.5, k, v, causal=True, window_size=(12, 0))
+            return (out.float() ** 2).sum()
 
         results = []
-        for fn in (step, torch.compile(step, backend="aot_eager")):
+        for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True),
+                   torch.compile(step, fullgraph=True)):  # inductor
             ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
             loss = fn(ql, kl, vl)
             results.append((loss.detach(), *torch.autograd.grad(loss, (ql, kl, vl))))
-        for eager, compiled in zip(*results):
-            torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+        for eager, *compiled in zip(*results):
+            for c in compiled:
+                torch.testing.assert_close(c, eager, atol=1e-6, rtol=1e-5)
+        # the operators' registrations (schema, fake tensors, autograd, AOT dispatch)
+        ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
+        torch.library.opcheck(ring_module._ring_op, (ql, kl, vl, None, _world_name(), 0.3,
+                                                     True, -1, 0, 0.0, False, "ring", "push"))
     finally:
         dist.destroy_process_group()
 
 
+def _world_name() -> str:
+    return dist.group.WORLD.group_name
+
+
 def test_ring_attention_under_torch_compile():
-    """torch.compile of a step calling ring_attention gives the eager step's loss and gradients:
-    the code around it is compiled, the ring runs eagerly behind a graph break (dynamo does not
-    trace P2P operations unless TORCHDYNAMO_ENABLE_P2P_COMPILATION is set, so fullgraph=True is
-    refused there). CPU, gloo."""
+    """torch.compile(fullgraph=True) of a training step calling ring_attention (aot_eager and
+    inductor) gives the eager step's loss and gradients: the ring is two operators
+    (torch.library.custom_op, forward and backward) with fake implementations, so dynamo and
+    AOTAutograd see one opaque call each way; torch.library.opcheck passes. CPU, gloo."""
     mp.spawn(_compile_worker, args=(2, _free_port()), nprocs=2, join=True)
 
 

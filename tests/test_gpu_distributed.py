@@ -4,8 +4,8 @@ and over one at 3 and 4 GPUs: partial blocks on slices; at 4 GPUs the first runs
 step each way), one sequence of 1536 tokens and a varlen pack (sharded sequence by sequence),
 against the fp32 reference on the whole sequence by FlashAttention's rule (the error at most
 twice that of the single-GPU call of the package's kernels on the whole sequence, plus a small
-floor), output and gradients; the ring by both transports (links.py). Skipped, with the reason,
-on a machine with fewer than 2 GPUs."""
+floor), output and gradients; the ring by both transports (links.py) and under
+torch.compile(fullgraph=True). Skipped, with the reason, on a machine with fewer than 2 GPUs."""
 
 from __future__ import annotations
 
@@ -88,6 +88,21 @@ def _same_both_ways(q, k, v, dout, window) -> None:
         assert all(torch.equal(runs[0], r) for r in runs[1:]), f"{name}, window {window}"
 
 
+def _compiled_as_eager(q, k, v, dout, window, eager) -> None:
+    """torch.compile(fullgraph=True) (inductor) of the step: the ring is two custom operators,
+    so the graph holds it whole; its output and gradients match the eager call's."""
+    from flash_attention.distributed import ring_attention, shard_sequence
+
+    def attend(ql, kl, vl):
+        return ring_attention(ql, kl, vl, causal=True, window_size=window)
+
+    ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
+    out = torch.compile(attend, fullgraph=True)(ql, kl, vl)  # its backward compiled too
+    grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), eager):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=f"compiled {name}")
+
+
 def _worker(rank: int, ranks: int, port: int, method: str, transport: str) -> None:
     import flash_attention as fa
     from flash_attention.distributed import gather_sequence, ring_attention, shard_sequence
@@ -117,6 +132,8 @@ def _worker(rank: int, ranks: int, port: int, method: str, transport: str) -> No
             grads = torch.autograd.grad((out * shard_sequence(dout)).sum(), (ql, kl, vl))
             if method == "ring" and transport == "pull" and causal:
                 _same_both_ways(q, k, v, dout, window)
+            if method == "ring" and transport == "push" and causal:
+                _compiled_as_eager(q, k, v, dout, window, (out, *grads))
             what = (f"{method} ({transport}), rank {rank} of {ranks}, causal={causal}, "
                     f"window={window}")
             err, err_single = _errors(gather_sequence(out.detach()), ref.detach(), single)

@@ -241,30 +241,115 @@ METHODS = {"ring": (_ring_forward, _ring_backward),
            "allgather": (_allgather_forward, _allgather_backward)}
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, scale, plan, softcap, deterministic, method, parts,
-                transport):
-        forward, _ = METHODS[method]
-        out, lse = forward(q, k, v, group, scale, plan, softcap, parts, transport)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, scale, plan, softcap, deterministic, parts, transport)
-        ctx.method = method
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# The ring as two operators (torch.library.custom_op): eager autograd and torch.compile see one
+# opaque call per direction (dynamo does not trace the ring's point-to-point transfers, host
+# reads and link objects), with fake implementations for the shapes. The process group travels
+# by name (torch's functional collectives do the same); the layout, plan and checks are made
+# inside from the tensors and the ints.
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        _, backward = METHODS[ctx.method]
-        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+def _setup(q, k, v, cu_seqlens, group, causal: bool, left: int, right: int):
+    """(args, parts, plan): the tensors as the ring takes them (a pack gets a batch dimension of
+    1), how spans index them, and the calls of this group size and window."""
+    ranks = dist.get_world_size(group)
+    if cu_seqlens is None:
+        parts = Fixed(q.shape[1])
+        seqlen = q.shape[1] * ranks
+        left, right = canonical_window(causal, (left, right), seqlen, seqlen)
+        return (q, k, v), parts, plan_for(ranks, parts.chunk, left, right)
+    parts = Packed(cu_seqlens.cpu(), ranks, q.device)
+    longest = max(parts.chunks, default=0) * 2 * ranks
+    left, right = canonical_window(causal, (left, right), longest, longest)
+    if left != -1 or right not in (-1, 0):
+        raise ValueError(f"window_size {(left, right)} with cu_seqlens: a varlen pack takes no "
+                         f"sliding window in ring_attention (its sequences' chunks differ in "
+                         f"length); only (-1, -1) and causal")
+    pack = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))  # batch 1: one pack
+    return pack, parts, plan_for(ranks, parts.chunk, left, right)
+
+
+def _group_named(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("flash_attention_distributed::ring_attention", mutates_args=())
+def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cu_seqlens: torch.Tensor | None, group_name: str, scale: float, causal: bool,
+             left: int, right: int, softcap: float, deterministic: bool, method: str,
+             transport: str) -> tuple[torch.Tensor, torch.Tensor]:
+    del deterministic  # the backward's
+    group = _group_named(group_name)
+    _check(q, k, v, group, cu_seqlens)
+    args, parts, plan = _setup(q, k, v, cu_seqlens, group, causal, left, right)
+    forward, _ = METHODS[method]
+    out, lse = forward(*args, group, scale, plan, softcap, parts, transport)
+    if cu_seqlens is not None:
+        out, lse = out.squeeze(0), lse.squeeze(0)
+    return out, lse
+
+
+@_ring_op.register_fake
+def _(q, k, v, cu_seqlens, group_name, scale, causal, left, right, softcap, deterministic, method,
+      transport):
+    if q.dim() == 3:  # a pack: (local_total, heads, d) -> LSE (heads, local_total)
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("flash_attention_distributed::ring_attention_backward",
+                         mutates_args=())
+def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                      group_name: str, scale: float, causal: bool, left: int, right: int,
+                      softcap: float, deterministic: bool, method: str, transport: str
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = _group_named(group_name)
+    (q_, k_, v_), parts, plan = _setup(q, k, v, cu_seqlens, group, causal, left, right)
+    if cu_seqlens is not None:
+        dout, out, lse = dout.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
+    _, backward = METHODS[method]
+    dq, dk, dv = backward(dout.contiguous(), q_, k_, v_, out, lse, group, scale, plan, softcap,
+                          deterministic, parts, transport)
+    if cu_seqlens is not None:
+        dq, dk, dv = dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
+    # new tensors, none a view of another (dK and dV may be halves of one buffer)
+    return dq, *(t.clone() if t._base is not None else t for t in (dk, dv))
+
+
+@_ring_backward_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens, group_name, scale, causal, left, right, softcap,
+      deterministic, method, transport):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens = inputs[:4]
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.args = inputs[4:]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ring_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _ring_backward_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_ring_op.register_autograd(_ring_grad, setup_context=_setup_context)
+
+
+def _name_of(group) -> str:
+    """The name the operators find a process group by (None: the default group)."""
+    if isinstance(group, str):
+        return group
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
 def _check(q, k, v, group, cu_seqlens) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention needs torch.distributed initialised "
-                           "(dist.init_process_group)")
     ranks = dist.get_world_size(group)
     rank_dims = 3 if cu_seqlens is not None else 4
     form = "(local_total, heads, d_head) of a pack" if rank_dims == 3 else \
@@ -370,26 +455,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     causal, (left, right) = check_window(bool(causal), window_size)
-    _check(q, k, v, group, cu_seqlens)
-    ranks = dist.get_world_size(group)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention needs torch.distributed initialised "
+                           "(dist.init_process_group)")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if cu_seqlens is None:
-        parts = Fixed(q.shape[1])
-        args = (q, k, v)
-        seqlen = q.shape[1] * ranks
-        left, right = canonical_window(causal, (left, right), seqlen, seqlen)
-    else:
-        parts = Packed(cu_seqlens.cpu(), ranks, q.device)
-        args = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))  # batch 1: one pack
-        longest = max(parts.chunks, default=0) * 2 * ranks
-        left, right = canonical_window(causal, (left, right), longest, longest)
-        if left != -1 or right not in (-1, 0):
-            raise ValueError(f"window_size {tuple(window_size)} with cu_seqlens: a varlen pack "
-                             f"takes no sliding window in ring_attention (its sequences' "
-                             f"chunks differ in length); only (-1, -1) and causal")
-    out, lse = _RingAttention.apply(*args, group, float(scale),
-                                    plan_for(ranks, parts.chunk, left, right), float(softcap),
-                                    bool(deterministic), method, parts, transport)
-    if cu_seqlens is not None:
-        out, lse = out.squeeze(0), lse.squeeze(0)
+    out, lse = _ring_op(q, k, v, cu_seqlens, _name_of(group), float(scale), causal, left, right,
+                        float(softcap), bool(deterministic), method, transport)
     return (out, lse) if return_lse else out
