@@ -423,7 +423,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """Attention of a sequence sharded over `group` (zigzag: shard_sequence), each rank passing
     its shards q (batch, local_seq, heads, d_head), k, v (batch, local_seq, kv_heads, d_head).
     Returns this rank's shard of the output (and of the LSE, (batch, heads, local_seq) fp32,
-    with return_lse); gradients flow back to q, k, v through autograd. causal: the whole
+    with return_lse); gradients flow back to q, k, v through autograd (the ring is two custom
+    operators, so torch.compile(fullgraph=True) holds it in one graph). group: a process group,
+    its name (group.group_name), or None for the default group. causal: the whole
     sequence's causal mask; softcap as in attention(); deterministic: the backward's sums in a
     fixed order. method: "ring" (K/V passed rank to rank under the blocks: memory of one
     rank's K/V in flight; the default, measured as fast as the other on 2 GPUs) or
