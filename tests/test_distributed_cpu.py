@@ -397,6 +397,22 @@ def _compile_worker(rank: int, ranks: int, port: int) -> None:
         for eager, *compiled in zip(*results):
             for c in compiled:
                 torch.testing.assert_close(c, eager, atol=1e-6, rtol=1e-5)
+        # a varlen pack, the group passed by name: compiled (aot_eager) as eager, bit for bit
+        cu = torch.tensor([0, 4 * ranks, 12 * ranks, 18 * ranks], dtype=torch.int32)
+        packed = [shard_packed(torch.randn(18 * ranks, h, 8, generator=g), cu).requires_grad_()
+                  for h in (4, 2, 2)]
+
+        def packed_step(q, k, v):
+            out, lse = ring_attention(q, k, v, causal=True, cu_seqlens=cu, return_lse=True,
+                                      group=_world_name())
+            return (out ** 2).sum() + lse.sum()
+
+        runs = []
+        for fn in (packed_step, torch.compile(packed_step, backend="aot_eager", fullgraph=True)):
+            loss = fn(*packed)
+            runs.append((loss.detach(), *torch.autograd.grad(loss, packed)))
+        for eager, compiled in zip(*runs):
+            torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
         # the operators' registrations (schema, fake tensors, autograd, AOT dispatch)
         ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
         torch.library.opcheck(ring_module._ring_op, (ql, kl, vl, None, _world_name(), 0.3,
