@@ -201,7 +201,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
         buf = h if isinstance(h, torch.Tensor) else wire.get(h)
         dkv = buf if dkv is None else dkv.add_(buf)
     wire.close()
-    return acc.dq().to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)  # type: ignore[index]
+    return acc.dq().to(q.dtype), dkv.to(k.dtype)  # type: ignore[union-attr]
 
 
 def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
@@ -234,7 +234,7 @@ def _allgather_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, de
         dist.reduce(dkv, dst=_global(group, src), op=dist.ReduceOp.SUM, group=group)
         if src == rank:
             mine = dkv
-    return acc.dq().to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)  # type: ignore[index]
+    return acc.dq().to(q.dtype), mine.to(k.dtype)  # type: ignore[union-attr]
 
 
 METHODS = {"ring": (_ring_forward, _ring_backward),
@@ -306,24 +306,27 @@ def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                       out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
                       group_name: str, scale: float, causal: bool, left: int, right: int,
                       softcap: float, deterministic: bool, method: str, transport: str
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dK and dV stacked): one tensor for both, which the autograd formula splits (a custom
+    operator's outputs may not share memory, and the finished sums arrive stacked)."""
     group = _group_named(group_name)
     (q_, k_, v_), parts, plan = _setup(q, k, v, cu_seqlens, group, causal, left, right)
     if cu_seqlens is not None:
         dout, out, lse = dout.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
     _, backward = METHODS[method]
-    dq, dk, dv = backward(dout.contiguous(), q_, k_, v_, out, lse, group, scale, plan, softcap,
-                          deterministic, parts, transport)
+    dq, dkv = backward(dout.contiguous(), q_, k_, v_, out, lse, group, scale, plan, softcap,
+                       deterministic, parts, transport)
+    if dkv._base is not None:  # a view of a link's buffer (a workspace slot): copied out
+        dkv = dkv.clone()
     if cu_seqlens is not None:
-        dq, dk, dv = dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
-    # new tensors, none a view of another (dK and dV may be halves of one buffer)
-    return dq, *(t.clone() if t._base is not None else t for t in (dk, dv))
+        dq, dkv = dq.squeeze(0), dkv.squeeze(1)
+    return dq, dkv
 
 
 @_ring_backward_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens, group_name, scale, causal, left, right, softcap,
       deterministic, method, transport):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return torch.empty_like(q), k.new_empty((2, *k.shape))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -335,8 +338,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _ring_grad(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _ring_backward_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+    dq, dkv = _ring_backward_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+    return (dq, dkv[0], dkv[1]) + (None,) * 10
 
 
 _ring_op.register_autograd(_ring_grad, setup_context=_setup_context)
