@@ -523,7 +523,7 @@ UNITS = {"new": ["bwd_sm80_bf16_d128_r64_c128_w8_fh.sm_90", "registry.sm_90",
 
 
 @pytest.mark.parametrize("scheme", UNITS)
-def test_hopper_backward_cubin_members(monkeypatch, scheme):
+def test_hopper_backward_cubin_members(monkeypatch, tmp_path, scheme):
     """cuobjdump's listing of a build with both backward kinds: a Hopper unit adds its main
     kernel and its kind's helpers (the preprocess, the tile-order dQ conversion) under 90a;
     --arch 90 finds a Hopper kernel's sm_90a code, the Hopper dQ conversion's too. A build from
@@ -531,7 +531,9 @@ def test_hopper_backward_cubin_members(monkeypatch, scheme):
     units = UNITS[scheme]
     listing = "".join(f"ELF file {i}: {name}.cubin\n" for i, name in enumerate(units))
     monkeypatch.setattr(cubins, "run_tool", lambda *args, **kw: listing)
-    members = cubins.list_cubins(Path("x.so"))
+    binary = tmp_path / "x.so"  # a file: listings are cached by its state
+    binary.touch()
+    members = cubins.list_cubins(binary)
     got = {(m.kernel, m.arch): m.file for m in members}
     hopper = "bwd_sm90_bf16_d128_r64_c128_f"
     assert set(got) == {("bwd_sm80_bf16_d128_r64_c128_w8_fh", "90"),
@@ -545,13 +547,36 @@ def test_hopper_backward_cubin_members(monkeypatch, scheme):
     assert got[("fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor", "90")] == f"{units[4]}.cubin"
     monkeypatch.setattr(cubins, "_extracted", lambda binary, stamp: Path("/x"))
     monkeypatch.setattr(cubins, "_stamp", lambda binary: "s")
-    assert cubins.cubin(Path("x.so"), hopper, "90") == Path(f"/x/{hopper_file}")
-    assert cubins.cubin(Path("x.so"), "bwd_sm80_preprocess_bf16", "90") == Path(
+    assert cubins.cubin(binary, hopper, "90") == Path(f"/x/{hopper_file}")
+    assert cubins.cubin(binary, "bwd_sm80_preprocess_bf16", "90") == Path(
         f"/x/{sm80_file}")
-    assert cubins.cubin(Path("x.so"), "bwd_sm90_convert_dq_bf16", "90") == Path(
+    assert cubins.cubin(binary, "bwd_sm90_convert_dq_bf16", "90") == Path(
         f"/x/{hopper_file}")
     with pytest.raises(binaries.ToolError, match="no sm_80 code for " + hopper):
-        cubins.cubin(Path("x.so"), hopper, "80")
+        cubins.cubin(binary, hopper, "80")
+
+
+def test_listings_and_stamp_are_cached_by_file_state(monkeypatch, tmp_path):
+    """cuobjdump lists a binary, and its content is hashed, once per state of its file: a
+    rebuilt binary is listed and hashed anew, never served from an older build's."""
+    runs = []
+
+    def listing(name, *args, **kw):
+        runs.append(args)
+        return f"ELF file 1: {unit}.sm_90.cubin\n"
+
+    monkeypatch.setattr(cubins, "run_tool", listing)
+    binary = tmp_path / "x.so"
+    unit = "fwd_sm80_bf16_d128_r128_c64_w4_fseqkvbor"
+    binary.write_bytes(b"first build")
+    first = cubins._stamp(binary)
+    assert cubins.list_cubins(binary) == cubins.list_cubins(binary) == [
+        cubins.Member(unit, "90", f"{unit}.sm_90.cubin")]
+    assert len(runs) == 1 and cubins._stamp(binary) == first
+    unit = "fwd_sm80_fp16_d128_r128_c64_w4_fseqkvbor"
+    binary.write_bytes(b"the second build")
+    assert [m.kernel for m in cubins.list_cubins(binary)] == [unit]
+    assert len(runs) == 2 and cubins._stamp(binary) != first
 
 
 def test_cli_names_the_hopper_backward_set(monkeypatch):
