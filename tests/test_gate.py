@@ -342,7 +342,7 @@ def test_ratchet_measures_hopper_backward_kernels_as_hopper_ones(monkeypatch):
                               predicate="") for o in ops]
     monkeypatch.setattr(ptxas_report, "load", lambda log: records)
     monkeypatch.setattr(cubins, "extracted_dir", lambda binary: None)
-    monkeypatch.setattr(sass, "instructions", lambda binary, kernel, arch: instrs)
+    monkeypatch.setattr(sass, "instructions", lambda binary, kernel, arch, **kw: instrs)
 
     got = ratchet.current_metrics([sm80, hopper, pre, tiles], ["80", "90"], "x", "log")
     assert {k: sorted(v) for k, v in got.items()} == {

@@ -329,8 +329,14 @@ def test_ptx2sass_maps_mma_line(built):
     kernel = info["configs"][0]
     lines = sass.ptx_text(binary, kernel, "90").splitlines()
     mma_line = ptx2sass.find_lines(lines, r"mma\.sync")[0]
-    hits = ptx2sass.sass_for_line(sass.instructions(binary, kernel, "90"), mma_line)
+    instrs = sass.instructions(binary, kernel, "90")
+    hits = ptx2sass.sass_for_line(instrs, mma_line)
     assert [i.base for _, i in hits] == ["HMMA"]
+    # the counts' disassembly, without the lines: the same instructions
+    unlined = sass.instructions(binary, kernel, "90", ptx_lines=False)
+    assert [(i.opcode, i.operands, i.predicate) for i in unlined] == [
+        (i.opcode, i.operands, i.predicate) for i in instrs]
+    assert all(i.ptx_line is None for i in unlined)
     sl = ptx2sass.backward_slice(lines, mma_line)
     assert sl[-1].line == mma_line and any("ldmatrix" in p.text for p in sl)
 

@@ -106,7 +106,8 @@ def cmd_sass(args: argparse.Namespace) -> int:
 
 
 def _histograms(binary: Path, kernels: list[str], arch: str) -> list[opcodes.Histogram]:
-    return [opcodes.histogram(k, arch, sass.instructions(binary, k, arch)) for k in kernels]
+    return [opcodes.histogram(k, arch, sass.instructions(binary, k, arch, ptx_lines=False))
+            for k in kernels]
 
 
 def cmd_count(args: argparse.Namespace) -> int:
@@ -239,7 +240,7 @@ _PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
 def _sass_but_params(binary: Path, kernel: str, arch: str) -> list[tuple[str, str, str]]:
     """The kernel's SASS with every operand in the parameter bank (c[0x0][offset]) as one."""
     return [(i.predicate, i.opcode, _PARAM.sub("c[0x0][param]", i.operands))
-            for i in sass.instructions(binary, kernel, arch)]
+            for i in sass.instructions(binary, kernel, arch, ptx_lines=False)]
 
 
 def cmd_same_code(args: argparse.Namespace) -> int:

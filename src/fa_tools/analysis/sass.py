@@ -91,13 +91,15 @@ def ptx_text(binary: Path, kernel: str, arch: str) -> str:
     return cubins.ptx(binary, kernel, arch).read_text()
 
 
-def instructions(binary: Path, kernel: str, arch: str) -> list[Instruction]:
+def instructions(binary: Path, kernel: str, arch: str, ptx_lines: bool = True
+                 ) -> list[Instruction]:
     """Every SASS instruction of the kernel in address order, with its PTX line when the
-    build kept line info."""
+    build kept line info; without `ptx_lines`, every line is None (the lines take a second
+    disassembly, as long as the first: the counts do without)."""
     path = cubins.cubin(binary, kernel, arch)
     data = json.loads(run_tool("nvdisasm", "-json", str(path)))
     raw = kernel_code(data[1], path.name, kernel)
-    lines = _ptx_lines(path, len(raw), kernel)
+    lines = _ptx_lines(path, len(raw), kernel) if ptx_lines else [None] * len(raw)
     return [Instruction(i["opcode"], i.get("operands", ""), i.get("predicate", ""), line)
             for i, line in zip(raw, lines)]
 

@@ -93,7 +93,7 @@ def current_metrics(kernels: list[str], archs: list[str], binary: Path, log: Pat
     def measure(item: tuple[str, str]) -> dict[str, int]:
         kernel, arch = item
         rec = records[item]
-        instrs = sass.instructions(binary, kernel, arch)
+        instrs = sass.instructions(binary, kernel, arch, ptx_lines=False)
         hist = opcodes.histogram(kernel, arch, instrs)
         return {
             "registers": rec.registers,
