@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,29 @@ def built():
             pytest.fail(str(exc))
         pytest.skip(str(exc))
     return binaries.extension_path(), fa.build_info()
+
+
+@pytest.fixture(scope="module")
+def sass_counts(built):
+    """counts(pairs): {(kernel, arch): (opcode histogram, opcodes.ex2_under_wgmma)} of the
+    built kernels, each disassembled once for the module (two tests walk the forward ones),
+    side by side: nvdisasm takes ~0.5 s a kernel, a ci,default build has 363."""
+    binary, _ = built
+    done: dict[tuple[str, str], tuple[opcodes.Histogram, int]] = {}
+
+    def measure(pair: tuple[str, str]) -> tuple[opcodes.Histogram, int]:
+        instrs = sass.instructions(binary, *pair, ptx_lines=False)
+        return opcodes.histogram(*pair, instrs), opcodes.ex2_under_wgmma(instrs)
+
+    def counts(pairs: list[tuple[str, str]]) -> dict[tuple[str, str], tuple]:
+        todo = [p for p in dict.fromkeys(pairs) if p not in done]
+        if todo:
+            cubins.extracted_dir(binary)  # extract once, before the threads read the cubins
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                done.update(zip(todo, pool.map(measure, todo)))
+        return {p: done[p] for p in pairs}
+
+    return counts
 
 
 # ---- resources ---------------------------------------------------------------------------------
@@ -105,7 +129,7 @@ def test_backward_kernels_in_the_sass_tools(built, capsys):
         m.kernel for m in cubins.list_cubins(binary) if m.arch == arch}
 
 
-def test_hopper_backward_kernels_in_the_sass_tools(built):
+def test_hopper_backward_kernels_in_the_sass_tools(built, sass_counts):
     """A Hopper backward unit (sm_90a alone) holds its main kernel and its kind's two helpers
     of its dtype, the preprocess and the tile-order dQ conversion (not the sm80 kind's): the
     main kernel found under --arch 90 as under 90a, with the wgmma count of its tile
@@ -116,19 +140,20 @@ def test_hopper_backward_kernels_in_the_sass_tools(built):
     if not hopper:
         pytest.skip("no Hopper backward kernels built (FLASH_ATTENTION_KERNELS=default)")
     listed = {(m.kernel, m.arch) for m in cubins.list_cubins(binary)}
+    counts = sass_counts([(k, "90a") for short in hopper
+                          for k in (short, *(h.name for h in helpers_of(parse_kernel(short))))])
     for short in hopper:
         cfg = parse_kernel(short)
         assert archs_of(cfg, info["archs"]) == ["90a"] and (short, "90a") in listed
         assert cubins.cubin(binary, short, "90") == cubins.cubin(binary, short, "90a")
-        hist = opcodes.histogram(short, "90a", sass.instructions(binary, short, "90a"))
+        hist, _ = counts[(short, "90a")]
         assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), short
         assert set(hist.base) >= {"HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "WARPGROUP",
                                   "USETMAXREG", "MUFU"}, short
         assert "HMMA" not in hist.base and "LDGSTS" not in hist.base, short
         for helper in (f"bwd_sm80_preprocess_{cfg.dtype}", f"bwd_sm90_convert_dq_{cfg.dtype}"):
             assert (helper, "90a") in listed
-            assert opcodes.histogram(helper, "90a", sass.instructions(binary, helper, "90a")
-                                     ).categories["tensor_mma"] == 0
+            assert counts[(helper, "90a")][0].categories["tensor_mma"] == 0
         tiles = f"bwd_sm90_convert_dq_{cfg.dtype}"
         assert {a for k, a in listed if k == tiles} == {"90a"}
         assert cubins.cubin(binary, tiles, "90") == cubins.cubin(binary, tiles, "90a")
@@ -226,39 +251,39 @@ def test_resources_cli_formats_are_deterministic(built, capsys):
 # ---- SASS ------------------------------------------------------------------------------------
 
 
-def test_mma_count_matches_tile_shapes(built):
+def test_mma_count_matches_tile_shapes(built, sass_counts):
     """HMMA count = m_tiles x (B_c/8 x d/16 + d/8 x B_c/16), twice with the peeled first block
     (opt_softmax): the loop body holds one KV block's MMAs and nothing unrolls it further (the
     Hopper kinds: opcodes.expected_mma_count)."""
-    binary, info = built
-    for short in info["configs"]:
+    _, info = built
+    counts = sass_counts([(short, arch) for short in info["configs"]
+                          for arch in archs_of(fa.parse(short), info["archs"])])
+    for (short, arch), (hist, ex2_overlapped) in counts.items():
         cfg = fa.parse(short)
-        for arch in archs_of(cfg, info["archs"]):
-            instrs = sass.instructions(binary, short, arch)
-            hist = opcodes.histogram(short, arch, instrs)
-            assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), (short, arch)
-            if cfg.family == "sm90":  # wgmma, TMA, mbarriers; setmaxnreg with a producer
-                # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
-                # under the running P V wgmma, the tile hand-over the next tile's first block's
-                # (B_c/2, no rescale); without them none
-                # (a softcap's tanh is an exp2 too: twice the block's)
-                per_block = cfg.block_c // 2 * (2 if cfg.softcap else 1)
-                overlapped = ((per_block + 2 if cfg.overlap else 0)
-                              + (per_block if cfg.tile_overlap else 0))
-                assert opcodes.ex2_under_wgmma(instrs) == overlapped, short
-                gmma = "QGMMA" if cfg.dtype == "e4m3" else "HGMMA"  # FP8 wgmma: QGMMA
-                assert set(hist.base) >= {gmma, "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
-                assert "HMMA" not in hist.base and "LDGSTS" not in hist.base
-                assert (hist.categories["setmaxnreg"] > 0) == cfg.warp_spec, short
-                assert (hist.base.get("UTMASTG", 0) > 0) == cfg.tma_store, short
-            else:
-                assert set(hist.base) >= {"HMMA", "LDSM", "LDGSTS", "MUFU", "BAR"}
+        assert hist.categories["tensor_mma"] == opcodes.expected_mma_count(cfg), (short, arch)
+        if cfg.family == "sm90":  # wgmma, TMA, mbarriers; setmaxnreg with a producer
+            # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
+            # under the running P V wgmma, the tile hand-over the next tile's first block's
+            # (B_c/2, no rescale); without them none
+            # (a softcap's tanh is an exp2 too: twice the block's)
+            per_block = cfg.block_c // 2 * (2 if cfg.softcap else 1)
+            overlapped = ((per_block + 2 if cfg.overlap else 0)
+                          + (per_block if cfg.tile_overlap else 0))
+            assert ex2_overlapped == overlapped, short
+            gmma = "QGMMA" if cfg.dtype == "e4m3" else "HGMMA"  # FP8 wgmma: QGMMA
+            assert set(hist.base) >= {gmma, "UTMALDG", "SYNCS", "WARPGROUP", "MUFU"}
+            assert "HMMA" not in hist.base and "LDGSTS" not in hist.base
+            assert (hist.categories["setmaxnreg"] > 0) == cfg.warp_spec, short
+            assert (hist.base.get("UTMASTG", 0) > 0) == cfg.tma_store, short
+        else:
+            assert set(hist.base) >= {"HMMA", "LDSM", "LDGSTS", "MUFU", "BAR"}
 
 
-def test_no_local_memory_when_spill_free(built):
-    binary, _ = built
-    for r in ptxas_report.load(binaries.ptxas_log_path()):
-        hist = opcodes.histogram(r.kernel, r.arch, sass.instructions(binary, r.kernel, r.arch))
+def test_no_local_memory_when_spill_free(sass_counts):
+    records = ptxas_report.load(binaries.ptxas_log_path())
+    counts = sass_counts([(r.kernel, r.arch) for r in records])
+    for r in records:
+        hist, _ = counts[(r.kernel, r.arch)]
         spills = r.spill_stores + r.spill_loads + r.stack_frame
         assert (hist.categories["local_memory"] == 0) == (spills == 0), (r.kernel, r.arch)
 
@@ -620,8 +645,6 @@ def test_hopper_backward_kernels_do_not_spill_or_serialize(tmp_path):
     ptxas's own output: no spill, no stack and no wgmma serialized by ptxas (a C75xx note);
     each unit holds its main kernel and its kind's two helpers of its dtype (the preprocess,
     the tile-order dQ conversion)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from flash_attention.codegen.generate import kernel_source
 
     nvcc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
@@ -720,8 +743,6 @@ def test_default_configs_do_not_spill_or_serialize(tmp_path):
     sm_90a, the only one it compiles for; ptxas's word), except
     the ones ci/gate_policy.yaml lists with a byte limit and the measurement behind it; and no
     Hopper kernel may have its wgmma serialized by ptxas (a C75xx note)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from flash_attention.codegen.generate import kernel_source
 
     default = resolve("fwd:default")
