@@ -62,14 +62,17 @@ def _wait(reqs: list) -> None:
 class Push:
     """NCCL (gloo on CPU) point-to-point: K/V passed on rank to rank, sums with them."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False) -> None:
+    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
+                 share_kv: bool = True, held: dict | None = None) -> None:
         self.group, self.kv = group, kv
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.held: dict[int, torch.Tensor] = {}
+        del share_kv  # a push passes on what it holds
+        self.held: dict[int, torch.Tensor] = dict(held or {})
 
     def fetch_kv(self, moves: list[tuple[int, int]]) -> list:
         """Start getting, for each (d, hops), the K/V of rank - d x hops (the previous rank of
-        direction d holds them now); returns handles for arrived()."""
+        direction d holds them now: each rank passes on what it holds, its own K/V or those
+        it was given to start from, link's held); returns handles for arrived()."""
         held = [self.held.get(d, self.kv) for d, _ in moves]
         bufs, reqs = _exchange([(t, d) for t, (d, _) in zip(held, moves)], self.group,
                                self.rank, self.ranks)
@@ -175,18 +178,21 @@ def _align(n: int) -> int:
 
 class Pull:
     """Copy-engine pulls from a symmetric-memory workspace (CUDA), or the same schedule as
-    matched send/receives (gloo, CPU tensors). Regions: the rank's K/V, then the fp32 slots the
-    backward's sums are made in ((direction, parity) keys: those its plan uses), then with home
-    a finished sum rounded to K/V's dtype."""
+    matched send/receives (gloo, CPU tensors). Regions: the rank's K/V (with share_kv; every
+    pull of K/V reads them from their owner, so `held` needs no region), then the fp32 slots
+    the backward's sums are made in ((direction, parity) keys: those its plan uses), then with
+    home a finished sum rounded to K/V's dtype."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False) -> None:
+    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
+                 share_kv: bool = True, held: dict | None = None) -> None:
+        del held  # a pull reads K/V from their owner
         self.group, self.kv = group, kv
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.cuda = kv.is_cuda
         kv_bytes = _align(kv.numel() * kv.element_size())
         sum_bytes = _align(kv.numel() * 4)
-        self.offsets = {"kv": 0}
-        total = kv_bytes
+        self.offsets = {"kv": 0} if share_kv else {}
+        total = kv_bytes if share_kv else 0
         for key in sums:
             self.offsets[key], total = total, total + sum_bytes
         if home:
@@ -196,7 +202,8 @@ class Pull:
             self.side = _side_stream(kv.device)
         else:
             self.local = torch.empty(total, dtype=torch.uint8)
-        self._region("kv", self.rank).copy_(kv)
+        if share_kv:
+            self._region("kv", self.rank).copy_(kv)
         self._barrier()
 
     def _region(self, key, rank: int) -> torch.Tensor:
@@ -317,20 +324,23 @@ def _pull_works(group, device: torch.device) -> bool:
     return _PULL_OK[name]
 
 
-def link(transport: str, group, kv: torch.Tensor, sums: tuple = (), home: bool = False):
+def link(transport: str, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
+         share_kv: bool = True, held: dict | None = None):
     """The link a ring call moves data by: "push" (NCCL/gloo point-to-point), "pull" (copy
     engines over symmetric memory; matched send/receives on CPU), "auto" (pull on CUDA where
     every rank can map every other's memory and the workspace could be allocated, else push).
     sums: the (direction, parity) slots the backward's sums are made in; home: whether a
-    finished sum goes home rounded to K/V's dtype."""
+    finished sum goes home rounded to K/V's dtype; share_kv: whether other ranks fetch this
+    rank's K/V (kv); held: {direction: K/V} a rank holds before its first fetch, when not its
+    own (the backward that starts from the forward's last K/V)."""
     if dist.get_world_size(group) == 1:
         transport = "push"  # nothing moves
     elif transport == "auto":
         if kv.is_cuda and _pull_works(group, kv.device):
             try:
-                return Pull(group, kv, sums, home)
+                return Pull(group, kv, sums, home, share_kv, held)
             except WorkspaceError:  # raised on every rank: all go on by NCCL
                 transport = "push"
         else:
             transport = "push"
-    return (Pull if transport == "pull" else Push)(group, kv, sums, home)
+    return (Pull if transport == "pull" else Push)(group, kv, sums, home, share_kv, held)

@@ -152,15 +152,19 @@ def _ring_forward(q, k, v, group, scale, plan, softcap, parts, transport):
                 acc.add((rank - d * step) % ranks, held[d])
         held.update((d, wire.arrived(h)) for d, h in zip(moving, arriving))
     wire.close()
-    return acc.result()
+    return (*acc.result(), held[_FORWARD])  # the K/V held last: the next rank's (no window)
 
 
 def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
-                   parts, transport):
+                   parts, transport, kv_next=None):
     """K/V go around as in the forward; the dK/dV of the keys a direction holds travel with
     them in an fp32 accumulator (each rank adds its calls' share), and after the direction's
     last step go straight to their owner, n ranks back the way they came (for the whole ring
-    that is the plain next hop)."""
+    that is the plain next hop). With kv_next (the whole ring: the K/V the forward held
+    last) the ring runs the other way round, own keys last (_ring_backward_own_last)."""
+    if kv_next is not None:
+        return _ring_backward_own_last(dout, q, k, v, kv_next, out, lse, group, scale, plan,
+                                       softcap, deterministic, parts, transport)
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     kv = torch.stack((k, v)).contiguous()
@@ -204,6 +208,45 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
     return acc.dq().to(q.dtype), dkv.to(k.dtype)  # type: ignore[union-attr]
 
 
+def _ring_backward_own_last(dout, q, k, v, kv_next, out, lse, group, scale, plan, softcap,
+                            deterministic, parts, transport):
+    """The whole ring's backward in the forward's order reversed: at step s = 1 .. P the rank
+    holds the K/V of rank r + s, the first (the next rank's) kept from the forward's last step,
+    its own last, and the next step's come from rank r + 1 (where they are now). A key's dK/dV
+    sum travels with its K/V (fp32, each rank adding its calls' share) and is whole when it
+    reaches the owner at step P: no transfer after the last call (the other schedule sends every
+    rank's sum home after it), no K/V transfer at all on 2 ranks, and the last addition rounds
+    to K/V's dtype in the same pass."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    if plan.steps != (ranks - 1, 0):
+        raise AssertionError(f"the own-last backward takes the whole ring, got {plan.steps}")
+    acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
+    kv = torch.stack((k, v)).contiguous()
+    d = _BACKWARD  # K/V and sums go to the previous rank: r holds r + s at step s
+    wire = link(transport, group, kv, sums=tuple(sorted({(d, s % 2) for s in range(1, ranks)})),
+                share_kv=ranks > 2, held={d: kv_next})
+    held, sums, dkv = kv_next, None, None
+    for step in range(1, ranks + 1):
+        arriving = wire.fetch_kv([(d, step + 1)]) if step + 1 < ranks else []
+        incoming = wire.start(sums) if sums is not None else None  # under this step's calls
+        src = (rank + step) % ranks
+        if step < ranks:
+            local = wire.accumulator(d, step)
+            acc.add(src, held, local)
+            if incoming is not None:
+                local.add_(wire.get(incoming))
+            sums = wire.pass_on(local, d, step)
+        else:  # the rank's own keys: their sum, rounded once
+            local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            acc.add(src, kv, local)
+            dkv = local.to(kv.dtype) if incoming is None else \
+                torch.add(local, wire.get(incoming), out=torch.empty_like(kv))
+        held = wire.arrived(arriving[0]) if arriving else kv
+        wire.end_step()
+    wire.close()
+    return acc.dq().to(q.dtype), dkv
+
+
 def _gather_kv(k, v, group, ranks: int) -> list[torch.Tensor]:
     """Every rank's K and V (stacked), by rank."""
     kv = torch.stack((k, v)).contiguous()
@@ -218,12 +261,12 @@ def _allgather_forward(q, k, v, group, scale, plan, softcap, parts, transport):
     acc = _Forward(q, scale, plan, softcap, rank, parts)
     for src, kv in enumerate(_gather_kv(k, v, group, ranks)):
         acc.add(src, kv)
-    return acc.result()
+    return (*acc.result(), None)
 
 
 def _allgather_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, deterministic,
-                        parts, transport):
-    del transport  # NCCL's all-gather and reduce move the K/V and the sums
+                        parts, transport, kv_next=None):
+    del transport, kv_next  # NCCL's all-gather and reduce move the K/V and the sums
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     mine = None
@@ -274,20 +317,33 @@ def _group_named(name: str):
     return _resolve_process_group(name)
 
 
+def _keeps_next_kv(method: str, left: int, right: int, ranks: int) -> bool:
+    """Whether the forward hands its backward the K/V it held last, the next rank's (at the
+    cost of keeping them from the forward to the backward, one K/V shard): the ring without a
+    window on 2 ranks or more, whose backward then starts from them (_ring_backward_own_last).
+    Decided from the operator's ints alone, so the fake implementation decides the same."""
+    return method == "ring" and ranks > 1 and left == -1 and right in (-1, 0)
+
+
 @torch.library.custom_op("flash_attention_distributed::ring_attention", mutates_args=())
 def _ring_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              cu_seqlens: torch.Tensor | None, group_name: str, scale: float, causal: bool,
              left: int, right: int, softcap: float, deterministic: bool, method: str,
-             transport: str) -> tuple[torch.Tensor, torch.Tensor]:
+             transport: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, LSE, the K/V the backward starts from (_keeps_next_kv; else empty))."""
     del deterministic  # the backward's
     group = _group_named(group_name)
     _check(q, k, v, group, cu_seqlens)
     args, parts, plan = _setup(q, k, v, cu_seqlens, group, causal, left, right)
     forward, _ = METHODS[method]
-    out, lse = forward(*args, group, scale, plan, softcap, parts, transport)
+    out, lse, kv_next = forward(*args, group, scale, plan, softcap, parts, transport)
     if cu_seqlens is not None:
         out, lse = out.squeeze(0), lse.squeeze(0)
-    return out, lse
+    if not _keeps_next_kv(method, left, right, dist.get_world_size(group)):
+        return out, lse, k.new_empty(0)
+    if cu_seqlens is not None:
+        kv_next = kv_next.squeeze(1)
+    return out, lse, kv_next
 
 
 @_ring_op.register_fake
@@ -297,25 +353,29 @@ def _(q, k, v, cu_seqlens, group_name, scale, causal, left, right, softcap, dete
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    ranks = dist.get_world_size(_group_named(group_name))
+    kv_next = k.new_empty((2, *k.shape)) if _keeps_next_kv(method, left, right, ranks) else \
+        k.new_empty(0)
+    return torch.empty_like(q), lse, kv_next
 
 
 @torch.library.custom_op("flash_attention_distributed::ring_attention_backward",
                          mutates_args=())
 def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                      group_name: str, scale: float, causal: bool, left: int, right: int,
-                      softcap: float, deterministic: bool, method: str, transport: str
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor, lse: torch.Tensor, kv_next: torch.Tensor,
+                      cu_seqlens: torch.Tensor | None, group_name: str, scale: float,
+                      causal: bool, left: int, right: int, softcap: float, deterministic: bool,
+                      method: str, transport: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dK and dV stacked): one tensor for both, which the autograd formula splits (a custom
     operator's outputs may not share memory, and the finished sums arrive stacked)."""
     group = _group_named(group_name)
     (q_, k_, v_), parts, plan = _setup(q, k, v, cu_seqlens, group, causal, left, right)
     if cu_seqlens is not None:
         dout, out, lse = dout.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0)
+        kv_next = kv_next.unsqueeze(1) if kv_next.numel() else kv_next
     _, backward = METHODS[method]
     dq, dkv = backward(dout.contiguous(), q_, k_, v_, out, lse, group, scale, plan, softcap,
-                       deterministic, parts, transport)
+                       deterministic, parts, transport, kv_next if kv_next.numel() else None)
     if dkv._base is not None:  # a view of a link's buffer (a workspace slot): copied out
         dkv = dkv.clone()
     if cu_seqlens is not None:
@@ -324,8 +384,8 @@ def _ring_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 @_ring_backward_op.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, group_name, scale, causal, left, right, softcap,
-      deterministic, method, transport):
+def _(dout, q, k, v, out, lse, kv_next, cu_seqlens, group_name, scale, causal, left, right,
+      softcap, deterministic, method, transport):
     return torch.empty_like(q), k.new_empty((2, *k.shape))
 
 
@@ -333,12 +393,15 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_seqlens = inputs[:4]
     ctx.save_for_backward(q, k, v, *output, cu_seqlens)
     ctx.args = inputs[4:]
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the LSE and the K/V
 
 
-def _ring_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dkv = _ring_backward_op(dout, q, k, v, out, lse, cu_seqlens, *ctx.args)
+def _ring_grad(ctx, dout, _dlse, _dkv_next):
+    if dout is None:  # the output reached the loss only through the LSE: nothing flows back
+        return (None,) * 13
+    q, k, v, out, lse, kv_next, cu_seqlens = ctx.saved_tensors
+    dq, dkv = _ring_backward_op(dout, q, k, v, out, lse, kv_next, cu_seqlens, *ctx.args)
     return (dq, dkv[0], dkv[1]) + (None,) * 10
 
 
@@ -464,6 +527,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise RuntimeError("ring_attention needs torch.distributed initialised "
                            "(dist.init_process_group)")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = _ring_op(q, k, v, cu_seqlens, _name_of(group), float(scale), causal, left, right,
-                        float(softcap), bool(deterministic), method, transport)
+    out, lse, _ = _ring_op(q, k, v, cu_seqlens, _name_of(group), float(scale), causal, left,
+                           right, float(softcap), bool(deterministic), method, transport)
     return (out, lse) if return_lse else out
