@@ -12,7 +12,10 @@ studies/ring_bench.py): one process per GPU over NCCL, MHA 32/32, d_head 128, bf
    ring launches them (transfer first): the step takes the longer of the two when they
    overlap, their sum when they do not.
 
-    python3 studies/ring_profile.py [--seq 65536] [--causal] [--reps 5]
+4. One GPU's forward + backward at S / P tokens under the profiler (the time-per-token
+   reference of ring_bench), kernel by kernel beside the ring's.
+
+    python3 studies/ring_profile.py [--seq 65536] [--causal] [--reps 5] [--transport push]
 """
 
 from __future__ import annotations
@@ -58,17 +61,56 @@ def _profile(fn, label: str) -> None:
         torch.cuda.synchronize()
     wall = start.elapsed_time(end)
     kinds: dict[str, float] = {}
-    names: dict[str, float] = {}
+    names: dict[str, tuple[float, int]] = {}
     for evt in prof.key_averages():
         t = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
         if evt.device_type.name != "CUDA" or t <= 0:
             continue
         kinds[_kind(evt.key)] = kinds.get(_kind(evt.key), 0.0) + t / 1e3
-        names[evt.key[:90]] = names.get(evt.key[:90], 0.0) + t / 1e3
+        total, count = names.get(evt.key[:90], (0.0, 0))
+        names[evt.key[:90]] = (total + t / 1e3, count + evt.count)
     print(f"## {label}: wall {wall:.2f} ms on rank 0; CUDA time by kind (ms): "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda x: -x[1])))
-    for key, t in sorted(names.items(), key=lambda x: -x[1])[:12]:
-        print(f"    {t:8.2f} ms  {key}")
+    for key, (t, count) in sorted(names.items(), key=lambda x: -x[1][0])[:20]:
+        print(f"    {t:8.2f} ms  x{count:<3d} {key}")
+    _timeline(prof)
+
+
+def _timeline(prof) -> None:
+    """The call's GPU work in time order (from the profiler's trace): each kernel or copy of
+    20 us or more with its stream, and the idle gaps of 20 us or more on the stream the
+    attention kernels run on (where the GPU waits: a transfer, a barrier, the host)."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]
+             and e.get("dur", 0) >= 20]
+    if not gpu:
+        return
+    t0 = gpu[0]["ts"]
+    main = next((e["args"].get("stream") for e in gpu if "fwd_kernel" in e["name"]
+                 or "bwd_kernel" in e["name"]), None)
+    print(f"    timeline (ms from the first GPU event; attention stream {main}):")
+    last_end = None
+    for e in gpu:
+        stream = e["args"].get("stream")
+        if stream == main and last_end is not None and e["ts"] - last_end >= 20:
+            print(f"      {(last_end - t0) / 1e3:7.3f}  idle {(e['ts'] - last_end) / 1e3:.3f}")
+        if e.get("dur", 0) >= 20:
+            print(f"      {(e['ts'] - t0) / 1e3:7.3f}  {e['dur'] / 1e3:6.3f} s{stream} "
+                  f"{e['name'][:70]}")
+        if stream == main:
+            last_end = max(last_end or 0, e["ts"] + e.get("dur", 0))
+    for e in syncs:
+        print(f"      host {e['name']} at {(e['ts'] - t0) / 1e3:.3f} for {e['dur'] / 1e3:.3f}")
 
 
 def _worker(rank: int, ranks: int, port: int, args) -> None:
@@ -129,13 +171,18 @@ def _worker(rank: int, ranks: int, port: int, args) -> None:
 
     def fwd():
         with torch.no_grad():
-            ring_attention(ql, kl, vl, causal=args.causal)
+            ring_attention(ql, kl, vl, causal=args.causal, transport=args.transport)
 
     def step():
-        out = ring_attention(ql, kl, vl, causal=args.causal)
+        out = ring_attention(ql, kl, vl, causal=args.causal, transport=args.transport)
         torch.autograd.grad(out, (ql, kl, vl), dout)
 
-    for label, fn in (("ring forward", fwd), ("ring forward + backward", step)):
+    def one_gpu():  # the issue's reference: one GPU's forward + backward at S / P tokens
+        out = fa.attention(ql, kl, vl, causal=args.causal)
+        torch.autograd.grad(out, (ql, kl, vl), dout)
+
+    for label, fn in (("ring forward", fwd), ("ring forward + backward", step),
+                      (f"one GPU forward + backward at {local} tokens", one_gpu)):
         if rank == 0:
             _profile(fn, label)
         else:
@@ -153,6 +200,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=65536)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--transport", default="push", choices=("push", "pull", "auto"))
     return spawn_on_every_gpu("ring_profile", _worker, ap.parse_args())
 
 
