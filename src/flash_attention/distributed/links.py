@@ -62,18 +62,25 @@ def _wait(reqs: list) -> None:
 class Push:
     """NCCL (gloo on CPU) point-to-point: K/V passed on rank to rank, sums with them."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
-                 share_kv: bool = True, held: dict | None = None) -> None:
-        self.group, self.kv = group, kv
+    def __init__(self, group, kv: tuple[torch.Tensor, torch.Tensor], sums: tuple = (),
+                 home: bool = False, share_kv: bool = True, held: dict | None = None) -> None:
+        del sums, home, share_kv  # a push makes its buffers as it goes and passes on what it holds
+        self.group, (self.k, self.v) = group, kv
+        self.shape = torch.Size((2, *self.k.shape))
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        del share_kv  # a push passes on what it holds
         self.held: dict[int, torch.Tensor] = dict(held or {})
+
+    def _own(self) -> torch.Tensor:
+        """The rank's K/V stacked into one buffer to send (made at its first send)."""
+        if not hasattr(self, "_stacked"):
+            self._stacked = torch.stack((self.k, self.v))
+        return self._stacked
 
     def fetch_kv(self, moves: list[tuple[int, int]]) -> list:
         """Start getting, for each (d, hops), the K/V of rank - d x hops (the previous rank of
         direction d holds them now: each rank passes on what it holds, its own K/V or those
         it was given to start from, link's held); returns handles for arrived()."""
-        held = [self.held.get(d, self.kv) for d, _ in moves]
+        held = [self.held[d] if d in self.held else self._own() for d, _ in moves]
         bufs, reqs = _exchange([(t, d) for t, (d, _) in zip(held, moves)], self.group,
                                self.rank, self.ranks)
         return [(d, buf, reqs) for (d, _), buf in zip(moves, bufs)]
@@ -86,7 +93,7 @@ class Push:
 
     def accumulator(self, d: int, step: int) -> torch.Tensor:
         """A zeroed fp32 buffer shaped like K/V for a step's dK/dV of direction d."""
-        return torch.zeros(self.kv.shape, dtype=torch.float32, device=self.kv.device)
+        return torch.zeros(self.shape, dtype=torch.float32, device=self.k.device)
 
     def pass_on(self, local: torch.Tensor, d: int, step: int):
         """Hand a step's sum to the next rank of direction d: the handle its next step gets it
@@ -183,14 +190,15 @@ class Pull:
     the backward's sums are made in ((direction, parity) keys: those its plan uses), then with
     home a finished sum rounded to K/V's dtype."""
 
-    def __init__(self, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
-                 share_kv: bool = True, held: dict | None = None) -> None:
+    def __init__(self, group, kv: tuple[torch.Tensor, torch.Tensor], sums: tuple = (),
+                 home: bool = False, share_kv: bool = True, held: dict | None = None) -> None:
         del held  # a pull reads K/V from their owner
-        self.group, self.kv = group, kv
+        self.group, (self.k, self.v) = group, kv
+        self.shape = torch.Size((2, *self.k.shape))
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.cuda = kv.is_cuda
-        kv_bytes = _align(kv.numel() * kv.element_size())
-        sum_bytes = _align(kv.numel() * 4)
+        self.cuda = self.k.is_cuda
+        kv_bytes = _align(self.shape.numel() * self.k.element_size())
+        sum_bytes = _align(self.shape.numel() * 4)
         self.offsets = {"kv": 0} if share_kv else {}
         total = kv_bytes if share_kv else 0
         for key in sums:
@@ -198,19 +206,21 @@ class Pull:
         if home:
             self.offsets["home"], total = total, total + kv_bytes
         if self.cuda:
-            self.space = _Workspace.get(group, total, kv.device)
-            self.side = _side_stream(kv.device)
+            self.space = _Workspace.get(group, total, self.k.device)
+            self.side = _side_stream(self.k.device)
         else:
             self.local = torch.empty(total, dtype=torch.uint8)
-        if share_kv:
-            self._region("kv", self.rank).copy_(kv)
+        if share_kv:  # K and V into the region's two halves (no stacked copy first)
+            region = self._region("kv", self.rank)
+            region[0].copy_(self.k)
+            region[1].copy_(self.v)
         self._barrier()
 
     def _region(self, key, rank: int) -> torch.Tensor:
         """A region of rank's workspace as a tensor (K/V: the input's dtype and shape; a slot:
         fp32)."""
-        dtype = self.kv.dtype if key in ("kv", "home") else torch.float32
-        size = torch.Size(self.kv.shape)
+        dtype = self.k.dtype if key in ("kv", "home") else torch.float32
+        size = self.shape
         offset = self.offsets[key] // dtype.itemsize
         if not self.cuda:
             assert rank == self.rank
@@ -234,7 +244,7 @@ class Pull:
             bufs, reqs = _exchange([(self._region(key, self.rank), hops)], self.group,
                                    self.rank, self.ranks)
             return bufs[0], reqs
-        here = torch.cuda.current_stream(self.kv.device)
+        here = torch.cuda.current_stream(self.k.device)
         peer = self._region(key, src)
         buf = torch.empty_like(peer)  # on this stream: the side stream waits for it below
         self.side.wait_stream(here)
@@ -247,7 +257,7 @@ class Pull:
     def _ready(self, handle) -> torch.Tensor:
         buf, sync = handle
         if self.cuda:
-            torch.cuda.current_stream(self.kv.device).wait_event(sync)
+            torch.cuda.current_stream(self.k.device).wait_event(sync)
         else:
             _wait(sync)
         return buf
@@ -286,7 +296,7 @@ class Pull:
 
     def close(self) -> None:
         if self.cuda:
-            torch.cuda.current_stream(self.kv.device).wait_stream(self.side)
+            torch.cuda.current_stream(self.k.device).wait_stream(self.side)
         self._barrier()  # no rank writes its workspace again before every rank has read it
 
 
@@ -324,19 +334,21 @@ def _pull_works(group, device: torch.device) -> bool:
     return _PULL_OK[name]
 
 
-def link(transport: str, group, kv: torch.Tensor, sums: tuple = (), home: bool = False,
-         share_kv: bool = True, held: dict | None = None):
+def link(transport: str, group, kv: tuple[torch.Tensor, torch.Tensor], sums: tuple = (),
+         home: bool = False, share_kv: bool = True, held: dict | None = None):
     """The link a ring call moves data by: "push" (NCCL/gloo point-to-point), "pull" (copy
     engines over symmetric memory; matched send/receives on CPU), "auto" (pull on CUDA where
     every rank can map every other's memory and the workspace could be allocated, else push).
-    sums: the (direction, parity) slots the backward's sums are made in; home: whether a
-    finished sum goes home rounded to K/V's dtype; share_kv: whether other ranks fetch this
-    rank's K/V (kv); held: {direction: K/V} a rank holds before its first fetch, when not its
-    own (the backward that starts from the forward's last K/V)."""
+    kv: the rank's (K, V), shaped alike (a push stacks them when it first sends them, a pull
+    copies them into its workspace; K/V from other ranks travel stacked); sums: the
+    (direction, parity) slots the backward's sums are made in; home: whether a finished sum
+    goes home rounded to K/V's dtype; share_kv: whether other ranks fetch this rank's K/V;
+    held: {direction: K/V} a rank holds before its first fetch, when not its own (the backward
+    that starts from the forward's last K/V)."""
     if dist.get_world_size(group) == 1:
         transport = "push"  # nothing moves
     elif transport == "auto":
-        if kv.is_cuda and _pull_works(group, kv.device):
+        if kv[0].is_cuda and _pull_works(group, kv[0].device):
             try:
                 return Pull(group, kv, sums, home, share_kv, held)
             except WorkspaceError:  # raised on every rank: all go on by NCCL

@@ -62,9 +62,10 @@ class _Forward:
         self.lse: torch.Tensor | None = None
         self._q: dict = {}  # a pack's query chunk (Span.chunk) -> its rows of q (a copy)
 
-    def add(self, src: int, kv: torch.Tensor) -> None:
-        """The calls the rank's queries make on rank src's keys (kv: K and V stacked), each
-        merged into the rows it covers (a row no call reaches keeps out 0, LSE -inf)."""
+    def add(self, src: int, kv) -> None:
+        """The calls the rank's queries make on rank src's keys (kv: K and V, stacked or a
+        pair), each merged into the rows it covers (a row no call reaches keeps out 0, LSE
+        -inf)."""
         scale, softcap = self.args
         for span in self.plan.spans(self.rank, src):
             rows, keys = self.parts.queries(span), self.parts.keys(span)
@@ -120,7 +121,7 @@ class _Backward:
                                  out.index_select(1, rows), lse.index_select(2, rows))
         return self._rows[chunk]
 
-    def add(self, src: int, kv: torch.Tensor, dkv: torch.Tensor) -> None:
+    def add(self, src: int, kv, dkv: torch.Tensor) -> None:
         scale, softcap, deterministic = self.args
         for span in self.plan.spans(self.rank, src):
             rows, keys = self.parts.queries(span), self.parts.keys(span)
@@ -140,7 +141,7 @@ class _Backward:
 def _ring_forward(q, k, v, group, scale, plan, softcap, parts, transport):
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Forward(q, scale, plan, softcap, rank, parts)
-    kv = torch.stack((k, v)).contiguous()
+    kv = (k, v)
     wire = link(transport, group, kv)
     held = {_FORWARD: kv, _BACKWARD: kv}  # the K/V each direction holds at this step
     directions = _directions(plan)
@@ -167,7 +168,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
                                        softcap, deterministic, parts, transport)
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
-    kv = torch.stack((k, v)).contiguous()
+    kv = (k, v)
     directions = _directions(plan)
     # One direction's sum is all a key gets (no window): it goes home rounded to K/V's dtype,
     # half the bytes, the same bits as rounding it there.
@@ -195,7 +196,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
                 sums[d] = wire.pass_on(local, d, step)
             elif n > 0:  # home to the keys' owner, n ranks back
                 home.append(wire.send_home(local, d, n, step,
-                                           kv.dtype if rounded else torch.float32))
+                                           k.dtype if rounded else torch.float32))
             else:  # no step this way: the rank's own keys' sum is home
                 home.append(local)
         held.update((d, wire.arrived(h)) for d, h in zip(moving, arriving))
@@ -221,7 +222,7 @@ def _ring_backward_own_last(dout, q, k, v, kv_next, out, lse, group, scale, plan
     if plan.steps != (ranks - 1, 0):
         raise AssertionError(f"the own-last backward takes the whole ring, got {plan.steps}")
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
-    kv = torch.stack((k, v)).contiguous()
+    kv, shape = (k, v), (2, *k.shape)  # own K/V are never sent: no stacked copy
     d = _BACKWARD  # K/V and sums go to the previous rank: r holds r + s at step s
     wire = link(transport, group, kv, sums=tuple(sorted({(d, s % 2) for s in range(1, ranks)})),
                 share_kv=ranks > 2, held={d: kv_next})
@@ -237,10 +238,10 @@ def _ring_backward_own_last(dout, q, k, v, kv_next, out, lse, group, scale, plan
                 local.add_(wire.get(incoming))
             sums = wire.pass_on(local, d, step)
         else:  # the rank's own keys: their sum, rounded once
-            local = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            local = torch.zeros(shape, dtype=torch.float32, device=k.device)
             acc.add(src, kv, local)
-            dkv = local.to(kv.dtype) if incoming is None else \
-                torch.add(local, wire.get(incoming), out=torch.empty_like(kv))
+            dkv = local.to(k.dtype) if incoming is None else \
+                torch.add(local, wire.get(incoming), out=k.new_empty(shape))
         held = wire.arrived(arriving[0]) if arriving else kv
         wire.end_step()
     wire.close()
