@@ -475,8 +475,9 @@ struct BackwardCta {
     }
 
     // dK (scaled) and dV in the input dtype, or with p.accumulate added to the fp32 tensors (a
-    // thread owns its elements: a plain read-add-write); rows past seqlen_k and columns past
-    // d_head are not written.
+    // thread owns its elements: one fp32 reduction per pair, no result, gives a read-add-write's
+    // sum without a load -> store chain per pair); rows past seqlen_k and columns past d_head
+    // are not written.
     __device__ __forceinline__ void write_dk_dv() {
         const bool dk = owns_dk();
         const int64_t k_row = int64_t(span().k_start) + k_row0;
@@ -488,11 +489,7 @@ struct BackwardCta {
         if (p.accumulate) {
             float* out = static_cast<float*>(dk ? p.dk : p.dv) + offset;
             for_each_pair([&](int row, int col, float x, float y) {
-                float2* at = reinterpret_cast<float2*>(out + row * stride + col);
-                float2 a = *at;
-                a.x += x * scale;
-                a.y += y * scale;
-                *at = a;
+                red_add2(out + row * stride + col, x * scale, y * scale);
             });
             return;
         }

@@ -633,8 +633,12 @@ struct BackwardConsumer {
     // p.accumulate: this warpgroup's dK or dV added to the fp32 tensor `out` straight from the
     // registers (the wgmma accumulator layout: rows 16 w + lane / 4 and + 8 of the warpgroup's,
     // columns 8 t + 2 (lane % 4) of n8 tile t; kSplitD, the warpgroup's columns of all 64 rows).
-    // A thread owns its elements in the call: a plain read-add-write. Rows past the sequence's
-    // keys and columns past d_head are not touched.
+    // A thread owns its elements in the call, so one fp32 reduction (RED, no result) per pair
+    // gives a read-add-write's sum without its round trip: read-add-writes compile to one load
+    // -> store chain after another (the stores may alias the next loads), 2 x 64 global round
+    // trips a thread at the end of every CTA. (A reduction flushes subnormal sums to zero, as
+    // the dQ reductions do.) Rows past the sequence's keys and columns past d_head are not
+    // touched.
     __device__ __forceinline__ void add_fp32(const float (&acc)[kNO][4], void* out,
                                              int64_t batch_stride, int64_t head_stride,
                                              int64_t row_stride) const {
@@ -650,13 +654,8 @@ struct BackwardConsumer {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_w + 8 * h, col = col0 + 8 * t;
-                if (row < rows && col < p.d_head) {
-                    float2* at = reinterpret_cast<float2*>(base + row * row_stride + col);
-                    float2 a = *at;
-                    a.x += acc[t][2 * h];
-                    a.y += acc[t][2 * h + 1];
-                    *at = a;
-                }
+                if (row < rows && col < p.d_head)
+                    bwd::red_add2(base + row * row_stride + col, acc[t][2 * h], acc[t][2 * h + 1]);
             }
     }
 };
