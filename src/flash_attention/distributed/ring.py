@@ -2,22 +2,23 @@
 and backward through autograd, by a ring (below) or by all-gather (every rank's K and V gathered
 at once; dK and dV reduced onto their owners).
 
-Forward, on rank r of P: K and V (stacked, the KV heads only) go around the ring, one step per
+Forward, on rank r of P: K and V (the KV heads only) go around the ring, one step per
 rank; at step s the rank holds those of rank r - s, and the next step's arrive (links.py: pulled
 by the copy engines, or pushed on by NCCL) while it computes the calls its query chunks make on
 them (layout.Plan.spans), and merges each call's (out, LSE) into
-the rows of its running result that the call covers, in fp32 (merge.py). Backward: K and V go
-around again, each step's transfer started before its calls are computed; the calls' dQ add
-into the rank's own, their dK and dV into fp32 accumulators that travel with K and V and come
-home after P steps. Each call's backward uses the merged output and LSE, so its P is its slice
-of the whole softmax.
+the rows of its running result that the call covers, in fp32 (merge.py). Backward, the whole
+ring: the other way round, own keys last (_ring_backward_own_last), starting from the K/V the
+forward held last; each step's transfer started before its calls are computed; the calls' dQ
+add into the rank's own, their dK and dV into fp32 accumulators that travel with K and V and
+are whole when they reach their owner, at its last step. Each call's backward uses the merged
+output and LSE, so its P is its slice of the whole softmax.
 
 A sliding window shortens the ring (layout.Plan.steps): K/V go only as many steps as some rank
 needs, to the next ranks (r holds r - s) and, when that is shorter, also to the previous ones
 (r holds r + s) at the same time; the zigzag puts a chunk's neighbours on the ranks either side,
-so a small window takes one step each way. In the backward each way's accumulators travel with
-its K/V and after its last step go straight to their owner (one transfer, n ranks back; for the
-whole ring that is the plain next hop), where the ways' sums are added in a fixed order.
+so a small window takes one step each way. Its backward goes round as its forward did, each
+way's accumulators travelling with its K/V and after its last step going straight to their
+owner (one transfer, n ranks back), where the ways' sums are added in a fixed order.
 """
 
 from __future__ import annotations
