@@ -69,10 +69,11 @@ class Push:
         self.shape = torch.Size((2, *self.k.shape))
         self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.held: dict[int, torch.Tensor] = dict(held or {})
+        self._stacked: torch.Tensor | None = None
 
     def _own(self) -> torch.Tensor:
         """The rank's K/V stacked into one buffer to send (made at its first send)."""
-        if not hasattr(self, "_stacked"):
+        if self._stacked is None:
             self._stacked = torch.stack((self.k, self.v))
         return self._stacked
 

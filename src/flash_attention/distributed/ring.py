@@ -161,9 +161,9 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
                    parts, transport, kv_next=None):
     """K/V go around as in the forward; the dK/dV of the keys a direction holds travel with
     them in an fp32 accumulator (each rank adds its calls' share), and after the direction's
-    last step go straight to their owner, n ranks back the way they came (for the whole ring
-    that is the plain next hop). With kv_next (the whole ring: the K/V the forward held
-    last) the ring runs the other way round, own keys last (_ring_backward_own_last)."""
+    last step go straight to their owner, n ranks back the way they came (the schedule of a
+    window's ring). With kv_next (the whole ring: the K/V the forward held last) the ring runs
+    the other way round, own keys last (_ring_backward_own_last)."""
     if kv_next is not None:
         return _ring_backward_own_last(dout, q, k, v, kv_next, out, lse, group, scale, plan,
                                        softcap, deterministic, parts, transport)
@@ -171,8 +171,8 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale, plan, softcap, determi
     acc = _Backward(dout, q, out, lse, scale, plan, softcap, deterministic, rank, parts)
     kv = (k, v)
     directions = _directions(plan)
-    # One direction's sum is all a key gets (no window): it goes home rounded to K/V's dtype,
-    # half the bytes, the same bits as rounding it there.
+    # One direction's sum is all a key gets (a window's ring that runs one way): it goes home
+    # rounded to K/V's dtype, half the bytes, the same bits as rounding it there.
     rounded = sum(1 for d, n in directions if n > 0 or d == _FORWARD) == 1
     slots = sorted({(d, s % 2) for d, n in directions for s in range(n + 1) if _held(s, d, n)})
     wire = link(transport, group, kv, sums=tuple(slots), home=rounded)
