@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--ab", default="", help="kernels to add where they serve a row")
     parser.add_argument("--equal", action="store_true", help="a pack of equal lengths too")
     parser.add_argument("--no-softcap", action="store_true", help="the varlen rows alone")
+    parser.add_argument("--softcap-only", action="store_true", help="the softcap rows alone")
     parser.add_argument("--backward", action="store_true", help="the varlen backward rows")
     args = parser.parse_args()
     ab = [n for n in args.ab.split(",") if n]
@@ -287,7 +288,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(), "backward": varlen}, f, indent=1)
         return
-    for dtype in dtypes:
+    for dtype in () if args.softcap_only else dtypes:
         for d_head in (128, 64, 256):
             for causal in (False, True):
                 varlen_rows(varlen, dtype, d_head, causal, d_head + causal, ab)

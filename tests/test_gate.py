@@ -1122,7 +1122,7 @@ def test_a_slower_fp8_forward_fails_the_gate_and_is_left_out_off_sm90(tmp_path, 
                               arch="90", kinds=("fp8",))
     assert code == gate.REGRESSION
     assert {r["case"]: r["verdict"] for r in doc["results"]} == {FP8.name: "slower"}
-    assert doc["results"][0]["kernel"] == "fwd_sm90_e4m3_d128_r128_c192_s2_fwpiam"
+    assert doc["results"][0]["kernel"] == "fwd_sm90_e4m3_d128_r128_c192_s2_fwpiaum"
     code, doc, _ = _run_gate(tmp_path, monkeypatch, base, head, cases=[CASES[1], FP8], arch="90",
                              kinds=("fwd",))
     assert {r["case"] for r in doc["results"]} == {CASES[1].name}

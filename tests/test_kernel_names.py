@@ -183,7 +183,7 @@ def test_flag_letters_are_one_table():
 
 @pytest.mark.parametrize("name, message", [
     ("fwd_sm80_bf16_d128_r128_c64_w4_fwp", r"must be a subset of 'seqkvbormt'"),
-    ("fwd_sm90_bf16_d128_r128_c128_s2_fwpoe", r"must be a subset of 'wpialdxngzjmt'"),
+    ("fwd_sm90_bf16_d128_r128_c128_s2_fwpoe", r"must be a subset of 'wpialdxngzujmt'"),
     ("bwd_sm80_bf16_d128_r64_c128_w8_fb", r"must be a subset of 'ht'"),
     ("bwd_sm90_bf16_d128_r64_c128_fh", r"must be a subset of 'jt'"),
     ("fwd_sm70_bf16_d128_r128_c64_w4_f", r"a name starts with its kind, one of fwd_sm80, "

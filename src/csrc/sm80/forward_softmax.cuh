@@ -39,7 +39,7 @@ struct OnlineSoftmax {
             for (int nt = 0; nt < kNS; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    S[mt][nt][e] = tanh_fast(S[mt][nt][e] * softcap_scale);
+                    S[mt][nt][e] = tanh_mufu(S[mt][nt][e] * softcap_scale);
     }
 
     // Scores of key columns >= seqlen_k (the tail block) become -inf: zero probability.

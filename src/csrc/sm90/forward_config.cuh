@@ -14,8 +14,8 @@ namespace flash::sm90 {
 
 template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kStages_, bool kWarpSpec_,
           bool kPingPong_, bool kOverlap_, bool kTmaStore_, bool kPersistent_, bool kDynamic_,
-          bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kVarlen_,
-          bool kMask_, bool kSoftcap_>
+          bool kCluster_, bool kTileOverlap_, bool kQRegs_, bool kLazyRescale_, bool kExp2Fma_,
+          bool kVarlen_, bool kMask_, bool kSoftcap_>
 struct FwdConfig {
     using Elem = Elem_;  // of Q, K, V: fp16, bf16 or FP8 e4m3
     // FP8 (e4m3) operands: k32 wgmma steps over the same 32 bytes as the 16-bit k16 ones, V
@@ -69,6 +69,11 @@ struct FwdConfig {
     // warp rescales O only when one of its rows moved: most blocks skip the rescale.
     static constexpr bool kLazyRescale = kLazyRescale_;
     static constexpr float kRescaleLog2 = 8.f;
+    // A share of the softmax's exp2s by a polynomial on the FMA pipe (exp2_fma), the rest on
+    // MUFU (16 results per clock and SM, a bound of the softmax where a score costs few GEMM
+    // FLOPs: FP8 at d_head 128). Degree 2 for FP8 (P is rounded to 3 mantissa bits), 3 for
+    // fp16/bf16.
+    static constexpr bool kExp2Fma = kExp2Fma_;
     // Varlen (packed) batches (FwdParams::cu_seqlens_q/k): each tile finds its sequence's rows in
     // the packed tensors (TMA maps over all rows; loads past a sequence's end read the next
     // sequence's rows, which the key-tail mask hides and whose V rows are zeroed in shared memory
@@ -99,6 +104,9 @@ struct FwdConfig {
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
     static constexpr int kNTilesS = kBc / 8;
     static constexpr int kNTilesO = kDHead / 8;
+    static constexpr int kExp2FmaEighths = 2;  // the FMA pipe's share of the exp2s, in eighths
+    static constexpr int kExp2FmaTiles = kExp2Fma ? kNTilesS * kExp2FmaEighths / 8 : 0;
+    static constexpr int kExp2FmaDegree = kFp8 ? 2 : 3;
 
     // Shared memory: tiles of panels 128 bytes wide (the 128-byte swizzle's width: 64 columns of
     // 16-bit elements, 128 of FP8), each panel rows x 128 bytes; Q (per buffer), then K and V per

@@ -281,7 +281,7 @@ struct ForwardConsumer {
             for (int t = 0; t < kNS; ++t)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    S[t][e] = tanh_fast(S[t][e] * softcap_scale);
+                    S[t][e] = tanh_mufu(S[t][e] * softcap_scale);
         }
         if (w.needs_mask(j, seqlen_k)) {
             float (&S3)[1][kNS][4] = reinterpret_cast<float (&)[1][kNS][4]>(S);

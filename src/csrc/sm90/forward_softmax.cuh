@@ -19,6 +19,14 @@ struct Softmax {
     // needs the rescale; otherwise every factor is 1.
     bool moved = false;
 
+    // kExp2Fma: the exp2s of kExp2FmaTiles of the kNTilesS n8 tiles, spread evenly, run on the
+    // FMA pipe (exp2_fma), the rest on MUFU, whose 16 results per clock and SM bound the softmax
+    // where the GEMMs per score are few (FP8, d_head 64).
+    static constexpr bool on_fma_pipe(int t) {
+        return (t + 1) * Cfg::kExp2FmaTiles / Cfg::kNTilesS >
+               t * Cfg::kExp2FmaTiles / Cfg::kNTilesS;
+    }
+
     __device__ __forceinline__ void init() {
         m[0] = m[1] = -INFINITY;
         l[0] = l[1] = 0.f;
@@ -55,7 +63,8 @@ struct Softmax {
             for (int t = 0; t < Cfg::kNTilesS; ++t)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    S[t][e] = fast_exp2(fmaf(S[t][e], scale_log2, -offset));
+                    const float x = fmaf(S[t][e], scale_log2, -offset);
+                    S[t][e] = on_fma_pipe(t) ? exp2_fma<Cfg::kExp2FmaDegree>(x) : fast_exp2(x);
                     sum += S[t][e];
                 }
             l[h] = kFirst ? sum : l[h] * corr[h] + sum;

@@ -38,7 +38,7 @@ FLAG_LETTERS: dict[str, str] = {
     # the Hopper forward's techniques
     "warp_spec": "w", "pingpong": "p", "overlap": "i", "tma_store": "a", "persistent": "l",
     "dynamic": "d", "cluster": "x", "tile_overlap": "n", "q_regs": "g", "lazy_rescale": "z",
-    "varlen": "j",
+    "exp2_fma": "u", "varlen": "j",
     # the sm80 backward's
     "prefetch": "h",
     # features, in every kind that has them (always the last two letters of a name)

@@ -54,6 +54,8 @@ FLAGS: dict[str, str] = {
               "the S GEMMs read only K from shared memory",
     "lazy_rescale": "a row's running max moves only when it grows by more than 8 (log2 units, P "
                     "stays <= 256), and a warp rescales O only when one of its rows moved",
+    "exp2_fma": "a quarter of the softmax's exp2s by a polynomial on the FMA pipe, the rest on "
+                "MUFU (its 16 results per clock and SM bound the FP8 softmax at d_head 128)",
     "varlen": "varlen (packed) batches alone: tiles find their sequence through cu_seqlens, TMA "
               "maps span the packed rows, V rows past a sequence's end are zeroed in shared "
               "memory, and a warpgroup whose rows cross the end stores from registers",
@@ -93,6 +95,7 @@ class Sm90FwdConfig(KernelConfig):
     tile_overlap: bool = False
     q_regs: bool = False
     lazy_rescale: bool = False
+    exp2_fma: bool = False
     varlen: bool = False
     mask: bool = False
     softcap: bool = False
@@ -270,7 +273,8 @@ ROWS: tuple[Row, ...] = (
     Row("sm90 softcap d64", ("softcap",), (64,), None, "r192_c96_s3_fwald",
         "the masked row's kernel: the dynamic schedule serves masked softcap calls too"),
     Row("sm90 softcap d128", ("softcap",), (96, 128), None, "r128_c128_s2_fwpiaz",
-        "ping-pong hides one warpgroup's tanh under the other's GEMMs; no spill (fwialdgz does)"),
+        "ping-pong hides one warpgroup's tanh under the other's GEMMs; the persistent fwialgz "
+        "tile takes 1.06-1.12x its time without masks"),
     Row("sm90 softcap d256", ("softcap",), (160, 192, 224, 256), None, "r128_c64_s2_fwpiaz",
         "the plain row's kernel: ping-pong and overlap hide the tanh under the GEMMs"),
 )
@@ -341,10 +345,12 @@ def select_key_pad(call: Call, built: tuple[KernelConfig, ...] | list[KernelConf
 _ALL_KINDS = ("plain", "masked", "local", "softcap")
 FP8_ROWS: tuple[Row, ...] = (
     Row("sm90 fp8 d128", ("plain", "masked", "local"), (96, 128), None,
-        "r128_c192_s2_fwpia", "ping-pong and overlap, O through a TMA store; B_c 192 (V "
-        "transposed into panels of 64 keys) leads B_c 128 with 3 stages by 2-9%"),
+        "r128_c192_s2_fwpiau", "ping-pong and overlap, O through a TMA store; B_c 192 (V "
+        "transposed into panels of 64 keys) leads B_c 128 with 3 stages by 2-9%; a quarter of the "
+        "exp2s on the FMA pipe (u) gains 1-7.5%"),
     Row("sm90 fp8 softcap d128", ("softcap",), (96, 128), None,
-        "r128_c128_s3_fwpia", "B_c 128: at B_c 192 the softcap kernels spill (184-208 bytes)"),
+        "r128_c128_s3_fwpiau", "B_c 128: at B_c 192 the softcap kernels spill (184-208 bytes); "
+        "exp2_fma (u) gains 4-9%"),
     Row("sm90 fp8 d256", _ALL_KINDS, (160, 192, 224, 256), None,
         "r128_c64_s2_fwpia", "B_c 64 (O's 128 registers leave no room for 128), 2 stages (3 do "
         "not fit beside O's buffer)"),
@@ -437,7 +443,7 @@ CI: tuple[Sm90FwdConfig, ...] = (
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwalxgz"),  # persistent, CTA pairs multicasting K/V
     P("fwd_sm90_bf16_d64_r192_c96_s3_fwaln"),  # 3 consumer warpgroups, tile hand-over
     P("fwd_sm90_bf16_d128_r128_c128_s2_fwpiazjmt"),  # varlen, softcap, ping-pong
-    P("fwd_sm90_e4m3_d128_r128_c192_s2_fwpiam"),  # FP8: V transposed by the producer
+    P("fwd_sm90_e4m3_d128_r128_c192_s2_fwpiaum"),  # FP8: V transposed by the producer, exp2_fma
 )
 
 # (mask, local, softcap) of each kind of call the default table serves.
