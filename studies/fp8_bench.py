@@ -89,8 +89,9 @@ def row(seqlen: int, causal: bool, ab: list[str], results: list, d_head: int) ->
                         "ms": ms, "tflops": tf})
 
 
-def varlen_row(causal: bool, results: list, d_head: int) -> None:
-    """The --varlen comparison on one pack (the same lengths in every run: seed 0)."""
+def varlen_row(causal: bool, results: list, d_head: int, ab: list[str]) -> None:
+    """The --varlen comparison on one pack (the same lengths in every run: seed 0); --ab's
+    varlen kernels (flag j; the masked twin in causal rows) by name beside the dispatched one."""
     g = torch.Generator().manual_seed(0)
     lengths: list[int] = []
     while sum(lengths) < 65536:
@@ -118,6 +119,14 @@ def varlen_row(causal: bool, results: list, d_head: int) -> None:
         "fp8 fixed-length, mean length": lambda: fp8.attention_fp8(f8q, f8k, f8v, fqd, fkd, fvd,
                                                                    causal=causal),
     }
+    for name in ab:
+        name = name + "m" if causal and not name.endswith("m") else name
+        if name not in fp8.ops.BUILT_NAMES or "j" not in name.rsplit("_f", 1)[1]:
+            continue
+        contenders[f"fp8 varlen {name}"] = (
+            lambda name=name: fp8.attention_fp8(
+                q8, k8, v8, qd, kd, vd, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=longest, max_seqlen_k=longest, config=name))
     flops = {name: sum(4 * n * n * d_head * HEADS for n in lengths) for name in contenders}
     flops["fp8 fixed-length, mean length"] = 4 * mean * mean * d_head * HEADS * len(lengths)
     times = interleaved_rounds(contenders, ROUNDS)
@@ -144,7 +153,7 @@ def main() -> None:
     results: list = []
     for causal in (False, True):
         if args.varlen:
-            varlen_row(causal, results, args.d_head)
+            varlen_row(causal, results, args.d_head, ab)
             continue
         for s in map(int, args.seqlens.split(",")):
             row(s, causal, ab, results, args.d_head)
