@@ -11,7 +11,7 @@ Shapes default to the issue's grid: 16 heads, batch 16/16/16/16/8/4 for seq 512.
 
     PYTHONPATH=src python3 studies/backward_bench.py [--d 64,128] [--seqs 1024,4096]
         [--dtypes bf16,fp16] [--peers fa2,cudnn] [--rounds N] [--no-train] [--no-det]
-        [--variants K1,K2]
+        [--variants K1,K2] [--softcap 30]
 """
 
 from __future__ import annotations
@@ -52,17 +52,18 @@ BATCH_OF_SEQ = {512: 16, 1024: 16, 2048: 16, 4096: 16, 8192: 8, 16384: 4}
 
 def bench(batch: int, seq: int, d: int, causal: bool, deterministic: bool = False,
           kernel: str = "", dtype: str = "bf16", peers: tuple[str, ...] = ("fa2",),
-          rounds: int = 1) -> dict:
+          rounds: int = 1, softcap: float = 0.0) -> dict:
     heads = 16
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(batch, seq, heads, d, device="cuda", dtype=DTYPES[dtype])
                      for _ in range(4))
     out, lse = torch.ops.flash_attention.attention.default(
-        q, k, v, None, None, 0, 0, None, causal, -1, -1, 0.0, True, "")
+        q, k, v, None, None, 0, 0, None, causal, -1, -1, softcap, True, "")
 
     def ours():
         torch.ops.flash_attention.bwd.default(dout, q, k, v, out, lse, None, None, None, 0, 0,
-                                              None, causal, -1, -1, 0.0, deterministic, kernel)
+                                              None, causal, -1, -1, softcap, deterministic,
+                                              kernel)
 
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
     dref = dout.transpose(1, 2)
@@ -161,6 +162,9 @@ def main() -> None:
                     help="time each row this many times, the contenders' order rotated per "
                          "round; medians printed, with the ratio's range over rounds")
     ap.add_argument("--no-train", action="store_true", help="skip forward + backward")
+    ap.add_argument("--softcap", type=float, default=0.0,
+                    help="our backward with this softcap (the SDPA peers have none: they stay "
+                         "the plain call, the clock's reference)")
     ap.add_argument("--no-det", action="store_true", help="skip deterministic=True")
     ap.add_argument("--variants", default="",
                     help="backward kernels timed beside the default one where their dtype and "
@@ -195,7 +199,8 @@ def main() -> None:
         mine = [v for v in variants if (parse(v).dtype, parse(v).d_head)
                 == (dt, case[2])]  # either kind (bwd_sm80_..., bwd_sm90_...)
         for kernel in ["", *mine]:
-            r = bench(*case, kernel=kernel, dtype=dt, peers=peers, rounds=args.rounds)
+            r = bench(*case, kernel=kernel, dtype=dt, peers=peers, rounds=args.rounds,
+                      softcap=args.softcap)
             line = (f"{dt:>5} {r['batch']:>5} {r['seq']:>5} {r['d']:>4} {r['causal']!s:>6} "
                     f"{r['det']!s:>5} {r['ours_ms']:>8.2f} {r['ours_tflops']:>8.1f} "
                     f"{r['ours_mhz']:>5.0f}")
