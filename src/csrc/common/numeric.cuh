@@ -98,11 +98,15 @@ __device__ __forceinline__ float exp2_fma(float x) {
     return fmaf(q, f, 1.f) * scale;
 }
 
-// tanh.approx.f32: one MUFU op (MUFU.TANH), every kernel's softcap (forward and backward alike,
-// so that the backward recomputes the forward's P). Its relative error, measured over every fp32
-// value on an H200 (studies/tanh_approx_probe.cu), is at most 1.1e-5: a softcap c turns it into
-// at most 1.1e-5 c of a logit (5.6e-4 at c = 50; a bf16 score rounds by 2^-9 of itself). The
-// formula it replaced, 1 - 2 / (e^(2x) + 1) by ex2 and rcp, took two MUFU ops and four others.
+// tanh(x) = 1 - 2 / (e^(2x) + 1): one ex2 and one rcp (two MUFU ops), absolute error 2.4e-7
+// (studies/tanh_approx_probe.cu); the backwards' softcap. The forwards take tanh_mufu.
+__device__ __forceinline__ float tanh_fast(float x) {
+    return 1.f - 2.f * fast_rcp(fast_exp2(x * 2.8853900817779268f) + 1.f);  // 2 log2(e)
+}
+
+// tanh.approx.f32: one MUFU op (MUFU.TANH). Its relative error, measured over every fp32 value
+// on an H200 (studies/tanh_approx_probe.cu), is at most 1.1e-5: a softcap c turns it into at
+// most 1.1e-5 c of a logit (5.6e-4 at c = 50; a bf16 score rounds by 2^-9 of itself).
 __device__ __forceinline__ float tanh_mufu(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -349,7 +349,7 @@ struct BackwardCta {
                     float s = S[mt][nt][e];
                     float dtanh = 1.f;
                     if constexpr (Cfg::kSoftcap) {
-                        s = tanh_mufu(s * p.softcap_scale);
+                        s = tanh_fast(s * p.softcap_scale);
                         dtanh = 1.f - s * s;
                     }
                     float prob = fast_exp2(fmaf(s, p.scale_log2, -(e % 2 ? lse.y : lse.x)));

@@ -229,7 +229,7 @@ struct BackwardConsumer {
             for (int e = 0; e < 4; ++e) {
                 float x = S[t][e], dtanh = 1.f;
                 if constexpr (Cfg::kSoftcap) {
-                    x = tanh_mufu(x * p.softcap_scale);
+                    x = tanh_fast(x * p.softcap_scale);
                     dtanh = 1.f - x * x;
                 }
                 float prob = fast_exp2(fmaf(x, p.scale_log2, -(e % 2 ? lse.y : lse.x)));
