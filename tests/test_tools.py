@@ -209,6 +209,10 @@ def test_forward_symbols_of_either_scheme_name_the_same_kernel():
     assert short_of(SM90_MANGLED) == short_of(OLD_SM90_MANGLED) == (
         "fwd_sm90_bf16_d128_r128_c128_s2_fwialngzm")
     assert short_of(SM90_MANGLED.replace("4sm9010fwd", "4sm9110fwd")) is None
+    # today's template: exp2_fma (u) and varlen (j) after lazy_rescale, before the features
+    now = SM90_MANGLED.replace("Lb1ELb1ELb1ELb0EEEE", "Lb1ELb1ELb1ELb0ELb1ELb0EEEE")
+    assert now.count("Lb") == 14
+    assert short_of(now) == "fwd_sm90_bf16_d128_r128_c128_s2_fwialngzum"
 
 
 def test_serialized_wgmma_note_is_attributed_to_its_kernel():
@@ -265,8 +269,11 @@ def test_mma_count_matches_tile_shapes(built, sass_counts):
             # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
             # under the running P V wgmma, the tile hand-over the next tile's first block's
             # (B_c/2, no rescale); without them none
-            # (a softcap's tanh is an exp2 too: twice the block's)
-            per_block = cfg.block_c // 2 * (2 if cfg.softcap else 1)
+            # (a softcap's tanh is MUFU.TANH, not an exp2; with exp2_fma, kExp2FmaTiles of the
+            # B_c / 8 score tiles, 4 values a thread each, take theirs on the FMA pipe:
+            # forward_config.cuh's quarter)
+            fma_tiles = cfg.block_c // 8 * 2 // 8 if cfg.exp2_fma else 0
+            per_block = cfg.block_c // 2 - 4 * fma_tiles
             overlapped = ((per_block + 2 if cfg.overlap else 0)
                           + (per_block if cfg.tile_overlap else 0))
             assert ex2_overlapped == overlapped, short

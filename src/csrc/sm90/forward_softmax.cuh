@@ -21,8 +21,8 @@ struct Softmax {
 
     // kExp2Fma: the exp2s of kExp2FmaTiles of the kNTilesS n8 tiles, spread evenly, run on the
     // FMA pipe (exp2_fma), the rest on MUFU, whose 16 results per clock and SM bound the softmax
-    // where the GEMMs per score are few (FP8, d_head 64).
-    static constexpr bool on_fma_pipe(int t) {
+    // where the GEMMs per score are few (FP8 at d_head 128).
+    __host__ __device__ static constexpr bool on_fma_pipe(int t) {
         return (t + 1) * Cfg::kExp2FmaTiles / Cfg::kNTilesS >
                t * Cfg::kExp2FmaTiles / Cfg::kNTilesS;
     }

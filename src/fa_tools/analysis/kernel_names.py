@@ -32,12 +32,15 @@ _OLD_SYMBOLS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("_ZN5flash10fwd_kernelINS_9FwdConfigI", "fwd_sm80", TEMPLATES["fwd_sm80"].args),
     ("_ZN5flash4sm9015fwd_sm90_kernelINS0_10Sm90ConfigI", "fwd_sm90",
      ("dtype", "d_head", "block_c", "consumer_wgs", "stages",
-      *(f for f in KINDS["fwd_sm90"].FLAGS if f != "varlen"))),
+      *(f for f in KINDS["fwd_sm90"].FLAGS if f not in ("varlen", "exp2_fma")))),
     ("_ZN5flash3bwd10bwd_kernelINS_9BwdConfigI", "bwd_sm80",
      ("dtype", "d_head", "block_c", "block_r", "warps", *KINDS["bwd_sm80"].FLAGS)),
     ("_ZN5flash4sm9015bwd_sm90_kernelINS0_13Sm90BwdConfigI", "bwd_sm90",
      ("dtype", "d_head", "softcap", "block_r")),
 )
+# Flags a kind's config template gained after builds the gate's SASS diff may still compare
+# with, newest first: a symbol n arguments short is of a build from before the newest n.
+_LATER_FLAGS = {"fwd_sm90": ("exp2_fma", "varlen"), "bwd_sm90": ("varlen",)}
 # A type argument that repeats an earlier one is a substitution (S<n>_): the decode kernels'
 # cache element when it is q's (DecConfig<__nv_bfloat16, ..., __nv_bfloat16>).
 _ARG = re.compile(r"(?P<elem>6__half|13__nv_bfloat16|13__nv_fp8_e4m3|13__nv_fp8_e5m2)"
@@ -66,8 +69,11 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
     """Config fields from template arguments; an old build's derived arguments (the Hopper
     forward's consumer warpgroups, the Hopper backward's B_c) turned into fields."""
     old_bwd_sm90 = kind == "bwd_sm90" and "block_c" not in names
-    if kind in ("fwd_sm90", "bwd_sm90") and "varlen" in names and len(values) == len(names) - 1:
-        names = tuple(n for n in names if n != "varlen")  # a build from before flag j
+    later = _LATER_FLAGS.get(kind, ())
+    for n in range(1, len(later) + 1):  # a build from before flag u (and j)
+        if len(values) == len(names) - n and set(later[:n]) <= set(names):
+            names = tuple(f for f in names if f not in later[:n])
+            break
     if "cache" in names and len(values) == len(names) - 1:
         names = tuple(n for n in names if n != "cache")  # a decode build from before FP8 caches
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
