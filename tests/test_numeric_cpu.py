@@ -18,9 +18,9 @@ def coefficients() -> dict[int, list[float]]:
     """Degree -> q's coefficients, highest first (the literals of its `q = ...` line)."""
     body = HEADER.read_text().split("float exp2_fma(float x)")[1].split("\n}\n")[0]
     lines = re.findall(r"q = (.*);", body)
-    assert len(lines) == 3, body
+    assert len(lines) == 2, body
     return {deg: [float(c) for c in re.findall(r"(-?\d+\.\d+(?:e-?\d+)?)f", line)]
-            for deg, line in zip((2, 3, 4), lines)}
+            for deg, line in zip((2, 3), lines)}
 
 
 def fma32(a, b, c):
@@ -44,7 +44,7 @@ def exp2_fma(x: np.ndarray, degree: int) -> np.ndarray:
         return (fma32(q, f, np.float32(1.0)) * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("degree,bound", [(2, 2.0e-3), (3, 1.02e-4), (4, 3.0e-6)])
+@pytest.mark.parametrize("degree,bound", [(2, 2.0e-3), (3, 1.02e-4)])
 def test_exp2_fma_relative_error_within_its_stated_bound(degree, bound):
     # every exponent a softmax produces (scores minus the row max, FP8's 2^8 shift on top)
     x = np.concatenate([np.linspace(-125.0, 8.0, 2_000_003, dtype=np.float32),
@@ -53,7 +53,7 @@ def test_exp2_fma_relative_error_within_its_stated_bound(degree, bound):
     assert rel.max() <= bound, (degree, rel.max(), x[rel.argmax()])
 
 
-@pytest.mark.parametrize("degree", [2, 3, 4])
+@pytest.mark.parametrize("degree", [2, 3])
 def test_exp2_fma_edges(degree):
     ints = np.arange(-126, 9, dtype=np.float32)
     assert np.array_equal(exp2_fma(ints, degree), np.exp2(ints))  # q(0) adds nothing: exact

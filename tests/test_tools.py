@@ -269,11 +269,9 @@ def test_mma_count_matches_tile_shapes(built, sass_counts):
             # the overlap puts one block's exp2s (B_c/2 per thread, 2 rescale factors)
             # under the running P V wgmma, the tile hand-over the next tile's first block's
             # (B_c/2, no rescale); without them none
-            # (a softcap's tanh is MUFU.TANH, not an exp2; with exp2_fma, kExp2FmaTiles of the
-            # B_c / 8 score tiles, 4 values a thread each, take theirs on the FMA pipe:
-            # forward_config.cuh's quarter)
-            fma_tiles = cfg.block_c // 8 * 2 // 8 if cfg.exp2_fma else 0
-            per_block = cfg.block_c // 2 - 4 * fma_tiles
+            # (a softcap's tanh is MUFU.TANH, not an exp2; with exp2_fma the score tiles on the
+            # FMA pipe, 4 values a thread each, take none)
+            per_block = cfg.block_c // 2 - 4 * cfg.exp2_fma_tiles
             overlapped = ((per_block + 2 if cfg.overlap else 0)
                           + (per_block if cfg.tile_overlap else 0))
             assert ex2_overlapped == overlapped, short

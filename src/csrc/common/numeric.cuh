@@ -1,5 +1,6 @@
 // Numeric helpers both kernel families use: the shared-memory address of a pointer, packing
-// fp32 pairs into 16-bit pairs (and quads into FP8), and fast exp2 / reciprocal / log2 / tanh.
+// fp32 pairs into 16-bit pairs (and quads into FP8), and fast exp2 (on MUFU or the FMA pipe) /
+// reciprocal / log2 / tanh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,23 +76,21 @@ __device__ __forceinline__ float fast_log2(float x) {
 // 2^x without the MUFU unit (FADDs, FFMAs, an FMUL and one integer op), so that a kernel bound by
 // MUFU's 16 results per clock and SM can move a share of its exp2s to the FMA pipe: x = j + f
 // with j = rint(x) (the low bits of x + 1.5 * 2^23) and f in [-1/2, 1/2]; 2^f = 1 + f q(f), q of
-// degree kDegree - 1 fitted for relative error (max in fp32: degree 2 2.0e-3, 3 1.0e-4, 4
-// 2.9e-6; tests/test_numeric_cpu.py evaluates the same steps); times 2^j built in the exponent
+// degree kDegree - 1 fitted for relative error (max in fp32: degree 2 2.0e-3, 3 1.0e-4;
+// tests/test_numeric_cpu.py evaluates the same steps); times 2^j built in the exponent
 // field. x at or below -127 (-inf too) gives 0, NaN gives NaN (max.NaN keeps it); x must stay
 // below 128 (a score minus its row max does).
 template <int kDegree>
 __device__ __forceinline__ float exp2_fma(float x) {
-    static_assert(kDegree >= 2 && kDegree <= 4, "exp2_fma: degree 2, 3 or 4");
+    static_assert(kDegree == 2 || kDegree == 3, "exp2_fma: degree 2 or 3");
     asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // -127
     const float t = x + 12582912.f;                    // 1.5 * 2^23: rint(x) in the low bits
     const float f = x - (t - 12582912.f);              // exact
     float q;
     if constexpr (kDegree == 2)
         q = fmaf(0.23986402f, f, 0.70294195f);
-    else if constexpr (kDegree == 3)
-        q = fmaf(fmaf(0.055008922f, f, 0.24221098f), f, 0.6932829f);
     else
-        q = fmaf(fmaf(fmaf(0.0095828529f, f, 0.05590643f), f, 0.24024099f), f, 0.69312418f);
+        q = fmaf(fmaf(0.055008922f, f, 0.24221098f), f, 0.6932829f);
     // 2^j = (j + 127) << 23: t's bits are 1.5 * 2^23's plus j, whose bits above the low 9 shift
     // out (j = -127 gives +0).
     const float scale = __int_as_float((__float_as_int(t) << 23) + 0x3F800000);

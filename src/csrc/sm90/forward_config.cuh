@@ -104,7 +104,8 @@ struct FwdConfig {
     // the window mask of the sm80 kernels applies: S and O are n8 tiles of 4 values per thread.
     static constexpr int kNTilesS = kBc / 8;
     static constexpr int kNTilesO = kDHead / 8;
-    static constexpr int kExp2FmaEighths = 2;  // the FMA pipe's share of the exp2s, in eighths
+    // The FMA pipe's share of the exp2s, in eighths (Sm90FwdConfig.exp2_fma_tiles mirrors it).
+    static constexpr int kExp2FmaEighths = 2;
     static constexpr int kExp2FmaTiles = kExp2Fma ? kNTilesS * kExp2FmaEighths / 8 : 0;
     static constexpr int kExp2FmaDegree = kFp8 ? 2 : 3;
 

@@ -141,6 +141,12 @@ class Sm90FwdConfig(KernelConfig):
         return q + kv + o + 2048
 
     @property
+    def exp2_fma_tiles(self) -> int:
+        """Score n8 tiles per row whose exp2s run on the FMA pipe (kExp2FmaTiles: a quarter of
+        the B_c / 8 with exp2_fma, else none)."""
+        return self.block_c // 8 * 2 // 8 if self.exp2_fma else 0
+
+    @property
     def consumer_regs(self) -> int:
         """Registers per consumer thread after setmaxnreg (kConsumerRegs): 8 fewer with one or
         two consumer warpgroups and the dynamic schedule or a cluster, whose producer keeps 40; 16
