@@ -2,9 +2,14 @@
 of its backends forced in turn, and the one it picks), torch's FlexAttention (compiled; its
 paged-attention path over a block mask, and a contiguous cache) and the GPU's copy bandwidth.
 
-Every sequence is at the cache's full length; no append unless the row says so. Rows (all
-replayed from CUDA graphs, the GPU's time without the host's, as serving engines run decode
-steps, except the "eager" rows, called from Python):
+Every sequence is at the cache's full length; no append unless the row says so. A timed step
+goes through several layers, each with its own q and cache (--layers; by default enough that
+the caches together exceed four times the L2 cache), as a model's decode step does, so every
+layer reads its cache from memory: with one cache replayed over and over, a cache smaller than
+L2 (one sequence of 8k keys is 32 MiB against an H200's 60 MiB) would be read from L2, which
+serving never sees. Times are per layer. Rows (all replayed from CUDA graphs, the GPU's time
+without the host's, as serving engines run decode steps, except the "eager" rows, called from
+Python):
 
     ours                 contiguous cache (batch, seq, kv_heads, d), the split heuristic
     ours 1 split         num_splits=1 (--one-split); ours N splits: num_splits=N (--splits)
@@ -19,7 +24,7 @@ steps, except the "eager" rows, called from Python):
     sdpa <backend>       SDPA forced to cudnn, flash, efficient (enable_gqa=True, (b, h, s, d));
                          "sdpa best" in the summary is the fastest that ran
     flex, flex paged N   FlexAttention compiled, contiguous and through PagedAttention (--flex)
-    copy                 a device-to-device copy of the cache's bytes
+    copy                 a device-to-device copy of 2 GiB (the GPU's copy rate)
 
 Each contender is timed at steady clocks (time_sustained_ms: 20 calls after about 300 ms of the
 same calls); --rounds N rotates the order per round and the table gives the median and the
@@ -59,7 +64,8 @@ def cache_bytes(name: str, kv_bytes: int) -> int:
 
 
 def graphed(fn):
-    """fn captured in a CUDA graph (after a warm-up call on a side stream): its replay."""
+    """fn captured in a CUDA graph (after a warm-up call on a side stream): its replay, and what
+    fn returned in the capture (the graph's outputs, rewritten by each replay)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -67,8 +73,8 @@ def graphed(fn):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        outs = fn()
+    return graph.replay, outs
 
 
 def _sdpa(qs, kt, vt, backend: str):
@@ -124,9 +130,62 @@ def _flex(qs, kt, vt, page: int = 0):
                         enable_gqa=True)
 
 
-def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, int, dict]:
-    """name -> callable (graph replays but for the eager rows), the cache's bytes (K and V),
-    and name -> error for contenders that could not be set up."""
+def layer_count(opts, kv_bytes: int) -> int:
+    """How many layers (each its own q and cache) a timed call steps through: --layers, or
+    (0) the fewest whose K/V bytes together exceed four times the GPU's L2 cache, at most 64, so
+    no layer's cache is still in L2 when its turn comes again (as in a model's decode step,
+    where each layer reads its own cache once)."""
+    if opts.layers:
+        return opts.layers
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(64, -(-4 * l2 // kv_bytes)))
+
+
+def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts
+               ) -> tuple[dict, int, dict, int, dict]:
+    """name -> callable (graph replays but for the eager rows), each stepping through the
+    layers (layer_count: every layer its own q and cache, so the caches are read from memory,
+    not from L2), the bytes of one layer's cache (K and V), name -> error for contenders that
+    could not be set up, the layer count, and name -> a check that the graph's outputs (after
+    its last replay) still equal the eager step's (bitwise: every kernel here is
+    deterministic), so a timing of a graph that did not compute its step is caught. A row's
+    time is per layer."""
+    kv_bytes = 2 * batch * seqlen * kv_heads * d * torch.finfo(dtype).bits // 8
+    layers = layer_count(opts, kv_bytes)
+    per_layer = [layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts)
+                 for _ in range(layers)]
+    errors: dict[str, str] = {}
+    for _, errs in per_layer:
+        errors.update(errs)
+    out, checks = {}, {}
+    for name in per_layer[0][0]:
+        fns = [fns[name] for fns, _ in per_layer]
+
+        def step(fns=fns):
+            return [fn() for fn in fns]
+        if name in errors:
+            continue
+        try:
+            want = [o.clone() for o in step()]
+            out[name], got = graphed(step)
+            checks[name] = (lambda got=got, want=want:
+                            all(torch.equal(g, w) for g, w in zip(got, want, strict=True)))
+        except Exception as exc:  # a backend that refuses the shape is reported, not fatal
+            errors[name] = _short(exc)
+            torch.cuda.synchronize()
+    for name in ("ours", "sdpa"):
+        fns = [fns[name] for fns, _ in per_layer]
+        out[f"{name} eager"] = lambda fns=fns: [fn() for fn in fns]
+    # the GPU's copy rate, on a buffer far larger than L2 (read + write bytes)
+    src = torch.empty(2**29, device="cuda", dtype=torch.int32)
+    dst = torch.empty_like(src)
+    out["copy"] = lambda: dst.copy_(src)
+    return out, kv_bytes, errors, layers, checks
+
+
+def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, dict]:
+    """One layer's eager contenders (name -> callable) over its own random q and cache, and
+    name -> error for contenders that could not be set up."""
     q = torch.randn(batch, 1, heads, d, device="cuda", dtype=dtype)
     kc = torch.randn(batch, seqlen, kv_heads, d, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
@@ -138,11 +197,12 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, in
     for n in opts.splits:
         eager[f"ours {n} splits"] = (lambda n=n: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lens, num_splits=n))
-    for name in opts.kernels:
+    for spec in opts.kernels:
+        name, _, splits = spec.partition("@")
         if any(f"_{fmt}_" in name for fmt in FP8_NAMES):
             continue  # timed on its FP8 cache below
-        eager[name] = (lambda name=name: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                                                 kernel=name))
+        eager[spec] = (lambda name=name, n=int(splits or 0): flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, kernel=name, num_splits=n))
     # The cache in SDPA's layout, (batch, kv_heads, seq, d) storage read through a transposed
     # view (flash_attn's (batch, seq, kv_heads, d) is the default): each head's rows contiguous.
     kt, vt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
@@ -200,19 +260,7 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, in
                 eager[name] = _flex(qs, kt, vt, page)
             except Exception as exc:
                 errors[name] = _short(exc)
-    out = {}
-    for name, fn in eager.items():
-        try:
-            fn()
-            out[name] = graphed(fn)
-        except Exception as exc:  # a backend that refuses the shape is reported, not fatal
-            errors[name] = _short(exc)
-            torch.cuda.synchronize()
-    out["ours eager"], out["sdpa eager"] = eager["ours"], eager["sdpa"]
-    src = torch.empty(2 * kc.numel(), device="cuda", dtype=dtype)
-    dst = torch.empty_like(src)
-    out["copy"] = lambda: dst.copy_(src)
-    return out, 2 * kc.numel() * kc.element_size(), errors
+    return eager, errors
 
 
 def _short(exc: Exception) -> str:
@@ -247,8 +295,9 @@ def host_us(fn, calls: int = 200) -> float:
     return (t1 - t0) / calls * 1e6
 
 
-def profile_kernels(fns) -> None:
-    """Each CUDA kernel's mean time per call over 20 calls of each fn (torch.profiler)."""
+def profile_kernels(fns, layers: int = 1) -> None:
+    """Each CUDA kernel's mean time per layer over 20 calls of each fn, `layers` layers a call
+    (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in fns.items():
@@ -258,7 +307,7 @@ def profile_kernels(fns) -> None:
             for _ in range(20):
                 fn()
             torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / 20) for e in prof.key_averages()
+        rows = [(e.key, e.device_time_total / 20 / layers) for e in prof.key_averages()
                 if e.device_time_total > 0]
         print(f"  profile {name}: " + "; ".join(f"{k[:60]} {us:.1f} us" for k, us in
                                                  sorted(rows, key=lambda r: -r[1])))
@@ -304,10 +353,13 @@ def main() -> int:
     ap.add_argument("--fp8", default="", help="FP8 cache rows: e4m3, e5m2 (comma-separated)")
     ap.add_argument("--splits", default="", help="rows with these num_splits (comma-separated)")
     ap.add_argument("--kernels", default="", help="decode kernels to time by name as well "
-                    "(comma-separated; built ones)")
+                    "(comma-separated; built ones; name@N forces N splits)")
     ap.add_argument("--profile", action="store_true",
                     help="also print each CUDA kernel's time per call of the graph replays "
                          "(torch.profiler over 20 replays)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers a timed step goes through, each its own q and cache (0: enough "
+                         "that their caches exceed 4x the L2 cache, so reads come from memory)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.kernels = [k for k in args.kernels.split(",") if k]
@@ -323,46 +375,58 @@ def main() -> int:
     rows = []
     for i, shape in enumerate(args.shapes.split(",")):
         batch, seqlen = (int(x) for x in shape.split("x"))
-        fns, kv_bytes, errors = contenders(batch, seqlen, heads, kv_heads, args.d, dtype, args)
+        fns, kv_bytes, errors, layers, checks = contenders(batch, seqlen, heads, kv_heads,
+                                                           args.d, dtype, args)
+        per = {n: (1 if n == "copy" else layers) for n in fns}  # calls of one timed step
         names = list(fns)
         times: dict[str, list[float]] = {n: [] for n in names}
         spans: dict[str, list[float]] = {n: [] for n in names}
+        wrong: dict[str, list[int]] = {}  # rounds after which a graph's outputs were wrong
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 try:
-                    times[n].append(statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3)
-                    spans[n].append(span_us(fns[n]))
+                    times[n].append(
+                        statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3 / per[n])
+                    spans[n].append(span_us(fns[n]) / per[n])
+                    torch.cuda.synchronize()
+                    if n in checks and not checks[n]():
+                        wrong.setdefault(n, []).append(r)
                 except Exception:
                     traceback.print_exc()
                     errors[n] = "failed while timed"
         times = {n: t for n, t in times.items() if t and n not in errors}
         med = {n: statistics.median(t) for n, t in times.items()}
         if args.profile:
-            profile_kernels({n: fns[n] for n in ("ours", "sdpa cudnn") if n in med})
-        copy_bw = 2 * kv_bytes / (med["copy"] * 1e-6)
+            profile_kernels({n: fns[n] for n in med
+                             if n == "sdpa cudnn" or (n.startswith(("ours", "dec_"))
+                                                      and not n.endswith("eager"))},
+                            layers)
+        copy_bw = 2 * 2**31 / (med["copy"] * 1e-6)
         row = {"batch": batch, "seqlen_k": seqlen, "heads": heads, "kv_heads": kv_heads,
-               "d": args.d, "dtype": args.dtype, "kv_bytes": kv_bytes, "us": med,
+               "d": args.d, "dtype": args.dtype, "kv_bytes": kv_bytes, "layers": layers,
+               "us": med,
                "spread": {n: (min(t), max(t)) for n, t in times.items()},
                "span_us": {n: spans[n] for n in med},
                "copy_GBps": copy_bw / 1e9,
                "kv_fraction": {n: cache_bytes(n, kv_bytes) / (med[n] * 1e-6) / copy_bw
                                for n in med if n != "copy" and not n.startswith("ours q")},
-               "errors": errors, **summary(med)}
+               "errors": errors, "wrong_outputs_after_rounds": wrong, **summary(med)}
         if args.host and i == 0:
-            row["host_us"] = {n: host_us(fns[n]) for n in ("ours eager", "sdpa eager")}
+            row["host_us"] = {n: host_us(fns[n]) / layers for n in ("ours eager", "sdpa eager")}
         rows.append(row)
         best = row.get("sdpa_best")
-        print(f"b{batch} kv{seqlen} ({kv_bytes / 2**20:.0f} MiB), copy {copy_bw / 1e9:.0f} GB/s, "
-              f"SDPA's best backend {best}:")
+        print(f"b{batch} kv{seqlen} ({kv_bytes / 2**20:.0f} MiB a layer, {layers} layers), copy "
+              f"{copy_bw / 1e9:.0f} GB/s, SDPA's best backend {best}:")
         for n in med:
             lo, hi = row["spread"][n]
             frac = row["kv_fraction"].get(n)
             ratio = (f"  {best}/this {med[best] / med[n]:.2f}x"
-                     if best and n.startswith("ours") and not n.endswith("eager") else "")
+                     if best and n.startswith(("ours", "dec_")) and not n.endswith("eager") else "")
             # a round whose per-call median is well under its end-to-end rate is not a figure
             odd = any(t < 0.9 * sp for t, sp in zip(times[n], spans[n]))
             print(f"  {n:20s} {med[n]:9.1f} us [{lo:.1f}-{hi:.1f}]"
                   + (f"  KV at {frac:.2f} of copy" if frac is not None else "") + ratio
+                  + (f"  ! WRONG OUTPUTS after rounds {wrong[n]}" if n in wrong else "")
                   + ("  ! per-call under end-to-end: " + ", ".join(f"{sp:.1f}" for sp in spans[n])
                      if odd else ""), flush=True)
         speedups = {k: v for k, v in row.items() if any(k.endswith(f) or f" {f} " in k
