@@ -2,7 +2,7 @@
 # One pass on a GPU machine without network (the lent device or a runner): build in place,
 # then the chosen steps, each logged to $LOG_DIR/<step>.log with a summary printed last.
 #   KERNELS=ci,default ARCHS=90 STEPS="build test bench sanitize debug" ci/gpu_validate.sh
-# Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd decode-clusters decode short fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
+# Steps: build test fp8 fp8-cache hopper-varlen hopper-varlen-bench hopper-varlen-bwd cluster-probe decode short fuzz toolkit sweep bench bench64 features prog hopper hopper-tune ab window
 #        sanitize debug asv calibrate hang profile profile-decode profile-bwd profile-bwd80 gate-aa bwd-planted
 #        bwd90-planted dec-planted fp8-planted bwd-prog bwd80-table
 #        workflow workflow-planted
@@ -18,8 +18,8 @@
 #             --backward rows (HV_BWD_BENCH_ARGS)
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
 #             (studies/decode_bench.py with DECODE_BENCH_ARGS)
-#   decode-clusters  split-KV merged in thread block clusters against the combine kernel: the
-#             cluster occupancy probe, decode steps (CLUSTER_BENCH_ARGS) with clusters on and off
+#   cluster-probe  thread block clusters on this GPU: occupancy at a decode CTA's shape, CTA
+#             placement, launch and barrier costs (studies/cluster_probe.cu)
 #   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
 #             through flash_attn_with_kvcache against SDPA) and ci/serving_loop.py (a page pool
 #             shared by sequences of many lengths, prefill and decode in one varlen call per
@@ -113,19 +113,11 @@ if step test; then
     run test env FLASH_ATTENTION_REQUIRE_EXT=1 python3 -m pytest -q -p no:cacheprovider \
         --hypothesis-show-statistics tests
 fi
-if step decode-clusters; then
-    # Issue 44: split-KV merged in thread block clusters (sm_90) against the combine kernel: the
-    # GPU's cluster occupancy and launch costs (studies/cluster_probe.cu), then decode steps
-    # with the heuristic's and forced splits in two processes, clusters off (the default) and on
-    # (FLASH_ATTENTION_DECODE_CLUSTERS=1), each beside SDPA (CLUSTER_BENCH_ARGS).
+if step cluster-probe; then
+    # Thread block clusters on this GPU (studies/cluster_probe.cu): how many fit at once at a
+    # decode CTA's shape, where their CTAs land, and what a cluster launch and its barriers cost.
     run cluster_probe bash -c "nvcc -O2 -gencode=arch=compute_90,code=sm_90 \
         -o /tmp/cluster_probe studies/cluster_probe.cu && /tmp/cluster_probe"
-    # shellcheck disable=SC2086  # CLUSTER_BENCH_ARGS: the bench's options, split on spaces
-    run decode_clusters_off timeout 300 python3 studies/decode_bench.py ${CLUSTER_BENCH_ARGS:-} \
-        --json "$LOG_DIR/clusters_off.json"
-    # shellcheck disable=SC2086
-    run decode_clusters_on timeout 300 env FLASH_ATTENTION_DECODE_CLUSTERS=1 \
-        python3 studies/decode_bench.py ${CLUSTER_BENCH_ARGS:-} --json "$LOG_DIR/clusters_on.json"
 fi
 if step decode; then
     # The KV-cache path (issue 44): its tests, the sanitizers on a few of them (the decode and
@@ -135,10 +127,11 @@ if step decode; then
         -p no:cacheprovider tests/test_gpu_kvcache.py
     run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or merged"
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced"
+    # (the decode kernels only: the reference's cuBLAS GEMMs report hazards of their own)
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or (merged and 128-32-8-16)"
+        --kernel-name kns=dec_ python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu_kvcache.py -k "case00 or case03 or (forced and 128-32-8-16)"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"

@@ -37,10 +37,6 @@ struct KernelEntry {
     // every other forward kernel of the sm80 family runs both, a Hopper one fixed-length ones.
     bool varlen_only;
     cudaError_t (*launch)(const Params&, cudaStream_t);
-    // Clusters of n CTAs (2..16) of this kernel the current device holds at once, 0 where it
-    // cannot run them (launch_support.cuh's max_active_clusters); nullptr: the kernel has no
-    // cluster launch (every kind but the decode kernels, whose splits may merge in a cluster).
-    int (*max_active_clusters)(int n);
 };
 
 using FwdKernelEntry = KernelEntry<FwdParams>;

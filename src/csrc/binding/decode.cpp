@@ -23,8 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -274,19 +272,8 @@ void check_device(const flash::DecKernelEntry& kernel, const at::Device& device)
              int64_t(prop.sharedMemPerBlockOptin));
 }
 
-// Whether a tile's splits may merge in a thread block cluster (sm_90, up to 16 splits; see
-// decode_kernel.cuh) where the kernel and the device allow: FLASH_ATTENTION_DECODE_CLUSTERS=1
-// (read once per process); else the combine kernel merges every split.
-bool cluster_merges() {
-    static const bool enabled = [] {
-        const char* v = std::getenv("FLASH_ATTENTION_DECODE_CLUSTERS");
-        return v != nullptr && std::strcmp(v, "1") == 0;
-    }();
-    return enabled;
-}
-
 // The splits (num_splits, or the heuristic's for `keys` keys per sequence) and the grid's
-// limits, after set_queries; with more than one split, whether the splits merge in a cluster.
+// limits, after set_queries.
 void plan_splits(flash::DecParams& p, const flash::DecKernelEntry& kernel, int64_t num_splits,
                  int64_t keys, const at::Device& device) {
     const int64_t row_blocks =
@@ -300,15 +287,13 @@ void plan_splits(flash::DecParams& p, const flash::DecKernelEntry& kernel, int64
         "the decode grid is too large: batch ", p.batch, ", kv_heads ", p.kv_heads,
         ", row blocks x splits ", row_blocks * splits);
     p.num_splits = static_cast<int>(splits);
-    p.cluster_merge = splits > 1 && cluster_merges() && kernel.max_active_clusters != nullptr &&
-                      kernel.max_active_clusters(static_cast<int>(splits)) > 0;
 }
 
 // The split-KV buffers and the status word of p, then the launch on the stream.
 void launch_decode(flash::DecParams& p, const flash::DecKernelEntry& kernel, const at::Tensor& like,
                    cudaStream_t stream) {
     at::Tensor o_accum, lse_accum;
-    if (p.num_splits > 1 && !p.cluster_merge) {
+    if (p.num_splits > 1) {
         const auto f32 = like.options().dtype(at::kFloat);
         o_accum = at::empty({p.num_splits, p.heads, p.rows_total, p.d_head}, f32);
         lse_accum = at::empty({p.num_splits, p.heads, p.rows_total}, f32);

@@ -36,64 +36,6 @@ cudaError_t opt_in_smem(int bytes) {
     return cudaSuccess;
 }
 
-// Lets kKernel run in clusters of more than 8 CTAs (non-portable sizes, up to 16 on sm_90) on
-// the current device, the first time it is asked there; nothing to do up to 8.
-template <auto kKernel>
-cudaError_t opt_in_cluster(int cluster) {
-    if (cluster <= 8)
-        return cudaSuccess;
-    static std::atomic<uint64_t> configured{0};  // one bit per device
-    int device = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-        return err;
-    const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-    if (bit != 0 && (configured.load(std::memory_order_acquire) & bit))
-        return cudaSuccess;
-    if (cudaError_t err =
-            cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-        err != cudaSuccess)
-        return err;
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-    return cudaSuccess;
-}
-
-// How many clusters of `cluster` CTAs (threads, smem bytes each) of kKernel the current device
-// holds at once (cudaOccupancyMaxActiveClusters), 0 where it runs none: a device before sm_90,
-// kKernel's binary built for an older architecture (its cluster code compiled out), a size the
-// device refuses, or any error (cleared). Asked once per device and size (2..16).
-template <auto kKernel>
-int max_active_clusters(int threads, int smem, int cluster) {
-    static std::atomic<int> known[64][17] = {};  // clusters + 1; 0: not asked yet
-    int device = 0;
-    if (cluster < 2 || cluster > 16 || cudaGetDevice(&device) != cudaSuccess || device >= 64)
-        return 0;
-    const int seen = known[device][cluster].load(std::memory_order_relaxed);
-    if (seen > 0)
-        return seen - 1;
-    int clusters = 0;
-    cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
-        attributes.binaryVersion >= 90 && opt_in_smem<kKernel>(smem) == cudaSuccess &&
-        opt_in_cluster<kKernel>(cluster) == cudaSuccess) {
-        cudaLaunchConfig_t config{};
-        config.gridDim = dim3(static_cast<unsigned>(cluster));
-        config.blockDim = dim3(threads);
-        config.dynamicSmemBytes = smem;
-        cudaLaunchAttribute attribute{};
-        attribute.id = cudaLaunchAttributeClusterDimension;
-        attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = 1;
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config) != cudaSuccess)
-            clusters = 0;
-    }
-    cudaGetLastError();  // a refused size is an answer, not an error for the next launch
-    known[device][cluster].store(clusters + 1, std::memory_order_relaxed);
-    return clusters;
-}
-
 // The SMs of the current device, asked once per device.
 inline cudaError_t multiprocessor_count(int& count) {
     static std::atomic<int> known[64] = {};

@@ -152,9 +152,6 @@ struct DecParams : AttentionParams {
 
     int kv_heads;
     int num_splits;    // key ranges per (sequence, KV head, row block); 1: no combine
-    // With num_splits > 1: the num_splits CTAs of a tile are one thread block cluster (sm_90)
-    // and merge their partials through distributed shared memory (no o_accum, no combine).
-    int cluster_merge;
     float* o_accum;    // (num_splits, heads, rows_total, d_head) fp32, when num_splits > 1
     float* lse_accum;  // (num_splits, heads, rows_total) fp32, natural log
     int rows_total;    // query rows over the batch: batch x seqlen_q, or total_q (varlen)

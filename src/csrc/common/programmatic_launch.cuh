@@ -2,7 +2,6 @@
 // dependent of the stream's previous kernel may start while that kernel finishes, and waits on
 // the GPU (griddepcontrol.wait) before it reads that kernel's output, so a chain of short
 // kernels (a decode step's append, decode and combine) does not pay a launch latency per link.
-// The same launch may make clusters of the grid's CTAs (launch_support.cuh's cluster helpers).
 // Plain CUDA (no torch); included only by the kernels that use it.
 #pragma once
 
@@ -42,37 +41,24 @@ inline bool programmatic_launches() {
 
 // launch_checked as a programmatic dependent of the stream's previous kernel where
 // programmatic_launches() allows: the kernel must call grid_dependency_wait() before it reads
-// anything the kernels before it write. cluster > 1: consecutive groups of `cluster` CTAs along
-// x are thread block clusters (sm_90; grid.x a multiple of it; see max_active_clusters).
+// anything the kernels before it write.
 template <auto kKernel, class Params>
 cudaError_t launch_dependent(dim3 grid, int threads, int smem, cudaStream_t stream,
-                             const Params& params, int cluster = 1) {
-    const bool dependent = programmatic_launches();
-    if (!dependent && cluster == 1)
+                             const Params& params) {
+    if (!programmatic_launches())
         return launch_checked<kKernel>(grid, threads, smem, stream, params);
     if (cudaError_t err = opt_in_smem<kKernel>(smem); err != cudaSuccess)
-        return err;
-    if (cudaError_t err = opt_in_cluster<kKernel>(cluster); err != cudaSuccess)
         return err;
     cudaLaunchConfig_t config{};
     config.gridDim = grid;
     config.blockDim = dim3(threads);
     config.dynamicSmemBytes = smem;
     config.stream = stream;
-    cudaLaunchAttribute attributes[2] = {};
-    int n = 0;
-    if (dependent) {
-        attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attributes[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {
-        attributes[n].id = cudaLaunchAttributeClusterDimension;
-        attributes[n].val.clusterDim.x = static_cast<unsigned>(cluster);
-        attributes[n].val.clusterDim.y = 1;
-        attributes[n++].val.clusterDim.z = 1;
-    }
-    config.attrs = attributes;
-    config.numAttrs = n;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
     return cudaLaunchKernelEx(&config, kKernel, params);
 }
 

@@ -62,12 +62,8 @@ struct DecConfig {
     static constexpr int kQTileBytes = kBr * kSmemDHead * int(sizeof(Elem));
     static constexpr int kKVTileBytes = kBc * kKVRowBytes;
     static constexpr int kWarpStageBytes = kStages * 2 * kKVTileBytes;  // K and V per stage
-    // The merge of the warps' results reuses the stage buffers: O (16 x d_head fp32), m and l
-    // of each warp, then the CTA's merged O, m and l and a NaN flag, which the other CTAs of
-    // its cluster read when the splits merge in the cluster (DecParams::cluster_merge).
-    static constexpr int kClusterBytes = kBr * (kDHead + 2) * 4 + 16;
-    static constexpr int kMergeBytes = kWarps * kBr * (kDHead + 2) * 4 + kClusterBytes;
-    static constexpr int kMaxCluster = 16;  // splits merged in one cluster (16: non-portable)
+    // The merge of the warps' results reuses the stage buffers: O (16 x d_head fp32), m and l.
+    static constexpr int kMergeBytes = kWarps * kBr * (kDHead + 2) * 4;
     static constexpr int kPipeBytes = kWarps * kWarpStageBytes;
     static constexpr int kSmemBytes =
         kQTileBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);

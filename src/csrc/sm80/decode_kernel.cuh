@@ -7,9 +7,7 @@
 // packed rows, not once per query head.
 // Split-KV: blockIdx.x = row_block * num_splits + split; the visible KV blocks of the tile are
 // cut into num_splits ranges, one per CTA; with num_splits > 1 each CTA writes its normalised
-// partial output and LSE (fp32) and decode_combine.cuh merges them, or (sm_90, cluster_merge)
-// the tile's CTAs are one cluster and merge their partials through distributed shared memory,
-// each CTA writing a share of the tile's rows: no partials in global memory, no second kernel.
+// partial output and LSE (fp32) and decode_combine.cuh merges them.
 // Inside a CTA each warp takes every kWarps-th KV block of the range and streams it through its
 // own kStages-deep cp.async pipeline (K and V rows gathered one by one, so a paged cache of any
 // page size costs the same as a contiguous one), with the forward's GEMMs and online softmax on
@@ -23,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../common/cluster.cuh"
 #include "../common/params.h"
 #include "../common/programmatic_launch.cuh"
 #include "../common/varlen.cuh"
@@ -372,89 +369,8 @@ struct DecodeCta {
         merge_and_write(smem);
     }
 
-    // Columns c..c+3 of packed row R of the output, `acc` already divided by the row's sum, and
-    // (from the thread of column 0) its LSE.
-    __device__ __forceinline__ void write_final(int R, int c, float4 acc, float lse) const {
-        const int64_t q_row = seq.q_start + position(R);
-        const int hd = head(R);
-        Elem* o = static_cast<Elem*>(p.o) + batch * p.o_batch_stride + q_row * p.o_row_stride +
-                  hd * p.o_head_stride + c;
-        uint2 packed;
-        packed.x = pack2<Elem>(acc.x, acc.y);
-        packed.y = pack2<Elem>(acc.z, acc.w);
-        *reinterpret_cast<uint2*>(o) = packed;
-        if (c == 0 && p.lse != nullptr)
-            p.lse[batch * p.lse_batch_stride + hd * p.lse_head_stride + q_row] = lse;
-    }
-
-    // Whether this launch merges its splits in the cluster (sm_90 code only; the host never
-    // asks for it from an older binary).
-    __device__ __forceinline__ bool clustered() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        return p.cluster_merge != 0;
-#else
-        return false;
-#endif
-    }
-
-    // The cluster's merge: every CTA's (m, l, O) of the tile's rows lies in its shared memory
-    // (cM, cL, cO, O relative to m; cNan its NaN flag); after the first barrier each CTA merges
-    // every kThreads x num_splits-th output quad from all of them, and the second barrier keeps
-    // each CTA's shared memory alive until the others have read it.
-    __device__ __forceinline__ void merge_cluster(const float* cO, const float* cM, const float* cL,
-                                                  const float* cNan) const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        constexpr int kQuads = Cfg::kDHead / 4;
-        cluster_sync();  // every CTA's partials written and visible
-        const int n = p.num_splits;
-        const uint32_t rank = cluster_ctarank();
-        const int here = rows - row0 < Cfg::kBr ? rows - row0 : Cfg::kBr;
-        const uint32_t o_at = smem_addr(cO), m_at = smem_addr(cM), l_at = smem_addr(cL),
-                       nan_at = smem_addr(cNan);
-        for (int idx = threadIdx.x * n + int(rank); idx < here * kQuads; idx += Cfg::kThreads * n) {
-            const int r = idx / kQuads, c = (idx % kQuads) * 4;
-            if (c >= p.d_head)
-                continue;
-            float m[Cfg::kMaxCluster], l[Cfg::kMaxCluster];
-            float4 o[Cfg::kMaxCluster];
-            bool nan = false;
-#pragma unroll
-            for (int j = 0; j < Cfg::kMaxCluster; ++j)  // every load first
-                if (j < n) {
-                    m[j] = ld_cluster_f32(cluster_map(m_at + r * 4, j));
-                    l[j] = ld_cluster_f32(cluster_map(l_at + r * 4, j));
-                    o[j] = ld_cluster_f32x4(cluster_map(o_at + (r * Cfg::kDHead + c) * 4, j));
-                    nan |= ld_cluster_f32(cluster_map(nan_at, j)) != 0.f;
-                }
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < Cfg::kMaxCluster; ++j)
-                if (j < n)
-                    mx = fmaxf(mx, m[j]);
-            float sum = 0.f;
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int j = 0; j < Cfg::kMaxCluster; ++j)
-                if (j < n && m[j] != -INFINITY) {
-                    const float w = fast_exp2(m[j] - mx);
-                    sum += w * l[j];
-                    acc.x += w * o[j].x;
-                    acc.y += w * o[j].y;
-                    acc.z += w * o[j].z;
-                    acc.w += w * o[j].w;
-                }
-            const float inv = nan ? NAN : (sum > 0.f ? v_descale / sum : 0.f);
-            const float lse =
-                nan ? NAN : (sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY);
-            write_final(row0 + r, c,
-                        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv), lse);
-        }
-        cluster_sync();  // every CTA has read the others' partials: shared memory may go
-#endif
-    }
-
     // The warps' (m, l, O) merged through smem (the pipeline's buffers, free now), then the
-    // output: O / l and the LSE, final or one split's partial (or the cluster's merge).
+    // output: O / l and the LSE, final or one split's partial.
     __device__ __forceinline__ void merge_and_write(unsigned char* smem) {
         const int bad_seq = seq.bad | bad;
         const bool nan_out = __syncthreads_or(bad_seq != 0);  // also: every warp left its stages
@@ -502,13 +418,6 @@ struct DecodeCta {
         __syncthreads();
 
         constexpr int kQuads = Cfg::kDHead / 4;
-        const bool cluster = clustered();
-        float* cO = sL + Cfg::kWarps * Cfg::kBr;  // the CTA's merged rows, for its cluster
-        float* cM = cO + Cfg::kBr * Cfg::kDHead;
-        float* cL = cM + Cfg::kBr;
-        float* cNan = cL + Cfg::kBr;  // 1: this CTA met bad cache metadata
-        if (cluster && threadIdx.x == 0)
-            *cNan = nan_out ? 1.f : 0.f;
         for (int idx = threadIdx.x; idx < Cfg::kBr * kQuads; idx += Cfg::kThreads) {
             const int r = idx / kQuads, c = (idx % kQuads) * 4;
             const int R = row0 + r;
@@ -532,14 +441,6 @@ struct DecodeCta {
                 acc.z += o.z;
                 acc.w += o.w;
             }
-            if (cluster) {  // unnormalised, relative to mx: the cluster's merge finishes it
-                *reinterpret_cast<float4*>(cO + r * Cfg::kDHead + c) = acc;
-                if (c == 0) {
-                    cM[r] = mx;
-                    cL[r] = l;
-                }
-                continue;
-            }
             const float inv = nan_out ? NAN : (l > 0.f ? v_descale / l : 0.f);
             const float lse =
                 nan_out ? NAN : (l > 0.f ? (mx + log2f(l)) * 0.69314718055994531f : -INFINITY);
@@ -547,18 +448,24 @@ struct DecodeCta {
             acc.y *= inv;
             acc.z *= inv;
             acc.w *= inv;
+            const int i = position(R), hd = head(R);
+            const int64_t q_row = seq.q_start + i;
             if (p.num_splits == 1) {
-                write_final(R, c, acc, lse);
+                Elem* o = static_cast<Elem*>(p.o) + batch * p.o_batch_stride +
+                          q_row * p.o_row_stride + hd * p.o_head_stride + c;
+                uint2 packed;
+                packed.x = pack2<Elem>(acc.x, acc.y);
+                packed.y = pack2<Elem>(acc.z, acc.w);
+                *reinterpret_cast<uint2*>(o) = packed;
+                if (c == 0 && p.lse != nullptr)
+                    p.lse[batch * p.lse_batch_stride + hd * p.lse_head_stride + q_row] = lse;
             } else {
-                const int64_t at =
-                    (int64_t(split) * p.heads + head(R)) * p.rows_total + global_row(R);
+                const int64_t at = (int64_t(split) * p.heads + hd) * p.rows_total + global_row(R);
                 *reinterpret_cast<float4*>(p.o_accum + at * p.d_head + c) = acc;
                 if (c == 0)
                     p.lse_accum[at] = lse;
             }
         }
-        if (cluster)
-            merge_cluster(cO, cM, cL, cNan);
     }
 };
 

@@ -1,9 +1,8 @@
 // Host-side launcher of one decode config (the main kernel, then the combine when the keys are
-// split and the splits do not merge in a cluster) and its registry entry. Plain CUDA (no
-// torch). On sm_90 both are programmatic dependents of the kernel before them
-// (launch_dependent): each starts while the previous one finishes and waits for its end on the
-// GPU, so a short decode step does not pay two launch latencies in a row (H200, one sequence,
-// 4096-8192 keys: 0.5-0.6 us of 14-18 us a step).
+// split) and its registry entry. Plain CUDA (no torch). On sm_90 both are programmatic
+// dependents of the kernel before them (launch_dependent): each starts while the previous one
+// finishes and waits for its end on the GPU, so a short decode step does not pay two launch
+// latencies in a row (H200, one sequence, 4096-8192 keys: 0.5-0.6 us of 14-18 us a step).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,32 +21,18 @@ template <class Cfg>
 cudaError_t launch_dec(const DecParams& p, cudaStream_t stream) {
     const int row_blocks = (p.seqlen_q * p.heads_per_kv + Cfg::kBr - 1) / Cfg::kBr;
     const dim3 grid(row_blocks * p.num_splits, p.kv_heads, p.batch);
-    const bool cluster = p.num_splits > 1 && p.cluster_merge;  // a tile's splits: one cluster
-    if (cluster && p.num_splits > Cfg::kMaxCluster)
-        return cudaErrorInvalidConfiguration;
-    if (cudaError_t err = launch_dependent<&dec_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes,
-                                                             stream, p, cluster ? p.num_splits : 1);
-        err != cudaSuccess || p.num_splits == 1 || cluster)
+    if (cudaError_t err =
+            launch_dependent<&dec_kernel<Cfg>>(grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+        err != cudaSuccess || p.num_splits == 1)
         return err;
     const dim3 combine_grid(static_cast<unsigned>(int64_t(p.heads) * p.rows_total));
     return launch_dependent<&dec_combine_kernel<typename Cfg::Elem>>(combine_grid, kCombineThreads,
                                                                      0, stream, p);
 }
 
-// Clusters of n of this config's CTAs the current device holds at once (0: none, e.g. a binary
-// built for sm_80, whose merge has no cluster code).
-template <class Cfg>
-int dec_max_active_clusters(int n) {
-    return n <= Cfg::kMaxCluster
-               ? max_active_clusters<&dec_kernel<Cfg>>(Cfg::kThreads, Cfg::kSmemBytes, n)
-               : 0;
-}
-
 template <class Cfg>
 constexpr DecKernelEntry make_dec_entry(const char* name) {
-    DecKernelEntry e = kernel_entry<Cfg>(name, &launch_dec<Cfg>, /*arch=*/80);
-    e.max_active_clusters = &dec_max_active_clusters<Cfg>;
-    return e;
+    return kernel_entry<Cfg>(name, &launch_dec<Cfg>, /*arch=*/80);
 }
 
 }  // namespace flash::sm80

@@ -1,15 +1,13 @@
 // Thin wrappers over the Hopper (sm_90a) PTX the kernels are built from: mbarriers (arrive with
 // an expected transaction count, phase-parity waits, arrivals in another CTA of the cluster),
 // TMA bulk tensor copies (4-D tile, global <-> shared, 128-byte swizzle, multicast), wgmma
-// descriptors, fences and groups, cluster arrivals (the rank and barrier: common/cluster.cuh),
-// named barriers and setmaxnreg. Nothing here knows about attention.
+// descriptors, fences and groups, cluster barriers, named barriers and setmaxnreg. Nothing here
+// knows about attention.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a 128-byte opaque struct; no driver call is made here)
 
 #include <cstdint>
-
-#include "../common/cluster.cuh"
 
 namespace flash::sm90 {
 
@@ -76,7 +74,17 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
 
 // ---- clusters ------------------------------------------------------------------------------
 
-// cluster_ctarank() and cluster_sync(): common/cluster.cuh (the decode kernels use them too).
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA of the cluster arrives and waits: this CTA's shared memory
+// (barriers included) stays valid, and what was written before is visible, across the cluster.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
 
 // One arrival on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this
 // CTA's own included). Default (CTA-scope) release: a cluster-scope one costs a MEMBAR.ALL.GPU

@@ -76,12 +76,11 @@ class Sm80DecConfig(KernelConfig):
     @property
     def smem_bytes(self) -> int:
         """Q's 16 rows, then each warp's 3 stages of a K and a V block (or, if larger, the
-        merge's fp32 O, m and l of every warp and of the CTA, with its NaN flag, for a cluster
-        merge). Mirrors DecConfig::kSmemBytes."""
+        merge's fp32 O, m and l of every warp). Mirrors DecConfig::kSmemBytes."""
         row = smem_d_head(self.d_head) * 2
         kv_row = smem_d_head(self.d_head) * self.cache_bytes
         pipe = self.warps * STAGES * 2 * self.block_c * kv_row
-        merge = (self.warps + 1) * self.block_r * (self.d_head + 2) * 4 + 16
+        merge = self.warps * self.block_r * (self.d_head + 2) * 4
         return self.block_r * row + max(pipe, merge)
 
     def problems(self) -> list[str]:
