@@ -539,8 +539,11 @@ def paged_cache(k, v, page: int, table=None):
 def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
     """{contender: median ms} of one decode step: flash_attn_with_kvcache over a full cache of
     `keys` keys (contiguous, or in pages of `page` rows placed in a random order), and SDPA
-    restricted to cuDNN and to FA2 (enable_gqa) on the contiguous cache. A build from before
-    the KV-cache API is skipped with the reason."""
+    restricted to cuDNN and to FA2 (enable_gqa) on the contiguous cache. Each timed call goes
+    through enough layers, each its own q and cache, that their caches exceed 4x the L2 (a
+    cache smaller than L2 would otherwise be read from it, which a model's decode step never
+    sees; docs/results/2026-12-02-h200-decode-per-layer-caches.md): times are per layer. A
+    build from before the KV-cache API is skipped with the reason."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -550,32 +553,38 @@ def measure_decode(batch: int, keys: int, page: int, reps: int = 50) -> dict:
     except ImportError as exc:
         raise NotImplementedError(f"this build has no flash_attn_with_kvcache ({exc})") from None
     heads, kv_heads, d = 32, 8, 128
-    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(batch, keys, kv_heads, d, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    layers = max(1, min(64, -(-4 * l2 // (2 * batch * keys * kv_heads * d * 2))))
     seqlens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
-    table, (k_cache, v_cache) = paged_cache(k, v, page)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    ours, peers = [], {"sdpa_cudnn": [], "sdpa_fa2": []}
+    for _ in range(layers):
+        q = torch.randn(batch, 1, heads, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, keys, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        table, (k_cache, v_cache) = paged_cache(k, v, page)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        ours.append(lambda q=q, kc=k_cache, vc=v_cache, table=table: flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table))
+        for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("sdpa_fa2", SDPBackend.FLASH_ATTENTION)):
+            def peer(qt=qt, kt=kt, vt=vt, backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+            peers[name].append(peer)
 
-    def make_peer(backend):
-        def peer():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-        return peer
+    def steps(fns):
+        return lambda: [fn() for fn in fns]
 
-    fns = {"ours": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                   block_table=table)}
-    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa_fa2", SDPBackend.FLASH_ATTENTION)):
-        peer = make_peer(backend)
+    fns = {"ours": steps(ours)}
+    for name, layer_fns in peers.items():
         try:
-            peer()
+            layer_fns[0]()
         except RuntimeError:
             continue
-        fns[name] = peer
-    if not torch.isfinite(fns["ours"]()).all():
+        fns[name] = steps(layer_fns)
+    if not all(torch.isfinite(out).all() for out in fns["ours"]()):
         raise RuntimeError("flash_attn_with_kvcache produced non-finite values")
-    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5))
+    return {name: statistics.median(cuda_event_ms(fn, reps=reps, warmup=5)) / layers
             for name, fn in fns.items()}
 
 
