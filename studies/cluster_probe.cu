@@ -53,20 +53,29 @@ __global__ void timed_kernel(int spin, int barriers) {
     }
 }
 
-// Microseconds per launch of `ctas` CTAs in clusters of `cluster` (1: none), 200 launches queued
-// back to back between two events.
-float time_launches(int ctas, int threads, int smem, int cluster, int spin, int barriers) {
+// A launch of `ctas` CTAs of `threads` threads and `smem` bytes, in clusters of `cluster` along
+// x (1: no cluster attribute); `attr` holds the attribute the config points at.
+cudaLaunchConfig_t launch_config(int ctas, int threads, int smem, int cluster,
+                                 cudaLaunchAttribute& attr) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(ctas);
     cfg.blockDim = dim3(threads);
     cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr{};
+    attr = cudaLaunchAttribute{};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = cluster;
     attr.val.clusterDim.y = 1;
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = cluster > 1 ? 1 : 0;
+    return cfg;
+}
+
+// Microseconds per launch of `ctas` CTAs in clusters of `cluster` (1: none), 200 launches queued
+// back to back between two events.
+float time_launches(int ctas, int threads, int smem, int cluster, int spin, int barriers) {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = launch_config(ctas, threads, smem, cluster, attr);
     for (int i = 0; i < 20; ++i)
         CHECK(cudaLaunchKernelEx(&cfg, timed_kernel, spin, barriers));
     cudaEvent_t a, b;
@@ -106,17 +115,9 @@ int main(int argc, char** argv) {
         "on one SM |\n| --- | --- | --- | --- | --- | --- | --- |\n");
     for (const Shape& s : shapes) {
         for (int c : {2, 4, 8, 16}) {
-            cudaLaunchConfig_t cfg{};
-            cfg.gridDim = dim3(c * launch_clusters);
-            cfg.blockDim = dim3(s.threads);
-            cfg.dynamicSmemBytes = s.smem;
-            cudaLaunchAttribute attr{};
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = c;
-            attr.val.clusterDim.y = 1;
-            attr.val.clusterDim.z = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
+            cudaLaunchAttribute attr;
+            const cudaLaunchConfig_t cfg =
+                launch_config(c * launch_clusters, s.threads, s.smem, c, attr);
             int active = -1;
             cudaError_t e = cudaOccupancyMaxActiveClusters(&active, probe_kernel, &cfg);
             if (e != cudaSuccess) {

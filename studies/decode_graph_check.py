@@ -21,6 +21,7 @@ import argparse
 import os
 
 import torch
+from decode_bench import graphed  # studies/ is the script's directory, on sys.path
 
 import flash_attention as fa
 from flash_attention.interface import flash_attn_with_kvcache
@@ -67,20 +68,13 @@ def make_case(kind: str, batch: int, seqlen: int, heads: int, kv_heads: int, d: 
 def check(name: str, step, ref, low, kv_bytes: int, replays: int) -> None:
     fa.kvcache_errors()  # clear
     eager = step().float()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    replay, out = graphed(step)
     for _ in range(10):
-        graph.replay()
+        replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) / replays * 1e3
@@ -104,20 +98,13 @@ def interleaved(cases, rounds: int, replays: int) -> None:
     graphs = []
     for name, step in cases:
         want = [o.clone() for o in step()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = step()
-        graphs.append((name, graph, got, want))
+        replay, got = graphed(step)
+        graphs.append((name, replay, got, want))
     for r in range(rounds):
         bad = []
-        for name, graph, got, want in graphs:
+        for name, replay, got, want in graphs:
             for _ in range(replays):
-                graph.replay()
+                replay()
             torch.cuda.synchronize()
             if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
                 diff = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
