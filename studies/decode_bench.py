@@ -159,12 +159,9 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts
         errors.update(errs)
     out, checks = {}, {}
     for name in per_layer[0][0]:
-        fns = [fns[name] for fns, _ in per_layer]
-
-        def step(fns=fns):
-            return [fn() for fn in fns]
         if name in errors:
             continue
+        step = _chain([layer[name] for layer, _ in per_layer])
         try:
             want = [o.clone() for o in step()]
             out[name], got = graphed(step)
@@ -175,13 +172,17 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts
             errors[name] = _short(exc)
             torch.cuda.synchronize()
     for name in ("ours", "sdpa"):
-        fns = [fns[name] for fns, _ in per_layer]
-        out[f"{name} eager"] = lambda fns=fns: [fn() for fn in fns]
+        out[f"{name} eager"] = _chain([layer[name] for layer, _ in per_layer])
     # the GPU's copy rate, on a buffer far larger than L2 (read + write bytes)
     src = torch.empty(2**29, device="cuda", dtype=torch.int32)
     dst = torch.empty_like(src)
     out["copy"] = lambda: dst.copy_(src)
     return out, kv_bytes, errors, layers, checks
+
+
+def _chain(fns):
+    """One step through the layers: each layer's call in turn, their outputs as a list."""
+    return lambda: [fn() for fn in fns]
 
 
 def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[dict, dict]:
@@ -357,7 +358,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="decode kernels to time by name as well "
                     "(comma-separated; built ones; name@N forces N splits)")
     ap.add_argument("--profile", action="store_true",
-                    help="also print each CUDA kernel's time per call of the graph replays "
+                    help="also print each CUDA kernel's time per layer of the graph replays "
                          "(torch.profiler over 20 replays)")
     ap.add_argument("--layers", type=int, default=0,
                     help="layers a timed step goes through, each its own q and cache (0: enough "
