@@ -166,11 +166,13 @@ def test_template_args_types():
                     "/*softcap=*/true"]
     args = template_args(parse("bwd_sm90_fp16_d64_r128_c128_ft")).split(", ")
     assert args == ["__half", "64", "128", "128", "/*varlen=*/false", "/*softcap=*/true"]
-    # the decode kernels: Elem, d_head, B_c, warps, then K/V's element (q's, or FP8)
+    # the decode kernels: Elem, d_head, B_r, B_c, warps, then K/V's element (q's, or FP8)
     args = template_args(parse("dec_sm80_bf16_d128_r16_c16_w4_f")).split(", ")
-    assert args == ["__nv_bfloat16", "128", "16", "4", "__nv_bfloat16"]
+    assert args == ["__nv_bfloat16", "128", "16", "16", "4", "__nv_bfloat16"]
+    args = template_args(parse("dec_sm80_bf16_d128_r32_c16_w4_f")).split(", ")
+    assert args == ["__nv_bfloat16", "128", "32", "16", "4", "__nv_bfloat16"]
     args = template_args(parse("dec_sm80_fp16_e5m2_d64_r16_c64_w4_f")).split(", ")
-    assert args == ["__half", "64", "64", "4", "__nv_fp8_e5m2"]
+    assert args == ["__half", "64", "16", "64", "4", "__nv_fp8_e5m2"]
     assert isinstance(parse(Sm80FwdConfig.EXAMPLE), Sm80FwdConfig)
 
 

@@ -162,12 +162,18 @@ def test_gate_decode_cases_over_fp8_caches():
 
 def test_mangled_names_of_decode_kernels():
     """The kernel symbol of each decode config (q's dtype repeated as the cache's is a
-    substitution), and a build from before the cache argument."""
+    substitution), and builds from before the B_r argument and before the cache argument."""
     pre = "_ZN5flash4sm8010dec_kernelINS0_9DecConfigI"
     post = "EEEEvNS_9DecParamsE"
+    assert short_of(f"{pre}13__nv_bfloat16Li128ELi32ELi16ELi4ES3_{post}") == \
+        "dec_sm80_bf16_d128_r32_c16_w4_f"
+    assert short_of(f"{pre}6__halfLi64ELi16ELi64ELi4E13__nv_fp8_e5m2{post}") == \
+        "dec_sm80_fp16_e5m2_d64_r16_c64_w4_f"
+    # before B_r: 16 packed rows
     assert short_of(f"{pre}13__nv_bfloat16Li128ELi16ELi4ES3_{post}") == \
         "dec_sm80_bf16_d128_r16_c16_w4_f"
     assert short_of(f"{pre}6__halfLi64ELi64ELi4E13__nv_fp8_e5m2{post}") == \
         "dec_sm80_fp16_e5m2_d64_r16_c64_w4_f"
+    # before the cache argument
     assert short_of(f"{pre}13__nv_bfloat16Li128ELi16ELi4E{post}") == \
         "dec_sm80_bf16_d128_r16_c16_w4_f"

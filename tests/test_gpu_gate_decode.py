@@ -14,13 +14,15 @@ from flash_attention.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 
-# Small versions of the gate's decode steps: each cache form, both dtypes, every decode d_head.
+# Small versions of the gate's decode steps: each cache form, both dtypes, every decode d_head,
+# 32 packed rows (on 16-row tiles: a small cache).
 CASES = [
     Case("bf16", 128, 1, 1, heads=32, kv_heads=8, seqlen_k=1000, kind="decode"),
     Case("bf16", 128, 3, 1, heads=32, kv_heads=8, seqlen_k=700, page_size=16, kind="decode"),
     Case("fp16", 64, 2, 1, heads=32, kv_heads=8, seqlen_k=600, page_size=256, kind="decode"),
     Case("bf16", 256, 2, 1, heads=16, kv_heads=16, seqlen_k=300, kind="decode"),
     Case("bf16", 128, 2, 4, heads=32, kv_heads=8, seqlen_k=777, causal=True, kind="decode"),
+    Case("bf16", 128, 2, 8, heads=32, kv_heads=8, seqlen_k=500, causal=True, kind="decode"),
 ]
 
 

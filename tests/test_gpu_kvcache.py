@@ -24,7 +24,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window,
-             softcap, rotary, num_splits, seqlens, seed, return_lse=True):
+             softcap, rotary, num_splits, seqlens, seed, return_lse=True, kernel=""):
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     batch = len(seqlens)
@@ -46,10 +46,10 @@ def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, 
     kc_run, vc_run, table = cache_copies(kc, vc, page, gen)
     out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, None, table,
                                        None, causal, window, softcap, interleaved, None,
-                                       num_splits, True)
-    what = (f"{dtype} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} cache{s_cache} "
-            f"page{page} causal{causal} window{window} softcap{softcap} rotary{rotary} "
-            f"splits{num_splits} lens{seqlens}")
+                                       num_splits, True, kernel=kernel)
+    what = (f"{kernel or 'table'} {dtype} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} "
+            f"cache{s_cache} page{page} causal{causal} window{window} softcap{softcap} "
+            f"rotary{rotary} splits{num_splits} lens{seqlens}")
     check_step(out, lse, ref, low, what)
     # The caches after the append: the reference's rows (contiguous, or gathered from pages).
     if page:
@@ -98,6 +98,66 @@ def test_forced_splits_with_empty_ones(require_extension, d, heads, kv_heads, nu
     softcap = 30.0 if num_splits in (3, 9) else 0.0
     run_case("bf16", d, heads, kv_heads, 1, 1 - num_splits % 2, 3000, None, True, window,
              softcap, None, num_splits, [2999, 37, 0], 13)
+
+
+@pytest.mark.parametrize("dtype,d,heads,kv_heads,seqlen_q,page,causal,window,softcap,splits", [
+    ("bf16", 128, 32, 8, 8, None, True, (-1, -1), 0.0, 0),  # 32 rows: one 32-row tile
+    ("bf16", 128, 32, 8, 5, 16, True, (-1, -1), 0.0, 0),  # 20 rows: part of one
+    ("bf16", 128, 32, 8, 17, None, False, (100, 0), 0.0, 3),  # 68 rows: 3 tiles, a window
+    ("bf16", 96, 8, 2, 9, 7, True, (-1, -1), 30.0, 2),  # 36 rows, softcap, pages across blocks
+    ("fp16", 64, 8, 8, 33, 64, True, (-1, -1), 0.0, 0),  # MHA, 33 rows
+    ("fp16", 64, 6, 1, 4, 1, False, (7, 2), 0.0, 5),  # MQA, 24 rows, page 1
+])
+def test_wide_tiles_match_reference(require_extension, dtype, d, heads, kv_heads, seqlen_q,
+                                    page, causal, window, softcap, splits):
+    """Calls of 17 or more packed rows on the 32-row kernels (named: the table runs them from
+    dec_sm80.WIDE_MIN_BYTES of K and V) and on the 16-row ones (the table's choice here),
+    against the reference."""
+    from flash_attention import kvcache
+    from flash_attention.kernels import Call, dec_sm80
+
+    rows = dec_sm80.packed_rows(seqlen_q, heads, kv_heads)
+    built = kvcache.built()
+    wide = dec_sm80.select(Call(dtype, d), built, wide=True)
+    if wide is None:
+        pytest.skip(f"this build has no 32-row decode kernel for {dtype} d_head {d} "
+                    "(FLASH_ATTENTION_KERNELS=default builds them)")
+    assert rows >= dec_sm80.WIDE_FROM
+    assert f"{wide.name} " in kvcache.explain(DTYPES[dtype], d, rows=rows,
+                                              kv_bytes=dec_sm80.WIDE_MIN_BYTES)
+    for name in (wide.name, ""):
+        run_case(dtype, d, heads, kv_heads, seqlen_q, 1, 700, page, causal, window, softcap,
+                 None, splits, [699, 0, 250], 21, kernel=name)
+
+
+@pytest.mark.parametrize("batch,wide", [(4, True), (3, False)])
+def test_the_table_takes_wide_tiles_from_128_mib(require_extension, batch, wide):
+    """The extension's choice (choose_decode) is dec_sm80.select_for's: 8 queries of GQA groups
+    of 4 over 4 sequences of 8192 keys (128 MiB of K and V) run the 32-row kernel, over 3
+    sequences the 16-row one: the table's output is bitwise the named kernel's (the decode
+    kernels are deterministic; the two kernels' sums differ)."""
+    from flash_attention import kvcache
+    from flash_attention.kernels import Call, dec_sm80
+
+    built = kvcache.built()
+    wide_cfg = dec_sm80.select(Call("bf16", 128), built, wide=True)
+    if wide_cfg is None:
+        pytest.skip("this build has no 32-row bf16 d_head 128 decode kernel")
+    narrow_cfg = dec_sm80.select(Call("bf16", 128), built)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(batch, 8, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kc = torch.randn(batch, 8192, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    kv = dec_sm80.kv_bytes(batch, 8, 8192, 128)
+    assert dec_sm80.runs_wide(32, kv) == wide
+    picked = wide_cfg if wide else narrow_cfg
+    assert f"{picked.name} " in kvcache.explain(torch.bfloat16, 128, rows=32, kv_bytes=kv)
+    table = flash_attn_with_kvcache(q, kc, vc, causal=True)
+    named = {c.name: flash_attn_with_kvcache(q, kc, vc, causal=True, kernel=c.name)
+             for c in (wide_cfg, narrow_cfg)}
+    assert torch.equal(table, named[picked.name])
+    other = narrow_cfg if wide else wide_cfg
+    assert not torch.equal(table, named[other.name]), "the two kernels' outputs are equal here"
 
 
 def test_int_and_absent_cache_seqlens(require_extension):

@@ -60,39 +60,72 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                   ) -> list[tuple[str, int, int, bool, bool, bool, str, str, str, str, str]]:
     """The decode table as the extension takes it (the forward's row shape): per dtype (q's,
     or ``<q>_<cache>`` over an FP8 cache, e.g. ``bf16_e4m3``) and d_head variant (multiples of
-    32), bucket 64, no mask and no softcap (both run-time arguments of every decode kernel),
-    dec_sm80.select's kernel, which is also its fallback (no varlen, one-wave or
-    fewer-padded-keys kernel: "").
-    An FP8 row's
-    variant serves the multiples of 16 up to it."""
+    32), no mask and no softcap (both run-time arguments of every decode kernel), a row per
+    tile height in the bucket column: 16 (dec_sm80.select's kernel) and, where one is built, 32
+    (its wide kernel, for calls of dec_sm80.WIDE_FROM packed rows or more: choose_decode in
+    src/csrc/binding/decode.cpp). A row's kernel is also its fallback (no varlen, one-wave or
+    fewer-padded-keys kernel: ""). An FP8 row's variant serves the multiples of 16 up to it."""
     rows = []
     for cache in ("", *dec_sm80.CACHES):
         for dtype in DTYPES:
             for d_head in D_HEADS:
-                cfg = dec_sm80.select(Call(dtype, d_head), built, cache)
-                if cfg is not None:
-                    key = f"{dtype}_{cache}" if cache else dtype
-                    rows.append((key, d_head, 64, False, False, False, cfg.name, cfg.name, "",
-                                 "", ""))
+                key = f"{dtype}_{cache}" if cache else dtype
+                for wide in (False, True):
+                    cfg = dec_sm80.select(Call(dtype, d_head), built, cache, wide)
+                    if cfg is not None:
+                        rows.append((key, d_head, cfg.block_r, False, False, False, cfg.name,
+                                     cfg.name, "", "", ""))
     return rows
 
 
 def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0,
-            cache_dtype: torch.dtype | None = None) -> str:
-    """Which decode kernel a call of this dtype (over a cache of cache_dtype, None: q's) and
-    d_head runs, and why (for the debug log)."""
+            cache_dtype: torch.dtype | None = None, rows: int = 1, kv_bytes: int = 0) -> str:
+    """Which decode kernel a call of this dtype (over a cache of cache_dtype, None: q's),
+    d_head and `rows` packed rows (seqlen_q x query heads per KV head) reading up to
+    `kv_bytes` of K and V runs, and why (for the debug log)."""
     if kernel:
         return f"decode kernel {kernel} (named by the call)"
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     cache = FP8_CACHES.get(cache_dtype, "")
     over = f" over an {cache} cache" if cache else ""
-    cfg = dec_sm80.select(Call(name, d_head), built(), cache)
+    cfg = dec_sm80.select_for(Call(name, d_head), built(), rows, kv_bytes, cache)
     if cfg is None:
         return f"no decode kernel for {name}{over} d_head {d_head} in this build"
     splits = (f"{num_splits} key splits (num_splits)" if num_splits else
               "key splits chosen on the launch from the SM count and the work (num_splits=0)")
-    return (f"decode kernel {cfg.name} (the dec_sm80 row for {name}{over} d_head {d_head}: "
-            f"masks and softcap are run-time arguments), {splits}")
+    tiles = f"{rows} packed rows in tiles of {cfg.block_r}"
+    if rows >= dec_sm80.WIDE_FROM and cfg.block_r == 16:
+        tiles += (" (32-row tiles are for 16-bit caches up to d_head 128)" if cache or
+                  d_head > 128 else
+                  f" ({kv_bytes / 2**20:.0f} MiB of K and V: 32-row tiles from "
+                  f"{dec_sm80.WIDE_MIN_BYTES >> 20} MiB)" if kv_bytes < dec_sm80.WIDE_MIN_BYTES
+                  else " (this build has no 32-row decode kernel)")
+    return (f"decode kernel {cfg.name} (the dec_sm80 row for {name}{over} d_head {d_head}, "
+            f"{tiles}: masks and softcap are run-time arguments), {splits}")
+
+
+def _packed_rows(seqlen_q: int, q: torch.Tensor, kv_heads: int) -> int:
+    """A call's packed rows for explain (the heads as given; the kernel checks them)."""
+    return dec_sm80.packed_rows(int(seqlen_q), q.shape[-2], max(int(kv_heads), 1))
+
+
+def _kv_bytes(cache: torch.Tensor, batch: int, keys: int) -> int:
+    """The K and V bytes a call reads at most (keys per sequence), for explain."""
+    return 2 * batch * int(keys) * cache.shape[-2] * cache.shape[-1] * cache.element_size()
+
+
+def _keys(cache_seqlens, k, k_cache: torch.Tensor, block_table) -> int:
+    """The keys per sequence the extension plans a flash_attn_with_kvcache call for: the
+    longest cache length plus the new rows where the host knows it (an int, a CPU tensor),
+    else the cache's capacity (as kvcache_cuda does, without a sync)."""
+    new = k.shape[1] if k is not None else 0
+    if isinstance(cache_seqlens, int):
+        return cache_seqlens + new
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.device.type == "cpu" \
+            and cache_seqlens.numel():
+        return int(cache_seqlens.max()) + new
+    return (block_table.shape[-1] * k_cache.shape[1] if block_table is not None
+            else k_cache.shape[1])
 
 
 def _check_q_descale(q: torch.Tensor, q_descale: torch.Tensor | None) -> None:
@@ -156,7 +189,11 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k.shape), " paged" if block_table is not None else "",
-                  explain(q.dtype, q.shape[-1], kernel, num_splits, k.dtype))
+                  explain(q.dtype, q.shape[-1], kernel, num_splits, k.dtype,
+                          _packed_rows(max_seqlen_q, q, k.shape[-2]),
+                          _kv_bytes(k, cu_seqlens_q.numel() - 1,
+                                    block_table.shape[-1] * k.shape[1] if block_table is not None
+                                    else max_seqlen_k)))
     return torch.ops.flash_attention.varlen_paged.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
         int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
@@ -251,7 +288,10 @@ def flash_attn_with_kvcache(
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
-                  explain(q.dtype, q.shape[-1], kernel, num_splits, k_cache.dtype))
+                  explain(q.dtype, q.shape[-1], kernel, num_splits, k_cache.dtype,
+                          _packed_rows(q.shape[1], q, k_cache.shape[2]),
+                          _kv_bytes(k_cache, q.shape[0],
+                                    _keys(cache_seqlens, k, k_cache, block_table))))
     out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),

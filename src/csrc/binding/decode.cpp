@@ -100,15 +100,33 @@ int choose_splits(int64_t ctas, int64_t keys, int sms) {
         {128, std::max<int64_t>(1, keys / 128), std::max<int64_t>(1, wave / ctas)}));
 }
 
-// The decode kernel for a call: `name`, or the dec table's choice for (q's dtype, the cache's
-// dtype, d_head).
+// The K and V bytes a call reads at most: `keys` rows of every sequence and KV head.
+int64_t kv_bytes(int64_t batch, int64_t kv_heads, int64_t keys, int64_t d_head,
+                 const at::Tensor& cache) {
+    return 2 * batch * kv_heads * keys * d_head * int64_t(cache.element_size());
+}
+
+// The decode kernel for a call of `rows` packed rows (seqlen_q x heads_per_kv) reading up to
+// `kv_bytes` of K and V: `name`, or the dec table's choice for (q's dtype, the cache's dtype,
+// d_head): its row of 32-row tiles (bucket 32) from kWideFrom rows and kWideMinBytes where the
+// table has one, else its row of 16-row tiles (flash_attention.kernels.dec_sm80.select_for).
+// Below kWideMinBytes a step is bound by fixed costs more than by bandwidth, and the two 16-row
+// CTAs of a KV head find its keys in L2 (H200: 16-row tiles 4-7% faster at 32-64 MiB, 32-row
+// tiles 6-30% faster from 128 MiB; docs/dispatch.md).
+constexpr int64_t kWideFrom = 17;                   // dec_sm80.WIDE_FROM
+constexpr int64_t kWideMinBytes = int64_t(1) << 27;  // dec_sm80.WIDE_MIN_BYTES
 const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType dtype,
-                                           at::ScalarType cache, int64_t d_head) {
+                                           at::ScalarType cache, int64_t d_head, int64_t rows,
+                                           int64_t kv_bytes) {
     const flash::DecKernelEntry* kernel = nullptr;
     if (name.empty()) {
-        kernel =
-            lookup<flash::DecKernelEntry>(dtype_code(dtype, cache), d_head, 1, false, false, false)
-                .kernel;
+        const int code = dtype_code(dtype, cache);
+        if (rows >= kWideFrom && kv_bytes >= kWideMinBytes)
+            kernel =
+                lookup_bucket<flash::DecKernelEntry>(code, d_head, 32, false, false, false).kernel;
+        if (kernel == nullptr)
+            kernel =
+                lookup_bucket<flash::DecKernelEntry>(code, d_head, 16, false, false, false).kernel;
         FA_CHECK(kernel != nullptr, "this build has no decode kernel for q of ", dtype,
                  " over a cache of ", cache, " with d_head=", d_head,
                  " (or flash_attention has not set its dispatch table); rebuild with "
@@ -552,11 +570,12 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     set_queries(p, q_in, out, return_lse ? lse.data_ptr<float>() : nullptr, B, Hk, Sq, B * Sq);
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
+    const int64_t keys = lengths.longest >= 0 ? lengths.longest + S_new : p.capacity;
     const flash::DecKernelEntry* kernel =
-        choose_decode(kernel_name, dtype, k_cache.scalar_type(), D);
+        choose_decode(kernel_name, dtype, k_cache.scalar_type(), D, Sq * p.heads_per_kv,
+                      kv_bytes(B, Hk, keys, D, k_cache));
     check_device(*kernel, q_in.device());
-    plan_splits(p, *kernel, num_splits, lengths.longest >= 0 ? lengths.longest + S_new : p.capacity,
-                q_in.device());
+    plan_splits(p, *kernel, num_splits, keys, q_in.device());
 
     // The append (q's rotated copy, the new rows into the caches), then attention over the
     // updated caches: cache_seqlens + S_new keys per sequence.
@@ -667,9 +686,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
                 max_seqlen_q, total_q);
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
-    const flash::DecKernelEntry* kernel = choose_decode(kernel_name, dtype, k.scalar_type(), D);
+    const int64_t keys = paged ? p.capacity : max_seqlen_k;
+    const flash::DecKernelEntry* kernel =
+        choose_decode(kernel_name, dtype, k.scalar_type(), D, max_seqlen_q * p.heads_per_kv,
+                      kv_bytes(B, k.size(rank - 2), keys, D, k));
     check_device(*kernel, device);
-    plan_splits(p, *kernel, num_splits, paged ? p.capacity : max_seqlen_k, device);
+    plan_splits(p, *kernel, num_splits, keys, device);
     if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)
         return {out, lse};
     const at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;

@@ -204,17 +204,26 @@ inline int64_t d_head_variant(int64_t d_head) {
     return (d_head + 31) / 32 * 32;
 }
 
-// The table's choice for a call, {nullptr, nullptr} when it has none (keyed by variant).
+// The table's row of this bucket, {nullptr, nullptr} when it has none (keyed by variant). The
+// forward's and backward's buckets are seq_bucket's; the decode table's are its tiles' packed
+// rows (16, 32).
 template <class Entry>
-Choice<Entry> lookup(int dtype, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
-                     bool softcap) {
+Choice<Entry> lookup_bucket(int dtype, int64_t d_head, int64_t bucket, bool mask, bool local,
+                            bool softcap) {
     if (d_head <= 0 || d_head % 8 != 0 || dtype < 0)
         return Choice<Entry>{nullptr, nullptr};
     DispatchTable<Entry>& table = dispatch_table<Entry>();
     const std::lock_guard<std::mutex> lock(table.mutex);
-    const auto it = table.choices.find(
-        choice_key(dtype, d_head_variant(d_head), seq_bucket(seqlen_q), mask, local, softcap));
+    const auto it =
+        table.choices.find(choice_key(dtype, d_head_variant(d_head), bucket, mask, local, softcap));
     return it == table.choices.end() ? Choice<Entry>{nullptr, nullptr} : it->second;
+}
+
+// The table's choice for a call of seqlen_q query rows.
+template <class Entry>
+Choice<Entry> lookup(int dtype, int64_t d_head, int64_t seqlen_q, bool mask, bool local,
+                     bool softcap) {
+    return lookup_bucket<Entry>(dtype, d_head, seq_bucket(seqlen_q), mask, local, softcap);
 }
 
 // The forward table's kernel for a call ('' if none), before the run-time fallback.

@@ -1,10 +1,14 @@
-// The decode kernel's compile-time config (flash::sm80::DecConfig): one CTA owns B_r = 16
-// packed query rows (the query heads of one KV head times the positions of seqlen_q, see
+// The decode kernel's compile-time config (flash::sm80::DecConfig): one CTA owns B_r = 16 or
+// 32 packed query rows (the query heads of one KV head times the positions of seqlen_q, see
 // decode_kernel.cuh) and its warps split the keys: each warp streams its own K/V blocks of B_c
 // keys through kStages shared-memory stages, so a warp never waits for another until the end,
 // where the warps' partial results are merged. It also provides the names the sm80 forward's
 // fragment, GEMM and softmax code read (kMTiles, kNTilesS, kStepsQK, ...), so that code is
-// reused unchanged on one 16-row MMA tile.
+// reused unchanged on one or two 16-row MMA tiles per warp.
+//
+// B_r 32 is for calls of more than 16 packed rows (8 speculative positions of a GQA group of
+// 4): one CTA reads the cache once for all 32, where two 16-row CTAs read it twice. Its Q tile
+// is sliced (two m16 tiles of Q resident would take 64 more registers beside O's 128).
 //
 // CacheElem is the element type of K and V: Elem (q's), or an FP8 type (__nv_fp8_e4m3,
 // __nv_fp8_e5m2) for an FP8 KV cache, whose tiles stay FP8 in shared memory and become fp16
@@ -19,14 +23,14 @@
 
 namespace flash::sm80 {
 
-template <typename Elem_, int kDHead_, int kBc_, int kWarps_, typename CacheElem_ = Elem_>
+template <typename Elem_, int kDHead_, int kBr_, int kBc_, int kWarps_, typename CacheElem_ = Elem_>
 struct DecConfig {
     using Elem = Elem_;
     using CacheElem = CacheElem_;
     static constexpr bool kFp8Cache = sizeof(CacheElem) == 1;
     static constexpr int kDHead = kDHead_;
     static constexpr int kSmemDHead = kDHead <= 64 ? 64 : (kDHead <= 128 ? 128 : 256);
-    static constexpr int kBr = 16;    // one m16 MMA tile of packed rows
+    static constexpr int kBr = kBr_;  // packed rows: one or two m16 MMA tiles
     static constexpr int kBc = kBc_;  // keys per warp block
     static constexpr int kWarps = kWarps_;
     static constexpr int kThreads = kWarps * 32;
@@ -34,7 +38,8 @@ struct DecConfig {
 
     // The forward's technique switches, as the shared fragment/GEMM/softmax code reads them.
     static constexpr bool kSwizzle = true;
-    static constexpr bool kSliceQ = kDHead > 128;  // Q resident in registers up to d_head 128
+    // Q resident in registers: one m16 tile up to d_head 128.
+    static constexpr bool kSliceQ = kDHead > 128 || kBr > 16;
     static constexpr bool kSliceK = true;
     static constexpr bool kSliceV = true;
     static constexpr bool kDoubleBuffer = true;
@@ -43,8 +48,8 @@ struct DecConfig {
     // few instructions they cost): every decode kernel serves every call of its dtype and d_head.
     static constexpr bool kMask = true;
     static constexpr bool kSoftcap = true;
-    static constexpr int kRowsPerWarp = kBr;  // every warp holds all 16 rows (its own keys)
-    static constexpr int kMTiles = 1;
+    static constexpr int kRowsPerWarp = kBr;  // every warp holds all rows (its own keys)
+    static constexpr int kMTiles = kBr / 16;
     static constexpr int kNTilesS = kBc / 8;
     static constexpr int kStepsQK = kDHead / 16;
     static constexpr int kNTilesO = kDHead / 8;
@@ -73,6 +78,9 @@ struct DecConfig {
                                          : (std::is_same_v<CacheElem, __nv_fp8_e4m3> ||
                                             std::is_same_v<CacheElem, __nv_fp8_e5m2>),
                   "a cache of q's dtype, or of e4m3 / e5m2");
+    static_assert(kBr == 16 || (kBr == 32 && kDHead <= 128 && !kFp8Cache),
+                  "B_r 16, or 32 with d_head <= 128 over a 16-bit cache (O of 32 rows x 256 "
+                  "fp32 would not fit a warp's registers)");
     static_assert(kDHead == 64 || kDHead == 128 || kDHead == 256, "d_head variants 64, 128, 256");
     static_assert(kBc == 16 || kBc == 32 || (kFp8Cache && kBc == 64),
                   "B_c must be 16 or 32 (64 with an FP8 cache)");

@@ -3,15 +3,16 @@
 //
 // Packed GQA: the heads_per_kv query heads of one KV head and the seqlen_q positions of one
 // sequence are the packed rows R = i * heads_per_kv + g (position i, head kv_head *
-// heads_per_kv + g); a CTA owns 16 of them, so K and V of a KV head are read once per 16
-// packed rows, not once per query head.
+// heads_per_kv + g); a CTA owns B_r (16 or 32) of them, so K and V of a KV head are read once
+// per B_r packed rows, not once per query head.
 // Split-KV: blockIdx.x = row_block * num_splits + split; the visible KV blocks of the tile are
 // cut into num_splits ranges, one per CTA; with num_splits > 1 each CTA writes its normalised
 // partial output and LSE (fp32) and decode_combine.cuh merges them.
 // Inside a CTA each warp takes every kWarps-th KV block of the range and streams it through its
 // own kStages-deep cp.async pipeline (K and V rows gathered one by one, so a paged cache of any
 // page size costs the same as a contiguous one), with the forward's GEMMs and online softmax on
-// its 16 rows; at the end the warps' (m, l, O) are merged through shared memory.
+// B_r rows (one or two m16 tiles); at the end the warps' (m, l, O) are merged through shared
+// memory.
 //
 // Bad cache metadata (a length outside the cache, a page outside the pool, a cache row outside
 // the batch) never leads to an access outside the tensors: the copy is skipped, the sequence's
@@ -109,16 +110,17 @@ struct DecodeCta {
     const DecSeq seq;
     const int rows;  // packed rows of this sequence: seqlen_q x heads_per_kv
     const uint32_t sQ, sPipe;
-    int blk_begin, blk_end;    // this CTA's KV blocks [begin, end)
-    int full_lo, full_hi;      // keys every row of the tile sees: blocks inside need no mask
-    int key_lo[2], key_hi[2];  // keys this thread's two rows see
-    int bad;                   // decode::kStatus* bits met by this thread
+    int blk_begin, blk_end;  // this CTA's KV blocks [begin, end)
+    int full_lo, full_hi;    // keys every row of the tile sees: blocks inside need no mask
+    // Keys this thread's rows see: two per m16 tile (lane / 4 and lane / 4 + 8).
+    int key_lo[Cfg::kMTiles][2], key_hi[Cfg::kMTiles][2];
+    int bad;  // decode::kStatus* bits met by this thread
     // An FP8 cache's descales of this (sequence, KV head), 1 otherwise: k's scales the scores,
     // v's the output.
     float k_descale, v_descale;
 
-    float O[1][Cfg::kNTilesO][4];
-    float S[1][Cfg::kNTilesS][4];
+    float O[Cfg::kMTiles][Cfg::kNTilesO][4];
+    float S[Cfg::kMTiles][Cfg::kNTilesS][4];
     OnlineSoftmax<Cfg> softmax;
     QBuffer<Cfg> qbuf;
 
@@ -157,12 +159,14 @@ struct DecodeCta {
         full_lo = clamp_key(left ? i_last + off - p.window_left : 0, 0, sk);
         full_hi = clamp_key(right ? i_first + off + p.window_right : sk - 1, -1, sk - 1);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + lane / 4 + 8 * h;
-            const int64_t i = (r < rows ? r : rows - 1) / group;
-            key_lo[h] = clamp_key(left ? i + off - p.window_left : 0, 0, sk);
-            key_hi[h] = clamp_key(right ? i + off + p.window_right : sk - 1, -1, sk - 1);
-        }
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row0 + mt * 16 + lane / 4 + 8 * h;
+                const int64_t i = (r < rows ? r : rows - 1) / group;
+                key_lo[mt][h] = clamp_key(left ? i + off - p.window_left : 0, 0, sk);
+                key_hi[mt][h] = clamp_key(right ? i + off + p.window_right : sk - 1, -1, sk - 1);
+            }
     }
 
     __device__ __forceinline__ static float descale_of(const DecParams& p, int i, int b, int h) {
@@ -184,7 +188,7 @@ struct DecodeCta {
         return kv_head * p.heads_per_kv + R % p.heads_per_kv;
     }
 
-    // Q's 16 packed rows, zero-filled past the sequence's rows and the tensor's d_head.
+    // Q's B_r packed rows, zero-filled past the sequence's rows and the tensor's d_head.
     __device__ __forceinline__ void copy_q() const {
         const Elem* q = static_cast<const Elem*>(p.q);
         for (int idx = threadIdx.x; idx < Cfg::kBr * Cfg::kChunksPerRow; idx += Cfg::kThreads) {
@@ -292,21 +296,25 @@ struct DecodeCta {
         if (k0 >= full_lo && k0 + Cfg::kBc - 1 <= full_hi)
             return;
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = k0 + nt * 8 + (lane % 4) * 2 + (e % 2);
-                if (col < key_lo[e / 2] || col > key_hi[e / 2])
-                    S[0][nt][e] = -INFINITY;
-            }
+            for (int nt = 0; nt < Cfg::kNTilesS; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = k0 + nt * 8 + (lane % 4) * 2 + (e % 2);
+                    if (col < key_lo[mt][e / 2] || col > key_hi[mt][e / 2])
+                        S[mt][nt][e] = -INFINITY;
+                }
     }
 
     __device__ __forceinline__ void run(unsigned char* smem) {
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                O[0][nt][e] = 0.f;
+            for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    O[mt][nt][e] = 0.f;
         softmax.init();
 
         const int n_mine = warp_blocks();
@@ -380,41 +388,45 @@ struct DecodeCta {
         float* sM = sO + Cfg::kWarps * Cfg::kBr * Cfg::kDHead;
         float* sL = sM + Cfg::kWarps * Cfg::kBr;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float l = softmax.l[0][h];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const int r = lane / 4 + 8 * h;
-            if (lane % 4 == 0) {
-                sM[warp * Cfg::kBr + r] = softmax.m[0][h];
-                sL[warp * Cfg::kBr + r] = l;
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float l = softmax.l[mt][h];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                const int r = mt * 16 + lane / 4 + 8 * h;
+                if (lane % 4 == 0) {
+                    sM[warp * Cfg::kBr + r] = softmax.m[mt][h];
+                    sL[warp * Cfg::kBr + r] = l;
+                }
             }
-        }
         __syncthreads();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = lane / 4 + 8 * h;
-            float mx = -INFINITY;
+        for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-            for (int w = 0; w < Cfg::kWarps; ++w)
-                mx = fmaxf(mx, sM[w * Cfg::kBr + r]);
-            const float mine = softmax.m[0][h];
-            const float f = mine == -INFINITY ? 0.f : fast_exp2(mine - mx);
-            if constexpr (Cfg::kFp8Cache) {  // tiles 2c, 2c+1: d chunk c's even, odd dims
-                float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 4;
+            for (int h = 0; h < 2; ++h) {
+                const int r = mt * 16 + lane / 4 + 8 * h;
+                float mx = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < Cfg::kNTilesO; nt += 2)
-                    *reinterpret_cast<float4*>(row + nt * 8) =
-                        make_float4(O[0][nt][2 * h] * f, O[0][nt + 1][2 * h] * f,
-                                    O[0][nt][2 * h + 1] * f, O[0][nt + 1][2 * h + 1] * f);
-            } else {
-                float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 2;
+                for (int w = 0; w < Cfg::kWarps; ++w)
+                    mx = fmaxf(mx, sM[w * Cfg::kBr + r]);
+                const float mine = softmax.m[mt][h];
+                const float f = mine == -INFINITY ? 0.f : fast_exp2(mine - mx);
+                if constexpr (Cfg::kFp8Cache) {  // tiles 2c, 2c+1: d chunk c's even, odd dims
+                    float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 4;
 #pragma unroll
-                for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
-                    *reinterpret_cast<float2*>(row + nt * 8) =
-                        make_float2(O[0][nt][2 * h] * f, O[0][nt][2 * h + 1] * f);
+                    for (int nt = 0; nt < Cfg::kNTilesO; nt += 2)
+                        *reinterpret_cast<float4*>(row + nt * 8) =
+                            make_float4(O[mt][nt][2 * h] * f, O[mt][nt + 1][2 * h] * f,
+                                        O[mt][nt][2 * h + 1] * f, O[mt][nt + 1][2 * h + 1] * f);
+                } else {
+                    float* row = sO + (warp * Cfg::kBr + r) * Cfg::kDHead + (lane % 4) * 2;
+#pragma unroll
+                    for (int nt = 0; nt < Cfg::kNTilesO; ++nt)
+                        *reinterpret_cast<float2*>(row + nt * 8) =
+                            make_float2(O[mt][nt][2 * h] * f, O[mt][nt][2 * h + 1] * f);
+                }
             }
-        }
         __syncthreads();
 
         constexpr int kQuads = Cfg::kDHead / 4;

@@ -74,12 +74,15 @@ def _fields(kind: str, names: tuple[str, ...], values: list) -> dict | None:
         if len(values) == len(names) - n and set(later[:n]) <= set(names):
             names = tuple(f for f in names if f not in later[:n])
             break
-    if "cache" in names and len(values) == len(names) - 1:
-        names = tuple(n for n in names if n != "cache")  # a decode build from before FP8 caches
+    fixed = {}
+    if kind == "dec_sm80" and len(values) < len(names):
+        # a decode build from before B_r was an argument (16 packed rows), and before that
+        # from before FP8 caches
+        names = tuple(n for n in names if n != "block_r")[:len(values)]
+        fixed = {"block_r": 16}
     if len(values) not in (len(names), len(names) - old_bwd_sm90):  # a template of another
         return None
-    # fields the C++ template fixes (the decode kernel's 16 packed rows)
-    fields = {**getattr(KINDS[kind].Config, "FIXED_FIELDS", {}), **dict(zip(names, values))}
+    fields = {**fixed, **dict(zip(names, values))}
     if "cache" in fields and fields["cache"] in (SAME_TYPE, fields.get("dtype")):
         fields["cache"] = ""  # K and V of q's dtype
     if "consumer_wgs" in fields:

@@ -261,13 +261,25 @@ DEC_CASE = {"batch": 16, "seqlen": 1, "heads": 32, "kv_heads": 8, "seqlen_k": 81
 
 def dec_kernel(case: Case) -> str | None:
     """The decode kernel a decode case's flash_attn_with_kvcache call runs (the decode table's
-    row for its dtype and d_head), None for another kind of case."""
+    row for its dtype and d_head: its wide row where dec_sm80.runs_wide says so and it has
+    one), None for another kind of case."""
     from flash_attention.kernels import Call, dec_sm80
 
     if case.kind != "decode":
         return None
-    ((_, name),) = dec_sm80.table_rows(Call(case.dtype, case.d_head), case.cache)
+    call = Call(case.dtype, case.d_head)
+    wide = dec_sm80.table_rows(call, case.cache, wide=True)
+    kv = dec_sm80.kv_bytes(case.batch, case.kv, case.keys, case.d_head, case.cache)
+    if wide and dec_sm80.runs_wide(_dec_rows(case), kv):
+        return wide[0][1]
+    ((_, name),) = dec_sm80.table_rows(call, case.cache)
     return name
+
+
+def _dec_rows(case: Case) -> int:
+    from flash_attention.kernels import dec_sm80
+
+    return dec_sm80.packed_rows(case.seqlen, case.heads, case.kv)
 
 
 def dec_splits(case: Case, sms: int = 132) -> int:
@@ -275,8 +287,10 @@ def dec_splits(case: Case, sms: int = 132) -> int:
     (132: H100 SXM, H200), mirroring choose_splits in src/csrc/binding/decode.cpp: none when
     the CTAs fill most of a wave of two per SM, two when they fill most of one per SM and the
     keys are 4096 or more, else what one wave of two per SM holds (128 keys a split at least,
-    128 splits at most)."""
-    row_blocks = -(-case.seqlen * (case.heads // case.kv) // 16)
+    128 splits at most); tiles of the case's kernel's B_r."""
+    from flash_attention.kernels import parse
+
+    row_blocks = -(-_dec_rows(case) // parse(dec_kernel(case)).block_r)
     ctas = row_blocks * case.kv * case.batch
     wave = 2 * sms
     if ctas >= wave * 4 // 5:
@@ -298,4 +312,6 @@ def case_for_dec_kernel(kernel: str) -> Case | None:
         return case if kernel in kernels_run(case, [], [], sm90=True) else None
     cfg = parse(kernel)
     case = Case(cfg.dtype, cfg.d_head, kind="decode", cache=cfg.cache, **DEC_CASE)
+    if cfg.block_r > 16:  # 8 speculative positions of GQA groups of 4: 32 packed rows
+        case = replace(case, seqlen=8, causal=True)
     return case if dec_kernel(case) == kernel else None

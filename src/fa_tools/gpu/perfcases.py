@@ -256,8 +256,9 @@ BWD_GATE_CASES = tuple([
 # 128, 256; the sm80 family's, the one decode family, on every GPU), and each way a step
 # reads its cache: split-KV with the combine (batch 1), one pass without (64 sequences fill
 # the GPU), a paged cache whose blocks cross pages (page 16: rows gathered one by one) and one
-# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows),
-# FP8 caches (their keys twice as many as a 16-bit case's for the same time).
+# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows;
+# 8: 32, the 32-row kernels), FP8 caches (their keys twice as many as a 16-bit case's for the
+# same time).
 # Their SDPA peer runs the same step on the contiguous cache. Every step's GPU time is above the
 # host's ~25 us per eager call (the gate times eager calls back to back): one sequence of 8192
 # keys (14 us) measured the host, 19-24% apart round to round on an H200, and ended
@@ -272,6 +273,11 @@ DEC_GATE_CASES = tuple([
          kind="decode"),
     Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=4096, kind="decode"),
     Case("bf16", 128, 16, 4, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
+         kind="decode"),
+    # 8 speculative positions x GQA groups of 4: 32 packed rows, the 32-row kernels
+    Case("bf16", 128, 16, 8, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
+         kind="decode"),
+    Case("fp16", 64, 4, 8, heads=32, kv_heads=8, seqlen_k=16384, page_size=64, causal=True,
          kind="decode"),
     # FP8 caches (issue 46): each FP8 decode kernel of the default set, q's and the cache's
     # dtype aside (d_head 64, 128, 256), contiguous and paged

@@ -43,7 +43,7 @@ TEMPLATES: dict[str, Template] = {
                          ("dtype", "d_head", "block_r", "block_c", *_flags("bwd_sm90")),
                          "sm90::make_bwd_entry", "bwd", sm90a=True),
     "dec_sm80": Template("sm80/decode_launch.cuh", "sm80::DecConfig",
-                         ("dtype", "d_head", "block_c", "warps", "cache"),
+                         ("dtype", "d_head", "block_r", "block_c", "warps", "cache"),
                          "sm80::make_dec_entry", "dec", sm90a=False),
 }
 assert set(TEMPLATES) == set(KINDS), "every kernel kind needs a template"

@@ -6,10 +6,12 @@ and V. mma.sync, ldmatrix and cp.async as the forward; runs on every GPU from sm
 ``dec_sm80_bf16_d128_r16_c16_w4_f``.
 
 One CTA owns B_r = 16 packed query rows (the query heads of one KV head at the positions of
-seqlen_q: packed GQA), its warps split the keys, each through its own 3-stage cp.async pipeline
-(K and V rows gathered one by one: a paged cache of any page size), and the keys may be split
-over CTAs, merged by the combine kernel (split-KV). Masks, softcap and paging are run-time
-arguments: one kernel per dtype and d_head variant serves every call.
+seqlen_q: packed GQA), or 32 for calls of more than 16 (WIDE_ROWS: 8 speculative positions of a
+GQA group of 4 read the cache once, not twice), its warps split the keys, each through its own
+3-stage cp.async pipeline (K and V rows gathered one by one: a paged cache of any page size),
+and the keys may be split over CTAs, merged by the combine kernel (split-KV). Masks, softcap
+and paging are run-time arguments: one kernel per dtype, d_head variant and tile height serves
+every call.
 
 An FP8 KV cache (``cache`` e4m3 or e5m2, q fp16/bf16: ``dec_sm80_bf16_e4m3_d128_r16_c32_w4_f``)
 keeps K and V FP8 in shared memory and converts each fragment to fp16 right before its mma.sync
@@ -30,6 +32,7 @@ from .base import DTYPES, SMEM_PER_BLOCK_OPTIN, Call, ConfigError, KernelConfig,
 
 KIND = "dec_sm80"
 D_HEADS = (64, 128, 256)
+BLOCK_R = (16, 32)  # one m16 tile, or two (16-bit caches, d_head <= 128)
 BLOCK_C = (16, 32)
 WARPS = (2, 4, 8)
 STAGES = 3  # DecConfig::kStages
@@ -44,7 +47,7 @@ def smem_d_head(d_head: int) -> int:
 
 @dataclass(frozen=True, order=True)
 class Sm80DecConfig(KernelConfig):
-    """One decode kernel: 16 packed query rows per CTA, B_c keys per warp block, `warps` warps
+    """One decode kernel: B_r packed query rows per CTA, B_c keys per warp block, `warps` warps
     splitting the keys."""
 
     dtype: str
@@ -62,7 +65,6 @@ class Sm80DecConfig(KernelConfig):
     ARCH = 80
     mask = True  # masks and softcap are run-time arguments (DecConfig::kMask, kSoftcap)
     softcap = True
-    FIXED_FIELDS = {"block_r": 16}  # fixed by DecConfig, not one of its template arguments
 
     @property
     def threads(self) -> int:
@@ -75,7 +77,7 @@ class Sm80DecConfig(KernelConfig):
 
     @property
     def smem_bytes(self) -> int:
-        """Q's 16 rows, then each warp's 3 stages of a K and a V block (or, if larger, the
+        """Q's B_r rows, then each warp's 3 stages of a K and a V block (or, if larger, the
         merge's fp32 O, m and l of every warp). Mirrors DecConfig::kSmemBytes."""
         row = smem_d_head(self.d_head) * 2
         kv_row = smem_d_head(self.d_head) * self.cache_bytes
@@ -86,11 +88,15 @@ class Sm80DecConfig(KernelConfig):
     def problems(self) -> list[str]:
         out = self.field_problems(("dtype", self.dtype, DTYPES),
                                   ("d_head", self.d_head, D_HEADS),
-                                  ("B_r", self.block_r, (16,), " (one m16 tile of packed rows)"),
+                                  ("B_r", self.block_r, BLOCK_R, " (m16 tiles of packed rows)"),
                                   ("B_c", self.block_c, BLOCK_C_FP8 if self.cache else BLOCK_C,
                                    " with an FP8 cache" if self.cache else ""),
                                   ("warps", self.warps, WARPS),
                                   ("cache", self.cache, ("", *CACHES)))
+        if not out and self.block_r > 16 and (self.cache or self.d_head > 128):
+            out.append(f"B_r {self.block_r} needs d_head <= 128 and a 16-bit cache (a warp's O "
+                       f"of {self.block_r} rows x {self.d_head} fp32 in registers; the FP8 "
+                       "fragments are of one m16 tile)")
         if not out:
             chunks = smem_d_head(self.d_head) // 8
             if (self.block_r * chunks) % self.threads:
@@ -148,10 +154,31 @@ FP8_ROWS: tuple[Row, ...] = (
 )
 
 
-def table_rows(call: Call, cache: str = "") -> list[tuple[int | None, str]]:
+# Calls of more than 16 packed rows (seqlen_q x heads_per_kv; 16-bit caches, d_head <= 128):
+# two m16 tiles per CTA, so the keys are read once per 32 rows.
+WIDE_ROWS: tuple[Row, ...] = (
+    Row("dec sm80 wide d64", ANY, (32, 64), None, "r32_c32_w4_f",
+        "the d64 row's stages with 32 rows: one CTA reads the keys of 32 packed rows once"),
+    Row("dec sm80 wide d128", ANY, (96, 128), None, "r32_c16_w4_f",
+        "the d128 row's stages with 32 rows (Q sliced: O of 32 x 128 fp32 takes 128 "
+        "registers)"),
+)
+# A call runs its WIDE_ROWS kernel (where one is built) from WIDE_FROM packed rows when it reads
+# WIDE_MIN_BYTES of K and V or more: below, a step is bound by fixed costs more than by
+# bandwidth and the two 16-row CTAs of a KV head find its keys in L2 (H200, bf16, GQA 32/8,
+# 8 queries: 16-row tiles 4-7% faster at 32-64 MiB, 32-row tiles 6-30% faster from 128 MiB).
+# choose_decode in src/csrc/binding/decode.cpp decides the same.
+WIDE_FROM = 17
+WIDE_MIN_BYTES = 1 << 27
+
+
+def table_rows(call: Call, cache: str = "", wide: bool = False) -> list[tuple[int | None, str]]:
     """(None, kernel name) of the row for the call's d_head over a cache of `cache`'s dtype
-    ("": q's) (no feature letters: one kernel serves every mask and softcap)."""
+    ("": q's), of WIDE_ROWS with `wide` (none over an FP8 cache or above d_head 128) (no
+    feature letters: one kernel serves every mask and softcap)."""
     nofeat = Call(call.dtype, call.d_head, call.seqlen_q)
+    if wide:
+        return [] if cache else base.table_rows(KIND, WIDE_ROWS, nofeat, D_HEADS)
     if not cache:
         return base.table_rows(KIND, ROWS, nofeat, D_HEADS)
     head = f"{KIND}_{call.dtype}_"
@@ -159,39 +186,67 @@ def table_rows(call: Call, cache: str = "") -> list[tuple[int | None, str]]:
             for seq, name in base.table_rows(KIND, FP8_ROWS, nofeat, D_HEADS)]
 
 
-def default_tile(dtype: str, d_head: int, cache: str = "") -> Sm80DecConfig:
-    (_, name), = table_rows(Call(dtype, d_head), cache)
+def default_tile(dtype: str, d_head: int, cache: str = "", wide: bool = False
+                 ) -> Sm80DecConfig:
+    (_, name), = table_rows(Call(dtype, d_head), cache, wide)
     return parse(name)
 
 
-def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cache: str = ""
-           ) -> Sm80DecConfig | None:
+def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cache: str = "",
+           wide: bool = False) -> Sm80DecConfig | None:
     """The decode kernel for a call (over a cache of `cache`'s dtype, "": q's) among the built
-    ones: its row's kernel, else the smallest d_head variant that serves it, or None."""
-    mine = [c for c in built if isinstance(c, Sm80DecConfig) and c.cache == cache]
+    ones of 16 packed rows (of more with `wide`): its row's kernel, else the smallest d_head
+    variant that serves it, or None."""
+    mine = [c for c in built if isinstance(c, Sm80DecConfig) and c.cache == cache
+            and (c.block_r > 16) == wide]
     if cache and call.d_head % 16:
         return None
-    return base.select_by_rows(mine, table_rows(call, cache), call)
+    return base.select_by_rows(mine, table_rows(call, cache, wide), call)
+
+
+def packed_rows(seqlen_q: int, heads: int, kv_heads: int) -> int:
+    """The packed rows of a decode call: seqlen_q positions x the query heads of a KV head."""
+    return seqlen_q * (heads // kv_heads)
+
+
+def runs_wide(rows: int, kv_bytes: int) -> bool:
+    """Whether a call of `rows` packed rows reading `kv_bytes` of K and V takes 32-row tiles."""
+    return rows >= WIDE_FROM and kv_bytes >= WIDE_MIN_BYTES
+
+
+def kv_bytes(batch: int, kv_heads: int, keys: int, d_head: int, cache: str = "") -> int:
+    """The K and V bytes a call reads at most: `keys` rows of every sequence and KV head."""
+    return 2 * batch * kv_heads * keys * d_head * (1 if cache else 2)
+
+
+def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], rows: int,
+               kv: int, cache: str = "") -> Sm80DecConfig | None:
+    """The kernel a call of `rows` packed rows reading `kv` bytes of K and V runs: the wide
+    one where runs_wide says so and one is built, else select's."""
+    return ((select(call, built, cache, wide=True) if runs_wide(rows, kv) else None)
+            or select(call, built, cache))
 
 
 # ---- sets --------------------------------------------------------------------------------------
 
 DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
     default_tile(dtype, d, cache)
-    for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS))
+    for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS)) + tuple(
+    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128)))
 
 
 def _tune_space() -> tuple[Sm80DecConfig, ...]:
     out = []
-    for cache, dtype, d, c, w in itertools.product(("", *CACHES), DTYPES, D_HEADS,
-                                                   (*BLOCK_C, 64), WARPS):
+    for cache, dtype, d, r, c, w in itertools.product(("", *CACHES), DTYPES, D_HEADS, BLOCK_R,
+                                                      (*BLOCK_C, 64), WARPS):
         with contextlib.suppress(ConfigError):
-            out.append(Sm80DecConfig(dtype, d, 16, c, w, cache))
+            out.append(Sm80DecConfig(dtype, d, r, c, w, cache))
     return tuple(out)
 
 
 SETS: dict[str, tuple[KernelConfig, ...]] = {
-    "ci": (default_tile("bf16", 128), default_tile("bf16", 128, "e4m3")),
+    "ci": (default_tile("bf16", 128), default_tile("bf16", 128, "e4m3"),
+           default_tile("bf16", 128, wide=True)),
     "default": DEFAULT,
     # every valid tile shape, for side-by-side timing
     "tune": _tune_space(),

@@ -1,0 +1,71 @@
+"""The decode kernels' tile heights (CPU): 16-row and 32-row configs (dec_sm80.Config's B_r),
+which calls the table gives 32-row tiles (dec_sm80.runs_wide, select_for) and the decode
+table's rows per tile height (kvcache.dispatch_rows, bucket = B_r)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flash_attention import kvcache
+from flash_attention.kernels import Call, ConfigError, dec_sm80, parse
+
+
+def test_wide_configs_and_their_limits():
+    cfg = parse("dec_sm80_bf16_d128_r32_c16_w4_f")
+    assert cfg.block_r == 32 and cfg.name == "dec_sm80_bf16_d128_r32_c16_w4_f"
+    # Q of 32 rows, then the 16-row kernel's stages
+    assert cfg.smem_bytes == 32 * 256 + 4 * 3 * 2 * 16 * 256
+    assert cfg.smem_bytes - parse("dec_sm80_bf16_d128_r16_c16_w4_f").smem_bytes == 16 * 256
+    assert "32 packed rows" in cfg.describe()
+    with pytest.raises(ConfigError, match="d_head <= 128 and a 16-bit cache"):
+        parse("dec_sm80_bf16_d256_r32_c16_w2_f")
+    with pytest.raises(ConfigError, match="d_head <= 128 and a 16-bit cache"):
+        parse("dec_sm80_bf16_e4m3_d128_r32_c32_w4_f")
+    with pytest.raises(ConfigError, match="B_r"):
+        parse("dec_sm80_bf16_d128_r64_c16_w4_f")
+    tune = dec_sm80.SETS["tune"]
+    assert {c.block_r for c in tune} == {16, 32}
+    assert all(c.d_head <= 128 and not c.cache for c in tune if c.block_r == 32)
+    wide_default = {c.name for c in dec_sm80.DEFAULT if c.block_r == 32}
+    assert wide_default == {f"dec_sm80_{dt}_d{d}_r32_{tile}" for dt in ("fp16", "bf16")
+                            for d, tile in ((64, "c32_w4_f"), (128, "c16_w4_f"))}
+
+
+def test_which_calls_run_wide_tiles():
+    mib = 2**20
+    assert dec_sm80.WIDE_MIN_BYTES == 128 * mib
+    # 8 speculative positions x GQA groups of 4 = 32 rows; 4 x 4 = 16 rows stay 16-row
+    assert dec_sm80.packed_rows(8, 32, 8) == 32 and dec_sm80.packed_rows(4, 32, 8) == 16
+    assert dec_sm80.kv_bytes(4, 8, 8192, 128) == 128 * mib
+    assert dec_sm80.kv_bytes(4, 8, 8192, 128, "e4m3") == 64 * mib
+    assert dec_sm80.runs_wide(32, 128 * mib) and dec_sm80.runs_wide(17, 2**40)
+    assert not dec_sm80.runs_wide(16, 2**40) and not dec_sm80.runs_wide(32, 128 * mib - 1)
+    built = dec_sm80.DEFAULT
+    big, small = 512 * mib, 32 * mib
+    assert dec_sm80.select_for(Call("bf16", 128), built, 32, big).block_r == 32
+    assert dec_sm80.select_for(Call("bf16", 96), built, 32, big).name == \
+        "dec_sm80_bf16_d128_r32_c16_w4_f"
+    assert dec_sm80.select_for(Call("fp16", 40), built, 64, big).name == \
+        "dec_sm80_fp16_d64_r32_c32_w4_f"
+    assert dec_sm80.select_for(Call("bf16", 128), built, 32, small).block_r == 16
+    assert dec_sm80.select_for(Call("bf16", 128), built, 16, big).block_r == 16
+    # no 32-row kernel above d_head 128 or over an FP8 cache, nor in a build without one
+    assert dec_sm80.select_for(Call("bf16", 256), built, 64, big).block_r == 16
+    assert dec_sm80.select_for(Call("bf16", 128), built, 64, big, "e4m3").cache == "e4m3"
+    assert dec_sm80.select_for(Call("bf16", 128), built, 64, big, "e4m3").block_r == 16
+    narrow = [c for c in built if c.block_r == 16]
+    assert dec_sm80.select_for(Call("bf16", 128), narrow, 32, big).block_r == 16
+    assert dec_sm80.select(Call("bf16", 128), narrow, wide=True) is None
+
+
+def test_decode_table_rows_per_tile_height():
+    rows = kvcache.dispatch_rows(dec_sm80.DEFAULT)
+    keys = [(r[0], r[1], r[2]) for r in rows]
+    assert len(keys) == len(set(keys))
+    assert {r[2] for r in rows} == {16, 32}
+    for r in rows:  # the bucket is the row kernel's B_r, its own fallback
+        assert parse(r[6]).block_r == r[2] and r[6] == r[7]
+    wide = {(r[0], r[1]) for r in rows if r[2] == 32}
+    assert wide == {(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128)}
+    assert ("bf16", 128, 16) in keys and ("bf16_e4m3", 128, 16) in keys
+    assert not any(r[2] == 32 for r in kvcache.dispatch_rows(dec_sm80.SETS["ci"][:2]))
