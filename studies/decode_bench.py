@@ -15,7 +15,9 @@ engines run decode steps, except the "eager" rows, called from Python):
     ours 1 split         num_splits=1 (--one-split); ours N splits: num_splits=N (--splits)
     ours bhsd            the cache in SDPA's (batch, kv_heads, seq, d) storage, read in place
     ours paged N         N-row pages through a shuffled block table (--pages)
-    ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec)
+    ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec);
+                         "ours q8 r16" the same on the 16-row kernel, named (the table runs
+                         32-row tiles from 17 packed rows)
     ours append+rotary   the step with its new k, v appended and rotary on q and k (--append)
     ours e4m3, e5m2      the same values in an FP8 cache with per-(batch, KV head) descales
                          (--fp8 e4m3,e5m2), contiguous and paged (--pages); the summary gives
@@ -51,7 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from fa_tools.gpu.perfcases import time_sustained_ms
+from flash_attention import kvcache
 from flash_attention.interface import flash_attn_with_kvcache
+from flash_attention.kernels import Call, dec_sm80
 
 SHAPES = "1x4096,1x32768,1x131072,16x4096,16x32768,64x4096,64x16384"
 SDPA_BACKENDS = ("cudnn", "flash", "efficient")
@@ -65,7 +69,12 @@ def cache_bytes(name: str, kv_bytes: int) -> int:
 
 def graphed(fn):
     """fn captured in a CUDA graph (after a warm-up call on a side stream): its replay, and what
-    fn returned in the capture (the graph's outputs, rewritten by each replay)."""
+    fn returned in the capture (the graph's outputs, rewritten by each replay). The graph reads
+    fn's tensors (its closures' and default arguments') at their captured addresses, so the
+    replay holds fn: with only the graph held, a tensor that nothing else referenced (a paged
+    copy of the cache, a speculative row's q) was freed, its memory handed to later tensors,
+    and the replays computed over whatever those held (NaN and garbage outputs, caught by the
+    check against the eager step)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -74,7 +83,10 @@ def graphed(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = fn()
-    return graph.replay, outs
+
+    def replay(graph=graph, inputs=fn):  # inputs: kept alive as long as the replay
+        graph.replay()
+    return replay, outs
 
 
 def _sdpa(qs, kt, vt, backend: str):
@@ -166,8 +178,7 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts
             want = [o.clone() for o in step()]
             out[name], got = graphed(step)
             if name.startswith(("ours", "dec_")):  # ours are deterministic (SDPA's may not be)
-                checks[name] = (lambda got=got, want=want:
-                                all(torch.equal(g, w) for g, w in zip(got, want, strict=True)))
+                checks[name] = (lambda got=got, want=want: _mismatch(got, want))
         except Exception as exc:  # a backend that refuses the shape is reported, not fatal
             errors[name] = _short(exc)
             torch.cuda.synchronize()
@@ -178,6 +189,20 @@ def contenders(batch, seqlen, heads, kv_heads, d, dtype, opts
     dst = torch.empty_like(src)
     out["copy"] = lambda: dst.copy_(src)
     return out, kv_bytes, errors, layers, checks
+
+
+def _mismatch(got, want) -> str:
+    """"" when the graph's outputs equal the eager step's bitwise, else which layers differ and
+    by how much (the largest |difference|, NaN counts): a race reads as garbage or NaN, an
+    order-dependent sum as a few ulps."""
+    bad = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if not torch.equal(g, w):
+            diff = (g.float() - w.float()).abs()
+            bad.append(f"layer {i}: {int((diff > 0).sum())} of {g.numel()} elements, max "
+                       f"{diff.nan_to_num(float('inf')).max().item():.3g}, "
+                       f"{int(g.isnan().sum())} NaN")
+    return "; ".join(bad)
 
 
 def _chain(fns):
@@ -235,10 +260,15 @@ def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[di
                     q, kp, vp, cache_seqlens=lens, block_table=table, k_descale=kd,
                     v_descale=vd))
     if opts.spec:
+        # the 16-row kernel named, beside the table's choice (32-row tiles from 17 packed rows)
+        narrow = dec_sm80.select(Call(opts.dtype, d), kvcache.built())
         for n in (4, 8):
             qn = torch.randn(batch, n, heads, d, device="cuda", dtype=dtype)
             eager[f"ours q{n}"] = (lambda qn=qn: flash_attn_with_kvcache(
                 qn, kc, vc, cache_seqlens=lens, causal=True))
+            if n * (heads // kv_heads) >= dec_sm80.WIDE_FROM and narrow is not None:
+                eager[f"ours q{n} r16"] = (lambda qn=qn: flash_attn_with_kvcache(
+                    qn, kc, vc, cache_seqlens=lens, causal=True, kernel=narrow.name))
     if opts.append:
         # one new token per sequence written at row seqlen - 1 (the same row every call), rotary
         # on it and on q: attention then covers seqlen keys, as the "ours" row does
@@ -392,8 +422,10 @@ def main() -> int:
                         statistics.median(time_sustained_ms(fns[n], reps=20)) * 1e3 / per[n])
                     spans[n].append(span_us(fns[n]) / per[n])
                     torch.cuda.synchronize()
-                    if n in checks and not checks[n]():
+                    if n in checks and (how := checks[n]()):
                         wrong.setdefault(n, []).append(r)
+                        print(f"  ! {n} round {r}: graph outputs differ from eager: {how}",
+                              flush=True)
                 except Exception:
                     traceback.print_exc()
                     errors[n] = "failed while timed"
