@@ -184,6 +184,11 @@ def test_a_decode_case_made_for_a_kernel_runs_it():
         name = f"dec_sm80_combine_{dtype}"
         assert name in coverage.kernels_run(coverage.case_for_dec_kernel(name), [], [], True)
     assert coverage.case_for_dec_kernel("dec_sm80_bf16_d128_r16_c32_w2_f") is None
+    # a deep kernel runs on sm_90 alone (more shared memory than sm_80 gives a CTA)
+    deep = coverage.case_for_dec_kernel("dec_sm80_bf16_d128_r16_c16_w8_f")
+    assert deep.keys == 2048 and deep.batch * deep.kv == 128
+    assert coverage.case_for_dec_kernel("dec_sm80_bf16_d128_r16_c16_w8_f", sm90=False) is None
+    assert coverage.dec_kernel(deep, sm90=False) == "dec_sm80_bf16_d128_r16_c16_w4_f"
 
 
 def test_decode_case_names_and_checks():

@@ -160,6 +160,45 @@ def test_the_table_takes_wide_tiles_from_128_mib(require_extension, batch, wide)
     assert not torch.equal(table, named[other.name]), "the two kernels' outputs are equal here"
 
 
+def test_one_cta_per_sm_calls_take_the_deep_kernel(require_extension):
+    """On a GPU that gives a CTA the deep kernel's shared memory (sm_90), 16 sequences x 8 KV
+    heads (128 16-row tiles) of 1024 keys run the row's deep kernel (8 warps, one CTA per SM,
+    one split), 64 sequences (2 CTAs per SM) the 4-warp kernel: the table's output is bitwise
+    the named kernel's. The deep kernel against the reference over masks, softcap, pages,
+    several rows and forced splits."""
+    from flash_attention import kvcache
+    from flash_attention.kernels import Call, dec_sm80
+
+    deep = dec_sm80.select_deep(Call("bf16", 128), kvcache.built())
+    if deep is None:
+        pytest.skip("this build has no deep bf16 d_head 128 decode kernel "
+                    "(FLASH_ATTENTION_KERNELS=default builds it)")
+    props = torch.cuda.get_device_properties(0)
+    if props.shared_memory_per_block_optin < deep.smem_bytes:
+        pytest.skip(f"{deep.name} needs {deep.smem_bytes} B of shared memory a CTA; this GPU "
+                    f"gives {props.shared_memory_per_block_optin} (sm_90 does)")
+    narrow = dec_sm80.select(Call("bf16", 128), kvcache.built())
+    for batch, want in ((16, deep), (64, narrow)):
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(batch, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        tiles = batch * 8
+        assert dec_sm80.runs_deep(tiles, 1024, props.multi_processor_count) == (want is deep)
+        explained = kvcache.explain(torch.bfloat16, 128, rows=4, tiles=tiles, keys=1024,
+                                    device=q.device)
+        assert f"{want.name} " in explained, explained
+        table = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1024)
+        named = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1024, kernel=want.name,
+                                        num_splits=1)
+        assert torch.equal(table, named), f"batch {batch}: the table did not run {want.name}"
+    for seqlen_q, page, window, softcap, splits in ((1, None, (-1, -1), 0.0, 1),
+                                                    (5, 16, (-1, -1), 30.0, 1),
+                                                    (3, 7, (40, 0), 0.0, 3),
+                                                    (17, None, (-1, -1), 0.0, 0)):
+        run_case("bf16", 128, 32, 8, seqlen_q, 1, 1100, page, True, window, softcap, None,
+                 splits, [1099, 0, 600], 5, kernel=deep.name)
+
+
 def test_int_and_absent_cache_seqlens(require_extension):
     torch.manual_seed(0)
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)

@@ -63,8 +63,10 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
     32), no mask and no softcap (both run-time arguments of every decode kernel), a row per
     tile height in the bucket column: 16 (dec_sm80.select's kernel) and, where one is built, 32
     (its wide kernel, for calls of dec_sm80.WIDE_FROM packed rows or more: choose_decode in
-    src/csrc/binding/decode.cpp). A row's kernel is also its fallback (no varlen, one-wave or
-    fewer-padded-keys kernel: ""). An FP8 row's variant serves the multiples of 16 up to it."""
+    src/csrc/binding/decode.cpp). A 16-row row's one-wave column names its deep kernel where
+    one is built (dec_sm80.DEEP_ROWS: calls whose tiles fill one CTA per SM, on sm_90). A row's
+    kernel is also its fallback (no varlen or fewer-padded-keys kernel: ""). An FP8 row's
+    variant serves the multiples of 16 up to it."""
     rows = []
     for cache in ("", *dec_sm80.CACHES):
         for dtype in DTYPES:
@@ -72,46 +74,62 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                 key = f"{dtype}_{cache}" if cache else dtype
                 for wide in (False, True):
                     cfg = dec_sm80.select(Call(dtype, d_head), built, cache, wide)
+                    deep = None if wide else dec_sm80.select_deep(Call(dtype, d_head), built,
+                                                                  cache)
                     if cfg is not None:
                         rows.append((key, d_head, cfg.block_r, False, False, False, cfg.name,
-                                     cfg.name, "", "", ""))
+                                     cfg.name, "", deep.name if deep else "", ""))
     return rows
 
 
 def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0,
-            cache_dtype: torch.dtype | None = None, rows: int = 1, kv_bytes: int = 0) -> str:
+            cache_dtype: torch.dtype | None = None, rows: int = 1, kv_bytes: int = 0,
+            tiles: int = 0, keys: int = 0, device: torch.device | None = None) -> str:
     """Which decode kernel a call of this dtype (over a cache of cache_dtype, None: q's),
     d_head and `rows` packed rows (seqlen_q x query heads per KV head) reading up to
-    `kv_bytes` of K and V runs, and why (for the debug log)."""
+    `kv_bytes` of K and V (`tiles` 16-row tiles, `keys` per sequence) on `device` runs, and
+    why (for the debug log): dec_sm80.select_for's choice, as choose_decode makes it."""
     if kernel:
         return f"decode kernel {kernel} (named by the call)"
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     cache = FP8_CACHES.get(cache_dtype, "")
     over = f" over an {cache} cache" if cache else ""
-    cfg = dec_sm80.select_for(Call(name, d_head), built(), rows, kv_bytes, cache)
+    sms = optin = 0
+    if device is not None and device.type == "cuda" and not num_splits:
+        props = torch.cuda.get_device_properties(device)
+        sms = props.multi_processor_count
+        optin = getattr(props, "shared_memory_per_block_optin", 0)
+    cfg = dec_sm80.select_for(Call(name, d_head), built(), rows, kv_bytes, cache, tiles=tiles,
+                              keys=keys, sms=sms)
+    if cfg is not None and cfg.smem_bytes > optin and cfg.sm90_only:
+        cfg = dec_sm80.select(Call(name, d_head), built(), cache)  # the GPU cannot give it
     if cfg is None:
         return f"no decode kernel for {name}{over} d_head {d_head} in this build"
     splits = (f"{num_splits} key splits (num_splits)" if num_splits else
               "key splits chosen on the launch from the SM count and the work (num_splits=0)")
-    tiles = f"{rows} packed rows in tiles of {cfg.block_r}"
+    how = f"{rows} packed rows in tiles of {cfg.block_r}"
     if rows >= dec_sm80.WIDE_FROM and cfg.block_r == 16:
-        tiles += (" (32-row tiles are for 16-bit caches up to d_head 128)" if cache or
-                  d_head > 128 else
-                  f" ({kv_bytes / 2**20:.0f} MiB of K and V: 32-row tiles from "
-                  f"{dec_sm80.WIDE_MIN_BYTES >> 20} MiB)" if kv_bytes < dec_sm80.WIDE_MIN_BYTES
-                  else " (this build has no 32-row decode kernel)")
+        how += (" (32-row tiles are for 16-bit caches up to d_head 128)" if cache or
+                d_head > 128 else
+                f" ({kv_bytes / 2**20:.0f} MiB of K and V: 32-row tiles from "
+                f"{dec_sm80.WIDE_MIN_BYTES >> 20} MiB)" if kv_bytes < dec_sm80.WIDE_MIN_BYTES
+                else " (this build has no 32-row decode kernel)")
+    if cfg.sm90_only:
+        how += (f" ({tiles} tiles fill one CTA per SM and take one split: the row's deep "
+                f"kernel, {cfg.warps} warps)")
     return (f"decode kernel {cfg.name} (the dec_sm80 row for {name}{over} d_head {d_head}, "
-            f"{tiles}: masks and softcap are run-time arguments), {splits}")
+            f"{how}: masks and softcap are run-time arguments), {splits}")
 
 
-def _packed_rows(seqlen_q: int, q: torch.Tensor, kv_heads: int) -> int:
-    """A call's packed rows for explain (the heads as given; the kernel checks them)."""
-    return dec_sm80.packed_rows(int(seqlen_q), q.shape[-2], max(int(kv_heads), 1))
-
-
-def _kv_bytes(cache: torch.Tensor, batch: int, keys: int) -> int:
-    """The K and V bytes a call reads at most (keys per sequence), for explain."""
-    return 2 * batch * int(keys) * cache.shape[-2] * cache.shape[-1] * cache.element_size()
+def _shape(q: torch.Tensor, cache: torch.Tensor, batch: int, seqlen_q: int, keys: int) -> dict:
+    """explain's description of a call (the heads as given; the kernel checks them): its
+    packed rows, the K and V bytes it reads at most, its 16-row tiles, keys per sequence and
+    device."""
+    kv_heads = max(int(cache.shape[-2]), 1)
+    rows = dec_sm80.packed_rows(int(seqlen_q), q.shape[-2], kv_heads)
+    return {"rows": rows, "kv_bytes": 2 * batch * int(keys) * kv_heads * cache.shape[-1]
+            * cache.element_size(), "tiles": -(-rows // 16) * kv_heads * batch,
+            "keys": int(keys), "device": q.device}
 
 
 def _keys(cache_seqlens, k, k_cache: torch.Tensor, block_table) -> int:
@@ -190,10 +208,9 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         log.debug("flash_attn_varlen_func %s q %s, k %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits, k.dtype,
-                          _packed_rows(max_seqlen_q, q, k.shape[-2]),
-                          _kv_bytes(k, cu_seqlens_q.numel() - 1,
-                                    block_table.shape[-1] * k.shape[1] if block_table is not None
-                                    else max_seqlen_k)))
+                          **_shape(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q,
+                                   block_table.shape[-1] * k.shape[1]
+                                   if block_table is not None else max_seqlen_k)))
     return torch.ops.flash_attention.varlen_paged.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
         int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
@@ -289,9 +306,8 @@ def flash_attn_with_kvcache(
         log.debug("flash_attn_with_kvcache %s q %s, cache %s%s: %s", q.dtype, tuple(q.shape),
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits, k_cache.dtype,
-                          _packed_rows(q.shape[1], q, k_cache.shape[2]),
-                          _kv_bytes(k_cache, q.shape[0],
-                                    _keys(cache_seqlens, k, k_cache, block_table))))
+                          **_shape(q, k_cache, q.shape[0], q.shape[1],
+                                   _keys(cache_seqlens, k, k_cache, block_table))))
     out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),

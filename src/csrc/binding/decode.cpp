@@ -106,27 +106,49 @@ int64_t kv_bytes(int64_t batch, int64_t kv_heads, int64_t keys, int64_t d_head,
     return 2 * batch * kv_heads * keys * d_head * int64_t(cache.element_size());
 }
 
-// The decode kernel for a call of `rows` packed rows (seqlen_q x heads_per_kv) reading up to
-// `kv_bytes` of K and V: `name`, or the dec table's choice for (q's dtype, the cache's dtype,
-// d_head): its row of 32-row tiles (bucket 32) from kWideFrom rows and kWideMinBytes where the
-// table has one, else its row of 16-row tiles (flash_attention.kernels.dec_sm80.select_for).
-// Below kWideMinBytes a step is bound by fixed costs more than by bandwidth, and the two 16-row
-// CTAs of a KV head find its keys in L2 (H200: 16-row tiles 4-7% faster at 32-64 MiB, 32-row
-// tiles 6-30% faster from 128 MiB; docs/dispatch.md).
-constexpr int64_t kWideFrom = 17;                   // dec_sm80.WIDE_FROM
+// What the choice of a decode kernel weighs: the call's packed rows (seqlen_q x heads_per_kv),
+// the K and V bytes it reads at most, its 16-row tiles (row blocks x KV heads x batch), its keys
+// per sequence, num_splits as given and the GPU.
+struct DecodeCall {
+    int64_t rows, kv_bytes, tiles, keys, num_splits;
+    at::Device device;
+};
+
+// The decode kernel for a call: `name`, or the dec table's choice for (q's dtype, the cache's
+// dtype, d_head) (flash_attention.kernels.dec_sm80.select_for decides alike):
+// - its row of 32-row tiles (bucket 32) from kWideFrom packed rows and kWideMinBytes where the
+//   table has one. Below kWideMinBytes a step is bound by fixed costs more than by bandwidth,
+//   and the two 16-row CTAs of a KV head find its keys in L2 (H200: 16-row tiles 4-7% faster
+//   at 32-64 MiB, 32-row tiles 6-30% faster from 128 MiB; docs/dispatch.md);
+// - else its row of 16-row tiles, or that row's deep kernel (its one-wave column: 8 warps, one
+//   CTA per SM with twice the bytes in flight) with num_splits=0 where the tiles fill most of
+//   one CTA per SM and choose_splits takes one split (fewer than 4096 keys), on a GPU that gives
+//   a CTA its shared memory (H200, 16 x 1024-2048 keys: 0.88-0.90x the time; docs/dispatch.md).
+constexpr int64_t kWideFrom = 17;                    // dec_sm80.WIDE_FROM
 constexpr int64_t kWideMinBytes = int64_t(1) << 27;  // dec_sm80.WIDE_MIN_BYTES
 const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType dtype,
-                                           at::ScalarType cache, int64_t d_head, int64_t rows,
-                                           int64_t kv_bytes) {
+                                           at::ScalarType cache, int64_t d_head,
+                                           const DecodeCall& call) {
     const flash::DecKernelEntry* kernel = nullptr;
     if (name.empty()) {
         const int code = dtype_code(dtype, cache);
-        if (rows >= kWideFrom && kv_bytes >= kWideMinBytes)
+        if (call.rows >= kWideFrom && call.kv_bytes >= kWideMinBytes)
             kernel =
                 lookup_bucket<flash::DecKernelEntry>(code, d_head, 32, false, false, false).kernel;
-        if (kernel == nullptr)
-            kernel =
-                lookup_bucket<flash::DecKernelEntry>(code, d_head, 16, false, false, false).kernel;
+        if (kernel == nullptr) {
+            const Choice<flash::DecKernelEntry> row =
+                lookup_bucket<flash::DecKernelEntry>(code, d_head, 16, false, false, false);
+            kernel = row.kernel;
+            const flash::DecKernelEntry* deep = row.one_wave[0];
+            if (deep != nullptr && call.num_splits == 0) {
+                const cudaDeviceProp& prop = device_properties(call.device.index());
+                const int64_t sms = prop.multiProcessorCount;
+                if (call.tiles >= (sms * 4) / 5 && call.tiles < (2 * sms * 4) / 5 &&
+                    choose_splits(call.tiles, call.keys, static_cast<int>(sms)) == 1 &&
+                    deep->smem_bytes <= int64_t(prop.sharedMemPerBlockOptin))
+                    kernel = deep;
+            }
+        }
         FA_CHECK(kernel != nullptr, "this build has no decode kernel for q of ", dtype,
                  " over a cache of ", cache, " with d_head=", d_head,
                  " (or flash_attention has not set its dispatch table); rebuild with "
@@ -141,6 +163,18 @@ const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType
                    "decode kernel ", kernel->name, " does not serve q of ", dtype,
                    " over a cache of ", cache, " with d_head=", d_head);
     return kernel;
+}
+
+// A call's DecodeCall after set_queries (p's batch, KV heads, seqlen_q, heads_per_kv).
+DecodeCall decode_call(const flash::DecParams& p, int64_t keys, int64_t d_head,
+                       const at::Tensor& cache, int64_t num_splits, const at::Device& device) {
+    const int64_t rows = int64_t(p.seqlen_q) * p.heads_per_kv;
+    return {rows,
+            kv_bytes(p.batch, p.kv_heads, keys, d_head, cache),
+            (rows + 15) / 16 * p.kv_heads * p.batch,
+            keys,
+            num_splits,
+            device};
 }
 
 // An FP8 cache's descales (k_descale, v_descale: fp32 (batch, kv_heads), any strides) into p;
@@ -572,8 +606,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     set_scale(p, softmax_scale, softcap);
     const int64_t keys = lengths.longest >= 0 ? lengths.longest + S_new : p.capacity;
     const flash::DecKernelEntry* kernel =
-        choose_decode(kernel_name, dtype, k_cache.scalar_type(), D, Sq * p.heads_per_kv,
-                      kv_bytes(B, Hk, keys, D, k_cache));
+        choose_decode(kernel_name, dtype, k_cache.scalar_type(), D,
+                      decode_call(p, keys, D, k_cache, num_splits, q_in.device()));
     check_device(*kernel, q_in.device());
     plan_splits(p, *kernel, num_splits, keys, q_in.device());
 
@@ -687,9 +721,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
     const int64_t keys = paged ? p.capacity : max_seqlen_k;
-    const flash::DecKernelEntry* kernel =
-        choose_decode(kernel_name, dtype, k.scalar_type(), D, max_seqlen_q * p.heads_per_kv,
-                      kv_bytes(B, k.size(rank - 2), keys, D, k));
+    const flash::DecKernelEntry* kernel = choose_decode(
+        kernel_name, dtype, k.scalar_type(), D, decode_call(p, keys, D, k, num_splits, device));
     check_device(*kernel, device);
     plan_splits(p, *kernel, num_splits, keys, device);
     if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -168,7 +169,9 @@ void set_rows(const std::vector<DispatchRow>& rows) {
             FA_CHECK(tier < Choice<Entry>::kOneWaveTiers, "dispatch table: more than ",
                      Choice<Entry>::kOneWaveTiers, " one-wave kernels: ", waves);
             const Entry* e = entry(waves.substr(at, end - at));
-            FA_CHECK(e != nullptr && e->arch == 90 && !e->varlen_only,
+            // the decode table's: a kernel for calls whose tiles fill one CTA per SM (deep)
+            FA_CHECK(e != nullptr && (std::is_same_v<Entry, flash::DecKernelEntry> ||
+                                      (e->arch == 90 && !e->varlen_only)),
                      "dispatch table: one-wave kernel ", waves.substr(at, end - at),
                      " is not a fixed-length Hopper kernel");
             c.one_wave[tier++] = e;

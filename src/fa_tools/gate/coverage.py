@@ -213,7 +213,7 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
 
     run = []
     if case.kind == "decode":
-        run.append(dec_kernel(case))
+        run.append(dec_kernel(case, sm90))
         if dec_splits(case) > 1:
             run.append(f"dec_sm80_combine_{case.dtype}")
     if case.times_forward:
@@ -259,10 +259,11 @@ def case_for_bwd_kernel(kernel: str, bwd_configs: Sequence[str], sm90: bool) -> 
 DEC_CASE = {"batch": 16, "seqlen": 1, "heads": 32, "kv_heads": 8, "seqlen_k": 8192}
 
 
-def dec_kernel(case: Case) -> str | None:
-    """The decode kernel a decode case's flash_attn_with_kvcache call runs (the decode table's
-    row for its dtype and d_head: its wide row where dec_sm80.runs_wide says so and it has
-    one), None for another kind of case."""
+def dec_kernel(case: Case, sm90: bool = True, sms: int = 132) -> str | None:
+    """The decode kernel a decode case's flash_attn_with_kvcache call runs on an sm_90 GPU of
+    `sms` SMs (sm90=True) or another one (the decode table's row for its dtype and d_head: its
+    wide row where dec_sm80.runs_wide says so, its deep kernel where dec_sm80.runs_deep does,
+    where the table has them), None for another kind of case."""
     from flash_attention.kernels import Call, dec_sm80
 
     if case.kind != "decode":
@@ -272,6 +273,10 @@ def dec_kernel(case: Case) -> str | None:
     kv = dec_sm80.kv_bytes(case.batch, case.kv, case.keys, case.d_head, case.cache)
     if wide and dec_sm80.runs_wide(_dec_rows(case), kv):
         return wide[0][1]
+    deep = dec_sm80.table_rows(call, case.cache, deep=True)
+    tiles = -(-_dec_rows(case) // 16) * case.kv * case.batch
+    if deep and sm90 and dec_sm80.runs_deep(tiles, case.keys, sms):
+        return deep[0][1]
     ((_, name),) = dec_sm80.table_rows(call, case.cache)
     return name
 
@@ -290,7 +295,7 @@ def dec_splits(case: Case, sms: int = 132) -> int:
     128 splits at most); tiles of the case's kernel's B_r."""
     from flash_attention.kernels import parse
 
-    row_blocks = -(-_dec_rows(case) // parse(dec_kernel(case)).block_r)
+    row_blocks = -(-_dec_rows(case) // parse(dec_kernel(case, sms=sms)).block_r)
     ctas = row_blocks * case.kv * case.batch
     wave = 2 * sms
     if ctas >= wave * 4 // 5:
@@ -300,18 +305,21 @@ def dec_splits(case: Case, sms: int = 132) -> int:
     return min(128, max(1, case.keys // 128), max(1, wave // ctas))
 
 
-def case_for_dec_kernel(kernel: str) -> Case | None:
-    """A decode case whose call runs `kernel`: DEC_CASE at a decode kernel's dtype and d_head;
-    for the combine (dec_sm80_combine_<dtype>) one sequence at d_head 128, which splits its
-    keys. None when the decode table runs another kernel for its calls (a kernel of a test
-    set)."""
+def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:
+    """A decode case whose call runs `kernel` on an sm_90 GPU (sm90=True) or another one:
+    DEC_CASE at a decode kernel's dtype and d_head (8 causal queries for a 32-row kernel, 2048
+    keys for a deep one); for the combine (dec_sm80_combine_<dtype>) one sequence at d_head
+    128, which splits its keys. None when the decode table runs another kernel for its calls
+    (a kernel of a test set; a deep kernel off sm_90)."""
     from flash_attention.kernels import parse
 
     if kernel.startswith("dec_sm80_combine_"):
         case = Case(kernel.rsplit("_", 1)[1], 128, kind="decode", **{**DEC_CASE, "batch": 1})
-        return case if kernel in kernels_run(case, [], [], sm90=True) else None
+        return case if kernel in kernels_run(case, [], [], sm90=sm90) else None
     cfg = parse(kernel)
     case = Case(cfg.dtype, cfg.d_head, kind="decode", cache=cfg.cache, **DEC_CASE)
     if cfg.block_r > 16:  # 8 speculative positions of GQA groups of 4: 32 packed rows
         case = replace(case, seqlen=8, causal=True)
-    return case if dec_kernel(case) == kernel else None
+    if cfg.sm90_only:  # 128 tiles of 2048 keys: one CTA per SM, one split
+        case = replace(case, seqlen_k=2048)
+    return case if dec_kernel(case, sm90) == kernel else None

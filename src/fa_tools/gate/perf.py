@@ -285,7 +285,7 @@ def measurable_names(cases: list[Case], rows: list[coverage.Row], bwd_configs: l
     kernels = {r.kernel for r in rows} | {r.fallback for r in rows}
     made = [coverage.case_for_kernel(k, rows, sm90) for k in kernels]
     made += [coverage.case_for_bwd_kernel(k, bwd_configs, sm90) for k in bwd_configs]
-    made += [coverage.case_for_dec_kernel(c.name) for c in dec_sm80.DEFAULT]
+    made += [coverage.case_for_dec_kernel(c.name, sm90) for c in dec_sm80.DEFAULT]
     return {c.name for c in cases} | {c.name for c in made if c is not None}
 
 

@@ -151,7 +151,7 @@ def select(changes: Sequence[KernelChange], rows: Sequence[Row], bwd_configs: Se
                                 "why": f"{ch.describe()}; measured by {runs[ch.kernel]}"})
             continue
         if ch.kernel.startswith("dec_"):
-            case = case_for_dec_kernel(ch.kernel)
+            case = case_for_dec_kernel(ch.kernel, sm90)
             unrun = "the decode table runs another kernel for its calls (a kernel of a test set)"
         elif ch.kernel.startswith("bwd_"):
             case = case_for_bwd_kernel(ch.kernel, bwd_configs, sm90)

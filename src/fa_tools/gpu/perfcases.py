@@ -274,6 +274,8 @@ DEC_GATE_CASES = tuple([
     Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=4096, kind="decode"),
     Case("bf16", 128, 16, 4, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
          kind="decode"),
+    # 128 tiles of 2048 keys: one CTA per SM, the deep kernel on sm_90
+    Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=2048, kind="decode"),
     # 8 speculative positions x GQA groups of 4: 32 packed rows, the 32-row kernels
     Case("bf16", 128, 16, 8, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
          kind="decode"),

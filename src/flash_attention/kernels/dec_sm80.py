@@ -106,9 +106,9 @@ class Sm80DecConfig(KernelConfig):
             if (self.block_c * kv_chunks) % 32:
                 out.append(f"a warp's K/V block copy ({self.block_c} rows of {kv_chunks} "
                            "chunks) does not split over 32 lanes")
-            if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]:
-                out.append(f"shared memory {self.smem_bytes} B exceeds the sm_80 limit "
-                           f"{SMEM_PER_BLOCK_OPTIN[80]} B")
+            if self.smem_bytes > SMEM_PER_BLOCK_OPTIN[90]:
+                out.append(f"shared memory {self.smem_bytes} B exceeds the sm_90 limit "
+                           f"{SMEM_PER_BLOCK_OPTIN[90]} B")
         return out
 
     def occupancy(self, arch: int = 90, regs_per_thread: int | None = None,
@@ -122,11 +122,18 @@ class Sm80DecConfig(KernelConfig):
         return (self.dtype == call.dtype and (cache is None or self.cache == cache)
                 and self.d_head >= call.d_head and (not self.cache or call.d_head % 16 == 0))
 
+    @property
+    def sm90_only(self) -> bool:
+        """More shared memory than an sm_80 CTA may have: it launches only on GPUs that give it
+        (H100/H200; the binding refuses it elsewhere, check_device)."""
+        return self.smem_bytes > SMEM_PER_BLOCK_OPTIN[80]
+
     def describe(self) -> str:
         cache = f" over an {self.cache} cache" if self.cache else ""
+        only = " (sm_90 only: more than sm_80's shared memory)" if self.sm90_only else ""
         return (f"{self.name}: decode, {self.dtype}{cache}, d_head={self.d_head}, "
                 f"B_r={self.block_r} packed rows, B_c={self.block_c} keys per warp block, "
-                f"{self.warps} warps, {STAGES} stages, smem={self.smem_bytes} B")
+                f"{self.warps} warps, {STAGES} stages, smem={self.smem_bytes} B{only}")
 
 
 Config = Sm80DecConfig
@@ -171,14 +178,27 @@ WIDE_ROWS: tuple[Row, ...] = (
 WIDE_FROM = 17
 WIDE_MIN_BYTES = 1 << 27
 
+# Calls whose 16-row tiles fill most of one CTA per SM (choose_splits takes one split for them:
+# 0.8-1.6 tiles per SM, fewer than 4096 keys) run, on a GPU that gives a CTA its shared memory
+# (sm_90), the deep kernel of their row (the table's one-wave column): 8 warps over 3 stages
+# each, 196 KB, one CTA per SM with twice the bytes in flight of a 4-warp CTA. H200, bf16, GQA
+# 32/8, 16 x 1024 / 16 x 2048 keys: 0.90x / 0.88x the 4-warp kernel's time (0.98x SDPA cuDNN,
+# was 0.87-0.88x); where choose_splits splits, or at 2 CTAs per SM, it is not faster.
+DEEP_ROWS: tuple[Row, ...] = (
+    Row("dec sm80 deep d128", ANY, (96, 128), None, "r16_c16_w8_f",
+        "8 warps x 3 stages x (K, V) of 16 keys: 192 KB of stages, one CTA per SM (sm_90 only)"),
+)
 
-def table_rows(call: Call, cache: str = "", wide: bool = False) -> list[tuple[int | None, str]]:
+
+def table_rows(call: Call, cache: str = "", wide: bool = False, deep: bool = False
+               ) -> list[tuple[int | None, str]]:
     """(None, kernel name) of the row for the call's d_head over a cache of `cache`'s dtype
-    ("": q's), of WIDE_ROWS with `wide` (none over an FP8 cache or above d_head 128) (no
-    feature letters: one kernel serves every mask and softcap)."""
+    ("": q's), of WIDE_ROWS with `wide`, of DEEP_ROWS with `deep` (those two: none over an FP8
+    cache) (no feature letters: one kernel serves every mask and softcap)."""
     nofeat = Call(call.dtype, call.d_head, call.seqlen_q)
-    if wide:
-        return [] if cache else base.table_rows(KIND, WIDE_ROWS, nofeat, D_HEADS)
+    if wide or deep:
+        return [] if cache else base.table_rows(KIND, WIDE_ROWS if wide else DEEP_ROWS, nofeat,
+                                                D_HEADS)
     if not cache:
         return base.table_rows(KIND, ROWS, nofeat, D_HEADS)
     head = f"{KIND}_{call.dtype}_"
@@ -186,22 +206,37 @@ def table_rows(call: Call, cache: str = "", wide: bool = False) -> list[tuple[in
             for seq, name in base.table_rows(KIND, FP8_ROWS, nofeat, D_HEADS)]
 
 
-def default_tile(dtype: str, d_head: int, cache: str = "", wide: bool = False
-                 ) -> Sm80DecConfig:
-    (_, name), = table_rows(Call(dtype, d_head), cache, wide)
+def default_tile(dtype: str, d_head: int, cache: str = "", wide: bool = False,
+                 deep: bool = False) -> Sm80DecConfig:
+    (_, name), = table_rows(Call(dtype, d_head), cache, wide, deep)
     return parse(name)
 
 
 def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cache: str = "",
            wide: bool = False) -> Sm80DecConfig | None:
     """The decode kernel for a call (over a cache of `cache`'s dtype, "": q's) among the built
-    ones of 16 packed rows (of more with `wide`): its row's kernel, else the smallest d_head
-    variant that serves it, or None."""
+    ones of 16 packed rows (of more with `wide`) that fit sm_80's shared memory: its row's
+    kernel, else the smallest d_head variant that serves it, or None."""
     mine = [c for c in built if isinstance(c, Sm80DecConfig) and c.cache == cache
-            and (c.block_r > 16) == wide]
+            and (c.block_r > 16) == wide and not c.sm90_only]
     if cache and call.d_head % 16:
         return None
     return base.select_by_rows(mine, table_rows(call, cache, wide), call)
+
+
+def select_deep(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
+                cache: str = "") -> Sm80DecConfig | None:
+    """The DEEP_ROWS kernel of a call's row if it is built, else None (no other kernel stands
+    in: it is a measured exception, not a d_head variant)."""
+    rows = {name for _, name in table_rows(call, cache, deep=True)}
+    return next((c for c in built if isinstance(c, Sm80DecConfig) and c.name in rows), None)
+
+
+def runs_deep(tiles: int, keys: int, sms: int) -> bool:
+    """Whether a call of `tiles` 16-row tiles and `keys` keys per sequence, with num_splits=0,
+    takes its row's deep kernel on an sm_90 GPU of `sms` SMs: the tiles fill most of one CTA
+    per SM and choose_splits (dec_splits) takes one split."""
+    return sms * 4 // 5 <= tiles < 2 * sms * 4 // 5 and keys < 4096
 
 
 def packed_rows(seqlen_q: int, heads: int, kv_heads: int) -> int:
@@ -220,11 +255,18 @@ def kv_bytes(batch: int, kv_heads: int, keys: int, d_head: int, cache: str = "")
 
 
 def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], rows: int,
-               kv: int, cache: str = "") -> Sm80DecConfig | None:
-    """The kernel a call of `rows` packed rows reading `kv` bytes of K and V runs: the wide
-    one where runs_wide says so and one is built, else select's."""
-    return ((select(call, built, cache, wide=True) if runs_wide(rows, kv) else None)
-            or select(call, built, cache))
+               kv: int, cache: str = "", *, tiles: int = 0, keys: int = 0, sms: int = 0
+               ) -> Sm80DecConfig | None:
+    """The kernel a call of `rows` packed rows reading `kv` bytes of K and V runs (with
+    num_splits=0; `tiles` 16-row tiles, `keys` per sequence, on an sm_90 GPU of `sms` SMs, 0:
+    another GPU): the wide one where runs_wide says so and one is built, else the deep one
+    where runs_deep says so and one is built, else select's (choose_decode in
+    src/csrc/binding/decode.cpp)."""
+    wide = select(call, built, cache, wide=True) if runs_wide(rows, kv) else None
+    if wide is not None:
+        return wide
+    deep = select_deep(call, built, cache) if sms and runs_deep(tiles, keys, sms) else None
+    return deep or select(call, built, cache)
 
 
 # ---- sets --------------------------------------------------------------------------------------
@@ -232,7 +274,8 @@ def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
 DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
     default_tile(dtype, d, cache)
     for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS)) + tuple(
-    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128)))
+    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128))) + tuple(
+    default_tile(dtype, 128, deep=True) for dtype in DTYPES)
 
 
 def _tune_space() -> tuple[Sm80DecConfig, ...]:
