@@ -62,13 +62,13 @@ def test_which_calls_run_the_deep_kernel():
     """The deep kernel (8 warps, more shared memory than sm_80 gives) for calls whose 16-row
     tiles fill one CTA per SM with one split, on sm_90 alone; never a d_head fallback."""
     deep = parse("dec_sm80_bf16_d128_r16_c16_w8_f")
-    assert deep.sm90_only and deep in dec_sm80.DEFAULT and "sm_90 only" in deep.describe()
-    assert not any(c.sm90_only for c in dec_sm80.DEFAULT if c.warps < 8)
+    assert deep.sm90_only and "sm_90 only" in deep.describe()
+    assert deep in dec_sm80.SETS["deep"] and not any(c.sm90_only for c in dec_sm80.DEFAULT)
     assert dec_sm80.runs_deep(128, 1024, 132) and dec_sm80.runs_deep(105, 4095, 132)
     assert not dec_sm80.runs_deep(104, 1024, 132)  # fewer: the heuristic splits
     assert not dec_sm80.runs_deep(211, 1024, 132)  # 2 CTAs per SM fill
     assert not dec_sm80.runs_deep(128, 4096, 132)  # the heuristic takes 2 splits
-    built, mib = dec_sm80.DEFAULT, 2**20
+    built, mib = dec_sm80.DEFAULT + dec_sm80.DEEP, 2**20
     pick = dec_sm80.select_for
     assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=128, keys=1024, sms=132) == deep
     assert pick(Call("bf16", 96), built, 4, 64 * mib, tiles=128, keys=1024, sms=132) == deep
@@ -81,6 +81,8 @@ def test_which_calls_run_the_deep_kernel():
                 sms=132).block_r == 32
     assert dec_sm80.select(Call("bf16", 128), [deep]) is None
     assert dec_sm80.select_deep(Call("bf16", 128), [c for c in built if c != deep]) is None
+    assert pick(Call("bf16", 128), dec_sm80.DEFAULT, 4, 64 * mib, tiles=128, keys=1024,
+                sms=132).warps == 4  # not built: the 4-warp kernel
 
 
 def test_decode_table_rows_per_tile_height():
@@ -92,6 +94,8 @@ def test_decode_table_rows_per_tile_height():
         assert parse(r[6]).block_r == r[2] and r[6] == r[7]
     wide = {(r[0], r[1]) for r in rows if r[2] == 32}
     assert wide == {(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128)}
+    assert not any(r[9] for r in rows)  # no deep kernel in the default set
+    rows = kvcache.dispatch_rows(dec_sm80.DEFAULT + dec_sm80.DEEP)
     deep = {(r[0], r[1]): r[9] for r in rows if r[9]}  # the one-wave column
     assert deep == {(dt, d): f"dec_sm80_{dt}_d128_r16_c16_w8_f" for dt in ("fp16", "bf16")
                     for d in (96, 128)}

@@ -172,7 +172,7 @@ def test_one_cta_per_sm_calls_take_the_deep_kernel(require_extension):
     deep = dec_sm80.select_deep(Call("bf16", 128), kvcache.built())
     if deep is None:
         pytest.skip("this build has no deep bf16 d_head 128 decode kernel "
-                    "(FLASH_ATTENTION_KERNELS=default builds it)")
+                    "(FLASH_ATTENTION_KERNELS=default,deep builds it)")
     props = torch.cuda.get_device_properties(0)
     if props.shared_memory_per_block_optin < deep.smem_bytes:
         pytest.skip(f"{deep.name} needs {deep.smem_bytes} B of shared memory a CTA; this GPU "

@@ -207,7 +207,8 @@ def test_resolve_a_set_of_every_kind():
                                + dec_sm80.SETS["tune"])
     assert resolve("variants") == bwd_sm80.SETS["variants"]
     assert resolve("r64") == bwd_sm90.SETS["r64"]
-    assert kernels.set_names() == ["ci", "default", "tune", "prog", "variants", "r64"]
+    assert resolve("deep") == dec_sm80.SETS["deep"]
+    assert kernels.set_names() == ["ci", "default", "tune", "prog", "variants", "r64", "deep"]
     assert kernels.set_names("bwd") == ["ci", "default", "variants", "r64"]
     assert kernels.set_names("fwd_sm90") == ["ci", "default", "tune", "prog"]
 
