@@ -17,7 +17,8 @@
 #             backward tests through dispatch, memcheck and racecheck, and the bench's
 #             --backward rows (HV_BWD_BENCH_ARGS)
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
-#             (studies/decode_bench.py with DECODE_BENCH_ARGS)
+#             (studies/decode_bench.py with DECODE_BENCH_ARGS); with the deep set built
+#             (KERNELS=ci,dec_sm80:default,deep) the 8-warp kernel's dispatch and sanitizers too
 #   cluster-probe  thread block clusters on this GPU: occupancy at a decode CTA's shape, CTA
 #             placement, launch and barrier costs (studies/cluster_probe.cu)
 #   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
@@ -127,13 +128,14 @@ if step decode; then
         -p no:cacheprovider tests/test_gpu_kvcache.py
     run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide"
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep"
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
     # the 32-row kernels' merge of 4 warps x 32 rows (a run of its own: the reference's cuBLAS
     # GEMMs report hazards at some shapes)
     run decode_racecheck_wide timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "wide and bf16-128"
+        python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
+        -k "(wide and bf16-128) or deep"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"
