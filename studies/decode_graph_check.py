@@ -21,7 +21,7 @@ import argparse
 import os
 
 import torch
-from decode_bench import graphed  # studies/ is the script's directory, on sys.path
+from decode_bench import graphed, span_us  # studies/ is the script's directory, on sys.path
 
 import flash_attention as fa
 from flash_attention.interface import flash_attn_with_kvcache
@@ -71,13 +71,7 @@ def check(name: str, step, ref, low, kv_bytes: int, replays: int) -> None:
     replay, out = graphed(step)
     for _ in range(10):
         replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) / replays * 1e3
+    us = span_us(replay, replays)
     got = out.float()
     again = step().float()
     torch.cuda.synchronize()

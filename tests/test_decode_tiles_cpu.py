@@ -83,6 +83,12 @@ def test_which_calls_run_the_deep_kernel():
     assert dec_sm80.select_deep(Call("bf16", 128), [c for c in built if c != deep]) is None
     assert pick(Call("bf16", 128), dec_sm80.DEFAULT, 4, 64 * mib, tiles=128, keys=1024,
                 sms=132).warps == 4  # not built: the 4-warp kernel
+    # a GPU that cannot give the deep kernel's shared memory (an A100's 163 KB) keeps 4 warps
+    assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=128, keys=1024, sms=108,
+                smem=163 * 1024).warps == 4
+    # runs_deep is the heuristic's one-split band
+    assert [dec_sm80.heuristic_splits(t, k, 132) for t, k in
+            ((128, 1024), (128, 4096), (211, 8192), (16, 8192), (8, 300))] == [1, 2, 1, 16, 2]
 
 
 def test_decode_table_rows_per_tile_height():

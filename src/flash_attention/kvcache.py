@@ -100,9 +100,7 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
         sms = props.multi_processor_count
         optin = getattr(props, "shared_memory_per_block_optin", 0)
     cfg = dec_sm80.select_for(Call(name, d_head), built(), rows, kv_bytes, cache, tiles=tiles,
-                              keys=keys, sms=sms)
-    if cfg is not None and cfg.smem_bytes > optin and cfg.sm90_only:
-        cfg = dec_sm80.select(Call(name, d_head), built(), cache)  # the GPU cannot give it
+                              keys=keys, sms=sms, smem=optin)
     if cfg is None:
         return f"no decode kernel for {name}{over} d_head {d_head} in this build"
     splits = (f"{num_splits} key splits (num_splits)" if num_splits else
@@ -127,9 +125,10 @@ def _shape(q: torch.Tensor, cache: torch.Tensor, batch: int, seqlen_q: int, keys
     device."""
     kv_heads = max(int(cache.shape[-2]), 1)
     rows = dec_sm80.packed_rows(int(seqlen_q), q.shape[-2], kv_heads)
-    return {"rows": rows, "kv_bytes": 2 * batch * int(keys) * kv_heads * cache.shape[-1]
-            * cache.element_size(), "tiles": -(-rows // 16) * kv_heads * batch,
-            "keys": int(keys), "device": q.device}
+    fp8 = FP8_CACHES.get(cache.dtype, "")
+    return {"rows": rows, "tiles": dec_sm80.row_tiles(rows, kv_heads, batch), "keys": int(keys),
+            "kv_bytes": dec_sm80.kv_bytes(batch, kv_heads, int(keys), cache.shape[-1], fp8),
+            "device": q.device}
 
 
 def _keys(cache_seqlens, k, k_cache: torch.Tensor, block_table) -> int:

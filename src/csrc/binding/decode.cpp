@@ -89,7 +89,7 @@ void check_cache(const at::Tensor& c, const char* name, at::ScalarType dtype,
 // 128 splits). Never more than one wave: a step bound by memory gains nothing from more waves,
 // which add each CTA's start and the combine's reads of more partials (the wave-filling count of
 // earlier, 33 splits in 16 waves at 16 x 8k keys, ran at 0.73x SDPA cuDNN's speed on an H200).
-// Measured: docs/results.md, decode.
+// Measured: docs/results.md, decode. Mirrored by dec_sm80.heuristic_splits (Python).
 int choose_splits(int64_t ctas, int64_t keys, int sms) {
     const int64_t wave = 2 * int64_t(sms);
     if (ctas >= (wave * 4) / 5)

@@ -274,7 +274,7 @@ def dec_kernel(case: Case, sm90: bool = True, sms: int = 132) -> str | None:
     if wide and dec_sm80.runs_wide(_dec_rows(case), kv):
         return wide[0][1]
     deep = dec_sm80.table_rows(call, case.cache, deep=True)
-    tiles = -(-_dec_rows(case) // 16) * case.kv * case.batch
+    tiles = dec_sm80.row_tiles(_dec_rows(case), case.kv, case.batch)
     if deep and sm90 and dec_sm80.runs_deep(tiles, case.keys, sms):
         return deep[0][1]
     ((_, name),) = dec_sm80.table_rows(call, case.cache)
@@ -289,20 +289,13 @@ def _dec_rows(case: Case) -> int:
 
 def dec_splits(case: Case, sms: int = 132) -> int:
     """The split count the extension's heuristic takes for a decode case on a GPU of `sms` SMs
-    (132: H100 SXM, H200), mirroring choose_splits in src/csrc/binding/decode.cpp: none when
-    the CTAs fill most of a wave of two per SM, two when they fill most of one per SM and the
-    keys are 4096 or more, else what one wave of two per SM holds (128 keys a split at least,
-    128 splits at most); tiles of the case's kernel's B_r."""
-    from flash_attention.kernels import parse
+    (132: H100 SXM, H200; dec_sm80.heuristic_splits, mirroring choose_splits in
+    src/csrc/binding/decode.cpp) over the tiles of the case's kernel's B_r."""
+    from flash_attention.kernels import dec_sm80, parse
 
-    row_blocks = -(-_dec_rows(case) // parse(dec_kernel(case, sms=sms)).block_r)
-    ctas = row_blocks * case.kv * case.batch
-    wave = 2 * sms
-    if ctas >= wave * 4 // 5:
-        return 1
-    if ctas >= sms * 4 // 5:
-        return 2 if case.keys >= 4096 else 1
-    return min(128, max(1, case.keys // 128), max(1, wave // ctas))
+    block_r = parse(dec_kernel(case, sms=sms)).block_r
+    ctas = dec_sm80.row_tiles(_dec_rows(case), case.kv, case.batch, block_r)
+    return dec_sm80.heuristic_splits(ctas, case.keys, sms)
 
 
 def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:

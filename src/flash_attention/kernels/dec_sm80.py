@@ -233,16 +233,37 @@ def select_deep(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig]
     return next((c for c in built if isinstance(c, Sm80DecConfig) and c.name in rows), None)
 
 
+def heuristic_splits(ctas: int, keys: int, sms: int) -> int:
+    """The split count num_splits=0 takes for `ctas` tiles of `keys` keys per sequence on a GPU
+    of `sms` SMs, mirroring choose_splits in src/csrc/binding/decode.cpp: none when the tiles
+    fill most of a wave of two CTAs per SM, two when they fill most of one per SM and the keys
+    are 4096 or more, else what one wave of two per SM holds (128 keys a split at least, 128
+    splits at most)."""
+    wave = 2 * sms
+    if ctas >= wave * 4 // 5:
+        return 1
+    if ctas >= sms * 4 // 5:
+        return 2 if keys >= 4096 else 1
+    return min(128, max(1, keys // 128), max(1, wave // ctas))
+
+
 def runs_deep(tiles: int, keys: int, sms: int) -> bool:
     """Whether a call of `tiles` 16-row tiles and `keys` keys per sequence, with num_splits=0,
     takes its row's deep kernel on an sm_90 GPU of `sms` SMs: the tiles fill most of one CTA
-    per SM and choose_splits (dec_splits) takes one split."""
-    return sms * 4 // 5 <= tiles < 2 * sms * 4 // 5 and keys < 4096
+    per SM (fewer than fill a wave of two) and heuristic_splits takes one split."""
+    return (sms * 4 // 5 <= tiles < 2 * sms * 4 // 5
+            and heuristic_splits(tiles, keys, sms) == 1)
 
 
 def packed_rows(seqlen_q: int, heads: int, kv_heads: int) -> int:
     """The packed rows of a decode call: seqlen_q positions x the query heads of a KV head."""
     return seqlen_q * (heads // kv_heads)
+
+
+def row_tiles(rows: int, kv_heads: int, batch: int, block_r: int = 16) -> int:
+    """The tiles (CTAs before splits) of a call of `rows` packed rows: row blocks of B_r x KV
+    heads x sequences."""
+    return -(-rows // block_r) * kv_heads * batch
 
 
 def runs_wide(rows: int, kv_bytes: int) -> bool:
@@ -256,18 +277,21 @@ def kv_bytes(batch: int, kv_heads: int, keys: int, d_head: int, cache: str = "")
 
 
 def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], rows: int,
-               kv: int, cache: str = "", *, tiles: int = 0, keys: int = 0, sms: int = 0
-               ) -> Sm80DecConfig | None:
+               kv: int, cache: str = "", *, tiles: int = 0, keys: int = 0, sms: int = 0,
+               smem: int = SMEM_PER_BLOCK_OPTIN[90]) -> Sm80DecConfig | None:
     """The kernel a call of `rows` packed rows reading `kv` bytes of K and V runs (with
-    num_splits=0; `tiles` 16-row tiles, `keys` per sequence, on an sm_90 GPU of `sms` SMs, 0:
-    another GPU): the wide one where runs_wide says so and one is built, else the deep one
-    where runs_deep says so and one is built, else select's (choose_decode in
+    num_splits=0; `tiles` 16-row tiles, `keys` per sequence, on a GPU of `sms` SMs giving a
+    CTA `smem` bytes of shared memory; sms 0: no deep kernel): the wide one where runs_wide
+    says so and one is built, else the deep one where runs_deep says so, one is built and the
+    GPU gives its shared memory, else select's (choose_decode in
     src/csrc/binding/decode.cpp)."""
     wide = select(call, built, cache, wide=True) if runs_wide(rows, kv) else None
     if wide is not None:
         return wide
     deep = select_deep(call, built, cache) if sms and runs_deep(tiles, keys, sms) else None
-    return deep or select(call, built, cache)
+    if deep is not None and deep.smem_bytes <= smem:
+        return deep
+    return select(call, built, cache)
 
 
 # ---- sets --------------------------------------------------------------------------------------
