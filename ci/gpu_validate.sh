@@ -17,8 +17,8 @@
 #             backward tests through dispatch, memcheck and racecheck, and the bench's
 #             --backward rows (HV_BWD_BENCH_ARGS)
 #   decode    the KV-cache tests, memcheck and racecheck of some, decode steps against SDPA
-#             (studies/decode_bench.py with DECODE_BENCH_ARGS); with the deep set built
-#             (KERNELS=ci,dec_sm80:default,deep) the 8-warp kernel's dispatch and sanitizers too
+#             (studies/decode_bench.py with DECODE_BENCH_ARGS); on sm_90 the 8-warp deep
+#             kernel's dispatch and sanitizers too (it is in dec_sm80's default set)
 #   cluster-probe  thread block clusters on this GPU: occupancy at a decode CTA's shape, CTA
 #             placement, launch and barrier costs (studies/cluster_probe.cu)
 #   clients   the inference clients: ci/llama_generate_client.py (Hugging Face Llama generating
@@ -128,7 +128,7 @@ if step decode; then
         -p no:cacheprovider tests/test_gpu_kvcache.py
     run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep"
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep or leftpad"
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
     # the 32-row kernels' merge of 4 warps x 32 rows (a run of its own: the reference's cuBLAS

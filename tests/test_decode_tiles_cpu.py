@@ -60,15 +60,20 @@ def test_which_calls_run_wide_tiles():
 
 def test_which_calls_run_the_deep_kernel():
     """The deep kernel (8 warps, more shared memory than sm_80 gives) for calls whose 16-row
-    tiles fill one CTA per SM with one split, on sm_90 alone; never a d_head fallback."""
+    tiles fill a third of the SMs to all of them, one CTA each, on sm_90 alone; never a d_head
+    fallback."""
     deep = parse("dec_sm80_bf16_d128_r16_c16_w8_f")
     assert deep.sm90_only and "sm_90 only" in deep.describe()
-    assert deep in dec_sm80.SETS["deep"] and not any(c.sm90_only for c in dec_sm80.DEFAULT)
-    assert dec_sm80.runs_deep(128, 1024, 132) and dec_sm80.runs_deep(105, 4095, 132)
-    assert not dec_sm80.runs_deep(104, 1024, 132)  # fewer: the heuristic splits
-    assert not dec_sm80.runs_deep(211, 1024, 132)  # 2 CTAs per SM fill
-    assert not dec_sm80.runs_deep(128, 4096, 132)  # the heuristic takes 2 splits
-    built, mib = dec_sm80.DEFAULT + dec_sm80.DEEP, 2**20
+    assert deep in dec_sm80.SETS["deep"] and deep in dec_sm80.DEFAULT
+    assert [c for c in dec_sm80.DEFAULT if c.sm90_only] == list(dec_sm80.DEEP)
+    # one split over more than half the SMs up to one tile per SM, two over a third to a half
+    assert [dec_sm80.deep_splits(t, 1024, 132) for t in (45, 66, 67, 128, 132, 133)] == \
+        [0, 0, 1, 1, 1, 0]
+    assert [dec_sm80.deep_splits(t, 2048, 132) for t in (44, 45, 66, 67)] == [0, 2, 2, 1]
+    assert dec_sm80.deep_splits(128, 1023, 132) == 0  # a split of 1024 keys at least
+    assert dec_sm80.deep_splits(128, 131072, 132) == 1
+    assert dec_sm80.runs_deep(80, 4096, 132) and not dec_sm80.runs_deep(160, 1024, 132)
+    built, mib = dec_sm80.DEFAULT, 2**20
     pick = dec_sm80.select_for
     assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=128, keys=1024, sms=132) == deep
     assert pick(Call("bf16", 96), built, 4, 64 * mib, tiles=128, keys=1024, sms=132) == deep
@@ -81,12 +86,13 @@ def test_which_calls_run_the_deep_kernel():
                 sms=132).block_r == 32
     assert dec_sm80.select(Call("bf16", 128), [deep]) is None
     assert dec_sm80.select_deep(Call("bf16", 128), [c for c in built if c != deep]) is None
-    assert pick(Call("bf16", 128), dec_sm80.DEFAULT, 4, 64 * mib, tiles=128, keys=1024,
-                sms=132).warps == 4  # not built: the 4-warp kernel
+    assert pick(Call("bf16", 128), [c for c in built if c != deep], 4, 64 * mib, tiles=128,
+                keys=1024, sms=132).warps == 4  # not built: the 4-warp kernel
+    assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=160, keys=1024,
+                sms=132).warps == 4  # more tiles than SMs
     # a GPU that cannot give the deep kernel's shared memory (an A100's 163 KB) keeps 4 warps
-    assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=128, keys=1024, sms=108,
+    assert pick(Call("bf16", 128), built, 4, 64 * mib, tiles=100, keys=1024, sms=108,
                 smem=163 * 1024).warps == 4
-    # runs_deep is the heuristic's one-split band
     assert [dec_sm80.heuristic_splits(t, k, 132) for t, k in
             ((128, 1024), (128, 4096), (211, 8192), (16, 8192), (8, 300))] == [1, 2, 1, 16, 2]
 
@@ -100,9 +106,9 @@ def test_decode_table_rows_per_tile_height():
         assert parse(r[6]).block_r == r[2] and r[6] == r[7]
     wide = {(r[0], r[1]) for r in rows if r[2] == 32}
     assert wide == {(dt, d) for dt in ("fp16", "bf16") for d in (32, 64, 96, 128)}
-    assert not any(r[9] for r in rows)  # no deep kernel in the default set
-    rows = kvcache.dispatch_rows(dec_sm80.DEFAULT + dec_sm80.DEEP)
     deep = {(r[0], r[1]): r[9] for r in rows if r[9]}  # the one-wave column
+    without = [c for c in dec_sm80.DEFAULT if c not in dec_sm80.DEEP]
+    assert not any(r[9] for r in kvcache.dispatch_rows(without))
     assert deep == {(dt, d): f"dec_sm80_{dt}_d128_r16_c16_w8_f" for dt in ("fp16", "bf16")
                     for d in (96, 128)}
     assert all(r[2] == 16 and not parse(r[6]).sm90_only for r in rows if r[9])

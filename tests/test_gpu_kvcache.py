@@ -24,7 +24,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window,
-             softcap, rotary, num_splits, seqlens, seed, return_lse=True, kernel=""):
+             softcap, rotary, num_splits, seqlens, seed, return_lse=True, kernel="", leftpad=None):
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     batch = len(seqlens)
@@ -38,18 +38,20 @@ def run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, 
     if rotary:
         cos, sin = angles(s_cache + seqlen_q + s_new, d // 2 if rotary == "half" else d, dt)
     interleaved = rotary == "interleaved"
+    pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device="cuda")
     ref = kvcache_reference(q, kc, vc, k, v, cos, sin, lens, causal=causal,
-                            window_size=window, softcap=softcap, rotary_interleaved=interleaved)
+                            window_size=window, softcap=softcap, rotary_interleaved=interleaved,
+                            cache_leftpad=pad)
     low = kvcache_reference(q, kc, vc, k, v, cos, sin, lens, causal=causal,
                             window_size=window, softcap=softcap, rotary_interleaved=interleaved,
-                            upcast=False)
+                            upcast=False, cache_leftpad=pad)
     kc_run, vc_run, table = cache_copies(kc, vc, page, gen)
-    out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, None, table,
+    out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, pad, table,
                                        None, causal, window, softcap, interleaved, None,
                                        num_splits, True, kernel=kernel)
     what = (f"{kernel or 'table'} {dtype} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} "
             f"cache{s_cache} page{page} causal{causal} window{window} softcap{softcap} "
-            f"rotary{rotary} splits{num_splits} lens{seqlens}")
+            f"rotary{rotary} splits{num_splits} lens{seqlens} leftpad{leftpad}")
     check_step(out, lse, ref, low, what)
     # The caches after the append: the reference's rows (contiguous, or gathered from pages).
     if page:
@@ -130,12 +132,13 @@ def test_wide_tiles_match_reference(require_extension, dtype, d, heads, kv_heads
                  None, splits, [699, 0, 250], 21, kernel=name)
 
 
-@pytest.mark.parametrize("batch,wide", [(4, True), (3, False)])
+@pytest.mark.parametrize("batch,wide", [(4, True), (2, False)])
 def test_the_table_takes_wide_tiles_from_128_mib(require_extension, batch, wide):
     """The extension's choice (choose_decode) is dec_sm80.select_for's: 8 queries of GQA groups
-    of 4 over 4 sequences of 8192 keys (128 MiB of K and V) run the 32-row kernel, over 3
-    sequences the 16-row one: the table's output is bitwise the named kernel's (the decode
-    kernels are deterministic; the two kernels' sums differ)."""
+    of 4 over 4 sequences of 8192 keys (128 MiB of K and V) run the 32-row kernel, over 2
+    sequences (64 MiB; 32 16-row tiles, below the deep kernel's band) the 16-row one: the
+    table's output is bitwise the named kernel's (the decode kernels are deterministic; the two
+    kernels' sums differ)."""
     from flash_attention import kvcache
     from flash_attention.kernels import Call, dec_sm80
 
@@ -161,36 +164,47 @@ def test_the_table_takes_wide_tiles_from_128_mib(require_extension, batch, wide)
 
 
 def test_one_cta_per_sm_calls_take_the_deep_kernel(require_extension):
-    """On a GPU that gives a CTA the deep kernel's shared memory (sm_90), 16 sequences x 8 KV
-    heads (128 16-row tiles) of 1024 keys run the row's deep kernel (8 warps, one CTA per SM,
-    one split), 64 sequences (2 CTAs per SM) the 4-warp kernel: the table's output is bitwise
-    the named kernel's. The deep kernel against the reference over masks, softcap, pages,
-    several rows and forced splits."""
+    """On a GPU that gives a CTA the deep kernel's shared memory (sm_90), calls whose 16-row
+    tiles fill a third of the SMs to all of them run the row's deep kernel (8 warps, one CTA
+    per SM) at deep_splits's split count, more tiles than SMs the 4-warp kernel: the table's
+    output is bitwise the named kernel's at that split count. The deep kernel against the
+    reference over masks, softcap, pages, several rows and forced splits."""
     from flash_attention import kvcache
     from flash_attention.kernels import Call, dec_sm80
 
     deep = dec_sm80.select_deep(Call("bf16", 128), kvcache.built())
     if deep is None:
         pytest.skip("this build has no deep bf16 d_head 128 decode kernel "
-                    "(FLASH_ATTENTION_KERNELS=default,deep builds it)")
+                    "(FLASH_ATTENTION_KERNELS=default builds it)")
     props = torch.cuda.get_device_properties(0)
     if props.shared_memory_per_block_optin < deep.smem_bytes:
         pytest.skip(f"{deep.name} needs {deep.smem_bytes} B of shared memory a CTA; this GPU "
                     f"gives {props.shared_memory_per_block_optin} (sm_90 does)")
+    sms = props.multi_processor_count
     narrow = dec_sm80.select(Call("bf16", 128), kvcache.built())
-    for batch, want in ((16, deep), (64, narrow)):
-        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(batch, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
+    # sequences of 8 KV heads: tiles just over half the SMs (one split), a third to a half (two
+    # splits), and 1.2 per SM (the 4-warp kernel)
+    for batch, keys in ((sms // 16 + 1, 1024), (sms // 24 + 1, 2048), (sms * 6 // 40, 1024)):
         tiles = batch * 8
-        assert dec_sm80.runs_deep(tiles, 1024, props.multi_processor_count) == (want is deep)
-        explained = kvcache.explain(torch.bfloat16, 128, rows=4, tiles=tiles, keys=1024,
+        want, splits = ((deep, dec_sm80.deep_splits(tiles, keys, sms))
+                        if dec_sm80.runs_deep(tiles, keys, sms) else (narrow, 0))
+        assert (want is deep) == (tiles <= sms), (batch, tiles, sms)
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(batch, keys, 8, 128, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        explained = kvcache.explain(torch.bfloat16, 128, rows=4, tiles=tiles, keys=keys,
                                     device=q.device)
         assert f"{want.name} " in explained, explained
-        table = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1024)
-        named = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=1024, kernel=want.name,
-                                        num_splits=1)
+        if want is deep:
+            assert f"{splits} key split" in explained, explained
+        table = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=keys)
+        named = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=keys, kernel=want.name,
+                                        num_splits=splits)
         assert torch.equal(table, named), f"batch {batch}: the table did not run {want.name}"
+        if want is deep and splits > 1:  # the split count matters: one split differs
+            one = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=keys, kernel=want.name,
+                                          num_splits=1)
+            assert not torch.equal(table, one), "one split and two gave the same bits"
     for seqlen_q, page, window, softcap, splits in ((1, None, (-1, -1), 0.0, 1),
                                                     (5, 16, (-1, -1), 30.0, 1),
                                                     (3, 7, (40, 0), 0.0, 3),
@@ -232,6 +246,41 @@ def test_views_as_people_pass_them(require_extension):
 
 # ---- bad input --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype,d,heads,kv_heads,seqlen_q,s_new,causal,window,softcap,rotary,"
+                         "splits,seqlens,leftpad", [
+    ("bf16", 128, 32, 8, 1, 0, False, (-1, -1), 0.0, None, 0, [700, 300, 1000], [0, 299, 513]),
+    ("fp16", 64, 8, 2, 1, 1, True, (-1, -1), 0.0, "interleaved", 3, [500, 40, 999],
+     [17, 40, 998]),
+    ("bf16", 128, 16, 16, 4, 2, True, (64, 0), 0.0, "neox", 0, [900, 100], [400, 3]),
+    ("fp16", 96, 12, 4, 3, 3, True, (-1, -1), 30.0, "half", 5, [0, 333, 710], [0, 200, 0]),
+    ("bf16", 256, 8, 1, 1, 1, False, (-1, -1), 0.0, None, 1, [1000, 5], [250, 5]),
+    ("bf16", 128, 32, 8, 8, 8, True, (-1, -1), 0.0, "neox", 0, [950, 64], [128, 1]),
+])
+def test_cache_leftpad_matches_reference(require_extension, dtype, d, heads, kv_heads, seqlen_q,
+                                         s_new, causal, window, softcap, rotary, splits, seqlens,
+                                         leftpad):
+    """cache_leftpad (flash_attn's): sequence b attends to its cache rows leftpad[b] up to its
+    length, masks aligned to those keys; the append lands at cache_seqlens[b] and rotary uses
+    the rows' indices. Pads of 0, inside, at the length (no keys but the new ones)."""
+    run_case(dtype, d, heads, kv_heads, seqlen_q, s_new, 1024, None, causal, window, softcap,
+             rotary, splits, seqlens, 11, leftpad=leftpad)
+
+
+def test_bad_cache_leftpad_gives_nan_rows_and_an_error(require_extension):
+    """A cache_leftpad entry past its sequence's keys (or negative), on the device: NaN rows for
+    that sequence, the others right, and the status names cache_leftpad; no access outside."""
+    q, kc, vc = _small(batch=3)
+    lens = torch.tensor([10, 20, 30], dtype=torch.int32, device="cuda")
+    for bad in (21, -1):
+        fa.kvcache_errors()  # clear
+        pad = torch.tensor([0, bad, 5], dtype=torch.int32, device="cuda")
+        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=pad)
+        assert out[1].isnan().all() and not out[[0, 2]].isnan().any(), bad
+        ref = kvcache_reference(q, kc, vc, cache_seqlens=lens, cache_leftpad=pad.clamp(0, 0))
+        assert (out[0].float() - ref.out[0]).abs().max() < 5e-3
+        assert any("cache_leftpad" in e for e in fa.kvcache_errors()), bad
+
+
 def _small(dtype=torch.float16, batch=2, cache=32):
     q = torch.randn(batch, 1, 4, 64, device="cuda", dtype=dtype)
     kc = torch.randn(batch, cache, 2, 64, device="cuda", dtype=dtype)
@@ -242,9 +291,15 @@ def test_refused_before_any_launch(require_extension):
     q, kc, vc = _small()
     k = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.float16)
     before = kc.clone()
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+    with pytest.raises(ValueError, match="cache_leftpad does not go with block_table"):
         flash_attn_with_kvcache(q, kc, vc, cache_leftpad=torch.zeros(2, dtype=torch.int32,
+                                                                     device="cuda"),
+                                block_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="cache_leftpad has 3 entries"):
+        flash_attn_with_kvcache(q, kc, vc, cache_leftpad=torch.zeros(3, dtype=torch.int32,
                                                                      device="cuda"))
+    with pytest.raises(TypeError, match="cache_leftpad must be int32"):
+        flash_attn_with_kvcache(q, kc, vc, cache_leftpad=torch.zeros(2, device="cuda"))
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         flash_attn_with_kvcache(q, kc, vc, alibi_slopes=torch.zeros(4, device="cuda"))
     with pytest.raises(ValueError, match="does not fit the cache"):  # host lengths

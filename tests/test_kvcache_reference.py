@@ -114,6 +114,24 @@ def test_cache_batch_idx_picks_each_sequences_cache_row():
     assert torch.equal(r.k_cache[idx.long()], want.k_cache)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cache_leftpad_drops_each_sequences_first_rows(causal):
+    """cache_leftpad: sequence b attends to its rows pad[b] up to its length, as a cache whose
+    rows start there would (masks aligned to those keys); the append lands at cache_seqlens."""
+    q, kc, vc, k, v, seqlens = _case()
+    pad = torch.minimum(torch.tensor([3, 0, 5]), seqlens)
+    r = kvcache_reference(q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal,
+                          cache_leftpad=pad)
+    plain = kvcache_reference(q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal)
+    assert torch.equal(r.k_cache, plain.k_cache) and torch.equal(r.v_cache, plain.v_cache)
+    for b, (n, p) in enumerate(zip(seqlens.tolist(), pad.tolist(), strict=True)):
+        shifted = kvcache_reference(q[b:b + 1], kc[b:b + 1, p:], vc[b:b + 1, p:], k[b:b + 1],
+                                    v[b:b + 1], cache_seqlens=n - p, causal=causal)
+        assert torch.allclose(r.out[b:b + 1], shifted.out, atol=1e-6)
+        assert torch.allclose(r.lse[b:b + 1], shifted.lse, atol=1e-6)
+    assert not torch.allclose(r.out[0], plain.out[0], atol=1e-4)  # the pad dropped keys
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rotary_positions_of_the_new_keys_and_of_q(interleaved):
     """New key i of sequence b rotates at cache_seqlens[b] + i. q rotates the same way when

@@ -219,7 +219,10 @@ def test_decode_operators_trace_with_fake_tensors(mode):
     with mode:
         out, lse = flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lens,
                                            causal=True, return_softmax_lse=True)
+        padded = flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lens,
+                                         cache_leftpad=lens, causal=True)
     assert isinstance(out, FakeTensor) and out.shape == q.shape and lse.shape == (3, 8, 2)
+    assert isinstance(padded, FakeTensor) and padded.shape == q.shape
     schema = torch.ops.flash_attention.kvcache.default._schema
     written = [a.name for a in schema.arguments
                if a.alias_info is not None and a.alias_info.is_write]

@@ -44,6 +44,7 @@ STATUS_BITS = {
     2: "a block_table entry outside [0, num_pages)",
     4: "a cache_batch_idx entry outside the cache's batch",
     8: "a rotary position past the rows of rotary_cos / rotary_sin",
+    16: "a cache_leftpad entry outside [0, its sequence's keys]",
 }
 
 
@@ -113,8 +114,10 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
                 f"{dec_sm80.WIDE_MIN_BYTES >> 20} MiB)" if kv_bytes < dec_sm80.WIDE_MIN_BYTES
                 else " (this build has no 32-row decode kernel)")
     if cfg.sm90_only:
-        how += (f" ({tiles} tiles fill one CTA per SM and take one split: the row's deep "
-                f"kernel, {cfg.warps} warps)")
+        n = dec_sm80.deep_splits(tiles, keys, sms)
+        how += (f" ({tiles} tiles on {sms} SMs, one CTA per SM: the row's deep kernel, "
+                f"{cfg.warps} warps)")
+        splits = f"{n} key split{'s' * (n > 1)} (the deep kernel's, num_splits=0)"
     return (f"decode kernel {cfg.name} (the dec_sm80 row for {name}{over} d_head {d_head}, "
             f"{how}: masks and softcap are run-time arguments), {splits}")
 
@@ -162,7 +165,7 @@ def register() -> None:
 def _kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                   cache_batch_idx, block_table, softmax_scale, causal, window_left, window_right,
                   softcap, rotary_interleaved, num_splits, return_lse, kernel, k_descale=None,
-                  v_descale=None):
+                  v_descale=None, cache_leftpad=None):
     """out like q and lse (batch, heads, seqlen_q) or empty; the caches are written in place
     (the schema says so: Tensor(a!) k_cache, Tensor(b!) v_cache)."""
     if q.dim() != 4:
@@ -274,13 +277,14 @@ def flash_attn_with_kvcache(
     bottom-right to each sequence's cache length. Returns out (batch, seqlen_q, heads, d_head),
     and with return_softmax_lse (out, lse (batch, heads, seqlen_q) fp32). An FP8 cache
     (float8_e4m3fn or float8_e5m2) takes k_descale and v_descale (fp32 (batch, kv_heads),
-    FlashAttention 3's names; None: 1); new k and v are quantised into it with them. Not
-    supported, refused by name: cache_leftpad, alibi_slopes, q_descale (q is fp16/bf16)."""
+    FlashAttention 3's names; None: 1); new k and v are quantised into it with them.
+    cache_leftpad ((batch,) int32 on q's device, contiguous caches): sequence b's keys are its
+    cache rows cache_leftpad[b] up to its length (cache_seqlens[b] plus the new rows, counted
+    from row 0); masks align to those keys, the append and rotary positions stay the rows'
+    indices (flash_attn's). Not supported, refused by name: alibi_slopes, q_descale (q is
+    fp16/bf16)."""
     from . import ops, validation
 
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad: flash_attention's KV cache has no left padding; "
-                                  "pass None (start each sequence at row 0 of its cache)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: flash_attention has no ALiBi bias; pass None")
     _check_q_descale(q, q_descale)
@@ -310,5 +314,6 @@ def flash_attn_with_kvcache(
     out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),
-        rotary_interleaved, num_splits, return_softmax_lse, kernel, k_descale, v_descale)
+        rotary_interleaved, num_splits, return_softmax_lse, kernel, k_descale, v_descale,
+        cache_leftpad)
     return (out, lse) if return_softmax_lse else out

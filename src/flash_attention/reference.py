@@ -162,6 +162,7 @@ def kvcache_reference(
     upcast: bool = True,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> KVCacheResult:
     """flash_attn_with_kvcache's result, one sequence at a time. q (B, Sq, H, D); the caches
     (B_cache, S_cache, Hk, D), or with block_table (B, max_pages) int (num_pages, page_size, Hk,
@@ -173,7 +174,9 @@ def kvcache_reference(
     its cache_seqlens[b] + S_new keys, masks aligned bottom-right (attention_reference).
     An FP8 cache (float8_e4m3fn / e5m2) holds values over k_descale / v_descale ((B, Hk) fp32,
     None: 1): new rows (rotated in fp32) are divided by them, clamped to the format's range and
-    rounded; attention reads the cache times its descale, in fp32 (upcast) or q's dtype."""
+    rounded; attention reads the cache times its descale, in fp32 (upcast) or q's dtype.
+    cache_leftpad (B,) int (contiguous caches): sequence b's keys are its rows cache_leftpad[b]
+    up to its length, masks aligned to them; the append and rotary positions are unchanged."""
     batch, seqlen_q = q.shape[:2]
     seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int64).reshape(-1).expand(batch).cpu()
     s_new = 0 if k is None else k.shape[1]
@@ -211,7 +214,8 @@ def kvcache_reference(
             if block_table is not None:  # ... written back to their pages
                 kc_rows[pages] = rows_k.unflatten(0, (len(pages), kc.shape[1]))
                 vc_rows[pages] = rows_v.unflatten(0, (len(pages), vc.shape[1]))
-        keys, values = rows_k[None, :length], rows_v[None, :length]
+        pad = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        keys, values = rows_k[None, pad:length], rows_v[None, pad:length]
         if fp8:
             keys = dequantize_fp8(keys.view(kc.dtype),
                                   None if k_descale is None else k_descale[b:b + 1])

@@ -2,7 +2,7 @@
 //   flash_attention::kvcache(q, k_cache!, v_cache!, k?, v?, rotary_cos?, rotary_sin?,
 //       cache_seqlens?, cache_seqlen, cache_batch_idx?, block_table?, softmax_scale?, causal,
 //       window_left, window_right, softcap, rotary_interleaved, num_splits, return_lse, kernel,
-//       k_descale?, v_descale?) -> (out, lse)
+//       k_descale?, v_descale?, cache_leftpad?) -> (out, lse)
 //       flash_attn_with_kvcache: append (with rotary), then attend
 //   flash_attention::varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k?, seqused_k?,
 //       block_table?, max_seqlen_q, max_seqlen_k, softmax_scale?, causal, window_left,
@@ -12,9 +12,10 @@
 // per (batch, kv_head): the kernels dequantise K and V as their tiles arrive, and the append
 // quantises the new rows with the same descales.
 // Both check every shape, dtype and device on the host before any launch; what lives on the
-// device (cache lengths, block tables, cache_batch_idx) is not read back (no sync per decode
-// step): the kernels bound every access by it, and a bad value gives NaN rows and a bit in the
-// device's status word (kvcache_status). Lengths given on the host are checked on the host.
+// device (cache lengths, block tables, cache_batch_idx, cache_leftpad) is not read back (no
+// sync per decode step): the kernels bound every access by it, and a bad value gives NaN rows
+// and a bit in the device's status word (kvcache_status). Lengths given on the host are
+// checked on the host.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -114,22 +115,42 @@ struct DecodeCall {
     at::Device device;
 };
 
+// The split count a call of `tiles` 16-row tiles and `keys` keys per sequence runs its row's
+// deep kernel with (num_splits=0), 0 where it runs another: the deep kernel (8 warps, one CTA
+// per SM with twice the bytes in flight of a 4-warp CTA) where its CTAs fill more than half the
+// SMs, one per SM at most: one split over more than half, two over a third to a half, each
+// split kDeepMinKeys keys or more. Over more tiles than SMs it would run a second wave (H200,
+// 20-24 x 1024 keys: 1.12-1.32x the 4-warp kernel's time); below, 10-16 sequences x 1024-8192
+// keys at one split: 0.85-0.93x the 4-warp kernel's best (docs/dispatch.md). Mirrored by
+// dec_sm80.deep_splits (Python).
+constexpr int64_t kDeepMinKeys = 1024;  // dec_sm80.DEEP_MIN_KEYS
+int deep_splits(int64_t tiles, int64_t keys, int64_t sms) {
+    if (tiles <= sms / 3 || tiles > sms)
+        return 0;
+    const int splits = tiles > sms / 2 ? 1 : 2;
+    return keys >= kDeepMinKeys * splits ? splits : 0;
+}
+
+// A decode kernel and the num_splits it runs with (0: choose_splits's).
+struct DecodeChoice {
+    const flash::DecKernelEntry* kernel;
+    int64_t num_splits;
+};
+
 // The decode kernel for a call: `name`, or the dec table's choice for (q's dtype, the cache's
 // dtype, d_head) (flash_attention.kernels.dec_sm80.select_for decides alike):
 // - its row of 32-row tiles (bucket 32) from kWideFrom packed rows and kWideMinBytes where the
 //   table has one. Below kWideMinBytes a step is bound by fixed costs more than by bandwidth,
 //   and the two 16-row CTAs of a KV head find its keys in L2 (H200: 16-row tiles 4-7% faster
 //   at 32-64 MiB, 32-row tiles 6-30% faster from 128 MiB; docs/dispatch.md);
-// - else its row of 16-row tiles, or that row's deep kernel (its one-wave column: 8 warps, one
-//   CTA per SM with twice the bytes in flight) with num_splits=0 where the tiles fill most of
-//   one CTA per SM and choose_splits takes one split (fewer than 4096 keys), on a GPU that gives
-//   a CTA its shared memory (H200, 16 x 1024-2048 keys: 0.88-0.90x the time; docs/dispatch.md).
+// - else its row of 16-row tiles, or that row's deep kernel (its one-wave column) with
+//   num_splits=0 where deep_splits says so, on a GPU that gives a CTA its shared memory.
 constexpr int64_t kWideFrom = 17;                    // dec_sm80.WIDE_FROM
 constexpr int64_t kWideMinBytes = int64_t(1) << 27;  // dec_sm80.WIDE_MIN_BYTES
-const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType dtype,
-                                           at::ScalarType cache, int64_t d_head,
-                                           const DecodeCall& call) {
+DecodeChoice choose_decode(c10::string_view name, at::ScalarType dtype, at::ScalarType cache,
+                           int64_t d_head, const DecodeCall& call) {
     const flash::DecKernelEntry* kernel = nullptr;
+    int64_t num_splits = call.num_splits;
     if (name.empty()) {
         const int code = dtype_code(dtype, cache);
         if (call.rows >= kWideFrom && call.kv_bytes >= kWideMinBytes)
@@ -142,11 +163,11 @@ const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType
             const flash::DecKernelEntry* deep = row.one_wave[0];
             if (deep != nullptr && call.num_splits == 0) {
                 const cudaDeviceProp& prop = device_properties(call.device.index());
-                const int64_t sms = prop.multiProcessorCount;
-                if (call.tiles >= (sms * 4) / 5 && call.tiles < (2 * sms * 4) / 5 &&
-                    choose_splits(call.tiles, call.keys, static_cast<int>(sms)) == 1 &&
-                    deep->smem_bytes <= int64_t(prop.sharedMemPerBlockOptin))
+                const int splits = deep_splits(call.tiles, call.keys, prop.multiProcessorCount);
+                if (splits > 0 && deep->smem_bytes <= int64_t(prop.sharedMemPerBlockOptin)) {
                     kernel = deep;
+                    num_splits = splits;
+                }
             }
         }
         FA_CHECK(kernel != nullptr, "this build has no decode kernel for q of ", dtype,
@@ -162,7 +183,7 @@ const flash::DecKernelEntry* choose_decode(c10::string_view name, at::ScalarType
                        dtype_code(cache) == int(kernel->cache_dtype) && kernel->d_head >= d_head,
                    "decode kernel ", kernel->name, " does not serve q of ", dtype,
                    " over a cache of ", cache, " with d_head=", d_head);
-    return kernel;
+    return {kernel, num_splits};
 }
 
 // A call's DecodeCall after set_queries (p's batch, KV heads, seqlen_q, heads_per_kv).
@@ -466,6 +487,23 @@ at::Tensor set_contiguous_cache(flash::DecParams& p, const at::Tensor& cache,
     return idx;
 }
 
+// cache_leftpad (batch,) int32 of a contiguous cache: sequence b's keys start at its row
+// cache_leftpad[b] (flash_attn's; a paged cache's first key is its first page's, as there).
+// Checked against the lengths on the device (kStatusLeftpad), not read back.
+at::Tensor set_leftpad(flash::DecParams& p, const std::optional<at::Tensor>& cache_leftpad,
+                       bool paged, int64_t batch, const at::Device& device) {
+    if (!cache_leftpad.has_value())
+        return at::Tensor();
+    FA_CHECK_VALUE(!paged,
+                   "cache_leftpad does not go with block_table: a paged sequence starts at its "
+                   "first page (give the block table the pages from the first key on)");
+    at::Tensor pad = int_meta(*cache_leftpad, "cache_leftpad", 1, device, "(batch,)");
+    FA_CHECK_VALUE(pad.size(0) == batch, "cache_leftpad has ", pad.size(0),
+                   " entries; q has batch ", batch);
+    p.leftpad_k = pad.data_ptr<int32_t>();
+    return pad;
+}
+
 // The new rows k, v (batch, seqlen_new, Hk, D): their count (0 without them).
 int64_t check_new_rows(const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                        const at::Tensor& q, int64_t kv_heads, int capacity, bool have_lengths) {
@@ -574,7 +612,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, bool rotary_interleaved, int64_t num_splits, bool return_lse,
     c10::string_view kernel_name, const std::optional<at::Tensor>& k_descale,
-    const std::optional<at::Tensor>& v_descale) {
+    const std::optional<at::Tensor>& v_descale, const std::optional<at::Tensor>& cache_leftpad) {
     // Checks, before anything is launched.
     const at::ScalarType dtype = check_query(q_in, 4, "(batch, seqlen_q, heads, d_head)");
     const bool paged = block_table.has_value();
@@ -591,6 +629,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     const at::Tensor table = paged ? set_pages(p, *block_table, k_cache, B) : at::Tensor();
     const at::Tensor batch_idx =
         paged ? at::Tensor() : set_contiguous_cache(p, k_cache, cache_batch_idx, B);
+    const at::Tensor leftpad = set_leftpad(p, cache_leftpad, paged, B, q_in.device());
     const bool have_lengths = cache_seqlens.has_value() || cache_seqlen >= 0;
     const int64_t S_new = check_new_rows(k_new, v_new, q_in, Hk, p.capacity, have_lengths);
     const CacheLengths lengths =
@@ -605,11 +644,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
     const int64_t keys = lengths.longest >= 0 ? lengths.longest + S_new : p.capacity;
-    const flash::DecKernelEntry* kernel =
+    const auto [kernel, splits] =
         choose_decode(kernel_name, dtype, k_cache.scalar_type(), D,
                       decode_call(p, keys, D, k_cache, num_splits, q_in.device()));
     check_device(*kernel, q_in.device());
-    plan_splits(p, *kernel, num_splits, keys, q_in.device());
+    plan_splits(p, *kernel, splits, keys, q_in.device());
 
     // The append (q's rotated copy, the new rows into the caches), then attention over the
     // updated caches: cache_seqlens + S_new keys per sequence.
@@ -721,10 +760,10 @@ std::tuple<at::Tensor, at::Tensor> varlen_paged_cuda(
     set_window(p, causal, window_left, window_right);
     set_scale(p, softmax_scale, softcap);
     const int64_t keys = paged ? p.capacity : max_seqlen_k;
-    const flash::DecKernelEntry* kernel = choose_decode(
-        kernel_name, dtype, k.scalar_type(), D, decode_call(p, keys, D, k, num_splits, device));
+    const auto [kernel, splits] = choose_decode(kernel_name, dtype, k.scalar_type(), D,
+                                                decode_call(p, keys, D, k, num_splits, device));
     check_device(*kernel, device);
-    plan_splits(p, *kernel, num_splits, keys, device);
+    plan_splits(p, *kernel, splits, keys, device);
     if (B == 0 || total_q == 0 || H == 0 || max_seqlen_q == 0)
         return {out, lse};
     const at::Tensor q = unaddressable(q_in) != nullptr ? q_in.contiguous() : q_in;
@@ -752,7 +791,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attention, m) {
         "Tensor? cache_batch_idx, Tensor? block_table, float? softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, bool rotary_interleaved, "
         "int num_splits, bool return_lse, str kernel, Tensor? k_descale=None, "
-        "Tensor? v_descale=None) -> (Tensor out, Tensor lse)");
+        "Tensor? v_descale=None, Tensor? cache_leftpad=None) -> (Tensor out, Tensor lse)");
     m.def(
         "varlen_paged(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "Tensor? seqused_k, Tensor? block_table, int max_seqlen_q, int max_seqlen_k, "

@@ -149,6 +149,9 @@ struct DecParams : AttentionParams {
     // Contiguous caches: the cache row of sequence b (cache_batch_idx[b], else b), < cache_batch.
     const int* cache_batch_idx;
     int cache_batch;
+    // Contiguous caches: sequence b's keys start at cache row leftpad_k[b] (flash_attn's
+    // cache_leftpad; its seqused_k / lengths count from row 0); nullptr: at row 0.
+    const int* leftpad_k;
 
     int kv_heads;
     int num_splits;    // key ranges per (sequence, KV head, row block); 1: no combine
@@ -168,6 +171,7 @@ constexpr int kStatusSeqlen = 1;    // a sequence's key count (or append row) ou
 constexpr int kStatusPage = 2;      // a block-table entry outside [0, num_pages)
 constexpr int kStatusCacheRow = 4;  // a cache_batch_idx entry outside [0, cache_batch)
 constexpr int kStatusRotary = 8;    // a rotary position past the rows of cos / sin
+constexpr int kStatusLeftpad = 16;  // a cache_leftpad entry outside [0, the sequence's keys]
 
 }  // namespace decode
 

@@ -67,6 +67,16 @@ __device__ __forceinline__ DecSeq dec_seq(const DecParams& p, int b, int kv_head
         s.bad |= decode::kStatusSeqlen;
         s.seqlen_k = 0;
     }
+    if (p.leftpad_k != nullptr && p.block_table == nullptr) {  // keys [pad, seqlen_k) of the row
+        const int pad = p.leftpad_k[b];
+        if (pad < 0 || pad > s.seqlen_k) {
+            s.bad |= decode::kStatusLeftpad;
+            s.seqlen_k = 0;
+        } else {
+            k_start += pad;
+            s.seqlen_k -= pad;
+        }
+    }
     if (p.block_table == nullptr) {
         int row = b;
         if (p.cache_batch_idx != nullptr) {

@@ -288,21 +288,24 @@ def _dec_rows(case: Case) -> int:
 
 
 def dec_splits(case: Case, sms: int = 132) -> int:
-    """The split count the extension's heuristic takes for a decode case on a GPU of `sms` SMs
-    (132: H100 SXM, H200; dec_sm80.heuristic_splits, mirroring choose_splits in
-    src/csrc/binding/decode.cpp) over the tiles of the case's kernel's B_r."""
+    """The split count the extension takes for a decode case on a GPU of `sms` SMs (132: H100
+    SXM, H200) over the tiles of the case's kernel's B_r: dec_sm80.heuristic_splits (choose_splits
+    in src/csrc/binding/decode.cpp), or deep_splits for the deep kernel."""
     from flash_attention.kernels import dec_sm80, parse
 
-    block_r = parse(dec_kernel(case, sms=sms)).block_r
-    ctas = dec_sm80.row_tiles(_dec_rows(case), case.kv, case.batch, block_r)
+    kernel = parse(dec_kernel(case, sms=sms))
+    ctas = dec_sm80.row_tiles(_dec_rows(case), case.kv, case.batch, kernel.block_r)
+    if kernel.sm90_only:  # the deep kernel's own count
+        return dec_sm80.deep_splits(ctas, case.keys, sms)
     return dec_sm80.heuristic_splits(ctas, case.keys, sms)
 
 
 def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:
     """A decode case whose call runs `kernel` on an sm_90 GPU (sm90=True) or another one:
     DEC_CASE at a decode kernel's dtype and d_head (8 causal queries for a 32-row kernel, 2048
-    keys for a deep one); for the combine (dec_sm80_combine_<dtype>) one sequence at d_head
-    128, which splits its keys. None when the decode table runs another kernel for its calls
+    keys for a deep one, twice the sequences for a 16-row one whose row has a deep kernel);
+    for the combine (dec_sm80_combine_<dtype>) one sequence at d_head 128, which splits its
+    keys. None when the decode table runs another kernel for its calls
     (a kernel of a test set; a deep kernel off sm_90)."""
     from flash_attention.kernels import parse
 
@@ -315,4 +318,6 @@ def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:
         case = replace(case, seqlen=8, causal=True)
     if cfg.sm90_only:  # 128 tiles of 2048 keys: one CTA per SM, one split
         case = replace(case, seqlen_k=2048)
+    elif sm90 and parse(dec_kernel(case, sm90)).sm90_only:  # past the deep band: 256 tiles
+        case = replace(case, batch=2 * case.batch)
     return case if dec_kernel(case, sm90) == kernel else None

@@ -178,13 +178,15 @@ WIDE_ROWS: tuple[Row, ...] = (
 WIDE_FROM = 17
 WIDE_MIN_BYTES = 1 << 27
 
-# Calls whose 16-row tiles fill most of one CTA per SM (choose_splits takes one split for them:
-# 0.8-1.6 tiles per SM, fewer than 4096 keys) run, where it is built (the `deep` set) and on a
-# GPU that gives a CTA its shared memory (sm_90), the deep kernel of their row (the table's
-# one-wave column): 8 warps over 3 stages each, 196 KB, one CTA per SM with twice the bytes in
-# flight of a 4-warp CTA. H200, bf16, GQA 32/8, 16 x 1024 / 16 x 2048 keys, named: 0.90x /
-# 0.88x the 4-warp kernel's time (0.98x SDPA cuDNN, was 0.87-0.88x); where choose_splits
-# splits, or at 2 CTAs per SM, it is not faster.
+# Calls whose 16-row tiles fill a third of the SMs to all of them, one CTA each (1024 keys or more
+# a split), run, where it is built and on a GPU that gives a CTA its shared memory (sm_90), the
+# deep kernel of their row (the table's one-wave column): 8 warps over 3 stages each, 196 KB,
+# one CTA per SM with twice the bytes in flight of a 4-warp CTA; one split over more than half
+# the SMs, two over a third to a half (deep_splits). H200, bf16, GQA 32/8, by name: 10-16
+# sequences (80-128 tiles) x 1024-8192 keys at one split 0.85-0.93x the time of the 4-warp
+# kernel at its best split count; 8 x 2048 (64 tiles) at two splits 0.97x; over more tiles
+# than SMs (20-24 sequences) it runs a second wave: 1.12-1.32x the 4-warp kernel's time.
+DEEP_MIN_KEYS = 1024
 DEEP_ROWS: tuple[Row, ...] = (
     Row("dec sm80 deep d128", ANY, (96, 128), None, "r16_c16_w8_f",
         "8 warps x 3 stages x (K, V) of 16 keys: 192 KB of stages, one CTA per SM (sm_90 only)"),
@@ -247,12 +249,22 @@ def heuristic_splits(ctas: int, keys: int, sms: int) -> int:
     return min(128, max(1, keys // 128), max(1, wave // ctas))
 
 
+def deep_splits(tiles: int, keys: int, sms: int) -> int:
+    """The split count a call of `tiles` 16-row tiles and `keys` keys per sequence runs its
+    row's deep kernel with (num_splits=0, on an sm_90 GPU of `sms` SMs), 0 where it runs
+    another kernel: one split over more than half the SMs (at most one tile per SM), two over a
+    third to a half, each split DEEP_MIN_KEYS keys or more. Mirrors deep_splits in
+    src/csrc/binding/decode.cpp."""
+    if not sms // 3 < tiles <= sms:
+        return 0
+    splits = 1 if tiles > sms // 2 else 2
+    return splits if keys >= DEEP_MIN_KEYS * splits else 0
+
+
 def runs_deep(tiles: int, keys: int, sms: int) -> bool:
     """Whether a call of `tiles` 16-row tiles and `keys` keys per sequence, with num_splits=0,
-    takes its row's deep kernel on an sm_90 GPU of `sms` SMs: the tiles fill most of one CTA
-    per SM (fewer than fill a wave of two) and heuristic_splits takes one split."""
-    return (sms * 4 // 5 <= tiles < 2 * sms * 4 // 5
-            and heuristic_splits(tiles, keys, sms) == 1)
+    takes its row's deep kernel on an sm_90 GPU of `sms` SMs (deep_splits)."""
+    return deep_splits(tiles, keys, sms) > 0
 
 
 def packed_rows(seqlen_q: int, heads: int, kv_heads: int) -> int:
@@ -296,14 +308,13 @@ def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
 
 # ---- sets --------------------------------------------------------------------------------------
 
+# The DEEP_ROWS kernels, in `default` (sm_90 builds run them; on sm_80 GPUs check_device
+# refuses them by name and the table never takes them) and a set of their own.
+DEEP: tuple[Sm80DecConfig, ...] = tuple(default_tile(dtype, 128, deep=True) for dtype in DTYPES)
 DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
     default_tile(dtype, d, cache)
     for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS)) + tuple(
-    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128)))
-# The DEEP_ROWS kernels: dispatched where built, not in `default` yet (measured by name on an
-# H200; the dispatch and their sanitizer runs have not run on a GPU): build them with
-# FLASH_ATTENTION_KERNELS=default,deep.
-DEEP: tuple[Sm80DecConfig, ...] = tuple(default_tile(dtype, 128, deep=True) for dtype in DTYPES)
+    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128))) + DEEP
 
 
 def _tune_space() -> tuple[Sm80DecConfig, ...]:
