@@ -97,7 +97,9 @@ def test_resource_report_covers_every_built_kernel_and_arch(built):
         assert 0 < r.registers <= 255
         assert r.barriers >= 1 or HelperKernel.matches(r.kernel)
         assert r.dynamic_smem == cfg.smem_bytes
-        assert r.ctas_per_sm >= 1 and r.warps_per_sm == r.ctas_per_sm * cfg.warps
+        # an sm_90-only decode kernel (more shared memory than sm_80 gives) fits no CTA there
+        fits = 0 if getattr(cfg, "sm90_only", False) and r.arch == "80" else 1
+        assert r.ctas_per_sm >= fits and r.warps_per_sm == r.ctas_per_sm * cfg.warps
 
 
 def test_backward_kernels_in_the_sass_tools(built, capsys):
