@@ -189,6 +189,11 @@ def test_a_decode_case_made_for_a_kernel_runs_it():
     assert deep.keys == 2048 and deep.batch * deep.kv == 128
     assert coverage.case_for_dec_kernel("dec_sm80_bf16_d128_r16_c16_w8_f", sm90=False) is None
     assert coverage.dec_kernel(deep, sm90=False) == "dec_sm80_bf16_d128_r16_c16_w4_f"
+    # off sm_90 a case of the deep band splits as the 4-warp kernel does (16 x 8192: 2, combined)
+    band = replace(deep, seqlen_k=8192)
+    assert coverage.dec_splits(band) == 1 and coverage.dec_splits(band, sm90=False) == 2
+    assert "dec_sm80_combine_bf16" in coverage.kernels_run(band, [], [], False)
+    assert "dec_sm80_combine_bf16" not in coverage.kernels_run(band, [], [], True)
 
 
 def test_decode_case_names_and_checks():

@@ -214,7 +214,7 @@ def kernels_run(case: Case, rows: Sequence[Row], bwd_configs: Sequence[str],
     run = []
     if case.kind == "decode":
         run.append(dec_kernel(case, sm90))
-        if dec_splits(case) > 1:
+        if dec_splits(case, sm90=sm90) > 1:
             run.append(f"dec_sm80_combine_{case.dtype}")
     if case.times_forward:
         run.append(route(case, rows, sm90))
@@ -287,13 +287,14 @@ def _dec_rows(case: Case) -> int:
     return dec_sm80.packed_rows(case.seqlen, case.heads, case.kv)
 
 
-def dec_splits(case: Case, sms: int = 132) -> int:
+def dec_splits(case: Case, sms: int = 132, sm90: bool = True) -> int:
     """The split count the extension takes for a decode case on a GPU of `sms` SMs (132: H100
-    SXM, H200) over the tiles of the case's kernel's B_r: dec_sm80.heuristic_splits (choose_splits
-    in src/csrc/binding/decode.cpp), or deep_splits for the deep kernel."""
+    SXM, H200), sm_90 or another one, over the tiles of the case's kernel's B_r:
+    dec_sm80.heuristic_splits (choose_splits in src/csrc/binding/decode.cpp), or deep_splits
+    for the deep kernel."""
     from flash_attention.kernels import dec_sm80, parse
 
-    kernel = parse(dec_kernel(case, sms=sms))
+    kernel = parse(dec_kernel(case, sm90, sms))
     ctas = dec_sm80.row_tiles(_dec_rows(case), case.kv, case.batch, kernel.block_r)
     if kernel.sm90_only:  # the deep kernel's own count
         return dec_sm80.deep_splits(ctas, case.keys, sms)
