@@ -367,6 +367,31 @@ def test_bad_device_metadata_gives_nan_and_a_status(require_extension):
     assert fa.kvcache_errors() == []
 
 
+def test_rotary_position_past_the_table_gives_nan_rows_and_an_error(require_extension):
+    """Lengths on the device (unchecked on the host): a sequence whose rotary position is past
+    rotary_cos's rows gets NaN rows (q is rotated in the decode kernel, its new key in the
+    append) and the rotary status bit; the other sequence is exact."""
+    fa.kvcache_errors()  # clear
+    dt = torch.bfloat16
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=dt)
+    kc = torch.randn(2, 32, 2, 64, device="cuda", dtype=dt)
+    vc = torch.randn_like(kc)
+    cos, sin = angles(10, 64, dt)
+    lens = torch.tensor([3, 20], dtype=torch.int32, device="cuda")  # row 20 is past 10 rows
+    for new in (None, torch.randn(2, 1, 2, 64, device="cuda", dtype=dt)):
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = flash_attn_with_kvcache(q, kc2, vc2, new, new, rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=lens)
+        one = None if new is None else new[:1]
+        ref = kvcache_reference(q[:1], kc[:1], vc[:1], one, one, rotary_cos=cos, rotary_sin=sin,
+                                cache_seqlens=lens[:1])
+        assert torch.isnan(out[1]).all(), new is None
+        assert (out[0].float() - ref.out[0]).abs().max() < 2e-2, new is None
+        assert torch.equal(kc2[0], ref.k_cache[0]), new is None
+        errors = fa.kvcache_errors()
+        assert any("rotary" in e for e in errors), errors
+
+
 # ---- CUDA graphs and torch.compile --------------------------------------------------------------
 
 def test_cuda_graph_replays_with_changing_lengths(require_extension):

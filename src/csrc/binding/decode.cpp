@@ -679,21 +679,18 @@ std::tuple<at::Tensor, at::Tensor> kvcache_cuda(
                              p, 2, v_cache),
                    v_cache, /*cache=*/true);
     }
-    // The keys each sequence has after the append: the lengths on the device plus S_new, written
-    // by the append's launch (no kernel of its own), or a constant.
-    at::Tensor used;
+    // The keys each sequence has after the append: the lengths (on the device) plus S_new, or a
+    // constant. The decode kernel copies its older keys' first blocks while the append runs.
     if (lengths.device.defined()) {
-        used = S_new > 0 ? at::empty_like(lengths.device) : lengths.device;
-        p.seqused_k = used.data_ptr<int32_t>();
+        p.seqused_k = lengths.device.data_ptr<int32_t>();
+        p.seqused_add = static_cast<int>(S_new);
         p.seqlen_k = p.capacity;
-        if (S_new > 0) {
-            jobs.used = used.data_ptr<int32_t>();
-            jobs.used_add = static_cast<int>(S_new);
-        }
     } else {
         p.seqlen_k =
             lengths.constant >= 0 ? static_cast<int>(lengths.constant + S_new) : p.capacity;
     }
+    p.after_append = jobs.count > 0;
+    p.new_keys = static_cast<int>(S_new);
     if (jobs.count > 0)
         check_cuda(kvcache::launch_appends(jobs, bf16, stream), "the KV-cache append");
     if (B == 0 || Sq == 0 || H == 0)

@@ -135,7 +135,8 @@ struct DecParams : AttentionParams {
     // outside [0, capacity] is reported through `status` and gives NaN rows, never an access
     // outside the cache.
     const int* seqused_k;
-    int capacity;  // keys a sequence may hold: the cache's seqlen, or pages per row x page_size
+    int seqused_add;  // added to seqused_k[b]: the rows the append before this kernel adds
+    int capacity;     // keys a sequence may hold: the cache's seqlen, or pages per row x page_size
 
     // Paged caches (block_table != nullptr): k, v are (num_pages, page_size, kv_heads, d_head)
     // (k/v_batch_stride step pages, row strides rows of a page); key j of sequence b lies in
@@ -158,6 +159,13 @@ struct DecParams : AttentionParams {
     float* o_accum;    // (num_splits, heads, rows_total, d_head) fp32, when num_splits > 1
     float* lse_accum;  // (num_splits, heads, rows_total) fp32, natural log
     int rows_total;    // query rows over the batch: batch x seqlen_q, or total_q (varlen)
+
+    // after_append: the launch before this kernel is the KV-cache append, which starts after
+    // every earlier kernel in stream order and writes only q's rotated copy and each sequence's
+    // last new_keys keys: the first stages' blocks of older keys are copied before the grid
+    // dependency wait, under the append. false: nothing is read before that wait.
+    bool after_append;
+    int new_keys;
 
     // An int of device memory the kernels OR error bits into (decode::kStatus*); never cleared
     // by them. nullptr: none kept.

@@ -125,12 +125,8 @@ __device__ __forceinline__ void append_element(const AppendParams& p, int j, int
 template <typename Elem>
 __global__ void __launch_bounds__(kAppendThreads)
     append_kernel(const __grid_constant__ AppendJobs jobs) {
-    flash::grid_dependents_launch();  // the decode kernel may be scheduled; it waits for our end
+    flash::grid_dependents_launch();  // the decode kernel may start its copies of older keys
     const int j = blockIdx.x, b = blockIdx.y, z = blockIdx.z;
-    if (jobs.used != nullptr && j == 0 && z == 0 && threadIdx.x == 0) {
-        const AppendParams& p = jobs.job[0];
-        jobs.used[b] = (p.base_pos != nullptr ? p.base_pos[b] : p.base_const) + jobs.used_add;
-    }
     int i = 0;
     while (i + 1 < jobs.count && z >= jobs.chunk_start[i + 1])
         ++i;

@@ -55,8 +55,7 @@ struct AppendParams {
 };
 
 // A decode step's appends in one launch: q's rotated copy, the new keys, the new values (up to
-// kMaxJobs jobs), and, when used != nullptr, each sequence's key count after the append
-// (used[b] = its base position + used_add), which the attention then reads.
+// kMaxJobs jobs).
 constexpr int kMaxJobs = 3;
 struct AppendJobs {
     AppendParams job[kMaxJobs];
@@ -64,8 +63,6 @@ struct AppendJobs {
     int chunk_start[kMaxJobs + 1];  // job i's CTAs: blockIdx.z in [chunk_start[i], [i + 1])
     int rows;                       // the jobs' longest seqlen (gridDim.x)
     int batch;
-    int* used;
-    int used_add;
 };
 
 // is_bf16: the element type (bf16, else fp16). One thread per element of a row's heads x

@@ -62,7 +62,7 @@ __device__ __forceinline__ DecSeq dec_seq(const DecParams& p, int b, int kv_head
         s.seqlen_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
     }
     if (p.seqused_k != nullptr)
-        s.seqlen_k = p.seqused_k[b];
+        s.seqlen_k = p.seqused_k[b] + p.seqused_add;
     if (s.seqlen_k < 0 || s.seqlen_k > capacity) {
         s.bad |= decode::kStatusSeqlen;
         s.seqlen_k = 0;
@@ -328,18 +328,34 @@ struct DecodeCta {
         softmax.init();
 
         const int n_mine = warp_blocks();
+        // After the append, the first stages' blocks of keys it does not write are copied while
+        // it runs; Q (maybe its rotated copy) and the rest wait for its end. Block t's copy stays
+        // the (t + 1)-th or (t + 2)-th group committed, as the main loop's waits count.
+        int st = 0;
+        if (p.after_append) {
+            const int old_keys = seq.seqlen_k - p.new_keys;
+            for (;
+                 st < Cfg::kStages - 1 && st < n_mine && (block_of(st) + 1) * Cfg::kBc <= old_keys;
+                 ++st) {
+                copy_kv(block_of(st), st, block_page(block_of(st)));
+                cp_async_commit();
+            }
+            grid_dependency_wait();  // the append wrote q's rotated copy, the cache's new rows
+        }
         copy_q();
         cp_async_commit();
-#pragma unroll
-        for (int st = 0; st < Cfg::kStages - 1; ++st) {
+        for (; st < Cfg::kStages - 1; ++st) {
             if (st < n_mine)
                 copy_kv(block_of(st), st, block_page(block_of(st)));
             cp_async_commit();
         }
         // The page of the next block to issue, read one iteration ahead.
         int next_page = Cfg::kStages - 1 < n_mine ? block_page(block_of(Cfg::kStages - 1)) : 0;
-        cp_async_wait<Cfg::kStages - 1>();  // Q has landed (its group is the oldest)
-        __syncthreads();                    // ... for every thread's copies
+        if (p.after_append)
+            cp_async_wait<0>();  // Q has landed (behind the early blocks' groups)
+        else
+            cp_async_wait<Cfg::kStages - 1>();  // Q has landed (its group is the oldest)
+        __syncthreads();                        // ... for every thread's copies
         const LdsmAddr<Cfg> q_at = q_addr<Cfg>(sQ, 0, lane);
         QFp8Order<Cfg> q8;              // an FP8 cache's Q fragments (decode_fp8.cuh), else unused
         float score_scale = k_descale;  // what the raw scores are multiplied by
@@ -494,10 +510,16 @@ struct DecodeCta {
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) dec_kernel(const __grid_constant__ DecParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
-    grid_dependency_wait();  // the append before this kernel wrote the cache, q, key counts
+    // The kernel before this one may write q or the cache: nothing is read before its end, but
+    // after the KV-cache append, which writes only q's rotated copy and the new keys (run()).
+    if (!p.after_append)
+        grid_dependency_wait();
     DecodeCta<Cfg> cta(p, smem);
-    if (cta.row0 >= cta.rows)
-        return;  // past this sequence's rows (varlen: the grid covers the longest)
+    if (cta.row0 >= cta.rows) {  // past this sequence's rows (varlen: the grid covers the longest)
+        if (p.after_append)
+            grid_dependency_wait();  // this grid ends after the append, as run() does
+        return;
+    }
     cta.run(smem);
 }
 
