@@ -67,7 +67,8 @@
 #             cuDNN's at PROFILE_SHAPE ("bf16 128 16 4096 16"): details and per-SASS-line
 #             stall samples of ours, details of cuDNN's
 #   profile-decode  the same for the decode kernel (ours, the split heuristic) and SDPA cuDNN's at
-#             PROFILE_SHAPE ("16 32768 32 8 128": batch, seqlen, heads, kv_heads, d_head)
+#             PROFILE_SHAPE ("16 32768 32 8 128": batch, seqlen, heads, kv_heads, d_head), and
+#             ours over pages of each size in PROFILE_PAGES (e.g. "16 64"; none by default)
 #   profile-bwd  the same for the backward's main kernel (the Hopper one) and cuDNN's, at
 #             PROFILE_SHAPE ("bf16 128 4 4096 16")
 #   profile-bwd80  the sm80 family's backward kernel by name (as on an sm_80 GPU or a varlen
@@ -496,6 +497,11 @@ if step profile-decode; then
     NCU_TARGET=studies/decode_ncu_target.py ncu_run dec-ours 'dec_kernel' ours
     ncu_sass dec-ours
     NCU_TARGET=studies/decode_ncu_target.py ncu_run dec-cudnn 'cudnn|sdpa|fprop|fmha' sdpa
+    for page in ${PROFILE_PAGES:-}; do
+        NCU_TARGET=studies/decode_ncu_target.py ncu_run "dec-ours-page$page" 'dec_kernel' ours \
+            --page "$page"
+        ncu_sass "dec-ours-page$page"
+    done
 fi
 if step profile-bwd; then
     shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}

@@ -1,7 +1,9 @@
 """A target for Nsight Compute on decode steps: runs one decode call (ours: flash_attn_with_kvcache
-on a contiguous cache, the split heuristic; sdpa: SDPA forced to its cuDNN backend) a few times
-so that ncu can profile a launch of the kernel it matches.
-    python3 studies/decode_ncu_target.py ours|sdpa [batch seqlen heads kv_heads d_head]"""
+on a contiguous cache, or with --page N on the same rows in pages of N rows through a shuffled
+block table, the split heuristic; sdpa: SDPA forced to its cuDNN backend) a few times so that
+ncu can profile a launch of the kernel it matches.
+    python3 studies/decode_ncu_target.py ours|sdpa [batch seqlen heads kv_heads d_head]
+        [--page N]"""
 
 import argparse
 
@@ -14,16 +16,28 @@ from flash_attention.interface import flash_attn_with_kvcache
 ap = argparse.ArgumentParser()
 ap.add_argument("who", choices=("ours", "sdpa"))
 ap.add_argument("shape", nargs="*", type=int)
+ap.add_argument("--page", type=int, default=0, help="ours over pages of this many rows")
 args = ap.parse_args()
 b, s, h, hk, d = args.shape + [16, 32768, 32, 8, 128][len(args.shape):]
 q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
 kc, vc = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-qs, kt, vt = q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(), \
-    vc.transpose(1, 2).contiguous()
+kp, vp, table = kc, vc, None
+if args.page:  # sequence i's rows in pages of a shuffled pool, as the decode bench lays them out
+    per = -(-s // args.page)
+    order = torch.randperm(b * per, device="cuda")
+    table = order.view(b, per).to(torch.int32)
+    pool = [torch.zeros(b * per, args.page, hk, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)]
+    for src, dst in zip((kc, vc), pool):
+        padded = torch.zeros(b, per * args.page, hk, d, device="cuda", dtype=torch.bfloat16)
+        padded[:, :s] = src
+        dst[order] = padded.view(b * per, args.page, hk, d)
+    kp, vp = pool
+qs, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
 for _ in range(5):
     if args.who == "ours":
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
     else:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             F.scaled_dot_product_attention(qs, kt, vt, enable_gqa=True)
