@@ -129,14 +129,14 @@ if step decode; then
         -p no:cacheprovider tests/test_gpu_kvcache.py
     run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep or leftpad"
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep or leftpad or small_pages"
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
     # the 32-row kernels' merge of 4 warps x 32 rows (a run of its own: the reference's cuBLAS
     # GEMMs report hazards at some shapes)
     run decode_racecheck_wide timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "(wide and bf16-128) or deep"
+        -k "(wide and bf16-128) or deep or (small_pages and bf16)"
     # shellcheck disable=SC2086  # DECODE_BENCH_ARGS: the bench's options, split on spaces
     run decode_bench timeout 500 python3 studies/decode_bench.py ${DECODE_BENCH_ARGS:-} \
         --json "$LOG_DIR/decode.json"

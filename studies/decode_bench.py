@@ -14,7 +14,8 @@ engines run decode steps, except the "eager" rows, called from Python):
     ours                 contiguous cache (batch, seq, kv_heads, d), the split heuristic
     ours 1 split         num_splits=1 (--one-split); ours N splits: num_splits=N (--splits)
     ours bhsd            the cache in SDPA's (batch, kv_heads, seq, d) storage, read in place
-    ours paged N         N-row pages through a shuffled block table (--pages)
+    ours paged N         N-row pages through a shuffled block table (--pages); each kernel
+                         named in --kernels over the same pages too ("NAME paged N")
     ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec);
                          "ours q8 r16" the same on the 16-row kernel, named (the table runs
                          32-row tiles from 17 packed rows)
@@ -239,6 +240,13 @@ def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[di
         kp, vp, table = _paged(kc, vc, page)
         eager[f"ours paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
             q, kp, vp, cache_seqlens=lens, block_table=table))
+        for spec in opts.kernels:  # the kernels named, over the same pages
+            name, _, splits = spec.partition("@")
+            if not any(f"_{fmt}_" in name for fmt in FP8_NAMES):
+                eager[f"{spec} paged {page}"] = (
+                    lambda kp=kp, vp=vp, table=table, name=name, n=int(splits or 0):
+                    flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                            kernel=name, num_splits=n))
     for fmt in opts.fp8:
         fp8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
         top = torch.finfo(fp8).max

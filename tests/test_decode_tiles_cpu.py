@@ -97,11 +97,44 @@ def test_which_calls_run_the_deep_kernel():
             ((128, 1024), (128, 4096), (211, 8192), (16, 8192), (8, 300))] == [1, 2, 1, 16, 2]
 
 
+def test_which_paged_calls_run_the_small_page_kernel():
+    """Pages of a multiple of 16 rows that the row kernel's B_c does not divide (16, 48 at
+    d_head 64) run the row's small-page kernel (16-key blocks) where it is built; every other
+    page size, contiguous caches, wide and deep calls keep their kernel."""
+    assert [dec_sm80.small_pages(p, 32) for p in (0, 1, 7, 16, 32, 48, 64, 256)] == \
+        [False, False, False, True, False, True, False, False]
+    assert not dec_sm80.small_pages(16, 16)
+    built, mib = dec_sm80.DEFAULT, 2**20
+    small = {f"dec_sm80_{dt}_d64_r16_c16_w4_f" for dt in ("fp16", "bf16")}
+    assert small <= {c.name for c in built}
+    pick = dec_sm80.select_for
+    for d in (64, 40):
+        assert pick(Call("bf16", d), built, 4, mib, page_size=16).name == \
+            "dec_sm80_bf16_d64_r16_c16_w4_f"
+        assert pick(Call("fp16", d), built, 4, mib, page_size=48).block_c == 16
+        for page in (0, 7, 32, 64, 256):
+            assert pick(Call("bf16", d), built, 4, mib, page_size=page).block_c == 32
+    # the d_head 128 row's blocks are 16 keys already; wide calls and FP8 caches keep theirs
+    assert pick(Call("bf16", 128), built, 4, mib, page_size=16).name == \
+        "dec_sm80_bf16_d128_r16_c16_w4_f"
+    assert pick(Call("bf16", 64), built, 32, 512 * mib, page_size=16).block_r == 32
+    assert pick(Call("bf16", 64), built, 4, mib, "e4m3", page_size=16).cache == "e4m3"
+    assert pick(Call("bf16", 64), built, 4, mib, "e4m3", page_size=16).block_c == 64
+    # never a d_head variant of its own: not built, the row kernel
+    without = [c for c in built if c.name not in small]
+    assert pick(Call("bf16", 64), without, 4, mib, page_size=16).block_c == 32
+    assert dec_sm80.select(Call("bf16", 64), built).block_c == 32
+
+
 def test_decode_table_rows_per_tile_height():
     rows = kvcache.dispatch_rows(dec_sm80.DEFAULT)
     keys = [(r[0], r[1], r[2]) for r in rows]
     assert len(keys) == len(set(keys))
-    assert {r[2] for r in rows} == {16, 32}
+    assert {r[2] for r in rows} == {16, 32, dec_sm80.SMALL_PAGE_BUCKET}
+    pages = {(r[0], r[1]): r[6] for r in rows if r[2] == dec_sm80.SMALL_PAGE_BUCKET}
+    assert pages == {(dt, d): f"dec_sm80_{dt}_d64_r16_c16_w4_f" for dt in ("fp16", "bf16")
+                     for d in (32, 64)}
+    rows = [r for r in rows if r[2] != dec_sm80.SMALL_PAGE_BUCKET]
     for r in rows:  # the bucket is the row kernel's B_r, its own fallback
         assert parse(r[6]).block_r == r[2] and r[6] == r[7]
     wide = {(r[0], r[1]) for r in rows if r[2] == 32}

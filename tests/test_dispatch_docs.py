@@ -1,6 +1,7 @@
 """docs/dispatch.md in step with the default tables (the ROWS of flash_attention.kernels.fwd_sm80,
 fwd_sm90 and dec_sm80, fwd_sm90's VARLEN_ROWS, FP8_ROWS and FP8_VARLEN_ROWS, dec_sm80's
-FP8_ROWS, WIDE_ROWS and DEEP_ROWS, fwd_sm90's ONE_WAVE_ROWS and KEY_PAD_ROWS): one docs row
+FP8_ROWS, WIDE_ROWS, DEEP_ROWS and SMALL_PAGE_ROWS, fwd_sm90's ONE_WAVE_ROWS and KEY_PAD_ROWS):
+one docs row
 per code row, by
 key and back;
 the docs row's first five columns are the code row's (calls, d_head, seqlen_q, kernel), so a
@@ -26,6 +27,7 @@ ROWS = {"sm80": fwd_sm80.ROWS, "sm90": fwd_sm90.ROWS, "dec": dec_sm80.ROWS,
         "varlen": fwd_sm90.VARLEN_ROWS, "fp8": fwd_sm90.FP8_ROWS,
         "fp8_varlen": fwd_sm90.FP8_VARLEN_ROWS, "dec_fp8": dec_sm80.FP8_ROWS,
         "dec_wide": dec_sm80.WIDE_ROWS, "dec_deep": dec_sm80.DEEP_ROWS,
+        "dec_small_page": dec_sm80.SMALL_PAGE_ROWS,
         "one_wave": fwd_sm90.ONE_WAVE_ROWS,
         "key_pad": fwd_sm90.KEY_PAD_ROWS}
 # Tables whose rows are alternatives the extension weighs per call (tiers, padding), not a
@@ -49,6 +51,10 @@ MODULES = {"sm80": fwd_sm80, "sm90": fwd_sm90, "dec": dec_sm80,
            "dec_deep": SimpleNamespace(table_rows=lambda call: dec_sm80.table_rows(call,
                                                                                  deep=True),
                                        Config=dec_sm80.Config),
+           # decode calls over pages of a multiple of 16 rows the row kernel's B_c does not divide
+           "dec_small_page": SimpleNamespace(
+               table_rows=lambda call: dec_sm80.table_rows(call, small_page=True),
+               Config=dec_sm80.Config),
            "one_wave": SimpleNamespace(table_rows=fwd_sm90.one_wave_table_rows,
                                        Config=fwd_sm90.Config),
            "key_pad": SimpleNamespace(table_rows=fwd_sm90.key_pad_table_rows,

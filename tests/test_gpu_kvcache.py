@@ -213,6 +213,50 @@ def test_one_cta_per_sm_calls_take_the_deep_kernel(require_extension):
                  splits, [1099, 0, 600], 5, kernel=deep.name)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_small_pages_take_the_16_key_kernel(require_extension, dtype):
+    """d_head 64 over pages of 16 or 48 rows (multiples of 16 that the row kernel's 32-key
+    blocks straddle) runs the small-page kernel (16-key blocks, each inside one page): the
+    table's output is bitwise the named kernel's, explain says so, pages of 64 and 7 keep the
+    row kernel; the small-page kernel against the reference over masks, softcap, splits and
+    appends at those page sizes."""
+    from flash_attention import kvcache
+    from flash_attention.kernels import Call, dec_sm80
+
+    built = kvcache.built()
+    small = dec_sm80.select_small_page(Call(dtype, 64), built)
+    if small is None:
+        pytest.skip(f"this build has no {dtype} d_head 64 small-page decode kernel "
+                    "(FLASH_ATTENTION_KERNELS=default builds it)")
+    row = dec_sm80.select(Call(dtype, 64), built)
+    assert small.block_c == 16 and row.block_c == 32
+    gen = torch.Generator().manual_seed(3)
+    dt = DTYPES[dtype]
+    q = torch.randn(3, 1, 16, 64, generator=gen, dtype=dt).cuda()
+    kc = torch.randn(3, 1000, 4, 64, generator=gen, dtype=dt).cuda()
+    vc = torch.randn_like(kc)
+    lens = torch.tensor([1000, 517, 33], dtype=torch.int32, device="cuda")
+    for page, want in ((16, small), (48, small), (64, row), (7, row)):
+        kp, vp, table = cache_copies(kc, vc, page, gen)
+        explained = kvcache.explain(dt, 64, rows=4, tiles=12, keys=1000, page_size=page)
+        assert f"{want.name} " in explained, explained
+        got = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+        named = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                        kernel=want.name)
+        assert torch.equal(got, named), f"page {page}: the table did not run {want.name}"
+        if want is small:
+            other = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                            kernel=row.name)
+            assert not torch.equal(got, other), f"page {page}: both kernels gave the same bits"
+    for seqlen_q, page, window, softcap, splits, s_new in ((1, 16, (-1, -1), 0.0, 0, 0),
+                                                           (4, 48, (-1, -1), 30.0, 3, 2),
+                                                           (3, 16, (40, 0), 0.0, 1, 1)):
+        run_case(dtype, 64, 16, 4, seqlen_q, s_new, 900, page, True, window, softcap, None,
+                 splits, [880, 0, 301], 7, kernel=small.name)
+        run_case(dtype, 64, 16, 4, seqlen_q, s_new, 900, page, True, window, softcap, None,
+                 splits, [880, 0, 301], 7)
+
+
 def test_int_and_absent_cache_seqlens(require_extension):
     torch.manual_seed(0)
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)

@@ -65,9 +65,11 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
     tile height in the bucket column: 16 (dec_sm80.select's kernel) and, where one is built, 32
     (its wide kernel, for calls of dec_sm80.WIDE_FROM packed rows or more: choose_decode in
     src/csrc/binding/decode.cpp). A 16-row row's one-wave column names its deep kernel where
-    one is built (dec_sm80.DEEP_ROWS: calls whose tiles fill one CTA per SM, on sm_90). A row's
-    kernel is also its fallback (no varlen or fewer-padded-keys kernel: ""). An FP8 row's
-    variant serves the multiples of 16 up to it."""
+    one is built (dec_sm80.DEEP_ROWS: calls whose tiles fill one CTA per SM, on sm_90). Rows
+    of bucket dec_sm80.SMALL_PAGE_BUCKET name the small-page kernel where one is built
+    (dec_sm80.SMALL_PAGE_ROWS: pages of a multiple of 16 rows that the row kernel's B_c does
+    not divide). A row's kernel is also its fallback (no varlen or fewer-padded-keys kernel:
+    ""). An FP8 row's variant serves the multiples of 16 up to it."""
     rows = []
     for cache in ("", *dec_sm80.CACHES):
         for dtype in DTYPES:
@@ -80,16 +82,22 @@ def dispatch_rows(built: tuple[KernelConfig, ...]
                     if cfg is not None:
                         rows.append((key, d_head, cfg.block_r, False, False, False, cfg.name,
                                      cfg.name, "", deep.name if deep else "", ""))
+                small = dec_sm80.select_small_page(Call(dtype, d_head), built, cache)
+                if small is not None:
+                    rows.append((key, d_head, dec_sm80.SMALL_PAGE_BUCKET, False, False, False,
+                                 small.name, small.name, "", "", ""))
     return rows
 
 
 def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int = 0,
             cache_dtype: torch.dtype | None = None, rows: int = 1, kv_bytes: int = 0,
-            tiles: int = 0, keys: int = 0, device: torch.device | None = None) -> str:
+            tiles: int = 0, keys: int = 0, device: torch.device | None = None,
+            page_size: int = 0) -> str:
     """Which decode kernel a call of this dtype (over a cache of cache_dtype, None: q's),
     d_head and `rows` packed rows (seqlen_q x query heads per KV head) reading up to
-    `kv_bytes` of K and V (`tiles` 16-row tiles, `keys` per sequence) on `device` runs, and
-    why (for the debug log): dec_sm80.select_for's choice, as choose_decode makes it."""
+    `kv_bytes` of K and V (`tiles` 16-row tiles, `keys` per sequence; pages of `page_size`
+    rows, 0: contiguous) on `device` runs, and why (for the debug log): dec_sm80.select_for's
+    choice, as choose_decode makes it."""
     if kernel:
         return f"decode kernel {kernel} (named by the call)"
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -101,7 +109,7 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
         sms = props.multi_processor_count
         optin = getattr(props, "shared_memory_per_block_optin", 0)
     cfg = dec_sm80.select_for(Call(name, d_head), built(), rows, kv_bytes, cache, tiles=tiles,
-                              keys=keys, sms=sms, smem=optin)
+                              keys=keys, sms=sms, smem=optin, page_size=page_size)
     if cfg is None:
         return f"no decode kernel for {name}{over} d_head {d_head} in this build"
     splits = (f"{num_splits} key splits (num_splits)" if num_splits else
@@ -113,6 +121,10 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
                 f" ({kv_bytes / 2**20:.0f} MiB of K and V: 32-row tiles from "
                 f"{dec_sm80.WIDE_MIN_BYTES >> 20} MiB)" if kv_bytes < dec_sm80.WIDE_MIN_BYTES
                 else " (this build has no 32-row decode kernel)")
+    if cfg.name in {n for _, n in dec_sm80.table_rows(Call(name, d_head), cache,
+                                                      small_page=True)}:
+        how += (f" (pages of {page_size} rows: the row's kernel of {cfg.block_c}-key blocks, "
+                "each inside one page)")
     if cfg.sm90_only:
         n = dec_sm80.deep_splits(tiles, keys, sms)
         how += (f" ({tiles} tiles on {sms} SMs, one CTA per SM: the row's deep kernel, "
@@ -122,16 +134,17 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
             f"{how}: masks and softcap are run-time arguments), {splits}")
 
 
-def _shape(q: torch.Tensor, cache: torch.Tensor, batch: int, seqlen_q: int, keys: int) -> dict:
+def _shape(q: torch.Tensor, cache: torch.Tensor, batch: int, seqlen_q: int, keys: int,
+           paged: bool) -> dict:
     """explain's description of a call (the heads as given; the kernel checks them): its
-    packed rows, the K and V bytes it reads at most, its 16-row tiles, keys per sequence and
-    device."""
+    packed rows, the K and V bytes it reads at most, its 16-row tiles, keys per sequence,
+    device and page size (a paged cache's rows per page, else 0)."""
     kv_heads = max(int(cache.shape[-2]), 1)
     rows = dec_sm80.packed_rows(int(seqlen_q), q.shape[-2], kv_heads)
     fp8 = FP8_CACHES.get(cache.dtype, "")
     return {"rows": rows, "tiles": dec_sm80.row_tiles(rows, kv_heads, batch), "keys": int(keys),
             "kv_bytes": dec_sm80.kv_bytes(batch, kv_heads, int(keys), cache.shape[-1], fp8),
-            "device": q.device}
+            "device": q.device, "page_size": int(cache.shape[1]) if paged else 0}
 
 
 def _keys(cache_seqlens, k, k_cache: torch.Tensor, block_table) -> int:
@@ -212,7 +225,8 @@ def varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   explain(q.dtype, q.shape[-1], kernel, num_splits, k.dtype,
                           **_shape(q, k, cu_seqlens_q.numel() - 1, max_seqlen_q,
                                    block_table.shape[-1] * k.shape[1]
-                                   if block_table is not None else max_seqlen_k)))
+                                   if block_table is not None else max_seqlen_k,
+                                   block_table is not None)))
     return torch.ops.flash_attention.varlen_paged.default(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, int(max_seqlen_q),
         int(max_seqlen_k), softmax_scale, causal, window[0], window[1], float(softcap),
@@ -310,7 +324,8 @@ def flash_attn_with_kvcache(
                   tuple(k_cache.shape), " paged" if block_table is not None else "",
                   explain(q.dtype, q.shape[-1], kernel, num_splits, k_cache.dtype,
                           **_shape(q, k_cache, q.shape[0], q.shape[1],
-                                   _keys(cache_seqlens, k, k_cache, block_table))))
+                                   _keys(cache_seqlens, k, k_cache, block_table),
+                                   block_table is not None)))
     out, lse = torch.ops.flash_attention.kvcache.default(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlen_int,
         cache_batch_idx, block_table, softmax_scale, causal, window[0], window[1], float(softcap),

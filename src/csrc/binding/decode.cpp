@@ -113,6 +113,7 @@ int64_t kv_bytes(int64_t batch, int64_t kv_heads, int64_t keys, int64_t d_head,
 struct DecodeCall {
     int64_t rows, kv_bytes, tiles, keys, num_splits;
     at::Device device;
+    int64_t page_size;  // a paged cache's rows per page, 0 for a contiguous one
 };
 
 // The split count a call of `tiles` 16-row tiles and `keys` keys per sequence runs its row's
@@ -144,9 +145,14 @@ struct DecodeChoice {
 //   and the two 16-row CTAs of a KV head find its keys in L2 (H200: 16-row tiles 4-7% faster
 //   at 32-64 MiB, 32-row tiles 6-30% faster from 128 MiB; docs/dispatch.md);
 // - else its row of 16-row tiles, or that row's deep kernel (its one-wave column) with
-//   num_splits=0 where deep_splits says so, on a GPU that gives a CTA its shared memory.
+//   num_splits=0 where deep_splits says so, on a GPU that gives a CTA its shared memory;
+// - a 16-row kernel over pages of a multiple of 16 rows that its B_c does not divide gives
+//   way to the row's small-page kernel (bucket kSmallPageBucket) where one is built: 16-key
+//   blocks, each inside one page, where the row's 32-key blocks straddle two and gather their
+//   rows one by one (H200, d_head 64, pages of 16: 1.03-1.34x faster; docs/dispatch.md).
 constexpr int64_t kWideFrom = 17;                    // dec_sm80.WIDE_FROM
 constexpr int64_t kWideMinBytes = int64_t(1) << 27;  // dec_sm80.WIDE_MIN_BYTES
+constexpr int64_t kSmallPageBucket = 1016;           // dec_sm80.SMALL_PAGE_BUCKET
 DecodeChoice choose_decode(c10::string_view name, at::ScalarType dtype, at::ScalarType cache,
                            int64_t d_head, const DecodeCall& call) {
     const flash::DecKernelEntry* kernel = nullptr;
@@ -168,6 +174,15 @@ DecodeChoice choose_decode(c10::string_view name, at::ScalarType dtype, at::Scal
                     kernel = deep;
                     num_splits = splits;
                 }
+            }
+            if (kernel != nullptr && kernel != deep && call.page_size > 0 &&
+                call.page_size % 16 == 0 && call.page_size % kernel->block_c != 0) {
+                const flash::DecKernelEntry* small =
+                    lookup_bucket<flash::DecKernelEntry>(code, d_head, kSmallPageBucket, false,
+                                                         false, false)
+                        .kernel;
+                if (small != nullptr && small->block_r == kernel->block_r)
+                    kernel = small;
             }
         }
         FA_CHECK(kernel != nullptr, "this build has no decode kernel for q of ", dtype,
@@ -195,7 +210,8 @@ DecodeCall decode_call(const flash::DecParams& p, int64_t keys, int64_t d_head,
             (rows + 15) / 16 * p.kv_heads * p.batch,
             keys,
             num_splits,
-            device};
+            device,
+            p.block_table != nullptr ? int64_t(p.page_size) : 0};
 }
 
 // An FP8 cache's descales (k_descale, v_descale: fp32 (batch, kv_heads), any strides) into p;

@@ -263,8 +263,9 @@ def dec_kernel(case: Case, sm90: bool = True, sms: int = 132) -> str | None:
     """The decode kernel a decode case's flash_attn_with_kvcache call runs on an sm_90 GPU of
     `sms` SMs (sm90=True) or another one (the decode table's row for its dtype and d_head: its
     wide row where dec_sm80.runs_wide says so, its deep kernel where dec_sm80.runs_deep does,
-    where the table has them), None for another kind of case."""
-    from flash_attention.kernels import Call, dec_sm80
+    its small-page kernel where dec_sm80.small_pages does, where the table has them), None for
+    another kind of case."""
+    from flash_attention.kernels import Call, dec_sm80, parse
 
     if case.kind != "decode":
         return None
@@ -278,6 +279,9 @@ def dec_kernel(case: Case, sm90: bool = True, sms: int = 132) -> str | None:
     if deep and sm90 and dec_sm80.runs_deep(tiles, case.keys, sms):
         return deep[0][1]
     ((_, name),) = dec_sm80.table_rows(call, case.cache)
+    small = dec_sm80.table_rows(call, case.cache, small_page=True)
+    if small and dec_sm80.small_pages(case.page_size, parse(name).block_c):
+        return small[0][1]
     return name
 
 
@@ -304,11 +308,12 @@ def dec_splits(case: Case, sms: int = 132, sm90: bool = True) -> int:
 def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:
     """A decode case whose call runs `kernel` on an sm_90 GPU (sm90=True) or another one:
     DEC_CASE at a decode kernel's dtype and d_head (8 causal queries for a 32-row kernel, 2048
-    keys for a deep one, twice the sequences for a 16-row one whose row has a deep kernel);
+    keys for a deep one, twice the sequences for a 16-row one whose row has a deep kernel,
+    pages of 16 rows for a small-page one);
     for the combine (dec_sm80_combine_<dtype>) one sequence at d_head 128, which splits its
     keys. None when the decode table runs another kernel for its calls
     (a kernel of a test set; a deep kernel off sm_90)."""
-    from flash_attention.kernels import parse
+    from flash_attention.kernels import Call, dec_sm80, parse
 
     if kernel.startswith("dec_sm80_combine_"):
         case = Case(kernel.rsplit("_", 1)[1], 128, kind="decode", **{**DEC_CASE, "batch": 1})
@@ -319,6 +324,9 @@ def case_for_dec_kernel(kernel: str, sm90: bool = True) -> Case | None:
         case = replace(case, seqlen=8, causal=True)
     if cfg.sm90_only:  # 128 tiles of 2048 keys: one CTA per SM, one split
         case = replace(case, seqlen_k=2048)
+    elif dec_sm80.table_rows(Call(cfg.dtype, cfg.d_head), cfg.cache, small_page=True) == \
+            [(None, kernel)]:
+        case = replace(case, page_size=16)
     elif sm90 and parse(dec_kernel(case, sm90)).sm90_only:  # past the deep band: 256 tiles
         case = replace(case, batch=2 * case.batch)
     return case if dec_kernel(case, sm90) == kernel else None

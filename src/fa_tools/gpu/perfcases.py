@@ -255,10 +255,11 @@ BWD_GATE_CASES = tuple([
 # 32/8 but at d_head 256): each decode kernel of the `default` set, dtype aside (d_head 64,
 # 128, 256; the sm80 family's, the one decode family, on every GPU), and each way a step
 # reads its cache: split-KV with the combine (batch 1), one pass without (64 sequences fill
-# the GPU), a paged cache whose blocks cross pages (page 16: rows gathered one by one) and one
-# whose pages hold whole blocks (256), speculative decoding (4 causal queries: 16 packed rows;
-# 8: 32, the 32-row kernels), FP8 caches (their keys twice as many as a 16-bit case's for the
-# same time).
+# the GPU), paged caches whose pages hold whole blocks (16 rows at d_head 128, 256 at 64, 16 on
+# the d_head 64 small-page kernel) and one whose blocks cross pages (an FP8 cache's 64-key
+# blocks over pages of 16: rows gathered one by one), speculative decoding (4 causal queries:
+# 16 packed rows; 8: 32, the 32-row kernels), FP8 caches (their keys twice as many as a 16-bit
+# case's for the same time).
 # Their SDPA peer runs the same step on the contiguous cache. Every step's GPU time is above the
 # host's ~25 us per eager call (the gate times eager calls back to back): one sequence of 8192
 # keys (14 us) measured the host, 19-24% apart round to round on an H200, and ended
@@ -270,6 +271,9 @@ DEC_GATE_CASES = tuple([
     Case("bf16", 128, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=16,
          kind="decode"),
     Case("fp16", 64, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=256,
+         kind="decode"),
+    # d_head 64 over pages of 16: the small-page kernel (16-key blocks, each inside one page)
+    Case("bf16", 64, 16, 1, heads=32, kv_heads=8, seqlen_k=8192, page_size=16,
          kind="decode"),
     Case("bf16", 256, 8, 1, heads=16, kv_heads=16, seqlen_k=4096, kind="decode"),
     Case("bf16", 128, 16, 4, heads=32, kv_heads=8, seqlen_k=8192, causal=True,
