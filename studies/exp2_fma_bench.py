@@ -9,6 +9,9 @@ per sequence, halved when causal), twin / kernel speed and each against cuDNN.
 
     python3 studies/exp2_fma_bench.py --kernels fwd_sm90_e4m3_d128_r128_c192_s2_fwpia \\
         --shapes 16x4096,4x16384 [--rounds 3] [--out F.json]
+
+--no-twin times each kernel alone beside cuDNN (trees that differ in their source, compared by
+studies/patch_ab.sh, each kernel's time against the same cuDNN call).
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ def twin_of(name: str) -> str:
     return parse(name).replace(exp2_fma=True).name
 
 
-def measure(name: str, batch: int, seqlen: int, rounds: int) -> list[dict]:
+def measure(name: str, batch: int, seqlen: int, rounds: int, with_twin: bool) -> list[dict]:
     cfg = parse(name)
-    twin = twin_of(name)
+    twin = twin_of(name) if with_twin else None
     causal, softcap = cfg.mask, SOFTCAP if cfg.softcap else 0.0
     shape = (batch, seqlen, HEADS, cfg.d_head)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -57,7 +60,7 @@ def measure(name: str, batch: int, seqlen: int, rounds: int) -> list[dict]:
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    contenders = {name: run(name), twin: run(twin), "sdpa cudnn bf16": cudnn}
+    contenders = {name: run(name), **({twin: run(twin)} if twin else {}), "sdpa cudnn bf16": cudnn}
     times = interleaved_rounds(contenders, rounds)
     flops = 4 * seqlen * seqlen * cfg.d_head * HEADS * batch * (0.5 if causal else 1.0)
     med = {n: st.median(ms) for n, ms in times.items()}
@@ -68,8 +71,9 @@ def measure(name: str, batch: int, seqlen: int, rounds: int) -> list[dict]:
               f"{flops / med[n] / 1e9:7.1f} TFLOP/s {med['sdpa cudnn bf16'] / med[n]:5.2f}x cudnn")
         out.append({"kernel": name, "contender": n, "batch": batch, "seqlen": seqlen,
                     "causal": causal, "softcap": softcap, "ms": ms})
-    print(f"  exp2_fma twin speed: {med[name] / med[twin]:.3f}x "
-          f"(rounds: {', '.join(f'{a / b:.3f}' for a, b in zip(times[name], times[twin]))})")
+    if twin:
+        print(f"  exp2_fma twin speed: {med[name] / med[twin]:.3f}x "
+              f"(rounds: {', '.join(f'{a / b:.3f}' for a, b in zip(times[name], times[twin]))})")
     return out
 
 
@@ -79,18 +83,20 @@ def main() -> None:
     ap.add_argument("--shapes", default="16x4096,4x16384", help="batch x seqlen, ...")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-twin", action="store_true", help="each kernel alone beside cuDNN")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     built = {c.name for c in fa.available_configs()}
     results = []
     for name in args.kernels.split(","):
-        missing = [n for n in (name, twin_of(name)) if n not in built]
+        missing = [n for n in (name, *(() if args.no_twin else (twin_of(name),)))
+                   if n not in built]
         if missing:
             print(f"{name}: skipped, not built: {', '.join(missing)}")
             continue
         for shape in args.shapes.split(","):
             batch, seqlen = (int(x) for x in shape.split("x"))
-            results += measure(name, batch, seqlen, args.rounds)
+            results += measure(name, batch, seqlen, args.rounds, not args.no_twin)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
