@@ -123,8 +123,8 @@ def explain(dtype: torch.dtype, d_head: int, kernel: str = "", num_splits: int =
                 else " (this build has no 32-row decode kernel)")
     if cfg.name in {n for _, n in dec_sm80.table_rows(Call(name, d_head), cache,
                                                       small_page=True)}:
-        how += (f" (pages of {page_size} rows: the row's kernel of {cfg.block_c}-key blocks, "
-                "each inside one page)")
+        how += (f" (pages of {page_size} rows: the row's small-page kernel, {cfg.block_c}-key "
+                "blocks each inside one page)")
     if cfg.sm90_only:
         n = dec_sm80.deep_splits(tiles, keys, sms)
         how += (f" ({tiles} tiles on {sms} SMs, one CTA per SM: the row's deep kernel, "
