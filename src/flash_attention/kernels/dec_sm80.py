@@ -197,8 +197,8 @@ DEEP_ROWS: tuple[Row, ...] = (
 # 48 rows at d_head 64, whose 32-key blocks straddle two pages and gather their rows one by one
 # through the block table) run, where it is built, their row's kernel of 16-key blocks, each
 # inside one page and addressed from its page's entry read one iteration ahead. H200, bf16,
-# d_head 64, 16-row pages: 1.03-1.34x faster than the 32-key row (GQA 32/8 and MHA 32/32, 1 x
-# 4096 to 64 x 4096), 0.98-1.08x the contiguous cache's time but 1.35x at GQA 16 x 1024.
+# d_head 64, 16-row pages: 1.04-1.30x faster than the 32-key row (GQA 32/8 and MHA 32/32, 1 x
+# 4096 to 64 x 4096), 0.98-1.09x the contiguous cache's time but 1.35x at GQA 16 x 1024.
 # choose_decode in src/csrc/binding/decode.cpp decides the same (the table's SMALL_PAGE_BUCKET).
 SMALL_PAGE_ROWS: tuple[Row, ...] = (
     Row("dec sm80 small pages d64", ANY, (32, 64), None, "r16_c16_w4_f",
