@@ -69,7 +69,7 @@
 #   profile-decode  the same for the decode kernel (ours, the split heuristic) and SDPA cuDNN's at
 #             PROFILE_SHAPE ("16 32768 32 8 128": batch, seqlen, heads, kv_heads, d_head), and
 #             ours over pages of each size in PROFILE_PAGES (e.g. "16 64"; none by default) and
-#             over an FP8 cache of each dtype in PROFILE_FP8 (e.g. "e4m3"; none by default)
+#             over an e4m3 cache with PROFILE_FP8=1
 #   profile-bwd  the same for the backward's main kernel (the Hopper one) and cuDNN's, at
 #             PROFILE_SHAPE ("bf16 128 4 4096 16")
 #   profile-bwd80  the sm80 family's backward kernel by name (as on an sm_80 GPU or a varlen
@@ -503,11 +503,10 @@ if step profile-decode; then
             --page "$page"
         ncu_sass "dec-ours-page$page"
     done
-    for fmt in ${PROFILE_FP8:-}; do
-        NCU_TARGET=studies/decode_ncu_target.py ncu_run "dec-ours-$fmt" 'dec_kernel' ours \
-            --fp8 "$fmt"
-        ncu_sass "dec-ours-$fmt"
-    done
+    if [ -n "${PROFILE_FP8:-}" ]; then
+        NCU_TARGET=studies/decode_ncu_target.py ncu_run dec-ours-e4m3 'dec_kernel' ours --fp8
+        ncu_sass dec-ours-e4m3
+    fi
 fi
 if step profile-bwd; then
     shape=${PROFILE_SHAPE:-bf16 128 4 4096 16}

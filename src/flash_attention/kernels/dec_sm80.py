@@ -249,20 +249,24 @@ def select(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cac
     return base.select_by_rows(mine, table_rows(call, cache, wide), call)
 
 
+def _select_built(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig], cache: str,
+                  **which: bool) -> Sm80DecConfig | None:
+    """The kernel of the call's row of table_rows(**which) if it is built, else None (no other
+    kernel stands in: those rows are measured exceptions, not d_head variants)."""
+    rows = {name for _, name in table_rows(call, cache, **which)}
+    return next((c for c in built if isinstance(c, Sm80DecConfig) and c.name in rows), None)
+
+
 def select_deep(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
                 cache: str = "") -> Sm80DecConfig | None:
-    """The DEEP_ROWS kernel of a call's row if it is built, else None (no other kernel stands
-    in: it is a measured exception, not a d_head variant)."""
-    rows = {name for _, name in table_rows(call, cache, deep=True)}
-    return next((c for c in built if isinstance(c, Sm80DecConfig) and c.name in rows), None)
+    """The DEEP_ROWS kernel of a call's row if it is built, else None."""
+    return _select_built(call, built, cache, deep=True)
 
 
 def select_small_page(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
                       cache: str = "") -> Sm80DecConfig | None:
-    """The SMALL_PAGE_ROWS kernel of a call's row if it is built, else None (as select_deep:
-    a measured exception, not a d_head variant)."""
-    rows = {name for _, name in table_rows(call, cache, small_page=True)}
-    return next((c for c in built if isinstance(c, Sm80DecConfig) and c.name in rows), None)
+    """The SMALL_PAGE_ROWS kernel of a call's row if it is built, else None."""
+    return _select_built(call, built, cache, small_page=True)
 
 
 def heuristic_splits(ctas: int, keys: int, sms: int) -> int:
@@ -347,11 +351,14 @@ def select_for(call: Call, built: tuple[KernelConfig, ...] | list[KernelConfig],
 # The DEEP_ROWS kernels, in `default` (sm_90 builds run them; on sm_80 GPUs check_device
 # refuses them by name and the table never takes them) and a set of their own.
 DEEP: tuple[Sm80DecConfig, ...] = tuple(default_tile(dtype, 128, deep=True) for dtype in DTYPES)
-DEFAULT: tuple[Sm80DecConfig, ...] = tuple(
-    default_tile(dtype, d, cache)
-    for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS)) + tuple(
-    default_tile(dtype, d, wide=True) for dtype, d in itertools.product(DTYPES, (64, 128))) + DEEP \
-    + tuple(default_tile(dtype, 64, small_page=True) for dtype in DTYPES)
+SMALL_PAGE: tuple[Sm80DecConfig, ...] = tuple(default_tile(dtype, 64, small_page=True)
+                                              for dtype in DTYPES)
+DEFAULT: tuple[Sm80DecConfig, ...] = (
+    tuple(default_tile(dtype, d, cache)
+          for cache, dtype, d in itertools.product(("", *CACHES), DTYPES, D_HEADS))
+    + tuple(default_tile(dtype, d, wide=True)
+            for dtype, d in itertools.product(DTYPES, (64, 128)))
+    + DEEP + SMALL_PAGE)
 
 
 def _tune_space() -> tuple[Sm80DecConfig, ...]:
