@@ -15,7 +15,10 @@ engines run decode steps, except the "eager" rows, called from Python):
     ours 1 split         num_splits=1 (--one-split); ours N splits: num_splits=N (--splits)
     ours bhsd            the cache in SDPA's (batch, kv_heads, seq, d) storage, read in place
     ours paged N         N-row pages through a shuffled block table (--pages); each kernel
-                         named in --kernels over the same pages too ("NAME paged N")
+                         named in --kernels over the same pages too ("NAME paged N");
+                         --ordered-pages adds "ours paged N ordered": the same pages in the
+                         pool's order (the table an identity), which separates the kernel's
+                         cost of paging from the cost of scattered pages in memory
     ours q4, ours q8     speculative decoding: 4 or 8 queries per sequence, causal (--spec);
                          "ours q8 r16" the same on the 16-row kernel, named (the table runs
                          32-row tiles from 17 packed rows)
@@ -102,11 +105,13 @@ def _sdpa(qs, kt, vt, backend: str):
     return fn
 
 
-def _paged(kc, vc, page: int):
-    """The caches as pages of `page` rows in a shuffled pool, and the block table."""
+def _paged(kc, vc, page: int, ordered: bool = False):
+    """The caches as pages of `page` rows in a shuffled pool (`ordered`: in the cache's own
+    order), and the block table."""
     batch, seqlen = kc.shape[:2]
     per = seqlen // page
-    perm = torch.randperm(batch * per, device="cuda")
+    perm = (torch.arange(batch * per, device="cuda") if ordered
+            else torch.randperm(batch * per, device="cuda"))
     table = perm.view(batch, per).to(torch.int32)
     pools = []
     for c in (kc, vc):
@@ -114,6 +119,13 @@ def _paged(kc, vc, page: int):
         pool[perm] = c.view(batch * per, page, *c.shape[2:])
         pools.append(pool)
     return pools[0], pools[1], table
+
+
+def _page_layouts(opts) -> list[tuple[int, str]]:
+    """(page size, row-name suffix) of every paged row: shuffled pools, and with
+    --ordered-pages the same pages in order (" ordered")."""
+    orders = ["", " ordered"] if opts.ordered_pages else [""]
+    return [(page, order) for page in opts.pages for order in orders]
 
 
 def _flex(qs, kt, vt, page: int = 0):
@@ -236,14 +248,15 @@ def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[di
     kt, vt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
     eager["ours bhsd"] = lambda: flash_attn_with_kvcache(q, kt.transpose(1, 2),
                                                          vt.transpose(1, 2), cache_seqlens=lens)
-    for page in opts.pages:
-        kp, vp, table = _paged(kc, vc, page)
-        eager[f"ours paged {page}"] = (lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
-            q, kp, vp, cache_seqlens=lens, block_table=table))
+    for page, order in _page_layouts(opts):
+        kp, vp, table = _paged(kc, vc, page, ordered=bool(order))
+        eager[f"ours paged {page}{order}"] = (
+            lambda kp=kp, vp=vp, table=table: flash_attn_with_kvcache(
+                q, kp, vp, cache_seqlens=lens, block_table=table))
         for spec in opts.kernels:  # the kernels named, over the same pages
             name, _, splits = spec.partition("@")
             if not any(f"_{fmt}_" in name for fmt in FP8_NAMES):
-                eager[f"{spec} paged {page}"] = (
+                eager[f"{spec} paged {page}{order}"] = (
                     lambda kp=kp, vp=vp, table=table, name=name, n=int(splits or 0):
                     flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
                                             kernel=name, num_splits=n))
@@ -260,13 +273,19 @@ def layer_contenders(batch, seqlen, heads, kv_heads, d, dtype, opts) -> tuple[di
             eager[f"ours {fmt} {name}"] = (
                 lambda k8=k8, v8=v8, kd=kd, vd=vd, name=name: flash_attn_with_kvcache(
                     q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, kernel=name))
-        for page in opts.pages:
-            kp, vp, table = _paged(k8.view(torch.uint8), v8.view(torch.uint8), page)
+        for page, order in _page_layouts(opts):
+            kp, vp, table = _paged(k8.view(torch.uint8), v8.view(torch.uint8), page,
+                                   ordered=bool(order))
             kp, vp = kp.view(fp8), vp.view(fp8)
-            eager[f"ours {fmt} paged {page}"] = (
+            eager[f"ours {fmt} paged {page}{order}"] = (
                 lambda kp=kp, vp=vp, table=table, kd=kd, vd=vd: flash_attn_with_kvcache(
                     q, kp, vp, cache_seqlens=lens, block_table=table, k_descale=kd,
                     v_descale=vd))
+            for name in (n for n in opts.kernels if f"_{fmt}_" in n):
+                eager[f"ours {fmt} {name} paged {page}{order}"] = (
+                    lambda kp=kp, vp=vp, table=table, kd=kd, vd=vd, name=name:
+                    flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                            k_descale=kd, v_descale=vd, kernel=name))
     if opts.spec:
         # the 16-row kernel named, beside the table's choice (32-row tiles from 17 packed rows)
         narrow = dec_sm80.select(Call(opts.dtype, d), kvcache.built())
@@ -385,6 +404,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pages", default="16,256", help="page sizes of the paged rows")
+    ap.add_argument("--ordered-pages", action="store_true",
+                    help="paged rows over pages in the pool's order as well (identity table)")
     ap.add_argument("--spec", action="store_true", help="rows of 4 and 8 queries, causal")
     ap.add_argument("--append", action="store_true", help="a row appending k, v with rotary")
     ap.add_argument("--flex", action="store_true", help="FlexAttention rows (compiled)")
