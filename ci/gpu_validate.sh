@@ -130,7 +130,7 @@ if step decode; then
         -p no:cacheprovider tests/test_gpu_kvcache.py
     run decode_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py \
-        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep or leftpad or small_pages"
+        -k "case00 or case03 or case05 or case09 or bad_device or (long_cache and 7-16) or forced or wide or deep or leftpad or small_pages or groups"
     run decode_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache.py -k "case00 or case03"
     # the 32-row kernels' merge of 4 warps x 32 rows (a run of its own: the reference's cuBLAS
@@ -151,7 +151,7 @@ if step fp8-cache; then
         -p no:cacheprovider tests/test_gpu_kvcache_fp8.py
     run fp8_cache_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache_fp8.py \
-        -k "case00 or case01 or case02 or case04 or varlen or by_name"
+        -k "case00 or case01 or case02 or case04 or varlen or by_name or groups"
     run fp8_cache_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 1 \
         python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kvcache_fp8.py -k "case00 or case02"
     # shellcheck disable=SC2086  # FP8_CACHE_BENCH_ARGS: the bench's options, split on spaces

@@ -7,6 +7,7 @@ and torch.compile(fullgraph=True) of a decode step."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -257,6 +258,27 @@ def test_small_pages_take_the_16_key_kernel(require_extension, dtype):
                  splits, [880, 0, 301], 7)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_blocks_over_pages_of_16_row_groups(require_extension, dtype):
+    """The 16-bit decode kernels of blocks wider than 16 keys (d_head 64's rows) over pages of
+    16 and 48 rows: each 16-row group of a block is addressed from its own page's entry (no
+    row-by-row gather); against the reference with an append, masks, softcap and splits, by
+    name."""
+    from flash_attention import kvcache
+    from flash_attention.kernels import dec_sm80
+
+    mine = [c for c in kvcache.built() if isinstance(c, dec_sm80.Config) and not c.cache
+            and c.dtype == dtype and c.block_c > 16 and not c.sm90_only]
+    if not mine:
+        pytest.skip(f"this build has no {dtype} decode kernel of blocks over 16 keys")
+    for cfg in mine:
+        seqlen_q = 8 if cfg.block_r > 16 else 1  # 32 packed rows for a 32-row kernel
+        for i, page in enumerate((16, 48)):
+            window, softcap = ((-1, -1), 0.0) if i == 0 else ((100, 0), 20.0)
+            run_case(dtype, cfg.d_head, 16, 4, seqlen_q, i, 700, page, True, window, softcap,
+                     None, (0, 3)[i], [700 - i, 333, 17], 21 + i, kernel=cfg.name)
+
+
 def test_int_and_absent_cache_seqlens(require_extension):
     torch.manual_seed(0)
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)
@@ -399,11 +421,19 @@ def test_bad_device_metadata_gives_nan_and_a_status(require_extension):
     # a page outside the pool, and a cache_batch_idx outside the batch
     pool = torch.randn(4, 16, 2, 64, device="cuda", dtype=dt)
     table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32, device="cuda")
-    for splits in (0, 2, 20):  # one pass; the bad page in one split of two; in one of 20
+    # The table's kernel over 16-row pages has 16-key blocks (one page each); d_head 64's row
+    # kernel has 32-key blocks, whose second 16-row group holds the bad page.
+    from flash_attention import kvcache
+    from flash_attention.kernels import Call, dec_sm80
+
+    row = dec_sm80.select(Call("bf16", 64), kvcache.built())
+    kernels = [""] + ([row.name] if row is not None and row.block_c > 16 else [])
+    for kernel, splits in itertools.product(kernels, (0, 2, 20)):  # the bad page in one split
         out = flash_attn_with_kvcache(q[:2], pool, pool, cache_seqlens=torch.tensor(
-            [20, 20], dtype=torch.int32, device="cuda"), block_table=table, num_splits=splits)
-        assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all(), splits
-        assert any("block_table" in e for e in fa.kvcache_errors()), splits
+            [20, 20], dtype=torch.int32, device="cuda"), block_table=table, num_splits=splits,
+            kernel=kernel)
+        assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all(), (kernel, splits)
+        assert any("block_table" in e for e in fa.kvcache_errors()), (kernel, splits)
     idx = torch.tensor([0, 7, 1], dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, cache_batch_idx=idx)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()

@@ -43,7 +43,7 @@ def descales(batch: int, kv_heads: int, form: str, gen) -> torch.Tensor | None:
 
 
 def run_case(qtype, cache, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, causal, window,
-             softcap, rotary, num_splits, seqlens, scale_form, seed):
+             softcap, rotary, num_splits, seqlens, scale_form, seed, kernel=""):
     gen = torch.Generator().manual_seed(seed)
     dt, ct = QTYPES[qtype], CACHES[cache]
     batch = len(seqlens)
@@ -69,9 +69,10 @@ def run_case(qtype, cache, d, heads, kv_heads, seqlen_q, s_new, s_cache, page, c
     kc_run, vc_run, table = cache_copies(kc, vc, page, gen)
     out, lse = flash_attn_with_kvcache(q, kc_run, vc_run, k, v, cos, sin, lens, None, None, table,
                                        None, causal, window, softcap, interleaved, None,
-                                       num_splits, True, k_descale=kd, v_descale=vd)
-    what = (f"{qtype} over {cache} d{d} h{heads}/{kv_heads} sq{seqlen_q} new{s_new} "
-            f"cache{s_cache} page{page} causal{causal} window{window} softcap{softcap} "
+                                       num_splits, True, k_descale=kd, v_descale=vd,
+                                       kernel=kernel)
+    what = (f"{kernel or 'table'} {qtype} over {cache} d{d} h{heads}/{kv_heads} sq{seqlen_q} "
+            f"new{s_new} cache{s_cache} page{page} causal{causal} window{window} softcap{softcap} "
             f"rotary{rotary} splits{num_splits} lens{seqlens} scales {scale_form}")
     assert out.dtype == dt, what
     check_step(out, lse, ref, low, what)
@@ -111,6 +112,22 @@ def test_fp8_decode_long_cache(require_extension, cache, num_splits, page):
     """One decode step (seqlen_q 1, GQA 32/8, d128) over 4k-key FP8 caches."""
     run_case("bf16", cache, 128, 32, 8, 1, 1, 4096, page, True, (-1, -1), 0.0, None, num_splits,
              [4095, 1000, 17], "heads", 7)
+
+
+@pytest.mark.parametrize("cfg", [c for c in dec_sm80.DEFAULT if c.cache], ids=str)
+def test_fp8_blocks_over_pages_of_16_row_groups(require_extension, cfg):
+    """Every FP8-cache decode kernel of the default set (blocks of 32 or 64 keys) over pages of
+    16 rows and other multiples of 16 its B_c does not divide: each 16-row group of a block is
+    addressed from its own page's entry; against the reference with an append, masks, softcap
+    and splits, by name."""
+    if cfg not in kvcache.built():
+        pytest.skip(f"{cfg.name} is not in this build")
+    pages = [p for p in (16, 32, 48, 80) if p % cfg.block_c]
+    for i, page in enumerate(pages):
+        window, softcap = ((-1, -1), 0.0) if i % 2 == 0 else ((100, 0), 20.0)
+        run_case(cfg.dtype, cfg.cache, cfg.d_head, 16, 4, 1 + i % 2, i % 2, 700, page, True,
+                 window, softcap, None, (0, 3)[i % 2], [700 - i, 333, 17], "heads", 11 + i,
+                 kernel=cfg.name)
 
 
 @pytest.mark.parametrize("cfg", [c for c in dec_sm80.DEFAULT if c.cache], ids=str)

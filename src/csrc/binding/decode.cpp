@@ -148,8 +148,9 @@ struct DecodeChoice {
 //   num_splits=0 where deep_splits says so, on a GPU that gives a CTA its shared memory;
 // - a 16-row kernel over pages of a multiple of 16 rows that its B_c does not divide gives
 //   way to the row's small-page kernel (bucket kSmallPageBucket) where one is built: 16-key
-//   blocks, each inside one page, where the row's 32-key blocks straddle two and gather their
-//   rows one by one (H200, d_head 64, pages of 16: 1.04-1.30x faster; docs/dispatch.md).
+//   blocks, each inside one page, where the row's 32-key blocks straddle two (H200, d_head 64,
+//   pages of 16: 1.04-1.30x faster than the row-by-row gather, 1.01-1.05x than its blocks
+//   addressed per 16-row group; docs/dispatch.md).
 constexpr int64_t kWideFrom = 17;                    // dec_sm80.WIDE_FROM
 constexpr int64_t kWideMinBytes = int64_t(1) << 27;  // dec_sm80.WIDE_MIN_BYTES
 constexpr int64_t kSmallPageBucket = 1016;           // dec_sm80.SMALL_PAGE_BUCKET

@@ -9,10 +9,12 @@
 // cut into num_splits ranges, one per CTA; with num_splits > 1 each CTA writes its normalised
 // partial output and LSE (fp32) and decode_combine.cuh merges them.
 // Inside a CTA each warp takes every kWarps-th KV block of the range and streams it through its
-// own kStages-deep cp.async pipeline (K and V rows gathered one by one, so a paged cache of any
-// page size costs the same as a contiguous one), with the forward's GEMMs and online softmax on
-// B_r rows (one or two m16 tiles); at the end the warps' (m, l, O) are merged through shared
-// memory.
+// own kStages-deep cp.async pipeline, with the forward's GEMMs and online softmax on B_r rows
+// (one or two m16 tiles); at the end the warps' (m, l, O) are merged through shared memory.
+// Paged caches: a block's rows are addressed from the block-table entries of its pages, read one
+// iteration before its copy (one entry when the page size is a multiple of B_c, one per 16-row
+// group of the block when it is a multiple of 16); other page sizes gather a block that
+// straddles pages row by row.
 //
 // Bad cache metadata (a length outside the cache, a page outside the pool, a cache row outside
 // the batch) never leads to an access outside the tensors: the copy is skipped, the sequence's
@@ -106,6 +108,15 @@ struct DecodeCta {
     using CacheElem = typename Cfg::CacheElem;
     static constexpr int kRowsPerPass = 32 / Cfg::kCacheChunksPerRow;  // K/V rows per copy pass
     static constexpr int kPasses = Cfg::kBc / kRowsPerPass;
+    // A block's 16-row groups: over pages of a multiple of 16 rows each lies inside one page.
+    static constexpr int kGroups = Cfg::kBc / 16;
+    static_assert(16 % kRowsPerPass == 0, "a copy pass's rows lie in one 16-row group");
+
+    // The block-table entries a block's copy is addressed from (all 0 for a contiguous cache):
+    // its first key's page, and with group_pages each later 16-row group's.
+    struct BlockPages {
+        int page[kGroups];
+    };
 
     // Chunk c of row r of a K or V tile.
     __device__ __forceinline__ static uint32_t kv_offset(int r, int c) {
@@ -119,6 +130,9 @@ struct DecodeCta {
     const int lane, warp, batch, kv_head, split, row0;
     const DecSeq seq;
     const int rows;  // packed rows of this sequence: seqlen_q x heads_per_kv
+    // Pages of a multiple of 16 rows but not of B_c: a block's 16-row groups may lie in
+    // different pages, each addressed from its own entry.
+    const bool group_pages;
     const uint32_t sQ, sPipe;
     int blk_begin, blk_end;  // this CTA's KV blocks [begin, end)
     int full_lo, full_hi;    // keys every row of the tile sees: blocks inside need no mask
@@ -144,6 +158,8 @@ struct DecodeCta {
           row0((static_cast<int>(blockIdx.x) / params.num_splits) * Cfg::kBr),
           seq(dec_seq(params, blockIdx.z, blockIdx.y)),
           rows(seq.seqlen_q * params.heads_per_kv),
+          group_pages(kGroups > 1 && params.block_table != nullptr && params.page_size % 16 == 0 &&
+                      params.page_size % Cfg::kBc != 0),
           sQ(smem_addr(smem)),
           sPipe(smem_addr(smem) + Cfg::kQTileBytes),
           bad(0),
@@ -223,72 +239,118 @@ struct DecodeCta {
         return p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
     }
 
-    // The block-table entry of the page holding key blk * B_c (0 for a contiguous cache): read
-    // one iteration before the block's copy is issued, so its latency hides under compute.
-    __device__ __forceinline__ int block_page(int blk) const {
+    // The block-table entries of block `blk` (BlockPages): read one iteration before the
+    // block's copy is issued, so their latency hides under compute. A group past the
+    // sequence's keys reuses the first entry (its rows are not copied).
+    __device__ __forceinline__ BlockPages block_page(int blk) const {
+        BlockPages pages;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g)
+            pages.page[g] = 0;
         if (p.block_table == nullptr)
-            return 0;
-        return p.block_table[batch * p.block_table_stride + page_index(blk * Cfg::kBc)];
+            return pages;
+        const int* table = p.block_table + batch * p.block_table_stride;
+        const int k0 = blk * Cfg::kBc;
+        int index = page_index(k0), in_page = k0 - index * p.page_size;
+        pages.page[0] = table[index];
+#pragma unroll
+        for (int g = 1; g < kGroups; ++g) {  // the pages walked 16 rows at a time
+            in_page += 16;
+            if (in_page >= p.page_size) {
+                in_page -= p.page_size;
+                ++index;
+            }
+            pages.page[g] =
+                group_pages && k0 + 16 * g < seq.seqlen_k ? table[index] : pages.page[0];
+        }
+        return pages;
     }
 
     // This warp's K and V rows of KV block `blk` into pipeline stage `stage`: rows past the
     // sequence's keys (and columns past d_head) are zero-filled. A paged block inside one page
-    // (page sizes that are multiples of B_c) is addressed from `page`, its page's table entry;
-    // a block across pages finds its rows through the block table one by one.
-    __device__ __forceinline__ void copy_kv(int blk, int stage, int page) {
+    // (page sizes that are multiples of B_c) is addressed from its page's table entry, one over
+    // pages of a multiple of 16 rows from each 16-row group's (`pages`, block_page's); a block
+    // across pages of other sizes finds its rows through the block table one by one. Each of
+    // the three is a pass loop of its own: with the row-by-row branch inside the others' loops
+    // the contiguous FP8 d_head 256 kernel took 1.85x and the paged one 1.64x the time
+    // (H200, 2026-12-02, results/2026-12-02-h200-decode-page-groups.md).
+    __device__ __forceinline__ void copy_kv(int blk, int stage, const BlockPages& pages) {
         const CacheElem* k = static_cast<const CacheElem*>(p.k);
         const CacheElem* v = static_cast<const CacheElem*>(p.v);
         const uint32_t sK = stage_k(stage), sV = sK + Cfg::kKVTileBytes;
         const int c = lane % Cfg::kCacheChunksPerRow;
         const bool col_ok = c * Cfg::kCacheChunkElems < p.d_head;
         const int k0 = blk * Cfg::kBc;
-        int64_t k_base = seq.k_off + c * Cfg::kCacheChunkElems;
-        int64_t v_base = seq.v_off + c * Cfg::kCacheChunkElems;
-        bool per_row = false;
-        bool page_ok = true;
-        if (p.block_table != nullptr) {
-            const int last = (k0 + Cfg::kBc < seq.seqlen_k ? k0 + Cfg::kBc : seq.seqlen_k) - 1;
-            const int first_page = page_index(k0);
-            per_row = page_index(last) != first_page;
-            if (!per_row) {
-                page_ok = page >= 0 && page < p.num_pages;
-                if (!page_ok) {
-                    bad |= decode::kStatusPage;
-                    page = 0;
-                }
-                const int in_page = k0 - first_page * p.page_size;
-                k_base += page * p.k_batch_stride + int64_t(in_page) * p.k_row_stride;
-                v_base += page * p.v_batch_stride + int64_t(in_page) * p.v_row_stride;
-            }
-        } else {
-            k_base += int64_t(k0) * p.k_row_stride;
-            v_base += int64_t(k0) * p.v_row_stride;
-        }
-        const int* table = p.block_table + batch * p.block_table_stride;
+        const int64_t k_col = seq.k_off + c * Cfg::kCacheChunkElems;
+        const int64_t v_col = seq.v_off + c * Cfg::kCacheChunkElems;
+        // Row r of the block (the pass's row of this lane) into the stage, or zeros.
+        const auto issue = [&](int r, bool valid, int64_t k_at, int64_t v_at) {
+            const uint32_t at = kv_offset(r, c);
+            cp_async_16(sK + at, valid ? k + k_at : k, valid);
+            cp_async_16(sV + at, valid ? v + v_at : v, valid);
+        };
+        if (p.block_table == nullptr) {  // contiguous: a loop of its own, the common case
+            const int64_t k_base = k_col + int64_t(k0) * p.k_row_stride;
+            const int64_t v_base = v_col + int64_t(k0) * p.v_row_stride;
 #pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
-            const int r = lane / Cfg::kCacheChunksPerRow + pass * kRowsPerPass;
-            const int key = k0 + r;
-            bool valid = col_ok && page_ok && key < seq.seqlen_k;
-            int64_t k_at = k_base + int64_t(r) * p.k_row_stride;
-            int64_t v_at = v_base + int64_t(r) * p.v_row_stride;
-            if (per_row) {  // rows of this block lie in several pages
-                const int index = page_index(key);
-                int row_page = valid ? table[index] : 0;
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int r = lane / Cfg::kCacheChunksPerRow + pass * kRowsPerPass;
+                issue(r, col_ok && k0 + r < seq.seqlen_k, k_base + int64_t(r) * p.k_row_stride,
+                      v_base + int64_t(r) * p.v_row_stride);
+            }
+            return;
+        }
+        const int last = (k0 + Cfg::kBc < seq.seqlen_k ? k0 + Cfg::kBc : seq.seqlen_k) - 1;
+        const int index = page_index(k0);
+        if (!group_pages && page_index(last) != index) {  // rows in several pages: one by one
+            const int* table = p.block_table + batch * p.block_table_stride;
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const int r = lane / Cfg::kCacheChunksPerRow + pass * kRowsPerPass;
+                const int key = k0 + r;
+                bool valid = col_ok && key < seq.seqlen_k;
+                const int row_index = page_index(key);
+                int row_page = valid ? table[row_index] : 0;
                 if (row_page < 0 || row_page >= p.num_pages) {
                     bad |= decode::kStatusPage;
                     valid = false;
                     row_page = 0;
                 }
-                const int in_page = key - index * p.page_size;
-                k_at = seq.k_off + c * Cfg::kCacheChunkElems + row_page * p.k_batch_stride +
-                       int64_t(in_page) * p.k_row_stride;
-                v_at = seq.v_off + c * Cfg::kCacheChunkElems + row_page * p.v_batch_stride +
-                       int64_t(in_page) * p.v_row_stride;
+                const int64_t row = key - row_index * p.page_size;
+                issue(r, valid, k_col + row_page * p.k_batch_stride + row * p.k_row_stride,
+                      v_col + row_page * p.v_batch_stride + row * p.v_row_stride);
             }
-            const uint32_t at = kv_offset(r, c);
-            cp_async_16(sK + at, valid ? k + k_at : k, valid);
-            cp_async_16(sV + at, valid ? v + v_at : v, valid);
+            return;
+        }
+        // Group g's rows are at k_base[g] + r * row stride (r: the row in the block); its first
+        // row's place in its page walked 16 rows at a time (inside one page without
+        // group_pages).
+        int64_t k_base[kGroups], v_base[kGroups];
+        bool page_ok[kGroups];
+        int in_page = k0 - index * p.page_size;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+            if (g > 0) {
+                in_page += 16;
+                if (in_page >= p.page_size)
+                    in_page -= p.page_size;
+            }
+            int page = pages.page[g];
+            page_ok[g] = page >= 0 && page < p.num_pages;
+            if (!page_ok[g]) {
+                bad |= decode::kStatusPage;
+                page = 0;
+            }
+            const int64_t row = in_page - 16 * g;
+            k_base[g] = k_col + page * p.k_batch_stride + row * p.k_row_stride;
+            v_base[g] = v_col + page * p.v_batch_stride + row * p.v_row_stride;
+        }
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+            const int g = pass * kRowsPerPass / 16;  // compile-time: the pass is unrolled
+            const int r = lane / Cfg::kCacheChunksPerRow + pass * kRowsPerPass;
+            issue(r, col_ok && page_ok[g] && k0 + r < seq.seqlen_k,
+                  k_base[g] + int64_t(r) * p.k_row_stride, v_base[g] + int64_t(r) * p.v_row_stride);
         }
     }
 
@@ -349,8 +411,10 @@ struct DecodeCta {
                 copy_kv(block_of(st), st, block_page(block_of(st)));
             cp_async_commit();
         }
-        // The page of the next block to issue, read one iteration ahead.
-        int next_page = Cfg::kStages - 1 < n_mine ? block_page(block_of(Cfg::kStages - 1)) : 0;
+        // The pages of the next block to issue, read one iteration ahead.
+        BlockPages next_pages = {};
+        if (Cfg::kStages - 1 < n_mine)
+            next_pages = block_page(block_of(Cfg::kStages - 1));
         if (p.after_append)
             cp_async_wait<0>();  // Q has landed (behind the early blocks' groups)
         else
@@ -376,9 +440,9 @@ struct DecodeCta {
         for (int t = 0; t < n_mine; ++t) {
             const int ahead = t + Cfg::kStages - 1;
             if (ahead < n_mine) {
-                copy_kv(block_of(ahead), ahead % Cfg::kStages, next_page);
+                copy_kv(block_of(ahead), ahead % Cfg::kStages, next_pages);
                 if (ahead + 1 < n_mine)
-                    next_page = block_page(block_of(ahead + 1));
+                    next_pages = block_page(block_of(ahead + 1));
             }
             cp_async_commit();
             cp_async_wait<Cfg::kStages - 1>();  // block t has landed (this thread's rows)

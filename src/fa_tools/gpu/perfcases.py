@@ -257,9 +257,10 @@ BWD_GATE_CASES = tuple([
 # reads its cache: split-KV with the combine (batch 1), one pass without (64 sequences fill
 # the GPU), paged caches whose pages hold whole blocks (16 rows at d_head 128, 256 at 64, 16 on
 # the d_head 64 small-page kernel) and one whose blocks cross pages (an FP8 cache's 64-key
-# blocks over pages of 16: rows gathered one by one), speculative decoding (4 causal queries:
-# 16 packed rows; 8: 32, the 32-row kernels), FP8 caches (their keys twice as many as a 16-bit
-# case's for the same time).
+# blocks over pages of 16: each 16-row group from its own page's entry; the row-by-row gather
+# of page sizes that are not multiples of 16 is left to the tests), speculative decoding (4
+# causal queries: 16 packed rows; 8: 32, the 32-row kernels), FP8 caches (their keys twice as
+# many as a 16-bit case's for the same time).
 # Their SDPA peer runs the same step on the contiguous cache. Every step's GPU time is above the
 # host's ~25 us per eager call (the gate times eager calls back to back): one sequence of 8192
 # keys (14 us) measured the host, 19-24% apart round to round on an H200, and ended

@@ -8,7 +8,8 @@ and V. mma.sync, ldmatrix and cp.async as the forward; runs on every GPU from sm
 One CTA owns B_r = 16 packed query rows (the query heads of one KV head at the positions of
 seqlen_q: packed GQA), or 32 for calls of more than 16 (WIDE_ROWS: 8 speculative positions of a
 GQA group of 4 read the cache once, not twice), its warps split the keys, each through its own
-3-stage cp.async pipeline (K and V rows gathered one by one: a paged cache of any page size),
+3-stage cp.async pipeline (paged blocks addressed per page, per 16-row group over pages of a
+multiple of 16 rows, else row by row: a paged cache of any page size),
 and the keys may be split over CTAs, merged by the combine kernel (split-KV). Masks, softcap
 and paging are run-time arguments: one kernel per dtype, d_head variant and tile height serves
 every call.
@@ -194,11 +195,12 @@ DEEP_ROWS: tuple[Row, ...] = (
 
 
 # Paged calls whose page size is a multiple of 16 but not of the row kernel's B_c (pages of 16 or
-# 48 rows at d_head 64, whose 32-key blocks straddle two pages and gather their rows one by one
-# through the block table) run, where it is built, their row's kernel of 16-key blocks, each
-# inside one page and addressed from its page's entry read one iteration ahead. H200, bf16,
-# d_head 64, 16-row pages: 1.04-1.30x faster than the 32-key row (GQA 32/8 and MHA 32/32, 1 x
-# 4096 to 64 x 4096), 0.98-1.09x the contiguous cache's time but 1.35x at GQA 16 x 1024.
+# 48 rows at d_head 64, whose 32-key blocks straddle two pages) run, where it is built, their
+# row's kernel of 16-key blocks, each inside one page and addressed from its page's entry read
+# one iteration ahead. H200, bf16, d_head 64, 16-row pages: 1.04-1.30x faster than the 32-key
+# row gathering its rows one by one (GQA 32/8 and MHA 32/32, 1 x 4096 to 64 x 4096), 0.98-1.09x
+# the contiguous cache's time but 1.35x at GQA 16 x 1024; 1.01-1.05x faster than the 32-key row
+# with its blocks addressed per 16-row group (16 x 1024 to 64 x 4096, GQA 32/8).
 # choose_decode in src/csrc/binding/decode.cpp decides the same (the table's SMALL_PAGE_BUCKET).
 SMALL_PAGE_ROWS: tuple[Row, ...] = (
     Row("dec sm80 small pages d64", ANY, (32, 64), None, "r16_c16_w4_f",
