@@ -113,7 +113,7 @@ struct DecodeCta {
     static_assert(16 % kRowsPerPass == 0, "a copy pass's rows lie in one 16-row group");
 
     // The block-table entries a block's copy is addressed from (all 0 for a contiguous cache):
-    // its first key's page, and with group_pages each later 16-row group's.
+    // its first key's page, and with group_pages() each later 16-row group's.
     struct BlockPages {
         int page[kGroups];
     };
@@ -130,9 +130,6 @@ struct DecodeCta {
     const int lane, warp, batch, kv_head, split, row0;
     const DecSeq seq;
     const int rows;  // packed rows of this sequence: seqlen_q x heads_per_kv
-    // Pages of a multiple of 16 rows but not of B_c: a block's 16-row groups may lie in
-    // different pages, each addressed from its own entry.
-    const bool group_pages;
     const uint32_t sQ, sPipe;
     int blk_begin, blk_end;  // this CTA's KV blocks [begin, end)
     int full_lo, full_hi;    // keys every row of the tile sees: blocks inside need no mask
@@ -158,8 +155,6 @@ struct DecodeCta {
           row0((static_cast<int>(blockIdx.x) / params.num_splits) * Cfg::kBr),
           seq(dec_seq(params, blockIdx.z, blockIdx.y)),
           rows(seq.seqlen_q * params.heads_per_kv),
-          group_pages(kGroups > 1 && params.block_table != nullptr && params.page_size % 16 == 0 &&
-                      params.page_size % Cfg::kBc != 0),
           sQ(smem_addr(smem)),
           sPipe(smem_addr(smem) + Cfg::kQTileBytes),
           bad(0),
@@ -233,6 +228,14 @@ struct DecodeCta {
         return sPipe + warp * Cfg::kWarpStageBytes + stage * 2 * Cfg::kKVTileBytes;
     }
 
+    // Pages of a multiple of 16 rows but not of B_c: a block's 16-row groups may lie in
+    // different pages, each addressed from its own entry. Read from the parameters where it is
+    // needed (a member would hold a register through the key loop).
+    __device__ __forceinline__ bool group_pages() const {
+        return kGroups > 1 && p.block_table != nullptr && p.page_size % 16 == 0 &&
+               p.page_size % Cfg::kBc != 0;
+    }
+
     // The block-table column of key `key`: key / page_size (a shift for page sizes that are
     // powers of two, the common ones).
     __device__ __forceinline__ int page_index(int key) const {
@@ -261,7 +264,7 @@ struct DecodeCta {
                 ++index;
             }
             pages.page[g] =
-                group_pages && k0 + 16 * g < seq.seqlen_k ? table[index] : pages.page[0];
+                group_pages() && k0 + 16 * g < seq.seqlen_k ? table[index] : pages.page[0];
         }
         return pages;
     }
@@ -302,7 +305,7 @@ struct DecodeCta {
         }
         const int last = (k0 + Cfg::kBc < seq.seqlen_k ? k0 + Cfg::kBc : seq.seqlen_k) - 1;
         const int index = page_index(k0);
-        if (!group_pages && page_index(last) != index) {  // rows in several pages: one by one
+        if (!group_pages() && page_index(last) != index) {  // rows in several pages: one by one
             const int* table = p.block_table + batch * p.block_table_stride;
 #pragma unroll
             for (int pass = 0; pass < kPasses; ++pass) {
@@ -324,7 +327,7 @@ struct DecodeCta {
         }
         // Group g's rows are at k_base[g] + r * row stride (r: the row in the block); its first
         // row's place in its page walked 16 rows at a time (inside one page without
-        // group_pages).
+        // group_pages()).
         int64_t k_base[kGroups], v_base[kGroups];
         bool page_ok[kGroups];
         int in_page = k0 - index * p.page_size;
