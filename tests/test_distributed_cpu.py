@@ -304,6 +304,7 @@ def _worker(rank: int, ranks: int, port: int) -> None:
                                      window_size=window, transport=transport)
                 grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
             assert all(torch.equal(a, b) for a, b in zip(*grads)), (method, window)
+        dist.barrier()  # no rank tears gloo down while a peer's last transfer is in flight
     finally:
         dist.destroy_process_group()
 
@@ -364,6 +365,7 @@ def _steps_worker(rank: int, ranks: int, port: int, transport: str) -> None:
             # (from step 0 forward, from step 1 backward) and, after a way's last, one home
             dkv = forward + (forward > 0) + backward
             assert len(sent) == 2 * (forward + backward) + dkv, (window, sent)
+        dist.barrier()  # no rank tears gloo down while a peer's last transfer is in flight
     finally:
         links_module._exchange, ring_module._Forward.add = real_shift, real_add
         dist.destroy_process_group()
@@ -423,6 +425,7 @@ def _compile_worker(rank: int, ranks: int, port: int) -> None:
         ql, kl, vl = (shard_sequence(t).requires_grad_() for t in (q, k, v))
         torch.library.opcheck(ring_module._ring_op, (ql, kl, vl, None, _world_name(), 0.3,
                                                      True, -1, 0, 0.0, False, "ring", "push"))
+        dist.barrier()  # no rank tears gloo down while a peer's last transfer is in flight
     finally:
         dist.destroy_process_group()
 
