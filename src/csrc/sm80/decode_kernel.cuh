@@ -236,6 +236,16 @@ struct DecodeCta {
                p.page_size % Cfg::kBc != 0;
     }
 
+    // From a 16-row group's first row (block-table column `index`, row `in_page` of its page)
+    // to the next group's: pages of 16 rows or more are crossed at most once per step.
+    __device__ __forceinline__ void next_group(int& index, int& in_page) const {
+        in_page += 16;
+        if (in_page >= p.page_size) {
+            in_page -= p.page_size;
+            ++index;
+        }
+    }
+
     // The block-table column of key `key`: key / page_size (a shift for page sizes that are
     // powers of two, the common ones).
     __device__ __forceinline__ int page_index(int key) const {
@@ -257,12 +267,8 @@ struct DecodeCta {
         int index = page_index(k0), in_page = k0 - index * p.page_size;
         pages.page[0] = table[index];
 #pragma unroll
-        for (int g = 1; g < kGroups; ++g) {  // the pages walked 16 rows at a time
-            in_page += 16;
-            if (in_page >= p.page_size) {
-                in_page -= p.page_size;
-                ++index;
-            }
+        for (int g = 1; g < kGroups; ++g) {
+            next_group(index, in_page);
             pages.page[g] =
                 group_pages() && k0 + 16 * g < seq.seqlen_k ? table[index] : pages.page[0];
         }
@@ -274,9 +280,9 @@ struct DecodeCta {
     // (page sizes that are multiples of B_c) is addressed from its page's table entry, one over
     // pages of a multiple of 16 rows from each 16-row group's (`pages`, block_page's); a block
     // across pages of other sizes finds its rows through the block table one by one. Each of
-    // the three is a pass loop of its own: with the row-by-row branch inside the others' loops
-    // the contiguous FP8 d_head 256 kernel took 1.85x and the paged one 1.64x the time
-    // (H200, 2026-12-02, results/2026-12-02-h200-decode-page-groups.md).
+    // the three is a pass loop of its own: the row-by-row branch inside the others' loops made
+    // the FP8 d_head 256 kernel far slower, contiguous and paged
+    // (results/2026-12-02-h200-decode-page-groups.md).
     __device__ __forceinline__ void copy_kv(int blk, int stage, const BlockPages& pages) {
         const CacheElem* k = static_cast<const CacheElem*>(p.k);
         const CacheElem* v = static_cast<const CacheElem*>(p.v);
@@ -330,14 +336,11 @@ struct DecodeCta {
         // group_pages()).
         int64_t k_base[kGroups], v_base[kGroups];
         bool page_ok[kGroups];
-        int in_page = k0 - index * p.page_size;
+        int group_index = index, in_page = k0 - index * p.page_size;
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {
-            if (g > 0) {
-                in_page += 16;
-                if (in_page >= p.page_size)
-                    in_page -= p.page_size;
-            }
+            if (g > 0)
+                next_group(group_index, in_page);
             int page = pages.page[g];
             page_ok[g] = page >= 0 && page < p.num_pages;
             if (!page_ok[g]) {
